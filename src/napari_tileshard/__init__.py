@@ -1,0 +1,13 @@
+"""napari-tileshard: stream microscope frames into sharded Zarr v3 arrays, on the GPU or the CPU."""
+
+from .camera import SyntheticCamera
+from .layout import MAX_RANK, SUPPORTED_DTYPES, Dim, Layout
+from .verify import VerifyReport, verify
+from .writer import Writer, WriterError, WriterStats
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Dim", "Layout", "Writer", "WriterError", "WriterStats", "SyntheticCamera", "verify", "VerifyReport",
+    "MAX_RANK", "SUPPORTED_DTYPES",
+]

@@ -1,0 +1,61 @@
+"""The interface between the Writer and a backend."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import numpy as np
+
+from ..layout import Layout
+from ..shard import EncodedEpoch
+
+CODECS = ("zstd", "none")
+
+Ticket = Any  # what submit() returns; opaque to the Writer
+
+
+class Backend(ABC):
+    """Encodes batches of tile epochs.
+
+    The Writer fills a staging buffer (from :meth:`allocate_staging`) with whole tile epochs in
+    row-major order, then calls :meth:`submit`; it calls :meth:`result` for each ticket, in
+    submission order, from its collector thread.  Before refilling a staging buffer it calls
+    :meth:`staging_free` with that buffer's last ticket.
+    """
+
+    name = "?"
+    #: batch size the backend is efficient with; the Writer rounds it to whole tile epochs
+    preferred_batch_bytes = 64 << 20
+
+    def __init__(self, layout: Layout, codec: str = "zstd", level: int = 1):
+        if codec not in CODECS:
+            raise ValueError(f"codec {codec!r} is not one of {', '.join(CODECS)}")
+        self.layout = layout
+        self.codec = codec
+        self.level = level
+
+    def allocate_staging(self, nbytes: int) -> np.ndarray:
+        return np.zeros(nbytes, dtype=np.uint8)
+
+    @abstractmethod
+    def submit(self, staging: np.ndarray, epochs: int) -> Ticket:
+        """Start encoding the first ``epochs`` tile epochs held in ``staging``."""
+
+    @abstractmethod
+    def result(self, ticket: Ticket) -> list[EncodedEpoch]:
+        """Wait for ``ticket`` and return its epochs, in order."""
+
+    def staging_free(self, ticket: Ticket, block: bool = True) -> bool:
+        """True once the staging buffer given to ``submit`` may be overwritten."""
+        return True
+
+    def memory_estimate(self, batch_bytes: int, staging_buffers: int) -> dict[str, int]:
+        """Bytes of host and device memory this backend holds for the given batching."""
+        return {"host": staging_buffers * batch_bytes, "device": 0}
+
+    def describe(self) -> str:
+        return self.name
+
+    def close(self) -> None:
+        pass

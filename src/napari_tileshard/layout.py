@@ -1,0 +1,348 @@
+"""Layout math of the design: tiles, shards, epochs, lifted strides, shard permutation.
+
+Pure functions of the layout, no I/O.  Every other module (the NumPy backend, the
+CUDA kernels, the shard accumulator, the metadata) takes its geometry from here.
+
+Vocabulary (``sharding-layer.md``), for an array of rank ``D`` with dims ``0..D-1``
+(slowest to fastest):
+
+* ``tile_count[d] = ceil(size[d] / tile_size[d])``
+* ``shard_count[d] = ceil(tile_count[d] / tiles_per_shard[d])``
+* a *tile epoch* is one tile along dim 0: ``tile_size[0]`` rows of ``size[1:]``;
+* a *shard epoch* is ``tiles_per_shard[0]`` tile epochs: when it is complete, the
+  ``inner_shard_count`` shards that share the same dim-0 shard coordinate are final;
+* within a tile epoch, tiles are kept in the *padded shard-major slot order*:
+  ``(s_1, ..., s_{D-1}, w_1, ..., w_{D-1})`` raveled against
+  ``(shard_count[1:], tiles_per_shard[1:])`` where ``t_d = s_d * tiles_per_shard[d] + w_d``.
+  Slots whose tile lies outside the array (edge shards) exist in this order but hold
+  no tile; ``slot_mask`` says which slots are real.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+MAX_RANK = 8
+SUPPORTED_DTYPES = (
+    "uint8", "uint16", "uint32", "uint64",
+    "int8", "int16", "int32", "int64",
+    "float16", "float32", "float64",
+)
+_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]{0,63}$")
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+@dataclass(frozen=True)
+class Dim:
+    """One array dimension: its extent, tile extent and how many tiles make a shard.
+
+    ``size=0`` marks the unbounded append dimension (allowed for dim 0 only).
+    """
+
+    name: str
+    size: int
+    tile_size: int
+    tiles_per_shard: int = 1
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not _NAME_RE.match(self.name):
+            raise ValueError(
+                f"dimension name {self.name!r} is invalid: use a letter or underscore followed by "
+                "letters, digits, '_' or '-' (at most 64 characters, no path separators)"
+            )
+        for field in ("size", "tile_size", "tiles_per_shard"):
+            value = getattr(self, field)
+            if not _is_int(value):
+                raise TypeError(f"dimension {self.name!r}: {field} must be an integer, got {value!r}")
+            object.__setattr__(self, field, int(value))
+        if self.size < 0:
+            raise ValueError(f"dimension {self.name!r}: size must be >= 0 (0 = unbounded), got {self.size}")
+        if self.tile_size < 1:
+            raise ValueError(f"dimension {self.name!r}: tile_size must be >= 1, got {self.tile_size}")
+        if self.tiles_per_shard < 1:
+            raise ValueError(
+                f"dimension {self.name!r}: tiles_per_shard must be >= 1, got {self.tiles_per_shard}"
+            )
+
+    @property
+    def unbounded(self) -> bool:
+        return self.size == 0
+
+
+class Layout:
+    """Tiling and sharding of an array of ``dims`` (slowest first) holding ``dtype``."""
+
+    def __init__(self, dims, dtype="uint16"):
+        dims = list(dims)
+        if not dims:
+            raise ValueError("a layout needs at least one dimension")
+        if len(dims) > MAX_RANK:
+            raise ValueError(f"a layout has at most {MAX_RANK} dimensions, got {len(dims)}")
+        for d, dim in enumerate(dims):
+            if not isinstance(dim, Dim):
+                raise TypeError(f"dimension {d} must be a Dim, got {type(dim).__name__}")
+            if d > 0 and dim.unbounded:
+                raise ValueError(
+                    f"dimension {dim.name!r} (position {d}) has size 0: only the first dimension may be "
+                    "unbounded"
+                )
+        names = [dim.name for dim in dims]
+        if len(set(names)) != len(names):
+            raise ValueError(f"dimension names must be unique, got {names}")
+        try:
+            np_dtype = np.dtype(dtype)
+        except TypeError as exc:
+            raise TypeError(f"dtype {dtype!r} is not a NumPy dtype") from exc
+        if np_dtype.name not in SUPPORTED_DTYPES:
+            raise TypeError(f"dtype {dtype!r} is not supported; use one of {', '.join(SUPPORTED_DTYPES)}")
+        self.dims = tuple(dims)
+        self.dtype = np_dtype.newbyteorder("<") if np_dtype.itemsize > 1 else np_dtype
+        if self.tile_bytes > 2**31 - 1:
+            raise ValueError(f"tile of {self.tile_bytes} bytes is too large: zstd chunks must stay below 2 GiB")
+
+    # -- basic shapes -----------------------------------------------------------------
+    def __repr__(self):
+        return f"Layout({list(self.dims)!r}, dtype={self.dtype.name!r})"
+
+    def __eq__(self, other):
+        return isinstance(other, Layout) and self.dims == other.dims and self.dtype == other.dtype
+
+    def __hash__(self):
+        return hash((self.dims, self.dtype.str))
+
+    @property
+    def rank(self) -> int:
+        return len(self.dims)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(d.name for d in self.dims)
+
+    @property
+    def unbounded(self) -> bool:
+        return self.dims[0].unbounded
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Declared shape (0 along an unbounded dim 0)."""
+        return tuple(d.size for d in self.dims)
+
+    @property
+    def tile_shape(self) -> tuple[int, ...]:
+        return tuple(d.tile_size for d in self.dims)
+
+    @property
+    def tiles_per_shard(self) -> tuple[int, ...]:
+        return tuple(d.tiles_per_shard for d in self.dims)
+
+    @property
+    def shard_shape(self) -> tuple[int, ...]:
+        return tuple(d.tile_size * d.tiles_per_shard for d in self.dims)
+
+    @property
+    def itemsize(self) -> int:
+        return self.dtype.itemsize
+
+    @property
+    def frame_shape(self) -> tuple[int, ...]:
+        """Shape of one frame: the last two dims (rank >= 3), the last dim (rank 2), a scalar (rank 1)."""
+        return self.shape[-2:] if self.rank >= 3 else self.shape[1:]
+
+    @property
+    def frame_elements(self) -> int:
+        return math.prod(self.frame_shape)
+
+    @property
+    def row_elements(self) -> int:
+        """Elements of one index along dim 0 (``prod(size[1:])``)."""
+        return math.prod(self.shape[1:])
+
+    @property
+    def total_elements(self) -> int | None:
+        return None if self.unbounded else math.prod(self.shape)
+
+    # -- tiles and shards -----------------------------------------------------------------
+    @cached_property
+    def tile_count(self) -> tuple[int, ...]:
+        """Tiles per dim; dim 0 of an unbounded layout counts 0."""
+        return tuple(_ceil_div(d.size, d.tile_size) for d in self.dims)
+
+    @cached_property
+    def shard_count(self) -> tuple[int, ...]:
+        return tuple(_ceil_div(t, d.tiles_per_shard) for t, d in zip(self.tile_count, self.dims))
+
+    @property
+    def tile_elements(self) -> int:
+        return math.prod(self.tile_shape)
+
+    @property
+    def tile_bytes(self) -> int:
+        return self.tile_elements * self.itemsize
+
+    @property
+    def tiles_per_epoch(self) -> int:
+        """``M`` of the design: real tiles in one tile epoch."""
+        return math.prod(self.tile_count[1:])
+
+    @property
+    def inner_shard_count(self) -> int:
+        """``S_inner``: shards that share one dim-0 shard coordinate."""
+        return math.prod(self.shard_count[1:])
+
+    @property
+    def tiles_per_shard_inner(self) -> int:
+        return math.prod(self.tiles_per_shard[1:])
+
+    @property
+    def chunks_per_shard(self) -> int:
+        return self.tiles_per_shard[0] * self.tiles_per_shard_inner
+
+    @property
+    def slots_per_epoch(self) -> int:
+        """Padded shard-major slots per tile epoch (``S_inner * tiles_per_shard_inner``)."""
+        return self.inner_shard_count * self.tiles_per_shard_inner
+
+    @property
+    def epoch_rows(self) -> int:
+        return self.dims[0].tile_size
+
+    @property
+    def epoch_elements(self) -> int:
+        return self.epoch_rows * self.row_elements
+
+    @property
+    def epoch_bytes(self) -> int:
+        return self.epoch_elements * self.itemsize
+
+    @property
+    def shard_epoch_rows(self) -> int:
+        return self.shard_shape[0]
+
+    @property
+    def index_bytes(self) -> int:
+        """Size of one shard index: ``(offset, nbytes)`` uint64 per chunk plus the CRC32C."""
+        return self.chunks_per_shard * 16 + 4
+
+    @property
+    def epoch_count(self) -> int | None:
+        """Tile epochs of a bounded array."""
+        return None if self.unbounded else self.tile_count[0]
+
+    # -- the shard permutation P ------------------------------------------------------------
+    @cached_property
+    def shard_permutation(self) -> np.ndarray:
+        """``P[i]``: padded shard-major slot of the ``i``-th tile (row-major tile order) of an epoch."""
+        inner_tiles = self.tile_count[1:]
+        if not inner_tiles:
+            return np.zeros(1, dtype=np.int64)
+        tile_coords = np.unravel_index(np.arange(self.tiles_per_epoch), inner_tiles)
+        tps = self.tiles_per_shard[1:]
+        shard_coords = [t // n for t, n in zip(tile_coords, tps)]
+        within_coords = [t % n for t, n in zip(tile_coords, tps)]
+        return np.ravel_multi_index(shard_coords + within_coords, self.shard_count[1:] + tps).astype(np.int64)
+
+    @cached_property
+    def slot_mask(self) -> np.ndarray:
+        """``(inner_shard_count, tiles_per_shard_inner)`` bool: which padded slots hold a real tile."""
+        mask = np.zeros(self.slots_per_epoch, dtype=bool)
+        mask[self.shard_permutation] = True
+        mask.flags.writeable = False
+        return mask.reshape(self.inner_shard_count, self.tiles_per_shard_inner)
+
+    def inner_shard_coords(self, shard: int) -> tuple[int, ...]:
+        """Shard coordinates along dims 1.. of inner shard ``shard`` (row-major)."""
+        return tuple(int(c) for c in np.unravel_index(shard, self.shard_count[1:])) if self.rank > 1 else ()
+
+    # -- lifted strides (what the scatter kernel evaluates per element) ----------------------
+    def lifted_strides(self) -> dict[str, np.ndarray]:
+        """Strides that send an element of a batch of tile epochs to its place in the tile pool.
+
+        The pool holds, per tile epoch ``e``, ``slots_per_epoch`` tiles of ``tile_elements``
+        elements in padded shard-major slot order.  An element at ``(r, c_1, ..., c_{D-1})`` of
+        the batch (``r`` the row along dim 0) lifts to ``e = r // n_0``, ``n_0 = r % n_0`` and, for
+        ``d > 0``, ``t_d = c_d // n_d``, ``n_d = c_d % n_d``, ``s_d = t_d // tps_d``,
+        ``w_d = t_d % tps_d``; its pool offset is ``e * epoch_stride + sum_d(s_d * shard_stride[d]
+        + w_d * within_stride[d] + n_d * element_stride[d])``.
+        """
+        rank = self.rank
+        element_stride = np.ones(rank, dtype=np.int64)
+        for d in range(rank - 2, -1, -1):
+            element_stride[d] = element_stride[d + 1] * self.tile_shape[d + 1]
+        tps = self.tiles_per_shard
+        shard_stride = np.zeros(rank, dtype=np.int64)
+        within_stride = np.zeros(rank, dtype=np.int64)
+        slot = 1
+        for d in range(rank - 1, 0, -1):  # within coords are the fastest part of the slot index
+            within_stride[d] = slot * self.tile_elements
+            slot *= tps[d]
+        for d in range(rank - 1, 0, -1):
+            shard_stride[d] = slot * self.tile_elements
+            slot *= self.shard_count[d]
+        return {
+            "size": np.array(self.shape[1:], dtype=np.int64),
+            "tile_size": np.array(self.tile_shape, dtype=np.int64),
+            "tiles_per_shard": np.array(tps, dtype=np.int64),
+            "element_stride": element_stride,
+            "within_stride": within_stride,
+            "shard_stride": shard_stride,
+            "epoch_stride": np.int64(self.slots_per_epoch * self.tile_elements),
+        }
+
+    def tile_pool_reference(self, batch: np.ndarray) -> np.ndarray:
+        """NumPy reference of lift + transpose for a batch of whole tile epochs.
+
+        ``batch`` has shape ``(k * tile_size[0], *size[1:])``.  Returns the pool of shape
+        ``(k, slots_per_epoch, *tile_shape)`` with edge tiles padded with 0 and slots without a
+        tile all 0.  It pads the array to whole shards, then lifts every dim ``d > 0`` to
+        ``(s_d, w_d, n_d)`` and transposes to ``(e, s..., w..., n_0, n...)``.
+        """
+        rows = batch.shape[0]
+        epochs = rows // self.epoch_rows
+        padded_shape = (epochs * self.epoch_rows,) + tuple(
+            s * n for s, n in zip(self.shard_count[1:], self.shard_shape[1:])
+        )
+        padded = np.zeros(padded_shape, dtype=batch.dtype)
+        padded[tuple(slice(0, n) for n in batch.shape)] = batch
+        lifted_shape = [epochs, self.epoch_rows]
+        for d in range(1, self.rank):
+            lifted_shape += [self.shard_count[d], self.tiles_per_shard[d], self.tile_shape[d]]
+        lifted = padded.reshape(lifted_shape)
+        inner = range(1, self.rank)
+        axes = [0] + [3 * d - 1 for d in inner] + [3 * d for d in inner] + [1] + [3 * d + 1 for d in inner]
+        return np.ascontiguousarray(lifted.transpose(axes)).reshape(
+            (epochs, self.slots_per_epoch) + self.tile_shape
+        )
+
+    # -- single tiles (the CPU backend works tile by tile) --------------------------------
+    def tile_region(self, shard: int, within: int) -> tuple[slice, ...]:
+        """Element ranges along dims 1.. of tile ``within`` of inner shard ``shard``, clipped to the array."""
+        shard_coords = self.inner_shard_coords(shard)
+        within_coords = np.unravel_index(within, self.tiles_per_shard[1:]) if self.rank > 1 else ()
+        region = []
+        for d, (s, w) in enumerate(zip(shard_coords, within_coords), start=1):
+            tile = s * self.tiles_per_shard[d] + int(w)
+            n = self.tile_shape[d]
+            region.append(slice(tile * n, min(self.shape[d], (tile + 1) * n)))
+        return tuple(region)
+
+    # -- memory ---------------------------------------------------------------------------
+    def compressed_tile_bound(self) -> int:
+        """Worst-case bytes of one compressed tile (zstd's ``ZSTD_COMPRESSBOUND``)."""
+        n = self.tile_bytes
+        return n + (n >> 8) + ((128 * 1024 - n) >> 11 if n < 128 * 1024 else 0)
+
+    def shard_key(self, shard_coords) -> str:
+        """Store key of a shard (default chunk key encoding, ``/`` separator)."""
+        return "c/" + "/".join(str(int(c)) for c in shard_coords)

@@ -1,0 +1,394 @@
+"""The Writer: drives staging -> backend -> shard accumulation -> store.
+
+Threads and buffers (see ``docs/design.md``):
+
+* the caller's thread copies incoming bytes into one of ``staging_buffers`` staging buffers of
+  ``batch_epochs`` whole tile epochs and submits a full buffer to the backend;
+* a collector thread takes backend results in order, feeds the :class:`ShardAccumulator` and
+  hands completed shards to a small I/O pool;
+* the collector lets at most two shard epochs wait on storage; when an epoch's shards are on
+  disk it rewrites ``zarr.json`` so that ``shape[0]`` covers it (unbounded arrays).
+
+Backpressure: ``write`` returns the unconsumed tail when no staging buffer is free, ``append``
+waits.  Errors on any thread stop the Writer; the next call raises :class:`WriterError`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import threading
+import time
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from .backends import select_backend
+from .backends.base import CODECS
+from .layout import Layout
+from .shard import ShardAccumulator
+from .store import METADATA_KEY, array_metadata, metadata_bytes, open_sink
+
+log = logging.getLogger(__name__)
+
+_POLL_S = 0.05
+_MAX_PENDING_SHARD_EPOCHS = 2
+
+
+class WriterError(RuntimeError):
+    """The Writer stopped because storage or a backend failed; what was complete is on disk."""
+
+
+@dataclass
+class WriterStats:
+    backend: str
+    frames: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    shards_written: int = 0
+    elapsed_s: float = 0.0
+    rows_complete: int = 0
+
+    @property
+    def compression_ratio(self) -> float:
+        return self.bytes_in / self.bytes_out if self.bytes_out else float("nan")
+
+    @property
+    def throughput_gbps(self) -> float:
+        return self.bytes_in / self.elapsed_s / 1e9 if self.elapsed_s > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "compression_ratio": self.compression_ratio,
+                "throughput_gbps": self.throughput_gbps}
+
+
+def _validate_level(codec: str, level) -> int:
+    if codec not in CODECS:
+        raise ValueError(f"codec {codec!r} is not one of {', '.join(CODECS)}")
+    if not isinstance(level, (int, np.integer)) or isinstance(level, bool):
+        raise TypeError(f"level must be an integer, got {level!r}")
+    if codec == "zstd" and not -7 <= level <= 22:
+        raise ValueError(f"zstd level must be in -7..22, got {level}")
+    return int(level)
+
+
+class Writer:
+    """Stream frames into a sharded Zarr v3 array.
+
+    ``store`` is a path or a zarr v3 ``Store``.  ``batch_bytes`` sets how much input one backend
+    call gets (rounded to whole tile epochs, at least one); ``staging_buffers`` how many such
+    batches may be buffered (>= 2 so the caller fills one while the backend encodes another).
+    """
+
+    def __init__(self, store, layout: Layout, *, codec: str = "zstd", level: int = 1,
+                 backend: str = "auto", overwrite: bool = False, batch_bytes: int | None = None,
+                 staging_buffers: int = 2, io_threads: int = 4, threads: int | None = None,
+                 attributes: dict | None = None):
+        if not isinstance(layout, Layout):
+            raise TypeError(f"layout must be a Layout, got {type(layout).__name__}")
+        self.layout = layout
+        self.codec = codec
+        self.level = _validate_level(codec, level)
+        if not isinstance(staging_buffers, int) or staging_buffers < 2:
+            raise ValueError(f"staging_buffers must be an integer >= 2, got {staging_buffers!r}")
+        options = {"threads": threads} if threads else {}
+        self._backend = select_backend(backend, layout, codec, self.level, **options)
+        try:
+            self._setup(store, overwrite, batch_bytes, staging_buffers, io_threads, attributes)
+        except BaseException:
+            self._backend.close()
+            raise
+
+    def _setup(self, store, overwrite, batch_bytes, staging_buffers, io_threads, attributes):
+        layout = self.layout
+        target = batch_bytes or self._backend.preferred_batch_bytes
+        if not isinstance(target, (int, np.integer)) or target < 1:
+            raise ValueError(f"batch_bytes must be a positive integer, got {batch_bytes!r}")
+        epochs = max(1, int(target) // layout.epoch_bytes)
+        if layout.epoch_count is not None:
+            epochs = min(epochs, layout.epoch_count)
+        self.batch_epochs = epochs
+        self.batch_bytes = epochs * layout.epoch_bytes
+        self._capacity = None if layout.unbounded else layout.total_elements * layout.itemsize
+        self._attributes = dict(attributes or {})
+        self._sink = open_sink(store, overwrite)
+        self.stats = WriterStats(backend=self._backend.describe())
+        self._metadata_rows = 0 if layout.unbounded else layout.shape[0]
+        self._write_metadata(self._metadata_rows)
+
+        self._free = [[self._backend.allocate_staging(self.batch_bytes), None] for _ in range(staging_buffers)]
+        self._current = None  # [buffer, ticket] being filled
+        self._fill = 0
+        self._epochs_submitted = 0
+        self._accumulator = ShardAccumulator(layout)
+        self._submitted: queue.Queue = queue.Queue(maxsize=staging_buffers)
+        self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="tileshard-io")
+        self._pending_io: list[tuple[list, int]] = []  # (futures, rows complete once they finish)
+        self._stats_lock = threading.Lock()
+        self._error: BaseException | None = None
+        self._closed = False
+        self._start = time.perf_counter()
+        self._collector = threading.Thread(target=self._collect, name="tileshard-collector", daemon=True)
+        self._collector.start()
+
+    # -- public API ---------------------------------------------------------------------
+    @property
+    def backend(self) -> str:
+        return self._backend.name
+
+    @property
+    def location(self) -> str:
+        return self._sink.location
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def memory_estimate(self) -> dict[str, int]:
+        """Upper bound of the bytes the Writer holds: staging, compressed shards in flight, device."""
+        layout = self.layout
+        estimate = self._backend.memory_estimate(self.batch_bytes, len(self._free) + (self._current is not None))
+        # The open shard epoch plus two waiting on storage, at the worst-case compressed size.
+        shard_epoch_bound = (layout.tiles_per_shard[0] * layout.tiles_per_epoch * layout.compressed_tile_bound())
+        estimate["host"] += (1 + _MAX_PENDING_SHARD_EPOCHS) * shard_epoch_bound
+        return estimate
+
+    def append(self, array) -> None:
+        """Append frames (an array whose trailing shape is the frame shape) to the stream."""
+        self._check_open()
+        data = self._as_bytes(array)
+        self._check_capacity(data.nbytes)
+        while data.nbytes:
+            data = self._write(data, block=True)
+
+    def write(self, buffer) -> memoryview:
+        """Copy what fits of ``buffer`` (bytes of the row-major stream); return the unconsumed tail."""
+        self._check_open()
+        try:
+            data = memoryview(buffer)
+        except TypeError as exc:
+            raise TypeError(f"write() needs a bytes-like object, got {type(buffer).__name__}") from exc
+        if not data.c_contiguous:
+            raise ValueError("write() needs a C-contiguous buffer")
+        data = data.cast("B") if data.ndim != 1 or data.format != "B" else data
+        self._check_capacity(data.nbytes)
+        return self._write(data, block=False)
+
+    def flush(self) -> None:
+        """Write everything received so far, including partial shards; the stream continues."""
+        self._check_open()
+        self._drain()
+        provisional = []
+        if self._fill:
+            buffer = self._current[0]
+            epochs = self._pad_current()
+            provisional = self._backend.result(self._backend.submit(buffer, epochs))
+        shards = self._accumulator.pending(provisional)
+        self._store_shards(shards, wait=True)
+        if self.layout.unbounded:
+            self._write_metadata(self._rows_received())
+        self._raise_if_failed()
+
+    def close(self) -> None:
+        """Flush, finalize ``zarr.json`` and release buffers, threads and the device."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._error is None and self._fill:
+                self._submit_current(self._pad_current())
+            self._put_submitted(None)
+            self._collector.join()
+            if self._error is None:
+                self._store_shards(self._accumulator.take_pending(), wait=True)
+                if self.layout.unbounded:
+                    self._write_metadata(self._rows_received())
+        except BaseException as exc:  # noqa: BLE001 - recorded and re-raised below
+            self._fail(exc)
+        finally:
+            self._finish_io()
+            self._io.shutdown(wait=True)
+            self._backend.close()
+            self.stats.elapsed_s = time.perf_counter() - self._start
+        self._raise_if_failed()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        self.close()
+
+    def __repr__(self):
+        state = "closed" if self._closed else "open"
+        return f"<Writer {self._sink.location} {self.layout!r} backend={self.backend} {state}>"
+
+    # -- input -------------------------------------------------------------------------
+    def _as_bytes(self, array) -> memoryview:
+        layout = self.layout
+        if hasattr(array, "__cuda_array_interface__") and not isinstance(array, np.ndarray):
+            array = self._device_to_host(array)
+        if not isinstance(array, np.ndarray):
+            raise TypeError(f"append() needs a NumPy array, got {type(array).__name__}")
+        if array.dtype != layout.dtype:
+            raise TypeError(f"append() got dtype {array.dtype.str} ({array.dtype.name}), the layout holds "
+                            f"{layout.dtype.name}")
+        frame = layout.frame_shape
+        if array.ndim < len(frame) or tuple(array.shape[array.ndim - len(frame):]) != frame:
+            raise ValueError(f"append() got shape {array.shape}: its trailing dimensions must equal the "
+                             f"frame shape {frame}")
+        if not array.flags.c_contiguous:
+            raise ValueError(f"append() got a non-contiguous array of shape {array.shape}; pass "
+                             "np.ascontiguousarray(array)")
+        return memoryview(array.reshape(-1).view(np.uint8))
+
+    def _device_to_host(self, array):
+        # Only reached with a CuPy array on the CPU backend (the GPU backend takes them as they are).
+        return array.get()
+
+    def _check_capacity(self, nbytes: int) -> None:
+        if self._capacity is not None and self.stats.bytes_in + nbytes > self._capacity:
+            left = self._capacity - self.stats.bytes_in
+            raise ValueError(f"{nbytes} more bytes exceed the declared array shape {self.layout.shape}: "
+                             f"only {left} bytes ({left // self.layout.itemsize} elements) are left")
+
+    def _write(self, data: memoryview, block: bool) -> memoryview:
+        while data.nbytes:
+            if self._current is None and not self._acquire(block):
+                return data
+            buffer = self._current[0]
+            n = min(data.nbytes, self.batch_bytes - self._fill)
+            buffer[self._fill : self._fill + n] = np.frombuffer(data[:n], dtype=np.uint8)
+            self._fill += n
+            self.stats.bytes_in += n
+            data = data[n:]
+            if self._fill == self.batch_bytes:
+                self._submit_current(self.batch_epochs)
+        self.stats.frames = self.stats.bytes_in // (self.layout.frame_elements * self.layout.itemsize)
+        return data
+
+    def _acquire(self, block: bool) -> bool:
+        """Make a free staging buffer current; False if none is free and ``block`` is False."""
+        while True:
+            self._raise_if_failed()
+            entry = self._free[0]
+            if entry[1] is None or self._backend.staging_free(entry[1], block=False):
+                break
+            if not block:
+                return False
+            self._backend.staging_free(entry[1], block=True)
+        self._current = self._free.pop(0)
+        self._fill = 0
+        return True
+
+    def _pad_current(self) -> int:
+        """Zero the unfilled part of the current buffer's last epoch; returns its epoch count."""
+        layout = self.layout
+        if self._fill % layout.itemsize:
+            warnings.warn(f"the stream ends inside an element ({self._fill % layout.itemsize} stray bytes); "
+                          "they are padded with zeros", stacklevel=3)
+        epochs = math.ceil(self._fill / layout.epoch_bytes)
+        self._current[0][self._fill : epochs * layout.epoch_bytes] = 0
+        return epochs
+
+    def _submit_current(self, epochs: int) -> None:
+        entry, self._current, self._fill = self._current, None, 0
+        entry[1] = self._backend.submit(entry[0], epochs)
+        self._put_submitted((entry[1], self._epochs_submitted))
+        self._epochs_submitted += epochs
+        self._free.append(entry)
+
+    def _put_submitted(self, item) -> None:
+        while True:
+            self._raise_if_failed(closing_ok=item is None)
+            try:
+                self._submitted.put(item, timeout=_POLL_S)
+                return
+            except queue.Full:
+                continue
+
+    def _rows_received(self) -> int:
+        return math.ceil(self.stats.bytes_in / (self.layout.row_elements * self.layout.itemsize))
+
+    # -- collector thread ----------------------------------------------------------------
+    def _collect(self) -> None:
+        while True:
+            item = self._submitted.get()
+            try:
+                if item is None:
+                    return
+                if self._error is not None:
+                    continue  # drain without work so producers never block on a dead pipeline
+                ticket, first_epoch = item
+                for offset, encoded in enumerate(self._backend.result(ticket)):
+                    shards = self._accumulator.add(first_epoch + offset, encoded)
+                    if shards:
+                        self._store_shards(shards, wait=False)
+            except BaseException as exc:  # noqa: BLE001
+                self._fail(exc)
+            finally:
+                self._submitted.task_done()
+
+    def _drain(self) -> None:
+        """Wait until the collector has processed everything submitted and storage caught up."""
+        while self._submitted.unfinished_tasks:
+            self._raise_if_failed()
+            time.sleep(0.002)
+        self._finish_io()
+        self._raise_if_failed()
+
+    # -- storage -------------------------------------------------------------------------
+    def _store_shards(self, shards, wait: bool) -> None:
+        if not shards:
+            return
+        futures = [self._io.submit(self._write_shard, shard) for shard in shards]
+        shard_epoch = shards[0].coords[0]
+        rows = min((shard_epoch + 1) * self.layout.shard_epoch_rows, self._rows_received())
+        self._pending_io.append((futures, rows))
+        limit = 0 if wait else _MAX_PENDING_SHARD_EPOCHS
+        while len(self._pending_io) > limit:
+            self._complete_oldest_io()
+
+    def _write_shard(self, shard) -> None:
+        self._sink.write(self.layout.shard_key(shard.coords), shard.buffers + [shard.index])
+        with self._stats_lock:
+            self.stats.bytes_out += shard.nbytes
+            self.stats.shards_written += 1
+
+    def _complete_oldest_io(self) -> None:
+        futures, rows = self._pending_io.pop(0)
+        for future in futures:
+            future.result()  # raises the storage error, if any
+        self.stats.rows_complete = max(self.stats.rows_complete, rows)
+        if self.layout.unbounded and rows > self._metadata_rows:
+            self._write_metadata(rows)
+
+    def _finish_io(self) -> None:
+        while self._pending_io:
+            try:
+                self._complete_oldest_io()
+            except BaseException as exc:  # noqa: BLE001
+                self._fail(exc)
+
+    def _write_metadata(self, rows: int) -> None:
+        metadata = array_metadata(self.layout, self.codec, self.level, rows, self._attributes)
+        self._sink.write(METADATA_KEY, [metadata_bytes(metadata)])
+        self._metadata_rows = rows
+
+    # -- errors --------------------------------------------------------------------------
+    def _fail(self, exc: BaseException) -> None:
+        if self._error is None:
+            log.error("writer for %s failed: %s", self._sink.location, exc)
+            self._error = exc
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError(f"the Writer for {self._sink.location} is closed")
+        self._raise_if_failed()
+
+    def _raise_if_failed(self, closing_ok: bool = False) -> None:
+        if self._error is not None and not closing_ok:
+            exc = self._error
+            raise WriterError(f"writing {self._sink.location} failed: {type(exc).__name__}: {exc}") from exc
