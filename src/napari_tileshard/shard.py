@@ -97,14 +97,17 @@ class ShardAccumulator:
         return []
 
     def pending(self, provisional: list[EncodedEpoch] = ()) -> list[Shard]:
-        """Shards of the open shard epoch as they would be now, plus ``provisional`` epochs.
+        """Every shard as it would be if the stream ended now, after the ``provisional`` epochs.
 
         Nothing is consumed: later epochs keep filling the same shards (``flush()``).
         """
-        state = self._state.copy()
-        for offset, encoded in enumerate(provisional):
-            _add_to_state(self.layout, state, self._next_epoch + offset, encoded)
-        return _shards(self.layout, self._shard_epoch, state)
+        clone = ShardAccumulator.__new__(ShardAccumulator)
+        clone.layout, clone._shard_epoch, clone._next_epoch = self.layout, self._shard_epoch, self._next_epoch
+        clone._state = self._state.copy()
+        shards = []
+        for encoded in provisional:
+            shards += clone.add(clone._next_epoch, encoded)
+        return shards + clone.take_pending()
 
     def take_pending(self) -> list[Shard]:
         """Hand out the open shard epoch as final (end of the recording)."""

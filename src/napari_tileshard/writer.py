@@ -230,6 +230,8 @@ class Writer:
         layout = self.layout
         if hasattr(array, "__cuda_array_interface__") and not isinstance(array, np.ndarray):
             array = self._device_to_host(array)
+        if isinstance(array, np.generic):  # a single element (rank-1 layouts), e.g. from iterating
+            array = np.asarray(array)
         if not isinstance(array, np.ndarray):
             raise TypeError(f"append() needs a NumPy array, got {type(array).__name__}")
         if array.dtype != layout.dtype:
@@ -256,18 +258,27 @@ class Writer:
 
     def _write(self, data: memoryview, block: bool) -> memoryview:
         while data.nbytes:
+            if self._fill == self.batch_bytes and not self._submit_full(block):
+                break
             if self._current is None and not self._acquire(block):
-                return data
+                break
             buffer = self._current[0]
             n = min(data.nbytes, self.batch_bytes - self._fill)
             buffer[self._fill : self._fill + n] = np.frombuffer(data[:n], dtype=np.uint8)
             self._fill += n
             self.stats.bytes_in += n
             data = data[n:]
-            if self._fill == self.batch_bytes:
-                self._submit_current(self.batch_epochs)
+        if self._fill == self.batch_bytes:
+            self._submit_full(block)
         self.stats.frames = self.stats.bytes_in // (self.layout.frame_elements * self.layout.itemsize)
         return data
+
+    def _submit_full(self, block: bool) -> bool:
+        """Submit the full current buffer; without ``block``, only if the pipeline has room."""
+        if not block and self._submitted.full():
+            return False
+        self._submit_current(self.batch_epochs)
+        return True
 
     def _acquire(self, block: bool) -> bool:
         """Make a free staging buffer current; False if none is free and ``block`` is False."""
@@ -359,8 +370,10 @@ class Writer:
 
     def _complete_oldest_io(self) -> None:
         futures, rows = self._pending_io.pop(0)
-        for future in futures:
-            future.result()  # raises the storage error, if any
+        errors = [f.exception() for f in futures if f.exception() is not None]
+        if errors:
+            self._fail(errors[0])
+            self._raise_if_failed()
         self.stats.rows_complete = max(self.stats.rows_complete, rows)
         if self.layout.unbounded and rows > self._metadata_rows:
             self._write_metadata(rows)
@@ -369,8 +382,8 @@ class Writer:
         while self._pending_io:
             try:
                 self._complete_oldest_io()
-            except BaseException as exc:  # noqa: BLE001
-                self._fail(exc)
+            except WriterError:
+                pass  # recorded by _fail; the remaining writes are still waited for
 
     def _write_metadata(self, rows: int) -> None:
         metadata = array_metadata(self.layout, self.codec, self.level, rows, self._attributes)

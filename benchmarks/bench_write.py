@@ -1,0 +1,242 @@
+"""Write the same synthetic frames with this project and its peers; print GB/s and ratios.
+
+Every engine receives the same frames (a bank of realistic uint16 frames from SyntheticCamera,
+replayed) one by one, and is timed from the first frame until its store is closed.  Peers get
+the same chunk (tile) shape, shard shape and zstd level.  GPU ceilings (nvCOMP batched encode of
+device-resident tiles, pinned H2D copy) are measured in the same run when a GPU is present.
+
+Example (the command in docs/benchmarks.md):
+    python benchmarks/bench_write.py --gib 4 --out /dev/shm/tileshard-bench --json benchmarks/results/run.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from napari_tileshard import Dim, Layout, SyntheticCamera, Writer  # noqa: E402
+
+ENGINES = ("tileshard-gpu", "tileshard-cpu", "tensorstore", "zarr-python", "acquire-zarr")
+
+
+def tile_cases(names):
+    """Tile shapes (t, y, x) for uint16 from 64 KiB to 4 MiB, shards 1 x 1024 x 1024 pixels."""
+    table = {
+        "64k": (8, 64, 64),
+        "256k": (8, 128, 128),
+        "1m": (32, 128, 128),
+        "4m": (32, 256, 256),
+    }
+    return [(name, table[name]) for name in names]
+
+
+def layout_for(frame_shape, tile, unbounded=True, frames=None):
+    ty, tx = tile[1], tile[2]
+    return Layout([Dim("t", 0 if unbounded else frames, tile[0], 1),
+                   Dim("y", frame_shape[0], ty, max(1, 1024 // ty)),
+                   Dim("x", frame_shape[1], tx, max(1, 1024 // tx))], "uint16")
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+# -- engines ------------------------------------------------------------------------------
+def run_tileshard(backend, camera, frames, tile, out, level):
+    layout = layout_for(camera.shape, tile)
+    with Writer(out, layout, codec="zstd", level=level, backend=backend, overwrite=True) as writer:
+        for frame in camera.frames(frames):
+            writer.append(frame)
+    return writer.stats.backend
+
+
+def slabs(camera, frames, rows):
+    """Frames gathered into shard-epoch slabs (the copy a slab-writing peer needs), double-buffered."""
+    buffers = [np.empty((rows,) + camera.shape, camera.dtype) for _ in range(2)]
+    filled, which = 0, 0
+    start = 0
+    for i, frame in enumerate(camera.frames(frames)):
+        buffers[which][filled] = frame
+        filled += 1
+        if filled == rows or i == frames - 1:
+            yield start, buffers[which][:filled]
+            start += filled
+            filled, which = 0, 1 - which
+
+
+def run_tensorstore(camera, frames, tile, out, level):
+    import tensorstore as ts
+
+    layout = layout_for(camera.shape, tile, unbounded=False, frames=frames)
+    spec = {
+        "driver": "zarr3",
+        "kvstore": {"driver": "file", "path": str(out)},
+        "metadata": {
+            "shape": [frames, *camera.shape],
+            "data_type": "uint16",
+            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(layout.shard_shape)}},
+            "codecs": [{"name": "sharding_indexed", "configuration": {
+                "chunk_shape": list(tile),
+                "codecs": [{"name": "bytes", "configuration": {"endian": "little"}},
+                           {"name": "zstd", "configuration": {"level": level}}],
+                "index_codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}],
+            }}],
+        },
+        "create": True,
+        "delete_existing": True,
+    }
+    store = ts.open(spec).result()
+    pending = None
+    for start, slab in slabs(camera, frames, layout.shard_epoch_rows):
+        future = store[start:start + len(slab)].write(slab)
+        if pending is not None:
+            pending.result()
+        pending = future
+    if pending is not None:
+        pending.result()
+    return f"tensorstore {ts.__version__ if hasattr(ts, '__version__') else ''}".strip()
+
+
+def run_zarr_python(camera, frames, tile, out, level):
+    import zarr
+
+    layout = layout_for(camera.shape, tile, unbounded=False, frames=frames)
+    array = zarr.create_array(out, shape=(frames, *camera.shape), chunks=tile, shards=layout.shard_shape,
+                              dtype="uint16", compressors=zarr.codecs.ZstdCodec(level=level), fill_value=0,
+                              overwrite=True, dimension_names=["t", "y", "x"])
+    for start, slab in slabs(camera, frames, layout.shard_epoch_rows):
+        array[start:start + len(slab)] = slab
+    return f"zarr-python {zarr.__version__}"
+
+
+def run_acquire_zarr(camera, frames, tile, out, level):
+    import acquire_zarr as az
+
+    layout = layout_for(camera.shape, tile)
+    settings = az.StreamSettings(store_path=str(out), overwrite=True, max_threads=os.cpu_count())
+    dims = [az.Dimension(name=d.name, kind=kind, array_size_px=d.size, chunk_size_px=d.tile_size,
+                         shard_size_chunks=d.tiles_per_shard)
+            for d, kind in zip(layout.dims, (az.DimensionType.TIME, az.DimensionType.SPACE, az.DimensionType.SPACE))]
+    settings.arrays = [az.ArraySettings(
+        output_key="0", data_type=az.DataType.UINT16, dimensions=dims,
+        compression=az.CompressionSettings(compressor=az.Compressor.ZSTD, codec=az.CompressionCodec.ZSTD,
+                                           level=level, shuffle=0))]
+    stream = az.ZarrStream(settings)
+    for frame in camera.frames(frames):
+        stream.append(frame)
+    stream.close()
+    return "acquire-zarr"
+
+
+def run_engine(engine, camera, frames, tile, out, level):
+    if engine.startswith("tileshard-"):
+        return run_tileshard(engine.split("-", 1)[1], camera, frames, tile, out, level)
+    return {"tensorstore": run_tensorstore, "zarr-python": run_zarr_python,
+            "acquire-zarr": run_acquire_zarr}[engine](camera, frames, tile, out, level)
+
+
+def measure(engine, camera, frames, tile, out_root, level):
+    out = out_root / f"{engine}.zarr"
+    shutil.rmtree(out, ignore_errors=True)
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    label = run_engine(engine, camera, frames, tile, out, level)
+    wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
+    bytes_in = frames * camera.frame_bytes
+    bytes_out = dir_bytes(out)
+    shutil.rmtree(out, ignore_errors=True)
+    return {"engine": engine, "label": label, "seconds": wall, "gbps": bytes_in / wall / 1e9,
+            "ratio": bytes_in / bytes_out, "cpu_s_per_gb": cpu / (bytes_in / 1e9), "bytes_in": bytes_in}
+
+
+def gpu_ceilings(camera, frames, tile, level):
+    """nvCOMP batched zstd of device-resident tiles, and pinned H2D bandwidth, on this GPU."""
+    from napari_tileshard.backends import gpu_ceiling
+
+    return gpu_ceiling.measure(camera, frames, layout_for(camera.shape, tile), level)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gib", type=float, default=4.0, help="input GiB per case")
+    parser.add_argument("--frame", action="append", default=None, help="frame shape HxW (repeatable)")
+    parser.add_argument("--tiles", default="64k,256k,1m,4m")
+    parser.add_argument("--engines", default=",".join(ENGINES))
+    parser.add_argument("--level", type=int, default=1)
+    parser.add_argument("--out", default="/dev/shm/tileshard-bench", help="where stores are written")
+    parser.add_argument("--json", default=None, help="write raw results here")
+    parser.add_argument("--repeat", type=int, default=1, help="runs per engine; the median is kept")
+    args = parser.parse_args(argv)
+    frames_shapes = [tuple(int(v) for v in f.split("x")) for f in (args.frame or ["2048x2048"])]
+    engines = [e for e in args.engines.split(",") if e]
+    out_root = Path(args.out)
+    out_root.mkdir(parents=True, exist_ok=True)
+    results = []
+    machine = f"{platform.node()} {platform.processor() or platform.machine()} {os.cpu_count()} CPUs"
+    try:
+        import cupy
+
+        props = cupy.cuda.runtime.getDeviceProperties(0)
+        machine += f", {props['name'].decode()}"
+    except Exception:  # noqa: BLE001 - no GPU is a fine answer
+        if "tileshard-gpu" in engines:
+            engines.remove("tileshard-gpu")
+    print(f"# machine: {machine}; sink {out_root}; zstd level {args.level}", flush=True)
+    for frame_shape in frames_shapes:
+        camera = SyntheticCamera(frame_shape, "uint16", seed=0)
+        camera.prepare()
+        frames = max(1, int(args.gib * 2**30 // camera.frame_bytes))
+        for tile_name, tile in tile_cases(args.tiles.split(",")):
+            frames_case = math.ceil(frames / tile[0]) * tile[0]
+            case = {"frame": list(frame_shape), "tile": list(tile), "tile_kib": math.prod(tile) * 2 // 1024,
+                    "frames": frames_case, "sink": str(out_root)}
+            rows = []
+            if "tileshard-gpu" in engines:
+                try:
+                    rows.extend(gpu_ceilings(camera, frames_case, tile, args.level))
+                except Exception as exc:  # noqa: BLE001
+                    print(f"# ceiling measurement failed: {exc}", flush=True)
+            for engine in engines:
+                runs = []
+                for _ in range(args.repeat):
+                    try:
+                        runs.append(measure(engine, camera, frames_case, tile, out_root, args.level))
+                    except Exception as exc:  # noqa: BLE001 - a failing peer is reported, not fatal
+                        print(f"# {engine} failed: {type(exc).__name__}: {exc}", flush=True)
+                        break
+                if runs:
+                    runs.sort(key=lambda r: r["gbps"])
+                    rows.append(runs[len(runs) // 2])
+            ours = next((r for r in rows if r["engine"] == "tileshard-gpu"), None) or next(
+                (r for r in rows if r["engine"] == "tileshard-cpu"), None)
+            ceiling = next((r for r in rows if r["engine"] == "nvcomp-ceiling"), None)
+            for r in rows:
+                r.update(case)
+                r["vs_tileshard"] = r["gbps"] / ours["gbps"] if ours else float("nan")
+                r["of_ceiling"] = r["gbps"] / ceiling["gbps"] if ceiling else float("nan")
+                results.append(r)
+            print(f"\n## frame {frame_shape[0]}x{frame_shape[1]}, tile {tile} ({case['tile_kib']} KiB), "
+                  f"{frames_case} frames ({frames_case * camera.frame_bytes / 2**30:.1f} GiB)")
+            print(f"{'engine':18s} {'GB/s':>7s} {'x ours':>7s} {'of ceil':>8s} {'ratio':>6s} {'CPU s/GB':>9s}")
+            for r in rows:
+                cpu = r.get("cpu_s_per_gb", float("nan"))
+                print(f"{r['engine']:18s} {r['gbps']:7.2f} {r['vs_tileshard']:7.2f} {r['of_ceiling']:8.2f} "
+                      f"{r.get('ratio', float('nan')):6.2f} {cpu:9.2f}", flush=True)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"machine": machine, "argv": sys.argv, "results": results}, indent=1))
+    shutil.rmtree(out_root, ignore_errors=True)
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,29 @@
+import numpy as np
+import pytest
+import zarr
+
+from napari_tileshard.backends import gpu_unavailable_reason
+
+
+def _gpu_param():
+    return pytest.param("gpu", marks=pytest.mark.gpu, id="gpu")
+
+
+@pytest.fixture(params=["cpu", _gpu_param()])
+def backend(request):
+    """Every writer test runs on both backends; the GPU case skips with the reason where it can't run."""
+    if request.param == "gpu":
+        reason = gpu_unavailable_reason()
+        if reason:
+            pytest.skip(f"GPU backend not usable here: {reason}")
+    return request.param
+
+
+def read_back(path):
+    return zarr.open_array(path, mode="r")[...]
+
+
+def read_tensorstore(path):
+    ts = pytest.importorskip("tensorstore")
+    store = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(path)}}).result()
+    return np.asarray(store.read().result())

@@ -1,0 +1,133 @@
+"""Every bad input raises a clear error naming the value; the store stays readable afterwards."""
+
+import numpy as np
+import pytest
+import zarr
+
+from conftest import read_back
+from napari_tileshard import Dim, Layout, Writer, verify
+
+
+@pytest.fixture
+def layout():
+    return Layout([Dim("t", 0, 2, 1), Dim("y", 6, 4, 1), Dim("x", 5, 4, 1)], "uint16")
+
+
+@pytest.fixture
+def writer(tmp_path, layout, backend):
+    w = Writer(tmp_path / "bad.zarr", layout, backend=backend)
+    w.append(np.arange(30, dtype=np.uint16).reshape(6, 5))
+    yield w
+    w.close()
+    np.testing.assert_array_equal(read_back(tmp_path / "bad.zarr"), np.arange(30, dtype=np.uint16).reshape(1, 6, 5))
+    assert verify(tmp_path / "bad.zarr").ok
+
+
+@pytest.mark.parametrize(
+    "value, error, message",
+    [
+        (np.zeros((6, 5), np.float32), TypeError, "dtype <f4 (float32), the layout holds uint16"),
+        (np.zeros((6, 5), ">u2"), TypeError, "dtype >u2"),
+        (np.zeros((5, 6), np.uint16), ValueError, "shape (5, 6)"),
+        (np.zeros((30,), np.uint16), ValueError, "shape (30,)"),
+        (np.zeros((6, 10), np.uint16)[:, ::2], ValueError, "non-contiguous"),
+        ([[0] * 5] * 6, TypeError, "needs a NumPy array, got list"),
+        ("frame", TypeError, "got str"),
+    ],
+)
+def test_append_rejects(writer, value, error, message):
+    with pytest.raises(error) as info:
+        writer.append(value)
+    assert message in str(info.value)
+
+
+def test_write_rejects_non_buffers(writer):
+    with pytest.raises(TypeError, match="bytes-like"):
+        writer.write(12)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        writer.write(np.zeros((4, 4), np.uint16)[:, ::2])
+
+
+def test_append_after_close(tmp_path, layout, backend):
+    w = Writer(tmp_path / "c.zarr", layout, backend=backend)
+    w.close()
+    with pytest.raises(ValueError, match="closed"):
+        w.append(np.zeros((6, 5), np.uint16))
+    w.close()  # closing twice is harmless
+
+
+def test_existing_store_needs_overwrite(tmp_path, layout, backend):
+    with Writer(tmp_path / "e.zarr", layout, backend=backend) as w:
+        w.append(np.ones((6, 5), np.uint16))
+    with pytest.raises(FileExistsError, match="overwrite=True"):
+        Writer(tmp_path / "e.zarr", layout, backend=backend)
+    np.testing.assert_array_equal(read_back(tmp_path / "e.zarr"), np.ones((1, 6, 5)))  # untouched
+    with Writer(tmp_path / "e.zarr", layout, backend=backend, overwrite=True) as w:
+        w.append(np.full((6, 5), 7, np.uint16))
+    np.testing.assert_array_equal(read_back(tmp_path / "e.zarr"), np.full((1, 6, 5), 7))
+
+
+def test_overwrite_refuses_a_directory_that_is_not_a_store(tmp_path, layout):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "thesis.txt").write_text("precious")
+    with pytest.raises(FileExistsError, match="not a zarr store"):
+        Writer(tmp_path / "docs", layout, backend="cpu", overwrite=True)
+    assert (tmp_path / "docs" / "thesis.txt").read_text() == "precious"
+
+
+def test_unwritable_path(tmp_path, layout):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(FileExistsError, match="not a directory"):
+        Writer(tmp_path / "file", layout, backend="cpu")
+    with pytest.raises(OSError):
+        Writer(tmp_path / "file" / "sub.zarr", layout, backend="cpu")
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        ({"codec": "lz4"}, ValueError, "codec 'lz4'"),
+        ({"level": 99}, ValueError, "got 99"),
+        ({"level": 1.5}, TypeError, "got 1.5"),
+        ({"backend": "tpu"}, ValueError, "backend 'tpu'"),
+        ({"staging_buffers": 1}, ValueError, "got 1"),
+        ({"batch_bytes": -5}, ValueError, "got -5"),
+    ],
+)
+def test_bad_writer_options(tmp_path, layout, kwargs, error, message):
+    with pytest.raises(error) as info:
+        Writer(tmp_path / "o.zarr", layout, **kwargs)
+    assert message in str(info.value)
+    assert not (tmp_path / "o.zarr" / "zarr.json").exists()
+
+
+def test_layout_must_be_a_layout(tmp_path):
+    with pytest.raises(TypeError, match="Layout"):
+        Writer(tmp_path / "l.zarr", [Dim("x", 4, 2)])
+
+
+def test_storage_error_stops_the_writer_and_keeps_what_was_written(tmp_path, backend):
+    layout = Layout([Dim("t", 0, 1, 1), Dim("x", 4, 4, 1)], "uint8")
+    path = tmp_path / "fail.zarr"
+    writer = Writer(path, layout, backend=backend, batch_bytes=1)
+    writer.append(np.arange(8, dtype=np.uint8).reshape(2, 4))
+    writer.flush()
+    real_write = writer._sink.write
+
+    def failing_write(key, buffers):
+        if key.startswith("c/"):
+            raise OSError(28, "No space left on device")
+        return real_write(key, buffers)
+
+    writer._sink.write = failing_write
+    with pytest.raises(Exception) as info:
+        for _ in range(50):
+            writer.append(np.zeros((1, 4), np.uint8))
+            writer.flush()
+    assert "No space left on device" in str(info.value) and str(path) in str(info.value)
+    with pytest.raises(Exception, match="No space left"):
+        writer.close()
+    out = zarr.open_array(path, mode="r")
+    assert out.shape[0] >= 2
+    np.testing.assert_array_equal(out[:2], np.arange(8).reshape(2, 4))
+    assert verify(path).ok

@@ -1,0 +1,148 @@
+"""The layout math against independent NumPy references."""
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from napari_tileshard import Dim, Layout
+from napari_tileshard.layout import MAX_RANK
+
+
+@st.composite
+def layouts(draw, max_rank=4, unbounded=None):
+    rank = draw(st.integers(1, max_rank))
+    dims = []
+    for d in range(rank):
+        size = draw(st.integers(1, 13))
+        dims.append(Dim(f"d{d}", size, draw(st.integers(1, 6)), draw(st.integers(1, 3))))
+    return Layout(dims, dtype=draw(st.sampled_from(["uint8", "uint16", "float32"])))
+
+
+def permutation_by_loops(layout):
+    """P[i] by the definition: unravel, lift to (shard, within), ravel shard-major."""
+    counts = layout.tile_count[1:]
+    tps = layout.tiles_per_shard[1:]
+    perm = []
+    for i in range(math.prod(counts)):
+        coords, rest = [], i
+        for n in reversed(counts):
+            coords.insert(0, rest % n)
+            rest //= n
+        shard = [t // p for t, p in zip(coords, tps)]
+        within = [t % p for t, p in zip(coords, tps)]
+        index = 0
+        for value, extent in zip(shard + within, list(layout.shard_count[1:]) + list(tps)):
+            index = index * extent + value
+        perm.append(index)
+    return np.array(perm)
+
+
+@given(layouts())
+@settings(max_examples=150, deadline=None)
+def test_shard_permutation_matches_definition(layout):
+    perm = layout.shard_permutation
+    np.testing.assert_array_equal(perm, permutation_by_loops(layout))
+    assert len(set(perm.tolist())) == len(perm)  # a permutation into the padded slots
+    assert perm.max() < layout.slots_per_epoch
+    assert layout.slot_mask.sum() == layout.tiles_per_epoch
+
+
+def scatter_with_lifted_strides(layout, batch):
+    """What the scatter kernel does, element by element, evaluated with NumPy over all elements."""
+    strides = layout.lifted_strides()
+    epochs = batch.shape[0] // layout.epoch_rows
+    pool = np.zeros(epochs * layout.slots_per_epoch * layout.tile_elements, dtype=batch.dtype)
+    coords = np.indices(batch.shape).reshape(batch.ndim, -1)
+    row = coords[0]
+    offset = (row // layout.epoch_rows) * strides["epoch_stride"] + (row % layout.epoch_rows) * strides["element_stride"][0]
+    for d in range(1, layout.rank):
+        c = coords[d]
+        tile, within_tile = c // layout.tile_shape[d], c % layout.tile_shape[d]
+        offset += (tile // layout.tiles_per_shard[d]) * strides["shard_stride"][d]
+        offset += (tile % layout.tiles_per_shard[d]) * strides["within_stride"][d]
+        offset += within_tile * strides["element_stride"][d]
+    pool[offset] = batch.reshape(-1)
+    return pool.reshape((epochs, layout.slots_per_epoch) + layout.tile_shape)
+
+
+@given(layouts(), st.integers(1, 3), st.integers(0, 2**31))
+@settings(max_examples=150, deadline=None)
+def test_lifted_strides_equal_reshape_transpose(layout, epochs, seed):
+    rng = np.random.default_rng(seed)
+    batch = rng.integers(1, 200, (epochs * layout.epoch_rows,) + layout.shape[1:]).astype(layout.dtype)
+    expected = layout.tile_pool_reference(batch)
+    np.testing.assert_array_equal(scatter_with_lifted_strides(layout, batch), expected)
+    # The pool really is tile-contiguous: tile (e, slot) is the block of the array it came from.
+    tile_coords = np.unravel_index(np.arange(layout.tiles_per_epoch), layout.tile_count[1:]) if layout.rank > 1 else ()
+    for i in range(min(layout.tiles_per_epoch, 5)):
+        region = tuple(slice(int(t[i]) * n, (int(t[i]) + 1) * n) for t, n in zip(tile_coords, layout.tile_shape[1:]))
+        block = batch[(slice(0, layout.epoch_rows),) + region]
+        tile = expected[0, layout.shard_permutation[i]]
+        np.testing.assert_array_equal(tile[tuple(slice(0, n) for n in block.shape)], block)
+
+
+@given(layouts())
+@settings(max_examples=100, deadline=None)
+def test_tile_region_matches_permutation(layout):
+    """tile_region(shard, within) names the same tile as P."""
+    tile_coords = np.unravel_index(np.arange(layout.tiles_per_epoch), layout.tile_count[1:]) if layout.rank > 1 else ()
+    for i, slot in enumerate(layout.shard_permutation[:20]):
+        shard, within = divmod(int(slot), layout.tiles_per_shard_inner)
+        region = layout.tile_region(shard, within)
+        for d, r in enumerate(region, start=1):
+            t = int(tile_coords[d - 1][i])
+            assert r.start == t * layout.tile_shape[d]
+            assert r.stop == min(layout.shape[d], (t + 1) * layout.tile_shape[d])
+
+
+def test_derived_figures_of_the_readme_layout():
+    layout = Layout([Dim("t", 0, 32, 1), Dim("y", 2048, 256, 4), Dim("x", 2048, 256, 4)], "uint16")
+    assert layout.frame_shape == (2048, 2048)
+    assert layout.tile_bytes == 32 * 256 * 256 * 2
+    assert layout.tiles_per_epoch == 64
+    assert layout.inner_shard_count == 4
+    assert layout.chunks_per_shard == 16
+    assert layout.shard_shape == (32, 1024, 1024)
+    assert layout.epoch_bytes == 32 * 2048 * 2048 * 2
+    assert layout.index_bytes == 16 * 16 + 4
+
+
+def test_edge_shards_have_empty_slots():
+    layout = Layout([Dim("t", 0, 2, 1), Dim("y", 10, 4, 2)], "uint8")  # 3 tiles, 2 shards of 2 tiles
+    assert layout.tile_count[1] == 3 and layout.shard_count[1] == 2
+    np.testing.assert_array_equal(layout.slot_mask, [[True, True], [True, False]])
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: Dim("x", -1, 4), "size must be >= 0"),
+        (lambda: Dim("x", 8, 0), "tile_size must be >= 1, got 0"),
+        (lambda: Dim("x", 8, 4, 0), "tiles_per_shard must be >= 1, got 0"),
+        (lambda: Dim("x", 8.5, 4), "size must be an integer, got 8.5"),
+        (lambda: Dim("../x", 8, 4), "dimension name '../x' is invalid"),
+        (lambda: Dim("/abs", 8, 4), "is invalid"),
+        (lambda: Layout([Dim("t", 4, 2), Dim("x", 0, 4)]), "dimension 'x' (position 1) has size 0"),
+        (lambda: Layout([Dim(f"d{i}", 2, 1) for i in range(MAX_RANK + 1)]), f"at most {MAX_RANK} dimensions"),
+        (lambda: Layout([Dim("x", 4, 2), Dim("x", 4, 2)]), "must be unique"),
+        (lambda: Layout([]), "at least one dimension"),
+    ],
+)
+def test_invalid_layouts_name_the_value(make, message):
+    with pytest.raises((ValueError, TypeError)) as info:
+        make()
+    assert message in str(info.value)
+
+
+@pytest.mark.parametrize("dtype", ["bool", "complex64", "object", "U4"])
+def test_unsupported_dtypes(dtype):
+    with pytest.raises(TypeError, match="not supported"):
+        Layout([Dim("x", 4, 2)], dtype=dtype)
+
+
+def test_tile_larger_than_size_is_fine():
+    layout = Layout([Dim("t", 3, 8), Dim("x", 5, 64)], "uint16")
+    assert layout.tile_count == (1, 1)

@@ -1,0 +1,247 @@
+"""The Writer end to end: what goes in comes back out of zarr-python and tensorstore."""
+
+import math
+import warnings
+
+import numpy as np
+import pytest
+import zarr
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import read_back, read_tensorstore
+from napari_tileshard import SUPPORTED_DTYPES, Dim, Layout, Writer, verify
+
+_SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+def random_data(shape, dtype, rng):
+    dtype = np.dtype(dtype)
+    if dtype.kind == "f":
+        return rng.normal(0, 1000, shape).astype(dtype)
+    info = np.iinfo(dtype)
+    return rng.integers(info.min, info.max, shape, dtype=dtype, endpoint=True)
+
+
+@st.composite
+def cases(draw):
+    rank = draw(st.integers(1, 4))
+    unbounded = draw(st.booleans())
+    dims = []
+    for d in range(rank):
+        size = draw(st.integers(1, 12 if rank > 2 else 40))
+        dims.append(Dim(f"d{d}", 0 if (d == 0 and unbounded) else size,
+                        draw(st.integers(1, 7)), draw(st.integers(1, 3))))
+    dtype = draw(st.sampled_from(SUPPORTED_DTYPES))
+    layout = Layout(dims, dtype)
+    rows = draw(st.integers(0, 25)) if unbounded else dims[0].size
+    feeding = draw(st.sampled_from(["frames", "stack", "bytes"]))
+    pieces = draw(st.lists(st.integers(1, 997), min_size=1, max_size=6))
+    batch_bytes = draw(st.sampled_from([1, 3 * layout.epoch_bytes, 1 << 20]))
+    return layout, rows, feeding, pieces, batch_bytes, draw(st.integers(0, 2**32 - 1))
+
+
+def feed(writer, data, feeding, pieces):
+    layout = writer.layout
+    if feeding == "stack":
+        writer.append(data.reshape((-1,) + layout.frame_shape))
+    elif feeding == "frames":
+        for frame in data.reshape((-1,) + layout.frame_shape):
+            writer.append(frame)
+    else:  # odd-sized byte pieces through write(), retrying what was not consumed
+        raw = memoryview(data.tobytes())
+        i = 0
+        while raw.nbytes:
+            piece = raw[: pieces[i % len(pieces)]]
+            i += 1
+            rest = writer.write(piece)
+            raw = raw[piece.nbytes - rest.nbytes:]
+
+
+@given(cases())
+@_SETTINGS
+def test_round_trip_any_layout(tmp_path_factory, backend, case):
+    layout, rows, feeding, pieces, batch_bytes, seed = case
+    path = tmp_path_factory.mktemp("rt") / "out.zarr"
+    data = random_data((rows,) + layout.shape[1:], layout.dtype, np.random.default_rng(seed))
+    with Writer(path, layout, codec="zstd", level=1, backend=backend, batch_bytes=batch_bytes) as writer:
+        feed(writer, data, feeding, pieces)
+    out = read_back(path)
+    assert out.shape == data.shape
+    np.testing.assert_array_equal(out, data)
+    np.testing.assert_array_equal(read_tensorstore(path), data)
+    assert verify(path).ok
+    assert writer.stats.bytes_in == data.nbytes
+
+
+@pytest.mark.parametrize("dtype", SUPPORTED_DTYPES)
+@pytest.mark.parametrize("codec", ["zstd", "none"])
+def test_every_dtype_and_codec(tmp_path, backend, dtype, codec):
+    layout = Layout([Dim("t", 0, 3, 2), Dim("y", 21, 8, 2), Dim("x", 19, 8, 1)], dtype)
+    data = random_data((14, 21, 19), dtype, np.random.default_rng(1))
+    with Writer(tmp_path / "a.zarr", layout, codec=codec, backend=backend) as writer:
+        writer.append(data)
+    np.testing.assert_array_equal(read_back(tmp_path / "a.zarr"), data)
+    np.testing.assert_array_equal(read_tensorstore(tmp_path / "a.zarr"), data)
+
+
+def test_rank_up_to_max(tmp_path, backend):
+    dims = [Dim("t", 0, 2, 1)] + [Dim(f"d{i}", 3, 2, 2) for i in range(1, 8)]
+    layout = Layout(dims, "uint8")
+    data = random_data((5,) + layout.shape[1:], "uint8", np.random.default_rng(2))
+    with Writer(tmp_path / "r8.zarr", layout, backend=backend) as writer:
+        writer.append(data)
+    np.testing.assert_array_equal(read_back(tmp_path / "r8.zarr"), data)
+
+
+def test_level_is_honoured(tmp_path, backend):
+    layout = Layout([Dim("t", 0, 4, 1), Dim("y", 64, 32, 2), Dim("x", 64, 32, 2)], "uint16")
+    from napari_tileshard import SyntheticCamera
+
+    data = SyntheticCamera((64, 64), "uint16", seed=3).stack(16)
+    sizes = {}
+    for level in (1, 19):
+        with Writer(tmp_path / f"l{level}.zarr", layout, level=level, backend=backend) as writer:
+            writer.append(data)
+        sizes[level] = writer.stats.bytes_out
+        meta = zarr.open_array(tmp_path / f"l{level}.zarr").metadata.to_dict()
+        assert meta["codecs"][0]["configuration"]["codecs"][1]["configuration"]["level"] == level
+    assert sizes[19] < sizes[1]
+
+
+def test_unbounded_shape_follows_completed_shard_epochs(tmp_path, backend):
+    layout = Layout([Dim("t", 0, 2, 2), Dim("y", 8, 4, 1)], "uint16")  # shard epoch = 4 rows
+    path = tmp_path / "grow.zarr"
+    frames = random_data((11, 8), "uint16", np.random.default_rng(4))
+    writer = Writer(path, layout, backend=backend, batch_bytes=1)
+    try:
+        assert zarr.open_array(path).shape == (0, 8)
+        seen = []
+        for i, frame in enumerate(frames):
+            writer.append(frame)
+            writer._drain()  # let the pipeline catch up so the shape is deterministic
+            shape0 = zarr.open_array(path).shape[0]
+            seen.append(shape0)
+            assert shape0 == (i + 1) // 4 * 4
+            np.testing.assert_array_equal(read_back(path), frames[:shape0])
+    finally:
+        writer.close()
+    assert zarr.open_array(path).shape == (11, 8)
+    np.testing.assert_array_equal(read_back(path), frames)
+
+
+def test_flush_writes_partial_shards_and_stream_continues(tmp_path, backend):
+    layout = Layout([Dim("t", 0, 4, 2), Dim("y", 10, 4, 2), Dim("x", 6, 4, 1)], "int16")
+    path = tmp_path / "flush.zarr"
+    data = random_data((13, 10, 6), "int16", np.random.default_rng(5))
+    with Writer(path, layout, backend=backend) as writer:
+        writer.append(data[:5])
+        writer.flush()
+        np.testing.assert_array_equal(read_back(path), data[:5])
+        assert verify(path).ok
+        writer.append(data[5:11])
+        writer.flush()
+        np.testing.assert_array_equal(read_back(path), data[:11])
+        writer.append(data[11:])
+    np.testing.assert_array_equal(read_back(path), data)
+    assert verify(path).ok
+
+
+def test_fixed_size_array(tmp_path, backend):
+    layout = Layout([Dim("z", 7, 3, 2), Dim("y", 9, 4, 2), Dim("x", 5, 2, 2)], "float32")
+    data = random_data(layout.shape, "float32", np.random.default_rng(6))
+    with Writer(tmp_path / "f.zarr", layout, backend=backend) as writer:
+        writer.append(data[:3])
+        writer.append(data[3:])
+        with pytest.raises(ValueError, match="exceed the declared array shape"):
+            writer.append(data[:1])
+        with pytest.raises(ValueError, match="exceed the declared array shape"):
+            writer.write(b"\x00" * 4)
+    np.testing.assert_array_equal(read_back(tmp_path / "f.zarr"), data)
+
+
+def test_fixed_size_short_write_reads_fill_value(tmp_path, backend):
+    layout = Layout([Dim("z", 8, 2, 2), Dim("x", 6, 4, 1)], "uint8")
+    data = random_data((3, 6), "uint8", np.random.default_rng(7))
+    with Writer(tmp_path / "s.zarr", layout, backend=backend) as writer:
+        writer.append(data)
+    out = read_back(tmp_path / "s.zarr")
+    assert out.shape == (8, 6)
+    np.testing.assert_array_equal(out[:3], data)
+    assert not out[3:].any()
+
+
+@pytest.mark.parametrize("store_kind", ["memory", "local"])
+def test_zarr_store_objects(tmp_path, backend, store_kind):
+    from zarr.storage import LocalStore, MemoryStore
+
+    store = MemoryStore() if store_kind == "memory" else LocalStore(tmp_path / "ls.zarr")
+    layout = Layout([Dim("t", 0, 2, 2), Dim("x", 9, 4, 2)], "uint32")
+    data = random_data((7, 9), "uint32", np.random.default_rng(8))
+    with Writer(store, layout, backend=backend) as writer:
+        writer.append(data)
+    np.testing.assert_array_equal(zarr.open_array(store, mode="r")[...], data)
+    assert verify(store).ok
+
+
+def test_stats(tmp_path, backend):
+    layout = Layout([Dim("t", 0, 4, 1), Dim("y", 32, 16, 2), Dim("x", 32, 16, 2)], "uint16")
+    from napari_tileshard import SyntheticCamera
+
+    with Writer(tmp_path / "s.zarr", layout, backend=backend) as writer:
+        for frame in SyntheticCamera((32, 32), "uint16", seed=1).frames(10):
+            writer.append(frame)
+    stats = writer.stats
+    assert stats.frames == 10
+    assert stats.bytes_in == 10 * 32 * 32 * 2
+    assert stats.shards_written == 3  # 3 shard epochs (4 + 4 + 2 frames), one shard each
+    on_disk = sum(p.stat().st_size for p in (tmp_path / "s.zarr" / "c").rglob("*") if p.is_file())
+    assert stats.bytes_out == on_disk
+    assert stats.compression_ratio == pytest.approx(stats.bytes_in / on_disk)
+    assert stats.elapsed_s > 0 and stats.throughput_gbps > 0
+    assert stats.backend.startswith(backend)
+    assert writer.memory_estimate()["host"] >= 2 * writer.batch_bytes
+
+
+def test_memory_estimate_is_bounded_by_batches(tmp_path):
+    layout = Layout([Dim("t", 0, 32, 1), Dim("y", 2048, 256, 4), Dim("x", 2048, 256, 4)], "uint16")
+    with Writer(tmp_path / "m.zarr", layout, backend="cpu", batch_bytes=1) as writer:
+        estimate = writer.memory_estimate()["host"]
+        assert writer.batch_bytes == layout.epoch_bytes  # at least one whole tile epoch
+        # two staging epochs + three epochs of worst-case compressed tiles
+        assert 2 * layout.epoch_bytes < estimate < 6 * layout.epoch_bytes
+
+
+def test_write_returns_unconsumed_when_pipeline_full(tmp_path):
+    """write() never blocks: with every staging buffer busy it hands back the tail."""
+    layout = Layout([Dim("t", 0, 1, 1), Dim("x", 4, 4, 1)], "uint8")
+    writer = Writer(tmp_path / "bp.zarr", layout, backend="cpu", batch_bytes=1)
+    gate = __import__("threading").Event()
+    original = writer._backend.result
+
+    def slow_result(ticket):
+        gate.wait(10)
+        return original(ticket)
+
+    writer._backend.result = slow_result
+    try:
+        data = bytes(range(40))
+        rest = writer.write(data)
+        assert 0 < rest.nbytes < len(data)  # some taken, then backpressure
+        taken = len(data) - rest.nbytes
+        gate.set()
+        writer.append(np.frombuffer(bytes(rest), dtype=np.uint8).reshape(-1, 4))
+    finally:
+        gate.set()
+        writer.close()
+    assert taken % 4 == 0 or taken > 0
+    np.testing.assert_array_equal(read_back(tmp_path / "bp.zarr").reshape(-1), np.frombuffer(data, np.uint8))
+
+
+def test_stray_bytes_at_close_are_padded_with_warning(tmp_path):
+    layout = Layout([Dim("t", 0, 2, 1), Dim("x", 2, 2, 1)], "uint16")
+    writer = Writer(tmp_path / "p.zarr", layout, backend="cpu")
+    writer.write(b"\x01\x00\x02\x00\x03")
+    with pytest.warns(UserWarning, match="stray bytes"):
+        writer.close()
+    np.testing.assert_array_equal(read_back(tmp_path / "p.zarr"), [[1, 2], [3, 0]])
