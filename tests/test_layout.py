@@ -50,38 +50,41 @@ def test_shard_permutation_matches_definition(layout):
     assert layout.slot_mask.sum() == layout.tiles_per_epoch
 
 
-def scatter_with_lifted_strides(layout, batch):
-    """What the scatter kernel does, element by element, evaluated with NumPy over all elements."""
-    strides = layout.lifted_strides()
+def scatter_with_lifted_strides(layout, batch, tile_stride=None):
+    """What the tiling kernel computes per element, evaluated with NumPy over all elements."""
+    strides = layout.lifted_strides(tile_stride)
+    stride = strides["tile_elements_stride"]
     epochs = batch.shape[0] // layout.epoch_rows
-    pool = np.zeros(epochs * layout.slots_per_epoch * layout.tile_elements, dtype=batch.dtype)
+    pool = np.zeros(epochs * layout.tiles_per_epoch * stride, dtype=batch.dtype)
     coords = np.indices(batch.shape).reshape(batch.ndim, -1)
-    row = coords[0]
-    offset = (row // layout.epoch_rows) * strides["epoch_stride"] + (row % layout.epoch_rows) * strides["element_stride"][0]
-    for d in range(1, layout.rank):
-        c = coords[d]
-        tile, within_tile = c // layout.tile_shape[d], c % layout.tile_shape[d]
-        offset += (tile // layout.tiles_per_shard[d]) * strides["shard_stride"][d]
-        offset += (tile % layout.tiles_per_shard[d]) * strides["within_stride"][d]
-        offset += within_tile * strides["element_stride"][d]
+    offset = np.zeros(coords.shape[1], dtype=np.int64)
+    for d in range(layout.rank):
+        offset += (coords[d] // layout.tile_shape[d]) * strides["tile_stride"][d]
+        offset += (coords[d] % layout.tile_shape[d]) * strides["element_stride"][d]
     pool[offset] = batch.reshape(-1)
-    return pool.reshape((epochs, layout.slots_per_epoch) + layout.tile_shape)
+    pool = pool.reshape(epochs, layout.tiles_per_epoch, stride)[:, :, :layout.tile_elements]
+    return pool.reshape((epochs, layout.tiles_per_epoch) + layout.tile_shape)
 
 
-@given(layouts(), st.integers(1, 3), st.integers(0, 2**31))
+@given(layouts(), st.integers(1, 3), st.integers(0, 2**31), st.integers(0, 5))
 @settings(max_examples=150, deadline=None)
-def test_lifted_strides_equal_reshape_transpose(layout, epochs, seed):
+def test_lifted_strides_equal_reshape_transpose(layout, epochs, seed, extra_stride):
     rng = np.random.default_rng(seed)
     batch = rng.integers(1, 200, (epochs * layout.epoch_rows,) + layout.shape[1:]).astype(layout.dtype)
     expected = layout.tile_pool_reference(batch)
-    np.testing.assert_array_equal(scatter_with_lifted_strides(layout, batch), expected)
-    # The pool really is tile-contiguous: tile (e, slot) is the block of the array it came from.
+    scattered = scatter_with_lifted_strides(layout, batch, layout.tile_elements + extra_stride)
+    np.testing.assert_array_equal(scattered, expected)
+    # The pool is tile-major: tile (e, i) is the block of the array it came from, padded with 0.
     tile_coords = np.unravel_index(np.arange(layout.tiles_per_epoch), layout.tile_count[1:]) if layout.rank > 1 else ()
-    for i in range(min(layout.tiles_per_epoch, 5)):
-        region = tuple(slice(int(t[i]) * n, (int(t[i]) + 1) * n) for t, n in zip(tile_coords, layout.tile_shape[1:]))
-        block = batch[(slice(0, layout.epoch_rows),) + region]
-        tile = expected[0, layout.shard_permutation[i]]
-        np.testing.assert_array_equal(tile[tuple(slice(0, n) for n in block.shape)], block)
+    for e in range(epochs):
+        for i in range(min(layout.tiles_per_epoch, 6)):
+            region = tuple(slice(int(t[i]) * n, (int(t[i]) + 1) * n) for t, n in zip(tile_coords, layout.tile_shape[1:]))
+            block = batch[(slice(e * layout.epoch_rows, (e + 1) * layout.epoch_rows),) + region]
+            tile = expected[e, i]
+            np.testing.assert_array_equal(tile[tuple(slice(0, n) for n in block.shape)], block)
+            padding = np.ones(tile.shape, bool)
+            padding[tuple(slice(0, n) for n in block.shape)] = False
+            assert not tile[padding].any()
 
 
 @given(layouts())

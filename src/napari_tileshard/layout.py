@@ -265,65 +265,49 @@ class Layout:
         """Shard coordinates along dims 1.. of inner shard ``shard`` (row-major)."""
         return tuple(int(c) for c in np.unravel_index(shard, self.shard_count[1:])) if self.rank > 1 else ()
 
-    # -- lifted strides (what the scatter kernel evaluates per element) ----------------------
-    def lifted_strides(self) -> dict[str, np.ndarray]:
-        """Strides that send an element of a batch of tile epochs to its place in the tile pool.
+    # -- lifted strides (what the GPU tiling kernel evaluates per element) ------------------
+    def lifted_strides(self, tile_stride: int | None = None) -> dict:
+        """Strides of the lift ``(t_0, n_0, ..., t_{D-1}, n_{D-1})`` into the tile-major pool.
 
-        The pool holds, per tile epoch ``e``, ``slots_per_epoch`` tiles of ``tile_elements``
-        elements in padded shard-major slot order.  An element at ``(r, c_1, ..., c_{D-1})`` of
-        the batch (``r`` the row along dim 0) lifts to ``e = r // n_0``, ``n_0 = r % n_0`` and, for
-        ``d > 0``, ``t_d = c_d // n_d``, ``n_d = c_d % n_d``, ``s_d = t_d // tps_d``,
-        ``w_d = t_d % tps_d``; its pool offset is ``e * epoch_stride + sum_d(s_d * shard_stride[d]
-        + w_d * within_stride[d] + n_d * element_stride[d])``.
+        The pool holds, for a batch of tile epochs, one tile after the other in row-major tile
+        order ``(e, t_1, ..., t_{D-1})`` (``e = t_0`` the epoch), each tile ``tile_stride``
+        elements apart (default ``tile_elements``; the GPU rounds it up for alignment) and
+        row-major inside.  An element at ``(r, c_1, ..., c_{D-1})`` of a batch goes to
+        ``sum_d (c_d // n_d) * tile_stride[d] + (c_d % n_d) * element_stride[d]`` with ``c_0 = r``.
         """
+        tile_stride = tile_stride or self.tile_elements
         rank = self.rank
-        element_stride = np.ones(rank, dtype=np.int64)
+        element_stride = [1] * rank
         for d in range(rank - 2, -1, -1):
             element_stride[d] = element_stride[d + 1] * self.tile_shape[d + 1]
-        tps = self.tiles_per_shard
-        shard_stride = np.zeros(rank, dtype=np.int64)
-        within_stride = np.zeros(rank, dtype=np.int64)
-        slot = 1
-        for d in range(rank - 1, 0, -1):  # within coords are the fastest part of the slot index
-            within_stride[d] = slot * self.tile_elements
-            slot *= tps[d]
+        pool_tile_stride = [0] * rank
+        step = tile_stride
         for d in range(rank - 1, 0, -1):
-            shard_stride[d] = slot * self.tile_elements
-            slot *= self.shard_count[d]
-        return {
-            "size": np.array(self.shape[1:], dtype=np.int64),
-            "tile_size": np.array(self.tile_shape, dtype=np.int64),
-            "tiles_per_shard": np.array(tps, dtype=np.int64),
-            "element_stride": element_stride,
-            "within_stride": within_stride,
-            "shard_stride": shard_stride,
-            "epoch_stride": np.int64(self.slots_per_epoch * self.tile_elements),
-        }
+            pool_tile_stride[d] = step
+            step *= self.tile_count[d]
+        pool_tile_stride[0] = step  # one tile epoch: tiles_per_epoch tiles
+        return {"element_stride": tuple(element_stride), "tile_stride": tuple(pool_tile_stride),
+                "tile_elements_stride": tile_stride}
 
     def tile_pool_reference(self, batch: np.ndarray) -> np.ndarray:
         """NumPy reference of lift + transpose for a batch of whole tile epochs.
 
-        ``batch`` has shape ``(k * tile_size[0], *size[1:])``.  Returns the pool of shape
-        ``(k, slots_per_epoch, *tile_shape)`` with edge tiles padded with 0 and slots without a
-        tile all 0.  It pads the array to whole shards, then lifts every dim ``d > 0`` to
-        ``(s_d, w_d, n_d)`` and transposes to ``(e, s..., w..., n_0, n...)``.
+        ``batch`` has shape ``(k * tile_size[0], *size[1:])``.  Returns the tile-major pool of
+        shape ``(k, tiles_per_epoch, *tile_shape)``, edge tiles padded with 0: pad to whole
+        tiles, reshape to ``(t_0, n_0, ..., t_{D-1}, n_{D-1})``, transpose to
+        ``(t_0, ..., t_{D-1}, n_0, ..., n_{D-1})``.
         """
-        rows = batch.shape[0]
-        epochs = rows // self.epoch_rows
+        epochs = batch.shape[0] // self.epoch_rows
         padded_shape = (epochs * self.epoch_rows,) + tuple(
-            s * n for s, n in zip(self.shard_count[1:], self.shard_shape[1:])
-        )
+            t * n for t, n in zip(self.tile_count[1:], self.tile_shape[1:]))
         padded = np.zeros(padded_shape, dtype=batch.dtype)
         padded[tuple(slice(0, n) for n in batch.shape)] = batch
         lifted_shape = [epochs, self.epoch_rows]
         for d in range(1, self.rank):
-            lifted_shape += [self.shard_count[d], self.tiles_per_shard[d], self.tile_shape[d]]
-        lifted = padded.reshape(lifted_shape)
-        inner = range(1, self.rank)
-        axes = [0] + [3 * d - 1 for d in inner] + [3 * d for d in inner] + [1] + [3 * d + 1 for d in inner]
-        return np.ascontiguousarray(lifted.transpose(axes)).reshape(
-            (epochs, self.slots_per_epoch) + self.tile_shape
-        )
+            lifted_shape += [self.tile_count[d], self.tile_shape[d]]
+        axes = [2 * d for d in range(self.rank)] + [2 * d + 1 for d in range(self.rank)]
+        pool = padded.reshape(lifted_shape).transpose(axes)
+        return np.ascontiguousarray(pool).reshape((epochs, self.tiles_per_epoch) + self.tile_shape)
 
     # -- single tiles (the CPU backend works tile by tile) --------------------------------
     def tile_region(self, shard: int, within: int) -> tuple[slice, ...]:

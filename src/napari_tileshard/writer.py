@@ -79,20 +79,22 @@ class Writer:
     """Stream frames into a sharded Zarr v3 array.
 
     ``store`` is a path or a zarr v3 ``Store``.  ``batch_bytes`` sets how much input one backend
-    call gets (rounded to whole tile epochs, at least one); ``staging_buffers`` how many such
-    batches may be buffered (>= 2 so the caller fills one while the backend encodes another).
+    call gets (rounded to whole tile epochs, at least one; default: the backend's preference,
+    64 MiB on the CPU, 0.5-1 GiB on the GPU); ``staging_buffers`` how many such batches may be
+    buffered (>= 2 so the caller fills one while the backend encodes another; default: the
+    backend's preference, 2 on the CPU, 3 on the GPU).
     """
 
     def __init__(self, store, layout: Layout, *, codec: str = "zstd", level: int = 1,
                  backend: str = "auto", overwrite: bool = False, batch_bytes: int | None = None,
-                 staging_buffers: int = 2, io_threads: int = 4, threads: int | None = None,
+                 staging_buffers: int | None = None, io_threads: int = 4, threads: int | None = None,
                  attributes: dict | None = None):
         if not isinstance(layout, Layout):
             raise TypeError(f"layout must be a Layout, got {type(layout).__name__}")
         self.layout = layout
         self.codec = codec
         self.level = _validate_level(codec, level)
-        if not isinstance(staging_buffers, int) or staging_buffers < 2:
+        if staging_buffers is not None and (not isinstance(staging_buffers, int) or staging_buffers < 2):
             raise ValueError(f"staging_buffers must be an integer >= 2, got {staging_buffers!r}")
         options = {"threads": threads} if threads else {}
         self._backend = select_backend(backend, layout, codec, self.level, **options)
@@ -119,6 +121,7 @@ class Writer:
         self._metadata_rows = 0 if layout.unbounded else layout.shape[0]
         self._write_metadata(self._metadata_rows)
 
+        staging_buffers = staging_buffers or getattr(self._backend, "preferred_staging_buffers", 2)
         self._free = [[self._backend.allocate_staging(self.batch_bytes), None] for _ in range(staging_buffers)]
         self._current = None  # [buffer, ticket] being filled
         self._fill = 0

@@ -1,0 +1,93 @@
+"""nvCOMP batched zstd through its low-level C API (ctypes on libnvcomp).
+
+Why the C API and not ``nvidia.nvcomp``'s Python ``encode()``: the C call takes device arrays
+of pointers and sizes and leaves the compressed sizes and statuses on the device, so a batch
+is compressed without any host synchronisation.  The output is standard zstd frames (the
+low-level API has no container), which every zstd decoder reads.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+_SUCCESS = 0
+
+
+class CompressOpts(ctypes.Structure):
+    """``nvcompBatchedZstdCompressOpts_t``: 64 reserved bytes, zeroed (nvCOMP 5 and 6)."""
+
+    _fields_ = [("reserved", ctypes.c_char * 64)]
+
+
+class NvcompError(RuntimeError):
+    pass
+
+
+@functools.lru_cache(maxsize=1)
+def load():
+    """The libnvcomp shared library, from the ``nvidia-libnvcomp-cu1x`` wheel or the system."""
+    lib = None
+    try:
+        from nvidia import libnvcomp
+
+        lib = libnvcomp.load_library()
+    except ImportError:
+        pass
+    if lib is None:
+        for name in ("libnvcomp.so.6", "libnvcomp.so.5", "libnvcomp.so"):
+            try:
+                lib = ctypes.CDLL(name)
+                break
+            except OSError:
+                continue
+    if lib is None:
+        raise ImportError("libnvcomp not found (install nvidia-libnvcomp-cu12 or nvidia-libnvcomp-cu13)")
+    size_p = ctypes.POINTER(ctypes.c_size_t)
+    lib.nvcompBatchedZstdCompressGetMaxOutputChunkSize.argtypes = [ctypes.c_size_t, CompressOpts, size_p]
+    lib.nvcompBatchedZstdCompressAsync.argtypes = [
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
+        ctypes.c_void_p, ctypes.c_void_p, CompressOpts, ctypes.c_void_p, ctypes.c_void_p,
+    ]
+    for fn in (lib.nvcompBatchedZstdCompressGetMaxOutputChunkSize, lib.nvcompBatchedZstdCompressAsync):
+        fn.restype = ctypes.c_int
+    return lib
+
+
+def _check(status: int, what: str) -> None:
+    if status != _SUCCESS:
+        raise NvcompError(f"{what} failed with nvcompStatus {status}")
+
+
+def max_output_chunk_bytes(chunk_bytes: int) -> int:
+    out = ctypes.c_size_t()
+    _check(load().nvcompBatchedZstdCompressGetMaxOutputChunkSize(chunk_bytes, CompressOpts(), ctypes.byref(out)),
+           "nvcompBatchedZstdCompressGetMaxOutputChunkSize")
+    return out.value
+
+
+def temp_bytes(num_chunks: int, chunk_bytes: int, stream_ptr: int) -> int:
+    lib = load()
+    out = ctypes.c_size_t()
+    size_p = ctypes.POINTER(ctypes.c_size_t)
+    if hasattr(lib, "nvcompBatchedZstdCompressGetTempSize"):  # nvCOMP 6
+        fn = lib.nvcompBatchedZstdCompressGetTempSize
+        fn.argtypes = [ctypes.c_size_t, ctypes.c_size_t, CompressOpts, size_p, ctypes.c_size_t, ctypes.c_void_p]
+        fn.restype = ctypes.c_int
+        status = fn(num_chunks, chunk_bytes, CompressOpts(), ctypes.byref(out), num_chunks * chunk_bytes, stream_ptr)
+    else:  # nvCOMP 5
+        fn = lib.nvcompBatchedZstdCompressGetTempSizeAsync
+        fn.argtypes = [ctypes.c_size_t, ctypes.c_size_t, CompressOpts, size_p, ctypes.c_size_t]
+        fn.restype = ctypes.c_int
+        status = fn(num_chunks, chunk_bytes, CompressOpts(), ctypes.byref(out), num_chunks * chunk_bytes)
+    _check(status, "nvcompBatchedZstdCompressGetTempSize")
+    return out.value
+
+
+def compress_async(input_ptrs: int, input_sizes: int, chunk_bytes: int, num_chunks: int, temp_ptr: int,
+                   temp_size: int, output_ptrs: int, output_sizes: int, statuses: int, stream_ptr: int) -> None:
+    """Enqueue the batched compression on ``stream_ptr``; all pointers are device addresses."""
+    _check(load().nvcompBatchedZstdCompressAsync(input_ptrs, input_sizes, chunk_bytes, num_chunks, temp_ptr,
+                                                 temp_size, output_ptrs, output_sizes, CompressOpts(), statuses,
+                                                 stream_ptr),
+           "nvcompBatchedZstdCompressAsync")

@@ -1,0 +1,255 @@
+"""GPU backend: CuPy kernels + nvCOMP batched zstd + on-GPU shard aggregation.
+
+Per batch of tile epochs (see ``docs/design.md``), all enqueued without a host sync:
+
+    pinned staging --H2D (copy stream)--> input --tile kernel--> tile-major pool
+      --nvCOMP zstd (one call for every tile of the batch)--> compressed slots + sizes
+      --permute sizes by P, exclusive scan, gather--> packed shard-major bytes + offsets
+      --D2H offsets + statuses--> host
+
+The collector thread then waits for the offsets, copies only the used packed bytes back and
+cuts them into per-shard buffers.  Device buffers form a ring of ``slots`` (default 2), so
+batch N+1 is uploaded and tiled while batch N compresses and batch N-1 is copied back;
+``submit`` blocks when every slot is busy, which is the backpressure towards the producer.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..shard import EncodedEpoch
+from . import _kernels, _nvcomp
+from .base import Backend
+
+_ALIGN = 16
+_MAX_NVCOMP_CHUNK = 16 << 20  # nvCOMP zstd's limit on one chunk
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def _pinned(nbytes: int) -> np.ndarray:
+    import cupy
+
+    memory = cupy.cuda.alloc_pinned_memory(max(1, nbytes))
+    return np.frombuffer(memory, dtype=np.uint8, count=max(1, nbytes))
+
+
+@dataclass
+class _Slot:
+    d_input: object
+    d_pool: object
+    d_compressed: object
+    d_sizes: object
+    d_status: object
+    d_permuted: object
+    d_offsets: object
+    d_packed: object
+    input_ptrs: object
+    output_ptrs: object
+    h_offsets: np.ndarray
+    h_status: np.ndarray
+    h_packed: np.ndarray
+    ready: object  # event: offsets and statuses are on the host
+
+
+@dataclass
+class _Ticket:
+    slot: _Slot
+    epochs: int
+    uploaded: object  # event: the staging buffer has been copied to the device
+
+
+class GpuBackend(Backend):
+    name = "gpu"
+
+    def __init__(self, layout, codec="zstd", level=1, slots: int = 2, batch_bytes: int | None = None, **_):
+        import cupy
+
+        super().__init__(layout, codec, level)
+        if codec == "zstd" and layout.tile_bytes > _MAX_NVCOMP_CHUNK:
+            raise ValueError(f"tile of {layout.tile_bytes} bytes exceeds nvCOMP zstd's 16 MiB chunk limit; "
+                             "use smaller tiles or backend='cpu'")
+        self._cupy = cupy
+        self.device = cupy.cuda.Device()
+        props = cupy.cuda.runtime.getDeviceProperties(self.device.id)
+        self.device_name = props["name"].decode()
+        self.preferred_batch_bytes = batch_bytes or max(512 << 20, min(1 << 30, 1024 * layout.tile_bytes))
+        self.preferred_staging_buffers = 3
+        self._slot_count = slots
+        self._slots: list[_Slot] = []
+        self._free_slots = threading.Semaphore(slots)
+        self._next = 0
+        self.copy_stream = cupy.cuda.Stream(non_blocking=True)
+        self.compute_stream = cupy.cuda.Stream(non_blocking=True)
+        self.d2h_stream = cupy.cuda.Stream(non_blocking=True)
+        self.tile_stride_bytes = _round_up(layout.tile_bytes, _ALIGN)
+        self.output_stride = (_round_up(_nvcomp.max_output_chunk_bytes(layout.tile_bytes), _ALIGN)
+                              if codec == "zstd" else self.tile_stride_bytes)
+        self._epochs = 0
+
+    def describe(self) -> str:
+        return f"gpu ({self.device_name}, nvCOMP zstd)" if self.codec == "zstd" else f"gpu ({self.device_name})"
+
+    # -- sizing ------------------------------------------------------------------------
+    def _device_bytes_per_slot(self, epochs: int) -> int:
+        layout = self.layout
+        chunks = epochs * layout.tiles_per_epoch
+        entries = epochs * layout.slots_per_epoch
+        compressed = chunks * self.output_stride if self.codec == "zstd" else 0
+        return (epochs * layout.epoch_bytes + chunks * self.tile_stride_bytes + compressed
+                + chunks * self.output_stride + chunks * 12 + entries * 16 + 4 * chunks * 8)
+
+    def memory_estimate(self, batch_bytes: int, staging_buffers: int) -> dict[str, int]:
+        epochs = max(1, batch_bytes // self.layout.epoch_bytes)
+        chunks = epochs * self.layout.tiles_per_epoch
+        temp = self._temp_bytes(chunks)
+        host = staging_buffers * batch_bytes + self._slot_count * chunks * self.output_stride
+        return {"host": host, "device": self._slot_count * self._device_bytes_per_slot(epochs) + temp}
+
+    def _temp_bytes(self, chunks: int) -> int:
+        if self.codec != "zstd":
+            return 0
+        return _nvcomp.temp_bytes(chunks, self.layout.tile_bytes, self.compute_stream.ptr)
+
+    def allocate_staging(self, nbytes: int) -> np.ndarray:
+        if not self._slots:
+            self._allocate(nbytes)
+        return _pinned(nbytes)
+
+    def _allocate(self, batch_bytes: int) -> None:
+        """Device ring, checked against free device memory before anything is allocated."""
+        cupy = self._cupy
+        layout = self.layout
+        epochs = batch_bytes // layout.epoch_bytes
+        chunks = epochs * layout.tiles_per_epoch
+        entries = epochs * layout.slots_per_epoch
+        estimate = self.memory_estimate(batch_bytes, 0)["device"]
+        free, total = cupy.cuda.runtime.memGetInfo()
+        if estimate > 0.9 * free:
+            raise MemoryError(
+                f"the GPU backend needs about {estimate / 2**30:.2f} GiB of device memory for this layout "
+                f"(batches of {epochs} tile epochs, {self._slot_count} in flight) but {self.device_name} has "
+                f"{free / 2**30:.2f} GiB free of {total / 2**30:.2f} GiB; use smaller batch_bytes or tiles")
+        self._temp_size = self._temp_bytes(chunks)
+        self._d_temp = cupy.empty(max(1, self._temp_size), dtype=cupy.uint8)
+        self._d_chunk_bytes = cupy.full(chunks, layout.tile_bytes, dtype=cupy.uint64)
+        # Shard-major position of every tile of a batch: e * slots_per_epoch + P[i] (pass 1's map).
+        perm = cupy.asarray(layout.shard_permutation, dtype=cupy.int64)
+        self._d_positions = (cupy.arange(epochs, dtype=cupy.int64)[:, None] * layout.slots_per_epoch
+                             + perm[None, :]).reshape(-1)
+        for _ in range(self._slot_count):
+            d_pool = cupy.empty(chunks * self.tile_stride_bytes, dtype=cupy.uint8)
+            d_compressed = (cupy.empty(chunks * self.output_stride, dtype=cupy.uint8)
+                            if self.codec == "zstd" else d_pool)
+            index = cupy.arange(chunks, dtype=cupy.uint64)
+            self._slots.append(_Slot(
+                d_input=cupy.empty(epochs * layout.epoch_bytes, dtype=cupy.uint8),
+                d_pool=d_pool,
+                d_compressed=d_compressed,
+                d_sizes=cupy.empty(chunks, dtype=cupy.uint64),
+                d_status=cupy.zeros(chunks, dtype=cupy.int32),
+                d_permuted=cupy.zeros(entries, dtype=cupy.uint64),
+                d_offsets=cupy.zeros(entries + 1, dtype=cupy.uint64),
+                d_packed=cupy.empty(chunks * self.output_stride, dtype=cupy.uint8),
+                input_ptrs=cupy.uint64(d_pool.data.ptr) + index * cupy.uint64(self.tile_stride_bytes),
+                output_ptrs=cupy.uint64(d_compressed.data.ptr) + index * cupy.uint64(self.output_stride),
+                h_offsets=_pinned((entries + 1) * 8).view(np.uint64),
+                h_status=_pinned(chunks * 4).view(np.int32),
+                h_packed=_pinned(chunks * self.output_stride),
+                ready=cupy.cuda.Event(disable_timing=True),
+            ))
+        self.device.synchronize()  # allocations and fills above ran on the default stream
+        self._tile = _kernels.tile_kernel(layout, self.tile_stride_bytes // layout.itemsize)
+        self._permute, self._gather = _kernels.aggregate_kernels()
+
+    # -- pipeline ----------------------------------------------------------------------
+    def submit(self, staging, epochs):
+        cupy = self._cupy
+        layout = self.layout
+        runtime = cupy.cuda.runtime
+        self._free_slots.acquire()
+        slot = self._slots[self._next % self._slot_count]
+        self._next += 1
+        nbytes = epochs * layout.epoch_bytes
+        chunks = epochs * layout.tiles_per_epoch
+        entries = epochs * layout.slots_per_epoch
+        uploaded = cupy.cuda.Event(disable_timing=True)
+        runtime.memcpyAsync(slot.d_input.data.ptr, staging.ctypes.data, nbytes,
+                            runtime.memcpyHostToDevice, self.copy_stream.ptr)
+        uploaded.record(self.copy_stream)
+        stream = self.compute_stream
+        stream.wait_event(uploaded)
+        pool_elements = chunks * self.tile_stride_bytes // layout.itemsize
+        block = 256
+        self._tile((-(-pool_elements // block),), (block,), (slot.d_input, slot.d_pool, np.int64(pool_elements)),
+                   stream=stream)
+        with stream:
+            if self.codec == "zstd":
+                _nvcomp.compress_async(slot.input_ptrs.data.ptr, self._d_chunk_bytes.data.ptr, layout.tile_bytes,
+                                       chunks, self._d_temp.data.ptr, self._temp_size, slot.output_ptrs.data.ptr,
+                                       slot.d_sizes.data.ptr, slot.d_status.data.ptr, stream.ptr)
+            else:
+                slot.d_sizes[:chunks] = layout.tile_bytes
+            slot.d_permuted[:entries] = 0
+            self._permute((-(-chunks // block),), (block,),
+                          (slot.d_sizes, self._d_positions, slot.d_permuted, np.int64(chunks)))
+            cupy.cumsum(slot.d_permuted[:entries], out=slot.d_offsets[1:entries + 1])
+            self._gather((chunks,), (128,), (slot.d_compressed, np.int64(self.output_stride), slot.d_sizes,
+                                             self._d_positions, slot.d_offsets, slot.d_packed))
+        runtime.memcpyAsync(slot.h_offsets.ctypes.data, slot.d_offsets.data.ptr, (entries + 1) * 8,
+                            runtime.memcpyDeviceToHost, stream.ptr)
+        runtime.memcpyAsync(slot.h_status.ctypes.data, slot.d_status.data.ptr, chunks * 4,
+                            runtime.memcpyDeviceToHost, stream.ptr)
+        slot.ready.record(stream)
+        return _Ticket(slot, epochs, uploaded)
+
+    def result(self, ticket):
+        cupy = self._cupy
+        runtime = cupy.cuda.runtime
+        layout = self.layout
+        slot = ticket.slot
+        try:
+            slot.ready.synchronize()
+            chunks = ticket.epochs * layout.tiles_per_epoch
+            entries = ticket.epochs * layout.slots_per_epoch
+            if self.codec == "zstd":
+                failed = np.flatnonzero(slot.h_status[:chunks])
+                if failed.size:
+                    raise _nvcomp.NvcompError(
+                        f"nvCOMP could not compress {failed.size} tiles (first: tile {int(failed[0])}, "
+                        f"status {int(slot.h_status[failed[0]])})")
+            offsets = slot.h_offsets[: entries + 1].copy()
+            total = int(offsets[-1])
+            runtime.memcpyAsync(slot.h_packed.ctypes.data, slot.d_packed.data.ptr, total,
+                                runtime.memcpyDeviceToHost, self.d2h_stream.ptr)
+            self.d2h_stream.synchronize()
+            epochs = []
+            per_epoch = layout.slots_per_epoch
+            shard_starts = np.arange(0, per_epoch + 1, layout.tiles_per_shard_inner)
+            sizes = np.diff(offsets).reshape(ticket.epochs, layout.inner_shard_count, layout.tiles_per_shard_inner)
+            packed = slot.h_packed
+            for e in range(ticket.epochs):
+                bounds = offsets[e * per_epoch + shard_starts]
+                # Copy out of the pinned ring so the slot can be reused while shards wait for disk.
+                data = [packed[int(a):int(b)].tobytes() for a, b in zip(bounds[:-1], bounds[1:])]
+                epochs.append(EncodedEpoch(data, sizes[e]))
+            return epochs
+        finally:
+            self._free_slots.release()
+
+    def staging_free(self, ticket, block=True):
+        if block:
+            ticket.uploaded.synchronize()
+            return True
+        return ticket.uploaded.done
+
+    def close(self):
+        for stream in (self.copy_stream, self.compute_stream, self.d2h_stream):
+            stream.synchronize()
+        self._slots.clear()
+        self._cupy.get_default_memory_pool().free_all_blocks()

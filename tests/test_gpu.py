@@ -1,0 +1,118 @@
+"""GPU kernels against the NumPy references (run on the GPU machine: ``pytest -m gpu``)."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from napari_tileshard import Dim, Layout, SyntheticCamera, Writer
+from napari_tileshard.backends import gpu_unavailable_reason, select_backend
+
+from conftest import read_back
+
+REASON = gpu_unavailable_reason()
+needs_gpu = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=f"GPU backend not usable: {REASON}")]
+
+
+def test_gpu_backend_request_without_gpu_names_the_reason():
+    if REASON is None:
+        pytest.skip("a GPU is usable here; this checks the error on machines without one")
+    layout = Layout([Dim("t", 0, 2, 1), Dim("x", 8, 4, 1)], "uint8")
+    with pytest.raises(RuntimeError, match="backend='gpu' was requested but the GPU backend is not usable: "):
+        Writer("/tmp/never-created.zarr", layout, backend="gpu")
+    assert select_backend("auto", layout, "zstd", 1).name == "cpu"
+
+
+@st.composite
+def gpu_layouts(draw):
+    rank = draw(st.integers(1, 4))
+    dims = [Dim(f"d{d}", draw(st.integers(1, 20)), draw(st.integers(1, 7)), draw(st.integers(1, 3)))
+            for d in range(rank)]
+    return Layout(dims, draw(st.sampled_from(["uint8", "uint16", "float32", "float64"])))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(REASON is not None, reason=f"GPU backend not usable: {REASON}")
+@given(gpu_layouts(), st.integers(1, 3), st.integers(0, 2**31))
+@settings(max_examples=60, deadline=None)
+def test_tile_kernel_matches_numpy_reference(layout, epochs, seed):
+    import cupy
+
+    from napari_tileshard.backends import _kernels
+    from napari_tileshard.backends.gpu import _ALIGN, _round_up
+
+    rng = np.random.default_rng(seed)
+    batch = rng.integers(1, 250, (epochs * layout.epoch_rows,) + layout.shape[1:]).astype(layout.dtype)
+    stride = _round_up(layout.tile_bytes, _ALIGN) // layout.itemsize
+    elements = epochs * layout.tiles_per_epoch * stride
+    pool = cupy.full(elements * layout.itemsize, 0xAB, dtype=cupy.uint8)  # poisoned
+    kernel = _kernels.tile_kernel(layout, stride)
+    kernel((-(-elements // 128),), (128,), (cupy.asarray(batch.reshape(-1).view(np.uint8)), pool, np.int64(elements)))
+    got = pool.get().view(layout.dtype).reshape(epochs, layout.tiles_per_epoch, stride)
+    assert not got[:, :, layout.tile_elements:].any()  # alignment padding written too
+    expected = layout.tile_pool_reference(batch).reshape(epochs, layout.tiles_per_epoch, -1)
+    np.testing.assert_array_equal(got[:, :, :layout.tile_elements], expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(REASON is not None, reason=f"GPU backend not usable: {REASON}")
+@given(gpu_layouts(), st.integers(1, 3))
+@settings(max_examples=40, deadline=None)
+def test_aggregation_matches_numpy_reference(layout, epochs):
+    """Whole GPU batch: packed shard-major bytes and offsets equal permute + scan + gather in NumPy."""
+    import zstandard
+
+    backend = select_backend("gpu", layout, "zstd", 1)
+    try:
+        staging = backend.allocate_staging(epochs * layout.epoch_bytes)
+        rng = np.random.default_rng(epochs)
+        staging[:] = rng.integers(0, 4, staging.nbytes, dtype=np.uint8)  # compressible, not trivial
+        encoded = backend.result(backend.submit(staging, epochs))
+    finally:
+        backend.close()
+    batch = staging.view(layout.dtype).reshape((epochs * layout.epoch_rows,) + layout.shape[1:])
+    pool = layout.tile_pool_reference(batch)
+    decompressor = zstandard.ZstdDecompressor()
+    for e, epoch in enumerate(encoded):
+        assert epoch.chunk_sizes.shape == (layout.inner_shard_count, layout.tiles_per_shard_inner)
+        assert ((epoch.chunk_sizes > 0) == layout.slot_mask).all()
+        for i, slot in enumerate(layout.shard_permutation):
+            shard, within = divmod(int(slot), layout.tiles_per_shard_inner)
+            start = int(epoch.chunk_sizes[shard, :within].sum())
+            blob = epoch.shard_data[shard][start:start + int(epoch.chunk_sizes[shard, within])]
+            assert decompressor.decompress(blob, max_output_size=layout.tile_bytes) == pool[e, i].tobytes()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(REASON is not None, reason=f"GPU backend not usable: {REASON}")
+@pytest.mark.parametrize("dtype", ["uint8", "uint16", "int32", "float16", "float64"])
+def test_gpu_output_equals_cpu_output(tmp_path, dtype):
+    layout = Layout([Dim("t", 0, 4, 2), Dim("y", 70, 16, 2), Dim("x", 45, 16, 3)], dtype)
+    frames = SyntheticCamera((70, 45), dtype, seed=11).stack(23)
+    for backend in ("cpu", "gpu"):
+        with Writer(tmp_path / f"{backend}.zarr", layout, backend=backend, batch_bytes=3 * layout.epoch_bytes) as w:
+            for i in range(0, 23, 5):
+                w.append(frames[i:i + 5])
+    np.testing.assert_array_equal(read_back(tmp_path / "gpu.zarr"), read_back(tmp_path / "cpu.zarr"))
+    np.testing.assert_array_equal(read_back(tmp_path / "gpu.zarr"), frames)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(REASON is not None, reason=f"GPU backend not usable: {REASON}")
+def test_layout_too_big_for_the_gpu_is_refused_before_start(tmp_path):
+    import cupy
+
+    free, _ = cupy.cuda.runtime.memGetInfo()
+    layout = Layout([Dim("t", 0, 64, 1), Dim("y", 8192, 512, 2), Dim("x", 8192, 512, 2)], "uint16")
+    with pytest.raises(MemoryError, match="GiB of device memory"):
+        Writer(tmp_path / "big.zarr", layout, backend="gpu", batch_bytes=int(free))
+    assert not (tmp_path / "big.zarr" / "zarr.json").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(REASON is not None, reason=f"GPU backend not usable: {REASON}")
+def test_auto_picks_the_gpu_and_says_so(tmp_path):
+    layout = Layout([Dim("t", 0, 2, 1), Dim("x", 64, 16, 2)], "uint16")
+    with Writer(tmp_path / "a.zarr", layout, backend="auto") as writer:
+        writer.append(np.arange(128, dtype=np.uint16).reshape(2, 64))
+    assert writer.backend == "gpu" and writer.stats.backend.startswith("gpu (")
