@@ -10,12 +10,16 @@ def _gpu_param():
 
 
 @pytest.fixture(params=["cpu", _gpu_param()])
-def backend(request):
+def backend(request, monkeypatch):
     """Every writer test runs on both backends; the GPU case skips with the reason where it can't run."""
     if request.param == "gpu":
         reason = gpu_unavailable_reason()
         if reason:
             pytest.skip(f"GPU backend not usable here: {reason}")
+        from napari_tileshard.backends.gpu import GpuBackend
+
+        # Small batches keep hundreds of tiny test writers cheap (pinned + device memory per writer).
+        monkeypatch.setattr(GpuBackend, "default_batch_bytes", 4 << 20)
     return request.param
 
 

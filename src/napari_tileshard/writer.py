@@ -116,13 +116,13 @@ class Writer:
         self.batch_bytes = epochs * layout.epoch_bytes
         self._capacity = None if layout.unbounded else layout.total_elements * layout.itemsize
         self._attributes = dict(attributes or {})
+        # Buffers (and the GPU's memory check) before the store is touched: a refusal leaves no trace.
+        staging_buffers = staging_buffers or getattr(self._backend, "preferred_staging_buffers", 2)
+        self._free = [[self._backend.allocate_staging(self.batch_bytes), None] for _ in range(staging_buffers)]
         self._sink = open_sink(store, overwrite)
         self.stats = WriterStats(backend=self._backend.describe())
         self._metadata_rows = 0 if layout.unbounded else layout.shape[0]
         self._write_metadata(self._metadata_rows)
-
-        staging_buffers = staging_buffers or getattr(self._backend, "preferred_staging_buffers", 2)
-        self._free = [[self._backend.allocate_staging(self.batch_bytes), None] for _ in range(staging_buffers)]
         self._current = None  # [buffer, ticket] being filled
         self._fill = 0
         self._epochs_submitted = 0

@@ -66,6 +66,8 @@ class _Ticket:
 
 class GpuBackend(Backend):
     name = "gpu"
+    #: overrides the batch size heuristic (tests set it small so each Writer stays cheap)
+    default_batch_bytes: int | None = None
 
     def __init__(self, layout, codec="zstd", level=1, slots: int = 2, batch_bytes: int | None = None, **_):
         import cupy
@@ -78,7 +80,7 @@ class GpuBackend(Backend):
         self.device = cupy.cuda.Device()
         props = cupy.cuda.runtime.getDeviceProperties(self.device.id)
         self.device_name = props["name"].decode()
-        self.preferred_batch_bytes = batch_bytes or max(512 << 20, min(1 << 30, 1024 * layout.tile_bytes))
+        self.preferred_batch_bytes = batch_bytes or self.default_batch_bytes or max(512 << 20, min(1 << 30, 1024 * layout.tile_bytes))
         self.preferred_staging_buffers = 3
         self._slot_count = slots
         self._slots: list[_Slot] = []
