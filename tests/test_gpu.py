@@ -103,7 +103,7 @@ def test_layout_too_big_for_the_gpu_is_refused_before_start(tmp_path):
     import cupy
 
     free, _ = cupy.cuda.runtime.memGetInfo()
-    layout = Layout([Dim("t", 0, 64, 1), Dim("y", 8192, 512, 2), Dim("x", 8192, 512, 2)], "uint16")
+    layout = Layout([Dim("t", 0, 16, 1), Dim("y", 8192, 512, 2), Dim("x", 8192, 512, 2)], "uint16")
     with pytest.raises(MemoryError, match="GiB of device memory"):
         Writer(tmp_path / "big.zarr", layout, backend="gpu", batch_bytes=int(free))
     assert not (tmp_path / "big.zarr" / "zarr.json").exists()

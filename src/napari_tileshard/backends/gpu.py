@@ -16,6 +16,7 @@ batch N+1 is uploaded and tiled while batch N compresses and batch N-1 is copied
 from __future__ import annotations
 
 import threading
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -76,6 +77,10 @@ class GpuBackend(Backend):
         if codec == "zstd" and layout.tile_bytes > _MAX_NVCOMP_CHUNK:
             raise ValueError(f"tile of {layout.tile_bytes} bytes exceeds nvCOMP zstd's 16 MiB chunk limit; "
                              "use smaller tiles or backend='cpu'")
+        if codec == "zstd" and level != 1:
+            warnings.warn(f"nvCOMP's zstd has no compression level: level={level} is recorded in the metadata "
+                          "but the GPU compresses at its own fixed setting (use backend='cpu' for other levels)",
+                          UserWarning, stacklevel=4)
         self._cupy = cupy
         self.device = cupy.cuda.Device()
         props = cupy.cuda.runtime.getDeviceProperties(self.device.id)
