@@ -6,8 +6,8 @@ Threads and buffers (see ``docs/design.md``):
   ``batch_epochs`` whole tile epochs and submits a full buffer to the backend;
 * a collector thread takes backend results in order, feeds the :class:`ShardAccumulator` and
   hands completed shards to a small I/O pool;
-* the collector lets at most two shard epochs wait on storage; when an epoch's shards are on
-  disk it rewrites ``zarr.json`` so that ``shape[0]`` covers it (unbounded arrays).
+* the collector lets at most two batches' worth of shard epochs wait on storage; when an
+  epoch's shards are on disk it rewrites ``zarr.json`` so that ``shape[0]`` covers it (unbounded arrays).
 
 Backpressure: ``write`` returns the unconsumed tail when no staging buffer is free, ``append``
 waits.  Errors on any thread stop the Writer; the next call raises :class:`WriterError`.
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import queue
 import threading
 import time
@@ -35,7 +36,8 @@ from .store import METADATA_KEY, array_metadata, metadata_bytes, open_sink
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.05
-_MAX_PENDING_SHARD_EPOCHS = 2
+_PENDING_BATCHES = 2  # compressed batches that may wait on storage before the collector waits
+_PARALLEL_COPY_BYTES = 2 << 20
 
 
 class WriterError(RuntimeError):
@@ -129,6 +131,11 @@ class Writer:
         self._accumulator = ShardAccumulator(layout)
         self._submitted: queue.Queue = queue.Queue(maxsize=staging_buffers)
         self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="tileshard-io")
+        self._copy_threads = min(3, (os.cpu_count() or 1) - 1)
+        self._copy_pool = (ThreadPoolExecutor(self._copy_threads, thread_name_prefix="tileshard-copy")
+                           if self._copy_threads > 0 else None)
+        shard_epochs_per_batch = -(-self.batch_epochs // layout.tiles_per_shard[0])
+        self._max_pending_shard_epochs = max(2, _PENDING_BATCHES * shard_epochs_per_batch)
         self._pending_io: list[tuple[list, int]] = []  # (futures, rows complete once they finish)
         self._stats_lock = threading.Lock()
         self._error: BaseException | None = None
@@ -154,9 +161,9 @@ class Writer:
         """Upper bound of the bytes the Writer holds: staging, compressed shards in flight, device."""
         layout = self.layout
         estimate = self._backend.memory_estimate(self.batch_bytes, len(self._free) + (self._current is not None))
-        # The open shard epoch plus two waiting on storage, at the worst-case compressed size.
+        # The open shard epoch plus those waiting on storage, at the worst-case compressed size.
         shard_epoch_bound = (layout.tiles_per_shard[0] * layout.tiles_per_epoch * layout.compressed_tile_bound())
-        estimate["host"] += (1 + _MAX_PENDING_SHARD_EPOCHS) * shard_epoch_bound
+        estimate["host"] += (1 + self._max_pending_shard_epochs) * shard_epoch_bound
         return estimate
 
     def append(self, array) -> None:
@@ -214,6 +221,8 @@ class Writer:
         finally:
             self._finish_io()
             self._io.shutdown(wait=True)
+            if self._copy_pool is not None:
+                self._copy_pool.shutdown(wait=True)
             self._backend.close()
             self.stats.elapsed_s = time.perf_counter() - self._start
         self._raise_if_failed()
@@ -267,7 +276,7 @@ class Writer:
                 break
             buffer = self._current[0]
             n = min(data.nbytes, self.batch_bytes - self._fill)
-            buffer[self._fill : self._fill + n] = np.frombuffer(data[:n], dtype=np.uint8)
+            self._copy(buffer[self._fill : self._fill + n], np.frombuffer(data[:n], dtype=np.uint8))
             self._fill += n
             self.stats.bytes_in += n
             data = data[n:]
@@ -275,6 +284,20 @@ class Writer:
             self._submit_full(block)
         self.stats.frames = self.stats.bytes_in // (self.layout.frame_elements * self.layout.itemsize)
         return data
+
+    def _copy(self, destination: np.ndarray, source: np.ndarray) -> None:
+        """Copy into staging; large pieces in parallel (one thread's memcpy tops out near 4 GB/s)."""
+        n = source.nbytes
+        if n < _PARALLEL_COPY_BYTES or self._copy_pool is None:
+            destination[...] = source
+            return
+        parts = self._copy_threads + 1
+        bounds = [n * i // parts for i in range(parts + 1)]
+        futures = [self._copy_pool.submit(np.copyto, destination[a:b], source[a:b])
+                   for a, b in zip(bounds[1:-1], bounds[2:])]
+        destination[: bounds[1]] = source[: bounds[1]]
+        for future in futures:
+            future.result()
 
     def _submit_full(self, block: bool) -> bool:
         """Submit the full current buffer; without ``block``, only if the pipeline has room."""
@@ -361,7 +384,7 @@ class Writer:
         shard_epoch = shards[0].coords[0]
         rows = min((shard_epoch + 1) * self.layout.shard_epoch_rows, self._rows_received())
         self._pending_io.append((futures, rows))
-        limit = 0 if wait else _MAX_PENDING_SHARD_EPOCHS
+        limit = 0 if wait else self._max_pending_shard_epochs
         while len(self._pending_io) > limit:
             self._complete_oldest_io()
 

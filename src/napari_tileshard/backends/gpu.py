@@ -8,7 +8,7 @@ Per batch of tile epochs (see ``docs/design.md``), all enqueued without a host s
       --D2H offsets + statuses--> host
 
 The collector thread then waits for the offsets, copies only the used packed bytes back and
-cuts them into per-shard buffers.  Device buffers form a ring of ``slots`` (default 2), so
+cuts them into per-shard buffers.  Device buffers form a ring of ``slots`` (default 3), so
 batch N+1 is uploaded and tiled while batch N compresses and batch N-1 is copied back;
 ``submit`` blocks when every slot is busy, which is the backpressure towards the producer.
 """
@@ -54,7 +54,6 @@ class _Slot:
     output_ptrs: object
     h_offsets: np.ndarray
     h_status: np.ndarray
-    h_packed: np.ndarray
     ready: object  # event: offsets and statuses are on the host
 
 
@@ -70,7 +69,7 @@ class GpuBackend(Backend):
     #: overrides the batch size heuristic (tests set it small so each Writer stays cheap)
     default_batch_bytes: int | None = None
 
-    def __init__(self, layout, codec="zstd", level=1, slots: int = 2, batch_bytes: int | None = None, **_):
+    def __init__(self, layout, codec="zstd", level=1, slots: int = 3, batch_bytes: int | None = None, **_):
         import cupy
 
         super().__init__(layout, codec, level)
@@ -115,7 +114,7 @@ class GpuBackend(Backend):
         epochs = max(1, batch_bytes // self.layout.epoch_bytes)
         chunks = epochs * self.layout.tiles_per_epoch
         temp = self._temp_bytes(chunks)
-        host = staging_buffers * batch_bytes + self._slot_count * chunks * self.output_stride
+        host = staging_buffers * batch_bytes  # packed outputs are counted by the Writer as shards in flight
         return {"host": host, "device": self._slot_count * self._device_bytes_per_slot(epochs) + temp}
 
     def _temp_bytes(self, chunks: int) -> int:
@@ -167,9 +166,9 @@ class GpuBackend(Backend):
                 output_ptrs=cupy.uint64(d_compressed.data.ptr) + index * cupy.uint64(self.output_stride),
                 h_offsets=_pinned((entries + 1) * 8).view(np.uint64),
                 h_status=_pinned(chunks * 4).view(np.int32),
-                h_packed=_pinned(chunks * self.output_stride),
                 ready=cupy.cuda.Event(disable_timing=True),
             ))
+        self._packed_bytes = chunks * self.output_stride
         self.device.synchronize()  # allocations and fills above ran on the default stream
         self._tile = _kernels.tile_kernel(layout, self.tile_stride_bytes // layout.itemsize)
         self._permute, self._gather = _kernels.aggregate_kernels()
@@ -232,18 +231,20 @@ class GpuBackend(Backend):
                         f"status {int(slot.h_status[failed[0]])})")
             offsets = slot.h_offsets[: entries + 1].copy()
             total = int(offsets[-1])
-            runtime.memcpyAsync(slot.h_packed.ctypes.data, slot.d_packed.data.ptr, total,
+            # A fresh pinned buffer per batch, always of the same size so CuPy's pinned pool reuses
+            # it: the shards keep views into it until they are on disk, then it returns to the pool.
+            # No copy out, no slot held while shards wait for storage.
+            packed = _pinned(self._packed_bytes)
+            runtime.memcpyAsync(packed.ctypes.data, slot.d_packed.data.ptr, total,
                                 runtime.memcpyDeviceToHost, self.d2h_stream.ptr)
             self.d2h_stream.synchronize()
             epochs = []
             per_epoch = layout.slots_per_epoch
             shard_starts = np.arange(0, per_epoch + 1, layout.tiles_per_shard_inner)
             sizes = np.diff(offsets).reshape(ticket.epochs, layout.inner_shard_count, layout.tiles_per_shard_inner)
-            packed = slot.h_packed
             for e in range(ticket.epochs):
                 bounds = offsets[e * per_epoch + shard_starts]
-                # Copy out of the pinned ring so the slot can be reused while shards wait for disk.
-                data = [packed[int(a):int(b)].tobytes() for a, b in zip(bounds[:-1], bounds[1:])]
+                data = [packed[int(a):int(b)] for a, b in zip(bounds[:-1], bounds[1:])]
                 epochs.append(EncodedEpoch(data, sizes[e]))
             return epochs
         finally:

@@ -1,0 +1,83 @@
+"""Where the Writer's time goes: per-stage wall time by thread, for one backend and layout.
+
+    python benchmarks/profile_writer.py --backend gpu --gib 4 --tile 8,128,128 --out /dev/shm/prof.zarr
+
+Wraps the stage functions with timers (no sampling profiler needed on the GPU machine) and
+prints, per stage, the summed seconds and the share of the wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from napari_tileshard import SyntheticCamera, Writer  # noqa: E402
+from napari_tileshard import writer as writer_module  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_write import layout_for  # noqa: E402
+
+TOTALS: dict[str, float] = collections.defaultdict(float)
+LOCK = threading.Lock()
+
+
+def timed(owner, name, label=None):
+    original = getattr(owner, name)
+
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            with LOCK:
+                TOTALS[label or name] += time.perf_counter() - start
+
+    setattr(owner, name, wrapper)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--backend", default="gpu")
+    parser.add_argument("--gib", type=float, default=4)
+    parser.add_argument("--frame", default="2048x2048")
+    parser.add_argument("--tile", default="8,128,128")
+    parser.add_argument("--out", default="/dev/shm/tileshard-profile.zarr")
+    parser.add_argument("--batch-mib", type=int, default=None)
+    args = parser.parse_args()
+    shape = tuple(int(v) for v in args.frame.split("x"))
+    tile = tuple(int(v) for v in args.tile.split(","))
+    camera = SyntheticCamera(shape, "uint16", seed=0)
+    camera.prepare()
+    frames = int(args.gib * 2**30 // camera.frame_bytes)
+    layout = layout_for(shape, tile)
+    W = writer_module.Writer
+    for name in ("_write", "_acquire", "_submit_current", "_collect", "_store_shards", "_write_shard",
+                 "_complete_oldest_io", "_write_metadata"):
+        timed(W, name)
+    batch = args.batch_mib << 20 if args.batch_mib else None
+    writer = Writer(args.out, layout, backend=args.backend, overwrite=True, batch_bytes=batch)
+    backend = writer._backend
+    timed(backend, "submit", "backend.submit")
+    timed(backend, "result", "backend.result")
+    timed(backend, "staging_free", "backend.staging_free")
+    timed(writer._accumulator, "add", "accumulator.add")
+    timed(writer._sink, "write", "sink.write")
+    start = time.perf_counter()
+    for frame in camera.frames(frames):
+        writer.append(frame)
+    fed = time.perf_counter() - start
+    writer.close()
+    wall = time.perf_counter() - start
+    print(f"{args.backend} {layout.tile_shape} batch {writer.batch_bytes >> 20} MiB: {frames * camera.frame_bytes / wall / 1e9:.2f} GB/s "
+          f"(wall {wall:.2f} s, feeding {fed:.2f} s, close {wall - fed:.2f} s)")
+    for name, seconds in sorted(TOTALS.items(), key=lambda kv: -kv[1]):
+        print(f"  {name:28s} {seconds:7.2f} s  {seconds / wall:6.1%}")
+
+
+if __name__ == "__main__":
+    main()
