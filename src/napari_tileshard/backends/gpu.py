@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 import warnings
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,6 +39,46 @@ def _pinned(nbytes: int) -> np.ndarray:
 
     memory = cupy.cuda.alloc_pinned_memory(max(1, nbytes))
     return np.frombuffer(memory, dtype=np.uint8, count=max(1, nbytes))
+
+
+class _PinnedBlock:
+    """Exposes one pinned allocation to NumPy; views of it keep it (not its pool slot) alive."""
+
+    def __init__(self, memory, nbytes: int):
+        self.memory = memory
+        self.__array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (memory.ptr, False), "version": 3}
+
+
+class _PinnedRecycler:
+    """Fixed-size pinned host buffers that come back for reuse when their last view is gone.
+
+    The GPU backend copies each batch's packed shards into one of these and the shards keep
+    views into it until they are on disk; allocating pinned memory per batch would cost more
+    than the copy it saves, and copying out to pageable memory costs a core.
+    """
+
+    def __init__(self, nbytes: int):
+        import cupy
+
+        self._alloc = cupy.cuda.alloc_pinned_memory
+        self.nbytes = max(1, nbytes)
+        self._free: list = []
+        self._lock = threading.Lock()
+        self.allocated = 0
+
+    def take(self) -> np.ndarray:
+        with self._lock:
+            memory = self._free.pop() if self._free else None
+        if memory is None:
+            memory = self._alloc(self.nbytes)
+            self.allocated += 1
+        block = _PinnedBlock(memory, self.nbytes)
+        weakref.finalize(block, self._give_back, memory)
+        return np.asarray(block)
+
+    def _give_back(self, memory) -> None:
+        with self._lock:
+            self._free.append(memory)
 
 
 @dataclass
@@ -168,7 +209,7 @@ class GpuBackend(Backend):
                 h_status=_pinned(chunks * 4).view(np.int32),
                 ready=cupy.cuda.Event(disable_timing=True),
             ))
-        self._packed_bytes = chunks * self.output_stride
+        self._packed = _PinnedRecycler(chunks * self.output_stride)
         self.device.synchronize()  # allocations and fills above ran on the default stream
         self._tile = _kernels.tile_kernel(layout, self.tile_stride_bytes // layout.itemsize)
         self._permute, self._gather = _kernels.aggregate_kernels()
@@ -231,10 +272,9 @@ class GpuBackend(Backend):
                         f"status {int(slot.h_status[failed[0]])})")
             offsets = slot.h_offsets[: entries + 1].copy()
             total = int(offsets[-1])
-            # A fresh pinned buffer per batch, always of the same size so CuPy's pinned pool reuses
-            # it: the shards keep views into it until they are on disk, then it returns to the pool.
-            # No copy out, no slot held while shards wait for storage.
-            packed = _pinned(self._packed_bytes)
+            # The shards keep views into this pinned buffer until they are on disk, then it is
+            # recycled: no copy out, and no device slot held while shards wait for storage.
+            packed = self._packed.take()
             runtime.memcpyAsync(packed.ctypes.data, slot.d_packed.data.ptr, total,
                                 runtime.memcpyDeviceToHost, self.d2h_stream.ptr)
             self.d2h_stream.synchronize()
