@@ -1,7 +1,8 @@
 """Write the same synthetic frames with this project and its peers; print GB/s and ratios.
 
 Every engine receives the same frames (a bank of realistic uint16 frames from SyntheticCamera,
-replayed) one by one, and is timed from the first frame until its store is closed.  Peers get
+replayed) one by one, and is timed from the first frame until its store is closed (store
+creation and buffer allocation happen before, as when a recorder is armed).  Peers get
 the same chunk (tile) shape, shard shape and zstd level.  GPU ceilings (nvCOMP batched encode of
 device-resident tiles, pinned H2D copy) are measured in the same run when a GPU is present.
 
@@ -52,12 +53,20 @@ def dir_bytes(path: Path) -> int:
 
 
 # -- engines ------------------------------------------------------------------------------
-def run_tileshard(backend, camera, frames, tile, out, level):
+# Each engine is set up (store created, buffers allocated) before the clock starts, as a
+# recorder is configured before an acquisition; the clock runs from the first frame until the
+# store is closed.
+def setup_tileshard(backend, camera, frames, tile, out, level):
     layout = layout_for(camera.shape, tile)
-    with Writer(out, layout, codec="zstd", level=level, backend=backend, overwrite=True) as writer:
-        for frame in camera.frames(frames):
-            writer.append(frame)
-    return writer.stats.backend
+    writer = Writer(out, layout, codec="zstd", level=level, backend=backend, overwrite=True)
+
+    def run():
+        with writer:
+            for frame in camera.frames(frames):
+                writer.append(frame)
+        return writer.stats.backend
+
+    return run
 
 
 def slabs(camera, frames, rows):
@@ -74,7 +83,7 @@ def slabs(camera, frames, rows):
             filled, which = 0, 1 - which
 
 
-def run_tensorstore(camera, frames, tile, out, level):
+def setup_tensorstore(camera, frames, tile, out, level):
     import tensorstore as ts
 
     layout = layout_for(camera.shape, tile, unbounded=False, frames=frames)
@@ -96,30 +105,37 @@ def run_tensorstore(camera, frames, tile, out, level):
         "delete_existing": True,
     }
     store = ts.open(spec).result()
-    pending = None
-    for start, slab in slabs(camera, frames, layout.shard_epoch_rows):
-        future = store[start:start + len(slab)].write(slab)
+
+    def run():
+        pending = None
+        for start, slab in slabs(camera, frames, layout.shard_epoch_rows):
+            future = store[start:start + len(slab)].write(slab)
+            if pending is not None:
+                pending.result()
+            pending = future
         if pending is not None:
             pending.result()
-        pending = future
-    if pending is not None:
-        pending.result()
-    return f"tensorstore {ts.__version__ if hasattr(ts, '__version__') else ''}".strip()
+        return "tensorstore"
+
+    return run
 
 
-def run_zarr_python(camera, frames, tile, out, level):
+def setup_zarr_python(camera, frames, tile, out, level):
     import zarr
 
     layout = layout_for(camera.shape, tile, unbounded=False, frames=frames)
     array = zarr.create_array(out, shape=(frames, *camera.shape), chunks=tile, shards=layout.shard_shape,
                               dtype="uint16", compressors=zarr.codecs.ZstdCodec(level=level), fill_value=0,
                               overwrite=True, dimension_names=["t", "y", "x"])
-    for start, slab in slabs(camera, frames, layout.shard_epoch_rows):
-        array[start:start + len(slab)] = slab
-    return f"zarr-python {zarr.__version__}"
+    def run():
+        for start, slab in slabs(camera, frames, layout.shard_epoch_rows):
+            array[start:start + len(slab)] = slab
+        return f"zarr-python {zarr.__version__}"
+
+    return run
 
 
-def run_acquire_zarr(camera, frames, tile, out, level):
+def setup_acquire_zarr(camera, frames, tile, out, level):
     import acquire_zarr as az
 
     layout = layout_for(camera.shape, tile)
@@ -132,24 +148,29 @@ def run_acquire_zarr(camera, frames, tile, out, level):
         compression=az.CompressionSettings(compressor=az.Compressor.ZSTD, codec=az.CompressionCodec.ZSTD,
                                            level=level, shuffle=0))]
     stream = az.ZarrStream(settings)
-    for frame in camera.frames(frames):
-        stream.append(frame)
-    stream.close()
-    return "acquire-zarr"
+
+    def run():
+        for frame in camera.frames(frames):
+            stream.append(frame)
+        stream.close()
+        return "acquire-zarr 0.10"
+
+    return run
 
 
-def run_engine(engine, camera, frames, tile, out, level):
+def setup_engine(engine, camera, frames, tile, out, level):
     if engine.startswith("tileshard-"):
-        return run_tileshard(engine.split("-", 1)[1], camera, frames, tile, out, level)
-    return {"tensorstore": run_tensorstore, "zarr-python": run_zarr_python,
-            "acquire-zarr": run_acquire_zarr}[engine](camera, frames, tile, out, level)
+        return setup_tileshard(engine.split("-", 1)[1], camera, frames, tile, out, level)
+    return {"tensorstore": setup_tensorstore, "zarr-python": setup_zarr_python,
+            "acquire-zarr": setup_acquire_zarr}[engine](camera, frames, tile, out, level)
 
 
 def measure(engine, camera, frames, tile, out_root, level):
     out = out_root / f"{engine}.zarr"
     shutil.rmtree(out, ignore_errors=True)
+    run = setup_engine(engine, camera, frames, tile, out, level)
     cpu0, wall0 = time.process_time(), time.perf_counter()
-    label = run_engine(engine, camera, frames, tile, out, level)
+    label = run()
     wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
     bytes_in = frames * camera.frame_bytes
     bytes_out = dir_bytes(out)

@@ -67,6 +67,9 @@ def main():
     timed(backend, "staging_free", "backend.staging_free")
     timed(writer._accumulator, "add", "accumulator.add")
     timed(writer._sink, "write", "sink.write")
+    if hasattr(backend, "_packed"):
+        timed(backend._packed, "take", "pinned.take")
+        timed(backend, "_wait_ready", "backend.wait_ready")
     start = time.perf_counter()
     for frame in camera.frames(frames):
         writer.append(frame)

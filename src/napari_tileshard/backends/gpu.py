@@ -66,6 +66,12 @@ class _PinnedRecycler:
         self._lock = threading.Lock()
         self.allocated = 0
 
+    def reserve(self, count: int) -> None:
+        """Allocate up front (pinning memory is slow: do it before recording starts)."""
+        while self.allocated < count:
+            self._free.append(self._alloc(self.nbytes))
+            self.allocated += 1
+
     def take(self) -> np.ndarray:
         with self._lock:
             memory = self._free.pop() if self._free else None
@@ -155,7 +161,8 @@ class GpuBackend(Backend):
         epochs = max(1, batch_bytes // self.layout.epoch_bytes)
         chunks = epochs * self.layout.tiles_per_epoch
         temp = self._temp_bytes(chunks)
-        host = staging_buffers * batch_bytes  # packed outputs are counted by the Writer as shards in flight
+        # Staging, plus the pinned packed-output buffers reserved for batches in flight.
+        host = staging_buffers * batch_bytes + (self._slot_count + 2) * chunks * self.output_stride
         return {"host": host, "device": self._slot_count * self._device_bytes_per_slot(epochs) + temp}
 
     def _temp_bytes(self, chunks: int) -> int:
@@ -210,6 +217,7 @@ class GpuBackend(Backend):
                 ready=cupy.cuda.Event(disable_timing=True),
             ))
         self._packed = _PinnedRecycler(chunks * self.output_stride)
+        self._packed.reserve(self._slot_count + 2)  # in flight: slots + batches waiting on storage
         self.device.synchronize()  # allocations and fills above ran on the default stream
         self._tile = _kernels.tile_kernel(layout, self.tile_stride_bytes // layout.itemsize)
         self._permute, self._gather = _kernels.aggregate_kernels()
@@ -261,7 +269,7 @@ class GpuBackend(Backend):
         layout = self.layout
         slot = ticket.slot
         try:
-            slot.ready.synchronize()
+            self._wait_ready(slot)
             chunks = ticket.epochs * layout.tiles_per_epoch
             entries = ticket.epochs * layout.slots_per_epoch
             if self.codec == "zstd":
@@ -289,6 +297,10 @@ class GpuBackend(Backend):
             return epochs
         finally:
             self._free_slots.release()
+
+    @staticmethod
+    def _wait_ready(slot) -> None:
+        slot.ready.synchronize()
 
     def staging_free(self, ticket, block=True):
         if block:
