@@ -7,6 +7,7 @@ Per batch of tile epochs (see ``docs/design.md``), all enqueued without a host s
       --permute sizes by P, exclusive scan, gather--> packed shard-major bytes + offsets
       --D2H offsets + statuses--> host
 
+Events are created with blocking sync, so waiting threads sleep instead of spinning a core.
 The collector thread then waits for the offsets, copies only the used packed bytes back and
 cuts them into per-shard buffers.  Device buffers form a ring of ``slots`` (default 3), so
 batch N+1 is uploaded and tiled while batch N compresses and batch N-1 is copied back;
@@ -102,6 +103,7 @@ class _Slot:
     h_offsets: np.ndarray
     h_status: np.ndarray
     ready: object  # event: offsets and statuses are on the host
+    copied: object  # event: the packed bytes are on the host
 
 
 @dataclass
@@ -214,7 +216,8 @@ class GpuBackend(Backend):
                 output_ptrs=cupy.uint64(d_compressed.data.ptr) + index * cupy.uint64(self.output_stride),
                 h_offsets=_pinned((entries + 1) * 8).view(np.uint64),
                 h_status=_pinned(chunks * 4).view(np.int32),
-                ready=cupy.cuda.Event(disable_timing=True),
+                ready=cupy.cuda.Event(block=True, disable_timing=True),
+                copied=cupy.cuda.Event(block=True, disable_timing=True),
             ))
         self._packed = _PinnedRecycler(chunks * self.output_stride)
         self._packed.reserve(self._slot_count + 2)  # in flight: slots + batches waiting on storage
@@ -233,7 +236,7 @@ class GpuBackend(Backend):
         nbytes = epochs * layout.epoch_bytes
         chunks = epochs * layout.tiles_per_epoch
         entries = epochs * layout.slots_per_epoch
-        uploaded = cupy.cuda.Event(disable_timing=True)
+        uploaded = cupy.cuda.Event(block=True, disable_timing=True)
         runtime.memcpyAsync(slot.d_input.data.ptr, staging.ctypes.data, nbytes,
                             runtime.memcpyHostToDevice, self.copy_stream.ptr)
         uploaded.record(self.copy_stream)
@@ -285,7 +288,8 @@ class GpuBackend(Backend):
             packed = self._packed.take()
             runtime.memcpyAsync(packed.ctypes.data, slot.d_packed.data.ptr, total,
                                 runtime.memcpyDeviceToHost, self.d2h_stream.ptr)
-            self.d2h_stream.synchronize()
+            slot.copied.record(self.d2h_stream)
+            slot.copied.synchronize()
             epochs = []
             per_epoch = layout.slots_per_epoch
             shard_starts = np.arange(0, per_epoch + 1, layout.tiles_per_shard_inner)
