@@ -52,7 +52,7 @@ class WriterStats:
     bytes_out: int = 0
     shards_written: int = 0
     elapsed_s: float = 0.0
-    rows_complete: int = 0
+    rows_complete: int = 0  # rows along dim 0 whose shards are all on disk
 
     @property
     def compression_ratio(self) -> float:
@@ -216,6 +216,7 @@ class Writer:
                 self._store_shards(self._accumulator.take_pending(), wait=True)
                 if self.layout.unbounded:
                     self._write_metadata(self._rows_received())
+                self.stats.rows_complete = self._rows_received()
         except BaseException as exc:  # noqa: BLE001 - recorded and re-raised below
             self._fail(exc)
         finally:

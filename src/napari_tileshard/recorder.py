@@ -1,0 +1,232 @@
+"""The recording loop, free of Qt: source -> bounded queue -> Writer, with live statistics.
+
+The napari widget hosts :meth:`Recorder.run` on a QThread and relays its callbacks as signals;
+scripts and the GPU benchmark run it on a plain thread (``Recorder.start()``).
+
+Sources push frames with :meth:`Recorder.push`.  The queue between source and writer is
+bounded; the policy decides what happens when it is full: ``"block"`` makes the source wait
+(nothing is lost), ``"drop"`` discards the frame and counts it.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from .camera import SyntheticCamera
+from .layout import Layout
+from .writer import Writer
+
+log = logging.getLogger(__name__)
+
+POLICIES = ("block", "drop")
+_STOP = object()
+
+
+@dataclass
+class RecorderSettings:
+    """What to record where: the programmatic face of the dock widget."""
+
+    output: str = "recording.zarr"
+    layout: Layout | None = None
+    codec: str = "zstd"
+    level: int = 1
+    backend: str = "auto"
+    source: str = "synthetic"  # "synthetic" or the name of an image layer
+    fps: float | None = 50.0  # synthetic camera rate (None = as fast as possible)
+    overwrite: bool = False
+    policy: str = "block"
+    queue_frames: int = 64
+    seed: int = 0
+    batch_bytes: int | None = None  # Writer batching (smaller: the preview follows more closely)
+
+    def validate(self) -> None:
+        """Raise ValueError/TypeError naming the first bad setting."""
+        if not isinstance(self.layout, Layout):
+            raise TypeError("settings.layout must be a Layout")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy {self.policy!r} is not one of {', '.join(POLICIES)}")
+        if not isinstance(self.queue_frames, int) or self.queue_frames < 1:
+            raise ValueError(f"queue_frames must be a positive integer, got {self.queue_frames!r}")
+        if self.fps is not None and not (self.fps > 0):
+            raise ValueError(f"fps must be positive or None, got {self.fps!r}")
+        if not str(self.output).strip():
+            raise ValueError("the output path is empty")
+        path = Path(self.output).expanduser()
+        if path.exists() and any(path.iterdir()) and not self.overwrite:
+            raise FileExistsError(f"output {str(path)!r} already exists; choose another path or allow overwrite")
+
+    def with_(self, **changes) -> "RecorderSettings":
+        return replace(self, **changes)
+
+
+@dataclass
+class RecorderStats:
+    frames: int = 0
+    dropped: int = 0
+    queue_depth: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    shards_written: int = 0
+    rows_complete: int = 0
+    elapsed_s: float = 0.0
+    backend: str = ""
+    error: str | None = None
+    recording: bool = False
+
+    @property
+    def frames_per_s(self) -> float:
+        return self.frames / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    @property
+    def input_gbps(self) -> float:
+        return self.bytes_in / self.elapsed_s / 1e9 if self.elapsed_s > 0 else 0.0
+
+    @property
+    def compression_ratio(self) -> float:
+        return self.bytes_in / self.bytes_out if self.bytes_out else float("nan")
+
+
+@dataclass
+class Recorder:
+    """One recording: a Writer fed from a bounded queue on the thread that calls :meth:`run`."""
+
+    settings: RecorderSettings
+    on_progress: Callable[[RecorderStats], None] | None = None  # called when shard epochs complete
+    on_finished: Callable[[RecorderStats], None] | None = None
+    stats: RecorderStats = field(default_factory=RecorderStats)
+
+    def __post_init__(self):
+        self.settings.validate()
+        self._queue: queue.Queue = queue.Queue(maxsize=self.settings.queue_frames)
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._feeder: threading.Thread | None = None
+        self.writer: Writer | None = None
+        self._start = None
+
+    # -- source side -------------------------------------------------------------------
+    def push(self, frame: np.ndarray) -> bool:
+        """Offer one frame; returns False if it was dropped (drop policy, queue full) or stopped."""
+        if self._stopping.is_set():
+            return False
+        if self.settings.policy == "drop":
+            try:
+                self._queue.put_nowait(frame)
+                return True
+            except queue.Full:
+                self.stats.dropped += 1
+                return False
+        while not self._stopping.is_set():
+            try:
+                self._queue.put(frame, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def feed_synthetic(self, frames: int | None = None) -> None:
+        """Push SyntheticCamera frames at ``settings.fps`` (runs on its own thread via start())."""
+        layout = self.settings.layout
+        camera = SyntheticCamera(layout.frame_shape or (1,), layout.dtype, seed=self.settings.seed,
+                                 fps=self.settings.fps)
+        camera.prepare()
+        for frame in camera.frames(frames):
+            if self._stopping.is_set():
+                break
+            self.push(frame.reshape(layout.frame_shape))
+        else:
+            self.stop()
+
+    # -- writer side -------------------------------------------------------------------
+    def run(self) -> RecorderStats:
+        """The recording loop: drain the queue into the Writer until stop(); always finalizes."""
+        s = self.settings
+        self.stats.recording = True
+        self._start = time.perf_counter()
+        try:
+            self.writer = Writer(s.output, s.layout, codec=s.codec, level=s.level, backend=s.backend,
+                                 overwrite=s.overwrite, batch_bytes=s.batch_bytes)
+            self.stats.backend = self.writer.stats.backend
+            while True:
+                try:
+                    item = self._queue.get(timeout=0.05)
+                except queue.Empty:
+                    if self._stopping.is_set():
+                        break
+                    self._update()
+                    continue
+                if item is _STOP:
+                    break
+                self.writer.append(item)
+                self.stats.frames += 1
+                self._update()
+        except Exception as exc:  # noqa: BLE001 - reported through stats/on_finished, never raised into Qt
+            log.exception("recording to %s failed", s.output)
+            self.stats.error = f"{type(exc).__name__}: {exc}"
+        finally:
+            self._stopping.set()
+            self._finalize()
+        return self.stats
+
+    def _finalize(self) -> None:
+        if self.writer is not None:
+            try:
+                self.writer.close()
+            except Exception as exc:  # noqa: BLE001
+                if self.stats.error is None:
+                    self.stats.error = f"{type(exc).__name__}: {exc}"
+        self._update(final=True)
+        self.stats.recording = False
+        if self.on_finished:
+            self.on_finished(self.stats)
+
+    def _update(self, final: bool = False) -> None:
+        stats = self.stats
+        stats.elapsed_s = time.perf_counter() - self._start
+        stats.queue_depth = self._queue.qsize()
+        if self.writer is not None:
+            w = self.writer.stats
+            stats.bytes_in, stats.bytes_out, stats.shards_written = w.bytes_in, w.bytes_out, w.shards_written
+            rows = w.rows_complete
+            if rows != stats.rows_complete:
+                stats.rows_complete = rows
+                if self.on_progress:
+                    self.on_progress(stats)
+
+    # -- control ---------------------------------------------------------------------
+    def start(self, synthetic_frames: int | None = None) -> "Recorder":
+        """Run headless: the loop on a thread, and the synthetic camera on another if selected."""
+        self._thread = threading.Thread(target=self.run, name="tileshard-recorder", daemon=True)
+        self._thread.start()
+        if self.settings.source == "synthetic":
+            self._feeder = threading.Thread(target=self.feed_synthetic, args=(synthetic_frames,),
+                                            name="tileshard-camera", daemon=True)
+            self._feeder.start()
+        return self
+
+    def stop(self) -> None:
+        """Ask the loop to finish: frames already queued are written, then the store is finalized."""
+        if not self._stopping.is_set():
+            self._stopping.set()
+            try:
+                self._queue.put_nowait(_STOP)
+            except queue.Full:
+                pass  # the loop sees _stopping once the queue drains
+
+    def join(self, timeout: float | None = None) -> RecorderStats:
+        for thread in (self._feeder, self._thread):
+            if thread is not None and thread is not threading.current_thread():
+                thread.join(timeout)
+        return self.stats
+
+    @property
+    def is_recording(self) -> bool:
+        return self.stats.recording
