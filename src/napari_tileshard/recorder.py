@@ -45,7 +45,16 @@ class RecorderSettings:
     policy: str = "block"
     queue_frames: int = 64
     seed: int = 0
-    batch_bytes: int | None = None  # Writer batching (smaller: the preview follows more closely)
+    batch_bytes: int | None = None  # Writer batching; default: about 1/4 s of frames (see batch())
+
+    def batch(self) -> int:
+        """Bytes per Writer batch: ~0.25 s of input at ``fps`` (at least one tile epoch), so the
+        preview follows within a fraction of a second at low rates and the GPU still gets large
+        batches at high rates; one tile epoch when the rate is unknown (a layer source)."""
+        if self.batch_bytes:
+            return self.batch_bytes
+        frame_bytes = self.layout.frame_elements * self.layout.itemsize
+        return max(self.layout.epoch_bytes, int(frame_bytes * self.fps / 4)) if self.fps else self.layout.epoch_bytes
 
     def validate(self) -> None:
         """Raise ValueError/TypeError naming the first bad setting."""
@@ -153,7 +162,7 @@ class Recorder:
         self._start = time.perf_counter()
         try:
             self.writer = Writer(s.output, s.layout, codec=s.codec, level=s.level, backend=s.backend,
-                                 overwrite=s.overwrite, batch_bytes=s.batch_bytes)
+                                 overwrite=s.overwrite, batch_bytes=s.batch())
             self.stats.backend = self.writer.stats.backend
             while True:
                 try:

@@ -77,6 +77,20 @@ def _validate_level(codec: str, level) -> int:
     return int(level)
 
 
+def estimate_memory(layout: Layout, batch_bytes: int | None = None) -> dict[str, int]:
+    """Host bytes with the CPU backend and host/device bytes with the GPU backend, by default batching.
+
+    Pure arithmetic (no device is touched): what the widget shows before recording starts.
+    """
+    from .backends.cpu import CpuBackend
+    from .backends.gpu import GpuBackend
+
+    cpu_batch = max(1, (batch_bytes or CpuBackend.preferred_batch_bytes) // layout.epoch_bytes) * layout.epoch_bytes
+    gpu = GpuBackend.estimate(layout, batch_bytes or GpuBackend.default_batch_bytes_for(layout))
+    in_flight = (1 + 2 * max(1, cpu_batch // layout.epoch_bytes)) * layout.tiles_per_epoch * layout.compressed_tile_bound()
+    return {"cpu_host": 2 * cpu_batch + in_flight, "gpu_host": gpu["host"] + in_flight, "gpu_device": gpu["device"]}
+
+
 class Writer:
     """Stream frames into a sharded Zarr v3 array.
 

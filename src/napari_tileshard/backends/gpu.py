@@ -133,7 +133,7 @@ class GpuBackend(Backend):
         self.device = cupy.cuda.Device()
         props = cupy.cuda.runtime.getDeviceProperties(self.device.id)
         self.device_name = props["name"].decode()
-        self.preferred_batch_bytes = batch_bytes or self.default_batch_bytes or max(512 << 20, min(1 << 30, 1024 * layout.tile_bytes))
+        self.preferred_batch_bytes = batch_bytes or self.default_batch_bytes or self.default_batch_bytes_for(layout)
         self.preferred_staging_buffers = 3
         self._slot_count = slots
         self._slots: list[_Slot] = []
@@ -151,21 +151,30 @@ class GpuBackend(Backend):
         return f"gpu ({self.device_name}, nvCOMP zstd)" if self.codec == "zstd" else f"gpu ({self.device_name})"
 
     # -- sizing ------------------------------------------------------------------------
-    def _device_bytes_per_slot(self, epochs: int) -> int:
-        layout = self.layout
+    @staticmethod
+    def default_batch_bytes_for(layout) -> int:
+        """0.5-1 GiB: nvCOMP's throughput grows with the number of tiles per call (docs/design.md)."""
+        return max(512 << 20, min(1 << 30, 1024 * layout.tile_bytes))
+
+    @staticmethod
+    def estimate(layout, batch_bytes: int, staging_buffers: int = 3, slots: int = 3, output_stride=None,
+                 temp_bytes: int = 0) -> dict[str, int]:
+        """Host and device bytes for a batching, without touching the GPU (the widget shows it)."""
+        epochs = max(1, batch_bytes // layout.epoch_bytes)
         chunks = epochs * layout.tiles_per_epoch
         entries = epochs * layout.slots_per_epoch
-        compressed = chunks * self.output_stride if self.codec == "zstd" else 0
-        return (epochs * layout.epoch_bytes + chunks * self.tile_stride_bytes + compressed
-                + chunks * self.output_stride + chunks * 12 + entries * 16 + 4 * chunks * 8)
+        tile_stride = _round_up(layout.tile_bytes, _ALIGN)
+        output_stride = output_stride or _round_up(layout.compressed_tile_bound() + 64, _ALIGN)
+        per_slot = (epochs * layout.epoch_bytes + chunks * tile_stride + 2 * chunks * output_stride
+                    + chunks * 44 + entries * 16)
+        # Staging, plus the pinned packed-output buffers reserved for batches in flight.
+        host = staging_buffers * epochs * layout.epoch_bytes + (slots + 2) * chunks * output_stride
+        return {"host": host, "device": slots * per_slot + temp_bytes}
 
     def memory_estimate(self, batch_bytes: int, staging_buffers: int) -> dict[str, int]:
-        epochs = max(1, batch_bytes // self.layout.epoch_bytes)
-        chunks = epochs * self.layout.tiles_per_epoch
-        temp = self._temp_bytes(chunks)
-        # Staging, plus the pinned packed-output buffers reserved for batches in flight.
-        host = staging_buffers * batch_bytes + (self._slot_count + 2) * chunks * self.output_stride
-        return {"host": host, "device": self._slot_count * self._device_bytes_per_slot(epochs) + temp}
+        chunks = max(1, batch_bytes // self.layout.epoch_bytes) * self.layout.tiles_per_epoch
+        return self.estimate(self.layout, batch_bytes, staging_buffers, self._slot_count, self.output_stride,
+                             self._temp_bytes(chunks))
 
     def _temp_bytes(self, chunks: int) -> int:
         if self.codec != "zstd":

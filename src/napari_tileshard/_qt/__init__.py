@@ -1,0 +1,1 @@
+"""Qt/napari layer: everything that imports Qt lives here (the core never does)."""

@@ -1,0 +1,60 @@
+"""napari reader: any Zarr v3 array (or a group's arrays), opened lazily with its axis names."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def _is_zarr_v3(path: Path) -> bool:
+    try:
+        meta = json.loads((path / "zarr.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(meta, dict) and meta.get("zarr_format") == 3
+
+
+def napari_get_reader(path):
+    """Return a reader for a Zarr v3 store path, or None so that other readers get their turn."""
+    if isinstance(path, list):
+        path = path[0] if len(path) == 1 else None
+    if not isinstance(path, (str, Path)):
+        return None
+    path = Path(path)
+    return read_zarr if path.is_dir() and _is_zarr_v3(path) else None
+
+
+def open_lazy(path):
+    """The array (or first array of a group) at ``path``, lazily, with its dimension names."""
+    import zarr
+
+    node = zarr.open(str(path), mode="r")
+    if isinstance(node, zarr.Group):
+        arrays = sorted(node.arrays(), key=lambda kv: kv[0])
+        if not arrays:
+            return None, None
+        node = arrays[0][1]
+    names = node.metadata.dimension_names if node.metadata.zarr_format == 3 else None
+    return node, (list(names) if names and all(names) else None)
+
+
+def read_zarr(path):
+    path = Path(path[0] if isinstance(path, list) else path)
+    array, names = open_lazy(path)
+    if array is None or 0 in array.shape:
+        return [] if array is None else [(_empty_like(array), _meta(path, names), "image")]
+    return [(array, _meta(path, names), "image")]
+
+
+def _meta(path: Path, names):
+    meta = {"name": path.stem, "metadata": {"path": str(path)}}
+    if names:
+        meta["axis_labels"] = names
+    return meta
+
+
+def _empty_like(array):
+    import numpy as np
+
+    # napari cannot show a zero-length axis: a single fill-value frame stands in until data arrives.
+    return np.zeros((1,) + tuple(max(1, s) for s in array.shape[1:]), dtype=array.dtype)

@@ -1,0 +1,157 @@
+"""The napari plugin under Xvfb: widget, recording on a QThread, preview, reader/writer/sample."""
+
+import time
+
+import numpy as np
+import pytest
+import zarr
+
+pytest.importorskip("napari")
+pytest.importorskip("qtpy")
+
+from napari_tileshard import Dim, Layout, SyntheticCamera, verify  # noqa: E402
+from napari_tileshard.recorder import RecorderSettings  # noqa: E402
+
+pytestmark = pytest.mark.qt
+
+
+@pytest.fixture
+def widget(make_napari_viewer, qtbot):
+    from napari_tileshard._qt.recorder_widget import RecorderWidget
+
+    viewer = make_napari_viewer()
+    w = RecorderWidget(viewer)
+    viewer.window.add_dock_widget(w, name="Tile/Shard Recorder")
+    yield w
+    w.stop(wait=True)
+
+
+def small_layout(frame=(64, 48), dtype="uint16"):
+    return Layout([Dim("t", 0, 4, 1), Dim("y", frame[0], 32, 2), Dim("x", frame[1], 16, 2)], dtype)
+
+
+def wait_until(qtbot, condition, timeout=30_000):
+    qtbot.waitUntil(condition, timeout=timeout)
+
+
+def test_record_synthetic_and_preview_grows(widget, qtbot, tmp_path):
+    out = tmp_path / "synthetic.zarr"
+    widget.settings = RecorderSettings(output=str(out), layout=small_layout(), backend="cpu", fps=200.0, seed=0)
+    assert widget.start_button.isEnabled()
+    widget.start()
+    assert widget.is_recording
+    extents = []
+
+    def grown():
+        layer = widget._preview
+        if layer is not None:
+            extents.append(layer.data.shape[0])
+        return len(set(extents)) >= 3
+
+    wait_until(qtbot, grown)
+    widget.stop()
+    wait_until(qtbot, lambda: not widget.is_recording)
+    assert extents == sorted(extents) and all(e % 4 == 0 for e in extents)  # whole shard epochs only
+    stats = widget.stats
+    assert stats.error is None and stats.frames > 8 and stats.dropped == 0
+    data = zarr.open_array(out)[:]
+    np.testing.assert_array_equal(data, SyntheticCamera((64, 48), "uint16", seed=0).stack(stats.frames))
+    assert widget._preview.data.shape == data.shape  # the final array opens in place
+    assert verify(out).ok
+    assert "frames" in widget.stats_label.text()
+
+
+def test_record_from_an_image_layer_frame_for_frame(widget, qtbot, tmp_path):
+    viewer = widget.viewer
+    camera_layer = viewer.add_image(np.zeros((64, 48), np.uint16), name="camera")
+    out = tmp_path / "layer.zarr"
+    widget.settings = RecorderSettings(output=str(out), layout=small_layout(), backend="cpu", source="camera",
+                                       policy="block")
+    widget.start()
+    frames = [np.full((64, 48), i, np.uint16) + np.arange(48, dtype=np.uint16) for i in range(11)]
+    for frame in frames:
+        camera_layer.data = frame  # what a camera plugin does
+    widget.stop()
+    wait_until(qtbot, lambda: not widget.is_recording)
+    np.testing.assert_array_equal(zarr.open_array(out)[:], np.stack(frames))
+
+
+def test_invalid_settings_disable_start_and_explain(widget, tmp_path):
+    widget.settings = RecorderSettings(output=str(tmp_path / "v.zarr"), layout=small_layout(), backend="cpu")
+    assert widget.start_button.isEnabled() and "tile" in widget.figures.text()
+    widget.table.item(1, 2).setText("0")  # tile size 0
+    assert not widget.start_button.isEnabled()
+    assert "tile_size must be >= 1, got 0" in widget.message.text()
+    widget.table.item(1, 2).setText("abc")
+    assert "must be integers" in widget.message.text()
+    widget.table.item(1, 2).setText("32")
+    assert widget.start_button.isEnabled()
+    (tmp_path / "v.zarr").mkdir()
+    (tmp_path / "v.zarr" / "zarr.json").write_text("{}")
+    widget.output.setText("")
+    assert "output path is empty" in widget.message.text()
+    widget.output.setText(str(tmp_path / "v.zarr"))
+    assert not widget.start_button.isEnabled() and "already exists" in widget.message.text()
+    widget.overwrite.setChecked(True)
+    assert widget.start_button.isEnabled()
+
+
+def test_writer_error_is_notified_and_store_stays_readable(widget, qtbot, tmp_path, monkeypatch):
+    errors = []
+    monkeypatch.setattr("napari.utils.notifications.show_error", errors.append)
+    viewer = widget.viewer
+    camera_layer = viewer.add_image(np.zeros((64, 48), np.uint16), name="camera")
+    out = tmp_path / "err.zarr"
+    widget.settings = RecorderSettings(output=str(out), layout=small_layout(), backend="cpu", source="camera")
+    widget.start()
+    for i in range(5):
+        camera_layer.data = np.full((64, 48), i, np.uint16)
+    camera_layer.data = np.zeros((10, 10), np.uint16)  # the camera changes frame size mid-recording
+    wait_until(qtbot, lambda: not widget.is_recording)
+    assert errors and "frame shape" in errors[0]
+    assert "frame shape" in widget.message.text()
+    np.testing.assert_array_equal(zarr.open_array(out)[:], np.stack([np.full((64, 48), i, np.uint16) for i in range(5)]))
+
+
+def test_closing_the_widget_finalizes(widget, qtbot, tmp_path):
+    out = tmp_path / "close.zarr"
+    widget.settings = RecorderSettings(output=str(out), layout=small_layout(), backend="cpu", fps=500.0)
+    widget.start()
+    wait_until(qtbot, lambda: widget.stats.frames > 6)
+    widget.close()
+    assert not widget.is_recording
+    array = zarr.open_array(out)
+    assert array.shape[0] == widget.stats.frames
+    assert verify(out).ok
+
+
+def test_reader_writer_and_sample_contributions(make_napari_viewer, tmp_path):
+    import npe2
+
+    viewer = make_napari_viewer()
+    manifest = npe2.PluginManager.instance().get_manifest("napari-tileshard")
+    assert {w.display_name for w in manifest.contributions.widgets} == {"Tile/Shard Recorder"}
+    viewer.open_sample("napari-tileshard", "synthetic")
+    sample = viewer.layers["synthetic microscope"]
+    assert sample.data.shape == (200, 512, 512)
+    out = str(tmp_path / "saved.zarr")
+    viewer.layers.selection = {sample}
+    written = viewer.layers.save(out, selected=True, plugin="napari-tileshard")  # File > Save through npe2
+    assert written == [out]
+    meta = zarr.open_array(out).metadata
+    assert meta.dimension_names == ("t", "y", "x") and meta.codecs[0].__class__.__name__ == "ShardingCodec"
+    layers = viewer.open(out, plugin="napari-tileshard")
+    np.testing.assert_array_equal(np.asarray(layers[0].data[:3]), sample.data[:3])
+    assert tuple(layers[0].axis_labels) == ("t", "y", "x")
+
+
+def test_reader_declines_what_it_cannot_read(tmp_path):
+    from napari_tileshard._reader import napari_get_reader
+
+    (tmp_path / "notes.txt").write_text("x")
+    assert napari_get_reader(str(tmp_path / "notes.txt")) is None
+    assert napari_get_reader(str(tmp_path)) is None
+    v2 = tmp_path / "v2.zarr"
+    v2.mkdir()
+    (v2 / ".zarray").write_text("{}")
+    assert napari_get_reader(str(v2)) is None
