@@ -60,6 +60,8 @@ def _parser() -> argparse.ArgumentParser:
     record.add_argument("--fps", type=float, default=None, help="pace the camera (default: as fast as possible)")
     record.add_argument("--overwrite", action="store_true")
     record.add_argument("--no-progress", action="store_true")
+    gui = sub.add_parser("gui", help="start napari with the Tile/Shard Recorder docked (synthetic camera selected)")
+    gui.add_argument("--output", default=None, help="where recordings go (default: ./recording.zarr)")
     check = sub.add_parser("verify", help="check every shard's index, CRC32C and chunks")
     check.add_argument("path")
     return parser
@@ -88,12 +90,29 @@ def record(args) -> int:
     return 0
 
 
+def gui(args) -> int:
+    try:
+        import napari
+    except ImportError:
+        print("napari-tileshard: the GUI needs the napari extra: pip install 'napari-tileshard[napari]'",
+              file=sys.stderr)
+        return 2
+    viewer = napari.Viewer(title="napari-tileshard")
+    _, widget = viewer.window.add_plugin_dock_widget("napari-tileshard", "Tile/Shard Recorder")
+    if args.output:
+        widget.output.setText(args.output)
+    napari.run()
+    return 0
+
+
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     try:
         if args.command == "record":
             return record(args)
+        if args.command == "gui":
+            return gui(args)
         bar = tqdm(unit="shard", desc="verifying", file=sys.stderr)
 
         def progress(done, total):

@@ -28,16 +28,33 @@ _DEFAULT_DIMS = (("t", 0, 32, 1), ("y", 1024, 256, 4), ("x", 1024, 256, 4))
 
 
 class _RecorderThread(QThread):
-    """Runs Recorder.run on its own thread and relays its callbacks as signals."""
+    """Runs Recorder.run on its own thread and relays its callbacks as signals.
 
-    progress = Signal(object)
+    On progress it also reads the newest completed frame back from the store (on this thread,
+    not the GUI's), so the preview shows it without decoding tiles on the event loop.
+    """
+
+    progress = Signal(object, object)  # stats, (rows, newest frame read back from the store)
     finished_recording = Signal(object)
 
     def __init__(self, recorder: Recorder, parent=None):
         super().__init__(parent)
         self.recorder = recorder
-        recorder.on_progress = self.progress.emit
+        recorder.on_progress = self._progress
         recorder.on_finished = self.finished_recording.emit
+
+    def _progress(self, stats):
+        from .._reader import open_lazy
+
+        rows = stats.rows_complete
+        newest = None
+        try:
+            array, _ = open_lazy(self.recorder.settings.output)
+            if array is not None and rows > 0:
+                newest = (rows - 1, np.asarray(array[rows - 1]))
+        except Exception:  # noqa: BLE001 - the preview is best effort; the recording goes on
+            newest = None
+        self.progress.emit(stats, newest)
 
     def run(self):
         self.recorder.run()
@@ -51,7 +68,10 @@ class RecorderWidget(QWidget):
         self._recorder: Recorder | None = None
         self._last_stats = RecorderStats()
         self._source_layer = None
+        self._active = False
         self._preview = None
+        self._preview_placeholder = False
+        self._recent: dict = {}
         self._preview_follow = True
         self._finalizing = None
         self._build()
@@ -249,8 +269,8 @@ class RecorderWidget(QWidget):
 
     def _validate(self, *_) -> bool:
         """Recompute the derived figures; explain what is wrong and disable Start until it is valid."""
-        if not hasattr(self, "start_button"):
-            return False
+        if not hasattr(self, "start_button") or self.is_recording:
+            return False  # the running recording's settings are fixed (and its output now exists)
         try:
             settings = self.settings
             settings.validate()
@@ -270,7 +290,8 @@ class RecorderWidget(QWidget):
     # -- recording --------------------------------------------------------------------
     @property
     def is_recording(self) -> bool:
-        return self._thread is not None and self._thread.isRunning()
+        """True from start() until the store is finalized and the widget has taken the result."""
+        return self._active
 
     @property
     def stats(self) -> RecorderStats:
@@ -293,6 +314,13 @@ class RecorderWidget(QWidget):
         self._thread.progress.connect(self._on_progress)
         self._thread.finished_recording.connect(self._on_finished)
         self._preview_follow = True
+        self._recent = {}
+        self._active = True
+        # The preview layer exists from the start (creating a layer costs the GUI a moment,
+        # better on the click than mid-recording); it shows zeros until a shard epoch completes.
+        layout = settings.layout
+        self._add_preview(np.zeros((1,) + tuple(layout.shape[1:]), layout.dtype), list(layout.names), None,
+                          placeholder=True)
         self._thread.start()
         layer = self._layer(settings.source)
         if layer is None:
@@ -325,20 +353,23 @@ class RecorderWidget(QWidget):
             self._thread.wait()
             from qtpy.QtWidgets import QApplication
 
-            QApplication.processEvents()
+            QApplication.processEvents()  # delivers finished_recording -> _on_finished
+            if self._active:  # the signal could not be delivered (e.g. the viewer is closing)
+                self._on_finished(self._recorder.stats)
 
     def _disconnect_source(self):
         if self._source_layer is not None:
             self._source_layer.events.data.disconnect(self._on_layer_data)
             self._source_layer = None
 
-    def _on_progress(self, stats: RecorderStats) -> None:
-        self._update_preview(stats.rows_complete)
+    def _on_progress(self, stats: RecorderStats, newest=None) -> None:
+        self._update_preview(stats.rows_complete, newest=newest)
 
     def _on_finished(self, stats: RecorderStats) -> None:
         self._disconnect_source()
         self._timer.stop()
         self._thread.wait()
+        self._active = False
         self._last_stats = stats
         if self._finalizing is not None:
             self._finalizing.close()
@@ -350,7 +381,7 @@ class RecorderWidget(QWidget):
         if stats.error:  # after _validate, which would replace the message
             self._notify_error(f"recording stopped: {stats.error} (what was written stays readable)")
 
-    def _update_preview(self, rows: int, final: bool = False) -> None:
+    def _update_preview(self, rows: int, final: bool = False, newest=None) -> None:
         """Reopen the store: only rows whose shards are complete (zarr.json's shape says so)."""
         if rows <= 0 or self._recorder is None:
             return
@@ -359,19 +390,39 @@ class RecorderWidget(QWidget):
         array, names = open_lazy(self._recorder.settings.output)
         if array is None:
             return
-        data = array if (final or array.shape[0] <= rows) else _lazy_rows(array, rows)
-        name = f"preview: {Path(self._recorder.settings.output).name}"
+        if newest is not None:  # keep the last two: napari re-reads the current row when data changes
+            self._recent = {k: v for k, v in self._recent.items() if k >= newest[0] - 16}
+            self._recent[newest[0]] = newest[1]
+            self._recent = dict(sorted(self._recent.items())[-2:])
+        data = array if final else _RowsView(array, min(rows, array.shape[0]), self._recent)
         if self._preview is None or self._preview not in self.viewer.layers:
-            kwargs = {"axis_labels": names} if names else {}
-            self._preview = self.viewer.add_image(data, name=name, **kwargs)
-            self._preview_follow = True
+            self._add_preview(data, names, newest)
         else:
+            if self._preview_placeholder and newest is not None:
+                low, high = np.percentile(newest[1], (0.5, 99.95))
+                self._preview.contrast_limits = (float(low), float(max(high, low + 1)))
+                self._preview.name = self._preview.name.split(" (")[0]
+                self._preview_placeholder = False
             step = self.viewer.dims.current_step
             last_shown = self._preview.data.shape[0] - 1
             self._preview_follow = step[0] >= last_shown if step else True
             self._preview.data = data
         if self._preview_follow:
             self.viewer.dims.set_current_step(0, data.shape[0] - 1)
+
+    def _add_preview(self, data, names, newest=None, placeholder=False):
+        name = f"preview: {Path(self._recorder.settings.output).name}"
+        if placeholder:
+            name += " (waiting for the first shard epoch)"
+        self._preview_placeholder = placeholder
+        kwargs = {"axis_labels": names} if names and len(names) == data.ndim else {}
+        if newest is not None:
+            low, high = np.percentile(newest[1], (0.5, 99.95))
+            kwargs["contrast_limits"] = (float(low), float(max(high, low + 1)))
+        if self._preview is not None and self._preview in self.viewer.layers:
+            self.viewer.layers.remove(self._preview)
+        self._preview = self.viewer.add_image(data, name=name, **kwargs)
+        self._preview_follow = True
 
     def _refresh_stats(self) -> None:
         s = self.stats
@@ -399,10 +450,13 @@ class RecorderWidget(QWidget):
 
 
 class _RowsView:
-    """The first ``rows`` rows of a zarr array, lazily: napari only reads what it displays."""
+    """The first ``rows`` rows of a zarr array, lazily: napari only reads what it displays.
 
-    def __init__(self, array, rows):
-        self.array, self.rows = array, rows
+    ``recent`` maps rows to frames already read back from the store off the GUI thread.
+    """
+
+    def __init__(self, array, rows, recent=None):
+        self.array, self.rows, self.recent = array, rows, recent or {}
         self.shape = (rows,) + tuple(array.shape[1:])
         self.dtype = array.dtype
         self.ndim = len(self.shape)
@@ -412,16 +466,19 @@ class _RowsView:
         first = key[0] if key else slice(None)
         if isinstance(first, slice):
             first = slice(*first.indices(self.rows))
-        elif first >= self.rows or first < -self.rows:
-            raise IndexError(f"row {first} is not complete yet")
+            if first.step == 1 and first.stop - first.start == 1 and first.start in self.recent:
+                return self.recent[first.start][None][(slice(None),) + tuple(key[1:])]
+        else:
+            first = int(first)
+            if not -self.rows <= first < self.rows:
+                raise IndexError(f"row {first} is not complete yet")
+            first %= self.rows
+            if first in self.recent:
+                return self.recent[first][tuple(key[1:])]
         return self.array[(first,) + tuple(key[1:])]
 
     def __array__(self, dtype=None, copy=None):
         return np.asarray(self.array[: self.rows], dtype=dtype)
-
-
-def _lazy_rows(array, rows):
-    return _RowsView(array, rows)
 
 
 def _figures(settings: RecorderSettings) -> str:

@@ -1,0 +1,80 @@
+"""Drive the napari widget for real: record the synthetic camera, measure GUI stalls, screenshot.
+
+    xvfb-run -a -s "-screen 0 1600x1000x24" python scripts/gui_session.py --seconds 10 \
+        --frame 1024x1024 --fps 100 --screenshot docs/recorder.png
+
+A 5 ms QTimer runs on the GUI thread during the recording; the worst gap between its ticks
+is how long the event loop stalled.  The screenshot shows the widget docked mid-recording.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seconds", type=float, default=10)
+    parser.add_argument("--frame", default="1024x1024")
+    parser.add_argument("--fps", type=float, default=100)
+    parser.add_argument("--backend", default="auto")
+    parser.add_argument("--screenshot", default=None)
+    args = parser.parse_args()
+
+    import napari
+    from qtpy.QtCore import QTimer
+    from qtpy.QtWidgets import QApplication
+
+    from napari_tileshard import Dim, Layout
+    from napari_tileshard.recorder import RecorderSettings
+
+    h, w = (int(v) for v in args.frame.split("x"))
+    viewer = napari.Viewer(show=True)
+    viewer.window.resize(1500, 950)
+    _, widget = viewer.window.add_plugin_dock_widget("napari-tileshard", "Tile/Shard Recorder")
+    out = Path(tempfile.mkdtemp()) / "recording.zarr"
+    layout = Layout([Dim("t", 0, 16, 1), Dim("y", h, 256, 2), Dim("x", w, 256, 2)], "uint16")
+    widget.settings = RecorderSettings(output=str(out), layout=layout, backend=args.backend, fps=args.fps,
+                                       policy="drop")
+    ticks = []
+    timer = QTimer()
+    timer.setInterval(5)
+    timer.timeout.connect(lambda: ticks.append(time.perf_counter()))
+    app = QApplication.instance()
+    widget.start()
+    timer.start()
+    shot_at = time.perf_counter() + min(4.0, args.seconds * 0.6)
+    end = time.perf_counter() + args.seconds
+    shot_done = False
+    while time.perf_counter() < end:
+        app.processEvents()
+        time.sleep(0.001)
+        if args.screenshot and not shot_done and time.perf_counter() > shot_at:
+            timer.stop()  # the screenshot itself renders synchronously; don't count it as a stall
+            viewer.window.screenshot(args.screenshot, canvas_only=False)
+            shot_done = True
+            ticks.append(None)
+            timer.start()
+    timer.stop()
+    widget.stop(wait=True)
+    gaps = []
+    previous = None
+    for t in ticks:
+        if t is None:
+            previous = None
+            continue
+        if previous is not None:
+            gaps.append(t - previous)
+        previous = t
+    stats = widget.stats
+    print(f"GUI under recording: {stats.frames} frames of {h}x{w} uint16 at {args.fps:g} fps, backend {stats.backend}, "
+          f"dropped {stats.dropped}; event-loop ticks {len(gaps)}, worst gap {max(gaps) * 1e3:.0f} ms, "
+          f"99th percentile {sorted(gaps)[int(0.99 * len(gaps))] * 1e3:.0f} ms")
+    viewer.close()
+
+
+if __name__ == "__main__":
+    main()
