@@ -125,6 +125,22 @@ def test_closing_the_widget_finalizes(widget, qtbot, tmp_path):
     assert verify(out).ok
 
 
+def test_closing_the_viewer_finalizes(make_napari_viewer, qtbot, tmp_path):
+    from napari_tileshard._qt.recorder_widget import RecorderWidget
+
+    viewer = make_napari_viewer(show=True)
+    widget = RecorderWidget(viewer)
+    viewer.window.add_dock_widget(widget)
+    out = tmp_path / "viewer-close.zarr"
+    widget.settings = RecorderSettings(output=str(out), layout=small_layout(), backend="cpu", fps=500.0)
+    widget.start()
+    wait_until(qtbot, lambda: widget.stats.frames > 6)
+    viewer.close()
+    assert not widget.is_recording
+    assert zarr.open_array(out).shape[0] == widget.stats.frames > 6
+    assert verify(out).ok
+
+
 def test_reader_writer_and_sample_contributions(make_napari_viewer, tmp_path):
     import npe2
 

@@ -82,9 +82,7 @@ class RecorderWidget(QWidget):
         self.viewer.layers.events.removed.connect(self._refresh_sources)
         self._refresh_sources()
         self._validate()
-        window = getattr(getattr(self.viewer, "window", None), "_qt_window", None)
-        if window is not None:
-            window.installEventFilter(self)
+        self._watched_window = None
 
     # -- form ---------------------------------------------------------------------------
     def _build(self):
@@ -439,6 +437,14 @@ class RecorderWidget(QWidget):
         show_error(text)
 
     # -- shutdown -------------------------------------------------------------------
+    def showEvent(self, event):
+        # Once docked, watch the main window: closing the viewer must finalize the recording.
+        window = self.window()
+        if window is not self and window is not self._watched_window:
+            window.installEventFilter(self)
+            self._watched_window = window
+        super().showEvent(event)
+
     def eventFilter(self, obj: QObject, event: QEvent) -> bool:
         if event.type() == QEvent.Type.Close:
             self.stop(wait=True)  # the viewer is closing: finalize the store first
