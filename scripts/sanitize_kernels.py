@@ -1,0 +1,32 @@
+"""Run the GPU kernels and one nvCOMP batch per layout, for compute-sanitizer:
+
+    compute-sanitizer --tool memcheck python3 scripts/sanitize_kernels.py
+
+Layouts include edge tiles, edge shards, rank 1 and rank 4, and every element size.
+"""
+
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from napari_tileshard import Dim, Layout  # noqa: E402
+from napari_tileshard.backends import select_backend  # noqa: E402
+
+LAYOUTS = [
+    Layout([Dim("t", 0, 3, 2), Dim("y", 37, 8, 3), Dim("x", 29, 16, 1)], "uint16"),
+    Layout([Dim("x", 0, 7, 1)], "uint8"),
+    Layout([Dim("t", 0, 2, 1), Dim("z", 5, 2, 2), Dim("y", 9, 4, 1), Dim("x", 11, 4, 2)], "float32"),
+    Layout([Dim("t", 0, 4, 1), Dim("y", 64, 64, 1), Dim("x", 64, 32, 2)], "float64"),
+]
+
+for layout in LAYOUTS:
+    for codec in ("zstd", "none"):
+        backend = select_backend("gpu", layout, codec, 1)
+        staging = backend.allocate_staging(2 * layout.epoch_bytes)
+        staging[:] = np.random.default_rng(0).integers(0, 8, staging.nbytes, dtype=np.uint8)
+        epochs = backend.result(backend.submit(staging, 2))
+        backend.close()
+        assert len(epochs) == 2
+print("kernels ran on", len(LAYOUTS), "layouts x 2 codecs")
