@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-_BANK_BYTES = 128 << 20
+_BANK_BYTES = 512 << 20  # >= 48 frames of 2304x2304: longer than any tile depth used here
 _MAX_BANK_FRAMES = 64
 
 
