@@ -87,18 +87,20 @@ def test_lifted_strides_equal_reshape_transpose(layout, epochs, seed, extra_stri
             assert not tile[padding].any()
 
 
-@given(layouts())
+@given(layouts(), st.integers(0, 2**31))
 @settings(max_examples=100, deadline=None)
-def test_tile_region_matches_permutation(layout):
-    """tile_region(shard, within) names the same tile as P."""
-    tile_coords = np.unravel_index(np.arange(layout.tiles_per_epoch), layout.tile_count[1:]) if layout.rank > 1 else ()
-    for i, slot in enumerate(layout.shard_permutation[:20]):
-        shard, within = divmod(int(slot), layout.tiles_per_shard_inner)
-        region = layout.tile_region(shard, within)
-        for d, r in enumerate(region, start=1):
-            t = int(tile_coords[d - 1][i])
-            assert r.start == t * layout.tile_shape[d]
-            assert r.stop == min(layout.shape[d], (t + 1) * layout.tile_shape[d])
+def test_shard_tiles_equal_pool_through_permutation(layout, seed):
+    """The CPU backend's per-shard lift equals the tile-major pool reordered by P."""
+    rng = np.random.default_rng(seed)
+    epoch = rng.integers(1, 200, (layout.epoch_rows,) + layout.shape[1:]).astype(layout.dtype)
+    pool = layout.tile_pool_reference(epoch)[0].reshape(layout.tiles_per_epoch, -1)
+    shard_major = np.zeros((layout.slots_per_epoch, layout.tile_elements), layout.dtype)
+    shard_major[layout.shard_permutation] = pool
+    per_shard = np.concatenate([layout.shard_tiles(epoch, j) for j in range(layout.inner_shard_count)])
+    np.testing.assert_array_equal(per_shard, shard_major)
+    if layout.rank > 1 and layout.tiles_per_shard[1] > 1:  # pieces along w_1 concatenate to the shard
+        pieces = [layout.shard_tiles(epoch, 0, slice(a, a + 1)) for a in range(layout.tiles_per_shard[1])]
+        np.testing.assert_array_equal(np.concatenate(pieces), layout.shard_tiles(epoch, 0))
 
 
 def test_derived_figures_of_the_readme_layout():

@@ -309,17 +309,31 @@ class Layout:
         pool = padded.reshape(lifted_shape).transpose(axes)
         return np.ascontiguousarray(pool).reshape((epochs, self.tiles_per_epoch) + self.tile_shape)
 
-    # -- single tiles (the CPU backend works tile by tile) --------------------------------
-    def tile_region(self, shard: int, within: int) -> tuple[slice, ...]:
-        """Element ranges along dims 1.. of tile ``within`` of inner shard ``shard``, clipped to the array."""
-        shard_coords = self.inner_shard_coords(shard)
-        within_coords = np.unravel_index(within, self.tiles_per_shard[1:]) if self.rank > 1 else ()
-        region = []
-        for d, (s, w) in enumerate(zip(shard_coords, within_coords), start=1):
-            tile = s * self.tiles_per_shard[d] + int(w)
-            n = self.tile_shape[d]
-            region.append(slice(tile * n, min(self.shape[d], (tile + 1) * n)))
-        return tuple(region)
+    # -- whole shards of one epoch (what the CPU backend compresses) ------------------------
+    def shard_tiles(self, epoch_rows: np.ndarray, shard: int, within_1: slice = slice(None)) -> np.ndarray:
+        """Tiles of inner shard ``shard`` of one tile epoch, contiguous, in within-shard order.
+
+        ``epoch_rows`` has shape ``(tile_size[0], *size[1:])``.  Returns an array of shape
+        ``(tiles_per_shard_inner, tile_elements)`` (fewer rows with ``within_1``); edge tiles are padded with 0 and slots
+        without a tile are all 0.  The same lift as :meth:`tile_pool_reference`, restricted to
+        one shard: reshape to ``(n_0, w_1, n_1, ..., w_{D-1}, n_{D-1})``, transpose the ``w``
+        axes to the front.
+        """
+        coords = self.inner_shard_coords(shard)
+        full = self.shard_shape[1:]
+        bounds = tuple(slice(c * n, min(size, (c + 1) * n)) for c, n, size in zip(coords, full, self.shape[1:]))
+        block = epoch_rows[(slice(None),) + bounds]
+        if tuple(block.shape[1:]) != full:  # edge shard: pad to whole tiles with the fill value
+            padded = np.zeros((self.epoch_rows,) + full, dtype=block.dtype)
+            padded[(slice(None),) + tuple(slice(0, n) for n in block.shape[1:])] = block
+            block = padded
+        lifted_shape = [self.epoch_rows]
+        for d in range(1, self.rank):
+            lifted_shape += [self.tiles_per_shard[d], self.tile_shape[d]]
+        axes = [2 * d - 1 for d in range(1, self.rank)] + [0] + [2 * d for d in range(1, self.rank)]
+        lifted = block.reshape(lifted_shape).transpose(axes)
+        tiles = np.ascontiguousarray(lifted[within_1] if self.rank > 1 else lifted)
+        return tiles.reshape(-1, self.tile_elements)
 
     # -- memory ---------------------------------------------------------------------------
     def compressed_tile_bound(self) -> int:

@@ -96,7 +96,7 @@ class Writer:
 
     ``store`` is a path or a zarr v3 ``Store``.  ``batch_bytes`` sets how much input one backend
     call gets (rounded to whole tile epochs, at least one; default: the backend's preference,
-    64 MiB on the CPU, 0.5-1 GiB on the GPU); ``staging_buffers`` how many such batches may be
+    64-256 MiB on the CPU, 0.5-1 GiB on the GPU); ``staging_buffers`` how many such batches may be
     buffered (>= 2 so the caller fills one while the backend encodes another; default: the
     backend's preference, 2 on the CPU, 3 on the GPU).
     """

@@ -1,7 +1,7 @@
 """CPU backend: NumPy tiling and zstd on a thread pool.
 
-Work is split into tasks of whole tiles (one slice of one shard of one tile epoch); each task
-copies its tiles out of the staging buffer (the lift/transpose, padding edge tiles with 0) and
+Work is split into one task per (tile epoch, shard): the task copies the shard's tiles out of
+the staging buffer in one NumPy call (the lift/transpose, padding edge tiles with 0) and
 compresses them with ``zstandard``, which releases the GIL, so tasks run truly in parallel.
 """
 
@@ -21,6 +21,7 @@ from .base import Backend
 class CpuBackend(Backend):
     name = "cpu"
     preferred_batch_bytes = 64 << 20
+    _MAX_BATCH_BYTES = 256 << 20
 
     def __init__(self, layout, codec="zstd", level=1, threads: int | None = None):
         super().__init__(layout, codec, level)
@@ -28,10 +29,10 @@ class CpuBackend(Backend):
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="tileshard-cpu")
         self._local = threading.local()
         self._mask = layout.slot_mask
-        self._regions = [
-            [layout.tile_region(shard, within) for within in range(layout.tiles_per_shard_inner)]
-            for shard in range(layout.inner_shard_count)
-        ]
+        # Tasks per (epoch, shard [piece]): a few epochs per batch so every thread has work.
+        epochs = -(-2 * self.threads // layout.inner_shard_count)
+        self.preferred_batch_bytes = max(self.preferred_batch_bytes,
+                                         min(self._MAX_BATCH_BYTES, epochs * layout.epoch_bytes))
 
     def describe(self) -> str:
         return f"cpu ({self.threads} threads)"
@@ -46,38 +47,30 @@ class CpuBackend(Backend):
         layout = self.layout
         batch = staging[: epochs * layout.epoch_bytes].view(layout.dtype)
         batch = batch.reshape((epochs, layout.epoch_rows) + layout.shape[1:])
-        tiles_per_shard = layout.tiles_per_shard_inner
-        # Enough tasks to keep every thread busy, never less than one tile each.
-        pieces = max(1, min(tiles_per_shard, -(-4 * self.threads // (epochs * layout.inner_shard_count))))
-        bounds = np.linspace(0, tiles_per_shard, pieces + 1).astype(int)
-        futures = [
-            [
-                [self._pool.submit(self._encode_tiles, batch[e], shard, bounds[p], bounds[p + 1])
-                 for p in range(pieces)]
-                for shard in range(layout.inner_shard_count)
-            ]
-            for e in range(epochs)
-        ]
-        return futures
+        # Split shards along w_1 when (epoch, shard) tasks alone would leave threads idle.
+        tasks = epochs * layout.inner_shard_count
+        tps_1 = layout.tiles_per_shard[1] if layout.rank > 1 else 1
+        pieces = max(1, min(tps_1, -(-2 * self.threads // tasks)))
+        bounds = np.linspace(0, tps_1, pieces + 1).astype(int)
+        return [[[self._pool.submit(self._encode_tiles, batch[e], shard, slice(a, b))
+                  for a, b in zip(bounds[:-1], bounds[1:])]
+                 for shard in range(layout.inner_shard_count)]
+                for e in range(epochs)]
 
-    def _encode_tiles(self, epoch_rows: np.ndarray, shard: int, start: int, stop: int):
+    def _encode_tiles(self, epoch_rows: np.ndarray, shard: int, within_1: slice):
+        """Lift/transpose these tiles of one shard (one NumPy copy), then compress each (GIL released)."""
         layout = self.layout
-        compress = self._compressor().compress if self.codec == "zstd" else bytes
-        chunks = []
-        sizes = np.zeros(stop - start, dtype=np.uint64)
-        for within in range(start, stop):
-            if not self._mask[shard, within]:
-                continue
-            region = (slice(None),) + self._regions[shard][within]
-            source = epoch_rows[region]
-            if source.shape == layout.tile_shape:
-                tile = np.ascontiguousarray(source)
-            else:  # edge tile: pad with the fill value
-                tile = np.zeros(layout.tile_shape, dtype=layout.dtype)
-                tile[tuple(slice(0, n) for n in source.shape)] = source
-            chunk = compress(memoryview(tile).cast("B"))
-            chunks.append(chunk)
-            sizes[within - start] = len(chunk)
+        tiles = layout.shard_tiles(epoch_rows, shard, within_1).view(np.uint8)
+        per_w1 = layout.tiles_per_shard_inner // (layout.tiles_per_shard[1] if layout.rank > 1 else 1)
+        mask = self._mask[shard][within_1.start * per_w1: within_1.start * per_w1 + len(tiles)]
+        present = np.flatnonzero(mask)
+        sizes = np.zeros(len(tiles), dtype=np.uint64)
+        if self.codec != "zstd":
+            sizes[present] = layout.tile_bytes
+            return [tiles[present] if len(present) < len(tiles) else tiles], sizes
+        compress = self._compressor().compress
+        chunks = [compress(tiles[w]) for w in present]
+        sizes[present] = [len(c) for c in chunks]
         return chunks, sizes
 
     def result(self, ticket):
@@ -85,7 +78,7 @@ class CpuBackend(Backend):
         for per_shard in ticket:
             data, sizes = [], []
             for pieces in per_shard:
-                results = [f.result() for f in pieces]
+                results = [future.result() for future in pieces]
                 data.append([chunk for chunks, _ in results for chunk in chunks])
                 sizes.append(np.concatenate([s for _, s in results]))
             epochs.append(EncodedEpoch(data, np.stack(sizes)))
