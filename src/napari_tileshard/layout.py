@@ -311,25 +311,30 @@ class Layout:
 
     # -- whole shards of one epoch (what the CPU backend compresses) ------------------------
     def shard_tiles(self, epoch_rows: np.ndarray, shard: int, within_1: slice = slice(None)) -> np.ndarray:
-        """Tiles of inner shard ``shard`` of one tile epoch, contiguous, in within-shard order.
+        """The tiles that exist in inner shard ``shard`` of one tile epoch, contiguous.
 
-        ``epoch_rows`` has shape ``(tile_size[0], *size[1:])``.  Returns an array of shape
-        ``(tiles_per_shard_inner, tile_elements)`` (fewer rows with ``within_1``); edge tiles are padded with 0 and slots
-        without a tile are all 0.  The same lift as :meth:`tile_pool_reference`, restricted to
-        one shard: reshape to ``(n_0, w_1, n_1, ..., w_{D-1}, n_{D-1})``, transpose the ``w``
-        axes to the front.
+        ``epoch_rows`` has shape ``(tile_size[0], *size[1:])``.  Returns ``(tiles, tile_elements)``
+        for the slots where ``slot_mask[shard]`` is True, in within-shard row-major order; edge
+        tiles are padded with 0.  The same lift as :meth:`tile_pool_reference`, restricted to one
+        shard: pad the shard's block to whole tiles, reshape to ``(n_0, w_1, n_1, ...,
+        w_{D-1}, n_{D-1})``, transpose the ``w`` axes to the front.  In an edge shard the tiles
+        that exist are those with every ``w_d`` below the shard's tile count along ``d``, so this
+        is the row-major subset the mask selects.  ``within_1`` restricts ``w_1`` (pieces of a
+        shard for parallel work).
         """
         coords = self.inner_shard_coords(shard)
         full = self.shard_shape[1:]
         bounds = tuple(slice(c * n, min(size, (c + 1) * n)) for c, n, size in zip(coords, full, self.shape[1:]))
         block = epoch_rows[(slice(None),) + bounds]
-        if tuple(block.shape[1:]) != full:  # edge shard: pad to whole tiles with the fill value
-            padded = np.zeros((self.epoch_rows,) + full, dtype=block.dtype)
+        counts = [-(-(b.stop - b.start) // n) for b, n in zip(bounds, self.tile_shape[1:])]
+        whole = tuple(c * n for c, n in zip(counts, self.tile_shape[1:]))
+        if tuple(block.shape[1:]) != whole:  # edge tiles: pad to whole tiles with the fill value
+            padded = np.zeros((self.epoch_rows,) + whole, dtype=block.dtype)
             padded[(slice(None),) + tuple(slice(0, n) for n in block.shape[1:])] = block
             block = padded
         lifted_shape = [self.epoch_rows]
-        for d in range(1, self.rank):
-            lifted_shape += [self.tiles_per_shard[d], self.tile_shape[d]]
+        for count, n in zip(counts, self.tile_shape[1:]):
+            lifted_shape += [count, n]
         axes = [2 * d - 1 for d in range(1, self.rank)] + [0] + [2 * d for d in range(1, self.rank)]
         lifted = block.reshape(lifted_shape).transpose(axes)
         tiles = np.ascontiguousarray(lifted[within_1] if self.rank > 1 else lifted)

@@ -61,15 +61,15 @@ class CpuBackend(Backend):
         """Lift/transpose these tiles of one shard (one NumPy copy), then compress each (GIL released)."""
         layout = self.layout
         tiles = layout.shard_tiles(epoch_rows, shard, within_1).view(np.uint8)
-        per_w1 = layout.tiles_per_shard_inner // (layout.tiles_per_shard[1] if layout.rank > 1 else 1)
-        mask = self._mask[shard][within_1.start * per_w1: within_1.start * per_w1 + len(tiles)]
-        present = np.flatnonzero(mask)
-        sizes = np.zeros(len(tiles), dtype=np.uint64)
+        rows = layout.tiles_per_shard[1] if layout.rank > 1 else 1
+        piece_mask = self._mask[shard].reshape(rows, -1)[within_1]
+        present = np.flatnonzero(piece_mask)  # the slots of `tiles`, in the same order
+        sizes = np.zeros(piece_mask.size, dtype=np.uint64)
         if self.codec != "zstd":
             sizes[present] = layout.tile_bytes
-            return [tiles[present] if len(present) < len(tiles) else tiles], sizes
+            return [tiles], sizes
         compress = self._compressor().compress
-        chunks = [compress(tiles[w]) for w in present]
+        chunks = [compress(tile) for tile in tiles]
         sizes[present] = [len(c) for c in chunks]
         return chunks, sizes
 
