@@ -31,7 +31,7 @@ def writer(tmp_path, layout, backend):
         (np.zeros((5, 6), np.uint16), ValueError, "shape (5, 6)"),
         (np.zeros((30,), np.uint16), ValueError, "shape (30,)"),
         (np.zeros((6, 10), np.uint16)[:, ::2], ValueError, "non-contiguous"),
-        ([[0] * 5] * 6, TypeError, "needs a NumPy array, got list"),
+        ([[0] * 5] * 6, TypeError, "needs a NumPy or CuPy array, got list"),
         ("frame", TypeError, "got str"),
     ],
 )

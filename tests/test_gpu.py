@@ -116,3 +116,38 @@ def test_auto_picks_the_gpu_and_says_so(tmp_path):
     with Writer(tmp_path / "a.zarr", layout, backend="auto") as writer:
         writer.append(np.arange(128, dtype=np.uint16).reshape(2, 64))
     assert writer.backend == "gpu" and writer.stats.backend.startswith("gpu (")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(REASON is not None, reason=f"GPU backend not usable: {REASON}")
+def test_cupy_frames_skip_the_host_and_mix_with_host_frames(tmp_path, monkeypatch):
+    """CuPy frames go device-to-device; only host-filled staging bytes are uploaded."""
+    import cupy
+
+    from napari_tileshard.backends.gpu import GpuBackend
+
+    uploads = []
+    original = GpuBackend.submit
+
+    def spy(self, staging, epochs, host_ranges=None):
+        uploads.append([tuple(r) for r in host_ranges])
+        return original(self, staging, epochs, host_ranges)
+
+    monkeypatch.setattr(GpuBackend, "submit", spy)
+    layout = Layout([Dim("t", 0, 4, 2), Dim("y", 50, 16, 2), Dim("x", 40, 16, 2)], "uint16")
+    frames = SyntheticCamera((50, 40), "uint16", seed=4).stack(19)
+    with Writer(tmp_path / "d.zarr", layout, backend="gpu", batch_bytes=2 * layout.epoch_bytes) as writer:
+        writer.append(cupy.asarray(frames[:8]))  # one whole batch from the device
+        for i in range(8, 12):
+            writer.append(frames[i])  # host
+        for i in range(12, 15):
+            writer.append(cupy.asarray(frames[i]))
+        writer.flush()  # pads the open epoch provisionally; the next device frame replaces the padding
+        for i in range(15, 19):
+            writer.append(cupy.asarray(frames[i]))  # device, then a partial last batch
+    np.testing.assert_array_equal(read_back(tmp_path / "d.zarr"), frames)
+    frame_bytes = 50 * 40 * 2
+    assert uploads[0] == []  # the first batch never touched the host
+    assert uploads[1][0] == (0, 4 * frame_bytes)  # flush: host frames + the provisional padding
+    assert uploads[2] == [(0, 4 * frame_bytes)]  # only the host frames were uploaded
+    assert sum(b - a for a, b in uploads[3]) < 4 * frame_bytes  # padding of the partial epoch only

@@ -40,6 +40,10 @@ _PENDING_BATCHES = 2  # compressed batches that may wait on storage before the c
 _PARALLEL_COPY_BYTES = 2 << 20
 
 
+def _is_device_array(array) -> bool:
+    return hasattr(array, "__cuda_array_interface__") and not isinstance(array, np.ndarray)
+
+
 class WriterError(RuntimeError):
     """The Writer stopped because storage or a backend failed; what was complete is on disk."""
 
@@ -141,6 +145,7 @@ class Writer:
         self._write_metadata(self._metadata_rows)
         self._current = None  # [buffer, ticket] being filled
         self._fill = 0
+        self._host_ranges: list[list[int]] = []
         self._epochs_submitted = 0
         self._accumulator = ShardAccumulator(layout)
         self._submitted: queue.Queue = queue.Queue(maxsize=staging_buffers)
@@ -181,8 +186,21 @@ class Writer:
         return estimate
 
     def append(self, array) -> None:
-        """Append frames (an array whose trailing shape is the frame shape) to the stream."""
+        """Append frames (an array whose trailing shape is the frame shape) to the stream.
+
+        NumPy arrays, or CuPy arrays: with the GPU backend those go device-to-device into the
+        batch's input buffer without visiting the host.
+        """
         self._check_open()
+        if _is_device_array(array):
+            if self._backend.accepts_device_arrays:
+                self._check_frames(array)
+                data = array.reshape(-1).view("uint8")
+                self._check_capacity(data.nbytes)
+                while data.nbytes:
+                    data = self._write(data, block=True, device=True)
+                return
+            array = array.get()  # the CPU backend works on host memory
         data = self._as_bytes(array)
         self._check_capacity(data.nbytes)
         while data.nbytes:
@@ -208,8 +226,10 @@ class Writer:
         provisional = []
         if self._fill:
             buffer = self._current[0]
+            ranges = [list(r) for r in self._host_ranges]
             epochs = self._pad_current()
-            provisional = self._backend.result(self._backend.submit(buffer, epochs))
+            provisional = self._backend.result(self._backend.submit(buffer, epochs, self._host_ranges))
+            self._host_ranges = ranges  # the padding is provisional: later (device) bytes replace it
         shards = self._accumulator.pending(provisional)
         self._store_shards(shards, wait=True)
         if self.layout.unbounded:
@@ -254,13 +274,16 @@ class Writer:
 
     # -- input -------------------------------------------------------------------------
     def _as_bytes(self, array) -> memoryview:
-        layout = self.layout
-        if hasattr(array, "__cuda_array_interface__") and not isinstance(array, np.ndarray):
-            array = self._device_to_host(array)
         if isinstance(array, np.generic):  # a single element (rank-1 layouts), e.g. from iterating
             array = np.asarray(array)
         if not isinstance(array, np.ndarray):
-            raise TypeError(f"append() needs a NumPy array, got {type(array).__name__}")
+            raise TypeError(f"append() needs a NumPy or CuPy array, got {type(array).__name__}")
+        self._check_frames(array)
+        return memoryview(array.reshape(-1).view(np.uint8))
+
+    def _check_frames(self, array) -> None:
+        """dtype, trailing frame shape and contiguity, for NumPy and CuPy arrays alike."""
+        layout = self.layout
         if array.dtype != layout.dtype:
             raise TypeError(f"append() got dtype {array.dtype.str} ({array.dtype.name}), the layout holds "
                             f"{layout.dtype.name}")
@@ -269,13 +292,8 @@ class Writer:
             raise ValueError(f"append() got shape {array.shape}: its trailing dimensions must equal the "
                              f"frame shape {frame}")
         if not array.flags.c_contiguous:
-            raise ValueError(f"append() got a non-contiguous array of shape {array.shape}; pass "
-                             "np.ascontiguousarray(array)")
-        return memoryview(array.reshape(-1).view(np.uint8))
-
-    def _device_to_host(self, array):
-        # Only reached with a CuPy array on the CPU backend (the GPU backend takes them as they are).
-        return array.get()
+            raise ValueError(f"append() got a non-contiguous array of shape {array.shape}; pass a contiguous "
+                             "copy (np.ascontiguousarray)")
 
     def _check_capacity(self, nbytes: int) -> None:
         if self._capacity is not None and self.stats.bytes_in + nbytes > self._capacity:
@@ -283,7 +301,8 @@ class Writer:
             raise ValueError(f"{nbytes} more bytes exceed the declared array shape {self.layout.shape}: "
                              f"only {left} bytes ({left // self.layout.itemsize} elements) are left")
 
-    def _write(self, data: memoryview, block: bool) -> memoryview:
+    def _write(self, data, block: bool, device: bool = False):
+        """Copy ``data`` (bytes: a memoryview, or a 1-D uint8 CuPy array with ``device``) into staging."""
         while data.nbytes:
             if self._fill == self.batch_bytes and not self._submit_full(block):
                 break
@@ -291,7 +310,11 @@ class Writer:
                 break
             buffer = self._current[0]
             n = min(data.nbytes, self.batch_bytes - self._fill)
-            self._copy(buffer[self._fill : self._fill + n], np.frombuffer(data[:n], dtype=np.uint8))
+            if device:
+                self._backend.write_device(buffer, self._fill, data[:n])
+            else:
+                self._copy(buffer[self._fill : self._fill + n], np.frombuffer(data[:n], dtype=np.uint8))
+                self._note_host_range(self._fill, self._fill + n)
             self._fill += n
             self.stats.bytes_in += n
             data = data[n:]
@@ -299,6 +322,13 @@ class Writer:
             self._submit_full(block)
         self.stats.frames = self.stats.bytes_in // (self.layout.frame_elements * self.layout.itemsize)
         return data
+
+    def _note_host_range(self, start: int, stop: int) -> None:
+        """Remember which staging bytes came from host memory (the GPU uploads only those)."""
+        if self._host_ranges and self._host_ranges[-1][1] == start:
+            self._host_ranges[-1][1] = stop
+        else:
+            self._host_ranges.append([start, stop])
 
     def _copy(self, destination: np.ndarray, source: np.ndarray) -> None:
         """Copy into staging; large pieces in parallel (one thread's memcpy tops out near 4 GB/s)."""
@@ -333,6 +363,7 @@ class Writer:
             self._backend.staging_free(entry[1], block=True)
         self._current = self._free.pop(0)
         self._fill = 0
+        self._host_ranges = []
         return True
 
     def _pad_current(self) -> int:
@@ -343,11 +374,12 @@ class Writer:
                           "they are padded with zeros", stacklevel=3)
         epochs = math.ceil(self._fill / layout.epoch_bytes)
         self._current[0][self._fill : epochs * layout.epoch_bytes] = 0
+        self._note_host_range(self._fill, epochs * layout.epoch_bytes)
         return epochs
 
     def _submit_current(self, epochs: int) -> None:
         entry, self._current, self._fill = self._current, None, 0
-        entry[1] = self._backend.submit(entry[0], epochs)
+        entry[1] = self._backend.submit(entry[0], epochs, self._host_ranges)
         self._put_submitted((entry[1], self._epochs_submitted))
         self._epochs_submitted += epochs
         self._free.append(entry)

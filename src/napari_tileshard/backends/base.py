@@ -38,9 +38,19 @@ class Backend(ABC):
     def allocate_staging(self, nbytes: int) -> np.ndarray:
         return np.zeros(nbytes, dtype=np.uint8)
 
+    #: True if write_device() takes device (CuPy) arrays without a round trip through the host
+    accepts_device_arrays = False
+
     @abstractmethod
-    def submit(self, staging: np.ndarray, epochs: int) -> Ticket:
-        """Start encoding the first ``epochs`` tile epochs held in ``staging``."""
+    def submit(self, staging: np.ndarray, epochs: int, host_ranges=None) -> Ticket:
+        """Start encoding the first ``epochs`` tile epochs held in ``staging``.
+
+        ``host_ranges``: the ``(start, stop)`` byte ranges filled from host memory (None: all);
+        the rest was filled with :meth:`write_device`.
+        """
+
+    def write_device(self, staging: np.ndarray, offset: int, data) -> None:
+        raise NotImplementedError(f"the {self.name} backend takes host arrays only")
 
     @abstractmethod
     def result(self, ticket: Ticket) -> list[EncodedEpoch]:

@@ -43,7 +43,7 @@ class CpuBackend(Backend):
             compressor = self._local.compressor = zstandard.ZstdCompressor(level=self.level)
         return compressor
 
-    def submit(self, staging, epochs):
+    def submit(self, staging, epochs, host_ranges=None):
         layout = self.layout
         batch = staging[: epochs * layout.epoch_bytes].view(layout.dtype)
         batch = batch.reshape((epochs, layout.epoch_rows) + layout.shape[1:])

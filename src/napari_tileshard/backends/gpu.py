@@ -90,7 +90,6 @@ class _PinnedRecycler:
 
 @dataclass
 class _Slot:
-    d_input: object
     d_pool: object
     d_compressed: object
     d_sizes: object
@@ -110,11 +109,12 @@ class _Slot:
 class _Ticket:
     slot: _Slot
     epochs: int
-    uploaded: object  # event: the staging buffer has been copied to the device
+    consumed: object  # event: the tile kernel has read the staging buffer's device mirror
 
 
 class GpuBackend(Backend):
     name = "gpu"
+    accepts_device_arrays = True
     #: overrides the batch size heuristic (tests set it small so each Writer stays cheap)
     default_batch_bytes: int | None = None
 
@@ -137,6 +137,8 @@ class GpuBackend(Backend):
         self.preferred_staging_buffers = 3
         self._slot_count = slots
         self._slots: list[_Slot] = []
+        self._mirrors: dict = {}  # pinned staging address -> device input buffer
+        self._device_sources: list = []
         self._free_slots = threading.Semaphore(slots)
         self._next = 0
         self.copy_stream = cupy.cuda.Stream(non_blocking=True)
@@ -165,11 +167,11 @@ class GpuBackend(Backend):
         entries = epochs * layout.slots_per_epoch
         tile_stride = _round_up(layout.tile_bytes, _ALIGN)
         output_stride = output_stride or _round_up(layout.compressed_tile_bound() + 64, _ALIGN)
-        per_slot = (epochs * layout.epoch_bytes + chunks * tile_stride + 2 * chunks * output_stride
-                    + chunks * 44 + entries * 16)
+        per_slot = chunks * tile_stride + 2 * chunks * output_stride + chunks * 44 + entries * 16
         # Staging, plus the pinned packed-output buffers reserved for batches in flight.
         host = staging_buffers * epochs * layout.epoch_bytes + (slots + 2) * chunks * output_stride
-        return {"host": host, "device": slots * per_slot + temp_bytes}
+        mirrors = max(staging_buffers, 1) * epochs * layout.epoch_bytes  # device copy of each staging buffer
+        return {"host": host, "device": slots * per_slot + mirrors + temp_bytes}
 
     def memory_estimate(self, batch_bytes: int, staging_buffers: int) -> dict[str, int]:
         chunks = max(1, batch_bytes // self.layout.epoch_bytes) * self.layout.tiles_per_epoch
@@ -182,9 +184,30 @@ class GpuBackend(Backend):
         return _nvcomp.temp_bytes(chunks, self.layout.tile_bytes, self.compute_stream.ptr)
 
     def allocate_staging(self, nbytes: int) -> np.ndarray:
+        """A pinned host buffer plus its device mirror (the batch's input on the GPU).
+
+        Host bytes are copied into the pinned buffer and uploaded at submit; CuPy frames are
+        copied device-to-device straight into the mirror (write_device), skipping the host.
+        """
         if not self._slots:
             self._allocate(nbytes)
-        return _pinned(nbytes)
+        staging = _pinned(nbytes)
+        self._mirrors[staging.ctypes.data] = self._cupy.empty(nbytes, dtype=self._cupy.uint8)
+        return staging
+
+    def write_device(self, staging, offset: int, data) -> None:
+        """Enqueue a device-to-device copy of ``data`` (1-D uint8 CuPy array) into the mirror."""
+        cupy = self._cupy
+        produced = cupy.cuda.Event(block=True, disable_timing=True)
+        produced.record(cupy.cuda.get_current_stream())  # after whatever wrote the frame
+        self.copy_stream.wait_event(produced)
+        mirror = self._mirrors[staging.ctypes.data]
+        cupy.cuda.runtime.memcpyAsync(mirror.data.ptr + offset, data.data.ptr, data.nbytes,
+                                      cupy.cuda.runtime.memcpyDeviceToDevice, self.copy_stream.ptr)
+        copied = cupy.cuda.Event(block=True, disable_timing=True)
+        copied.record(self.copy_stream)
+        # Keep the source alive until the copy ran: CuPy's pool could otherwise hand it out again.
+        self._device_sources = [(e, a) for e, a in self._device_sources if not e.done] + [(copied, data)]
 
     def _allocate(self, batch_bytes: int) -> None:
         """Device ring, checked against free device memory before anything is allocated."""
@@ -193,7 +216,7 @@ class GpuBackend(Backend):
         epochs = batch_bytes // layout.epoch_bytes
         chunks = epochs * layout.tiles_per_epoch
         entries = epochs * layout.slots_per_epoch
-        estimate = self.memory_estimate(batch_bytes, 0)["device"]
+        estimate = self.memory_estimate(batch_bytes, self.preferred_staging_buffers)["device"]
         free, total = cupy.cuda.runtime.memGetInfo()
         if estimate > 0.9 * free:
             raise MemoryError(
@@ -213,7 +236,6 @@ class GpuBackend(Backend):
                             if self.codec == "zstd" else d_pool)
             index = cupy.arange(chunks, dtype=cupy.uint64)
             self._slots.append(_Slot(
-                d_input=cupy.empty(epochs * layout.epoch_bytes, dtype=cupy.uint8),
                 d_pool=d_pool,
                 d_compressed=d_compressed,
                 d_sizes=cupy.empty(chunks, dtype=cupy.uint64),
@@ -235,7 +257,7 @@ class GpuBackend(Backend):
         self._permute, self._gather = _kernels.aggregate_kernels()
 
     # -- pipeline ----------------------------------------------------------------------
-    def submit(self, staging, epochs):
+    def submit(self, staging, epochs, host_ranges=None):
         cupy = self._cupy
         layout = self.layout
         runtime = cupy.cuda.runtime
@@ -245,16 +267,23 @@ class GpuBackend(Backend):
         nbytes = epochs * layout.epoch_bytes
         chunks = epochs * layout.tiles_per_epoch
         entries = epochs * layout.slots_per_epoch
+        mirror = self._mirrors[staging.ctypes.data]
+        for start, stop in (host_ranges if host_ranges is not None else [(0, nbytes)]):
+            stop = min(stop, nbytes)
+            if stop > start:  # only what came from the host (device frames are already there)
+                runtime.memcpyAsync(mirror.data.ptr + start, staging.ctypes.data + start, stop - start,
+                                    runtime.memcpyHostToDevice, self.copy_stream.ptr)
         uploaded = cupy.cuda.Event(block=True, disable_timing=True)
-        runtime.memcpyAsync(slot.d_input.data.ptr, staging.ctypes.data, nbytes,
-                            runtime.memcpyHostToDevice, self.copy_stream.ptr)
         uploaded.record(self.copy_stream)
         stream = self.compute_stream
         stream.wait_event(uploaded)
         pool_elements = chunks * self.tile_stride_bytes // layout.itemsize
         block = 256
-        self._tile((-(-pool_elements // block),), (block,), (slot.d_input, slot.d_pool, np.int64(pool_elements)),
+        self._tile((-(-pool_elements // block),), (block,), (mirror, slot.d_pool, np.int64(pool_elements)),
                    stream=stream)
+        # The staging buffer and its mirror may be refilled once the tile kernel has read them.
+        consumed = cupy.cuda.Event(block=True, disable_timing=True)
+        consumed.record(stream)
         with stream:
             if self.codec == "zstd":
                 _nvcomp.compress_async(slot.input_ptrs.data.ptr, self._d_chunk_bytes.data.ptr, layout.tile_bytes,
@@ -273,7 +302,7 @@ class GpuBackend(Backend):
         runtime.memcpyAsync(slot.h_status.ctypes.data, slot.d_status.data.ptr, chunks * 4,
                             runtime.memcpyDeviceToHost, stream.ptr)
         slot.ready.record(stream)
-        return _Ticket(slot, epochs, uploaded)
+        return _Ticket(slot, epochs, consumed)
 
     def result(self, ticket):
         cupy = self._cupy
@@ -317,12 +346,14 @@ class GpuBackend(Backend):
 
     def staging_free(self, ticket, block=True):
         if block:
-            ticket.uploaded.synchronize()
+            ticket.consumed.synchronize()
             return True
-        return ticket.uploaded.done
+        return ticket.consumed.done
 
     def close(self):
         for stream in (self.copy_stream, self.compute_stream, self.d2h_stream):
             stream.synchronize()
         self._slots.clear()
+        self._mirrors.clear()
+        self._device_sources.clear()
         self._cupy.get_default_memory_pool().free_all_blocks()

@@ -41,7 +41,8 @@ def measure(camera, frames, layout, level, repeats: int = 5):
         return float(np.median(times))
 
     runtime = cupy.cuda.runtime
-    h2d = timed(lambda: runtime.memcpyAsync(slot.d_input.data.ptr, staging.ctypes.data, staging.nbytes,
+    mirror = backend._mirrors[staging.ctypes.data]
+    h2d = timed(lambda: runtime.memcpyAsync(mirror.data.ptr, staging.ctypes.data, staging.nbytes,
                                             runtime.memcpyHostToDevice, stream.ptr))
     ticket = backend.submit(staging, epochs)  # tiles the batch into slot 0's pool
     backend.result(ticket)
