@@ -113,29 +113,18 @@ def test_writer_error_is_notified_and_store_stays_readable(widget, qtbot, tmp_pa
     np.testing.assert_array_equal(zarr.open_array(out)[:], np.stack([np.full((64, 48), i, np.uint16) for i in range(5)]))
 
 
-def test_closing_the_widget_finalizes(widget, qtbot, tmp_path):
-    out = tmp_path / "close.zarr"
-    widget.settings = RecorderSettings(output=str(out), layout=small_layout(), backend="cpu", fps=500.0)
-    widget.start()
-    wait_until(qtbot, lambda: widget.stats.frames > 6)
-    widget.close()
-    assert not widget.is_recording
-    array = zarr.open_array(out)
-    assert array.shape[0] == widget.stats.frames
-    assert verify(out).ok
-
-
-def test_closing_the_viewer_finalizes(make_napari_viewer, qtbot, tmp_path):
+@pytest.mark.parametrize("closing", ["widget", "viewer"])
+def test_closing_finalizes_the_recording(make_napari_viewer, qtbot, tmp_path, closing):
     from napari_tileshard._qt.recorder_widget import RecorderWidget
 
     viewer = make_napari_viewer(show=True)
     widget = RecorderWidget(viewer)
     viewer.window.add_dock_widget(widget)
-    out = tmp_path / "viewer-close.zarr"
+    out = tmp_path / f"{closing}-close.zarr"
     widget.settings = RecorderSettings(output=str(out), layout=small_layout(), backend="cpu", fps=500.0)
     widget.start()
     wait_until(qtbot, lambda: widget.stats.frames > 6)
-    viewer.close()
+    (widget if closing == "widget" else viewer).close()
     assert not widget.is_recording
     assert zarr.open_array(out).shape[0] == widget.stats.frames > 6
     assert verify(out).ok
