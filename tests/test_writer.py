@@ -253,3 +253,26 @@ def test_stray_bytes_at_close_are_padded_with_warning(tmp_path):
     with pytest.warns(UserWarning, match="stray bytes"):
         writer.close()
     np.testing.assert_array_equal(read_back(tmp_path / "p.zarr"), [[1, 2], [3, 0]])
+
+
+def test_slow_stream_reaches_disk_within_max_latency(tmp_path, backend):
+    """A trickle of frames is not held back until a large batch fills up."""
+    import time
+
+    layout = Layout([Dim("t", 0, 2, 1), Dim("x", 16, 8, 1)], "uint16")
+    path = tmp_path / "slow.zarr"
+    writer = Writer(path, layout, backend=backend, batch_bytes=1 << 20, max_latency_s=0.2)
+    try:
+        frames = np.arange(16 * 8, dtype=np.uint16).reshape(8, 16)
+        writer.append(frames[:2])
+        assert zarr.open_array(path).shape[0] == 0  # still batching
+        time.sleep(0.3)
+        writer.append(frames[2:4])  # an epoch boundary after max_latency_s: submitted now
+        deadline = time.time() + 10
+        while zarr.open_array(path).shape[0] < 4 and time.time() < deadline:
+            time.sleep(0.02)
+        np.testing.assert_array_equal(read_back(path), frames[:4])
+    finally:
+        writer.close()
+    with pytest.raises(ValueError, match="max_latency_s"):
+        Writer(tmp_path / "bad.zarr", layout, backend=backend, max_latency_s=0)

@@ -34,6 +34,8 @@ class VerifyReport:
     shards: int = 0
     chunks: int = 0
     problems: list[Problem] = field(default_factory=list)
+    #: shards past shape[0]: written but not (yet) published, e.g. after a crash; readers ignore them
+    unpublished: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -41,6 +43,8 @@ class VerifyReport:
 
     def __str__(self):
         head = f"{self.path}: {self.shards} shards, {self.chunks} chunks checked, {len(self.problems)} problems"
+        if self.unpublished:
+            head += f" ({len(self.unpublished)} shards past shape[0] ignored: written after the last published epoch)"
         return "\n".join([head] + [f"  {p}" for p in self.problems])
 
 
@@ -84,8 +88,11 @@ def verify(path, progress=None) -> VerifyReport:
         if len(coords) != len(shape) or not all(c.isdigit() for c in coords):
             report.problems.append(Problem(key, None, "not a shard key of this array"))
             continue
-        if any(int(c) >= g for c, g in zip(coords, grid)):
+        if any(int(c) >= g for c, g in zip(coords[1:], grid[1:])):
             report.problems.append(Problem(key, None, f"shard lies outside the array shape {shape}"))
+            continue
+        if int(coords[0]) >= grid[0]:
+            report.unpublished.append(key)
             continue
         data = _read(store, prefix, key)
         report.shards += 1

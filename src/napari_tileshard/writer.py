@@ -102,15 +102,21 @@ class Writer:
     call gets (rounded to whole tile epochs, at least one; default: the backend's preference,
     64-256 MiB on the CPU, 0.5-1 GiB on the GPU); ``staging_buffers`` how many such batches may be
     buffered (>= 2 so the caller fills one while the backend encodes another; default: the
-    backend's preference, 2 on the CPU, 3 on the GPU).
+    backend's preference, 2 on the CPU, 3 on the GPU).  ``max_latency_s`` bounds how long
+    received data waits in a partly filled batch: at the first tile-epoch boundary after that
+    time the complete epochs are submitted anyway, so a slow stream still reaches the disk (and
+    survives a crash) within about that time.
     """
 
     def __init__(self, store, layout: Layout, *, codec: str = "zstd", level: int = 1,
                  backend: str = "auto", overwrite: bool = False, batch_bytes: int | None = None,
                  staging_buffers: int | None = None, io_threads: int = 4, threads: int | None = None,
-                 attributes: dict | None = None):
+                 attributes: dict | None = None, max_latency_s: float = 1.0):
         if not isinstance(layout, Layout):
             raise TypeError(f"layout must be a Layout, got {type(layout).__name__}")
+        if not isinstance(max_latency_s, (int, float)) or not max_latency_s > 0:
+            raise ValueError(f"max_latency_s must be a positive number of seconds, got {max_latency_s!r}")
+        self.max_latency_s = float(max_latency_s)
         self.layout = layout
         self.codec = codec
         self.level = _validate_level(codec, level)
@@ -145,6 +151,7 @@ class Writer:
         self._write_metadata(self._metadata_rows)
         self._current = None  # [buffer, ticket] being filled
         self._fill = 0
+        self._fill_started = 0.0
         self._host_ranges: list[list[int]] = []
         self._epochs_submitted = 0
         self._accumulator = ShardAccumulator(layout)
@@ -315,9 +322,14 @@ class Writer:
             else:
                 self._copy(buffer[self._fill : self._fill + n], np.frombuffer(data[:n], dtype=np.uint8))
                 self._note_host_range(self._fill, self._fill + n)
+            if not self._fill:
+                self._fill_started = time.monotonic()
             self._fill += n
             self.stats.bytes_in += n
             data = data[n:]
+            if (self._fill % self.layout.epoch_bytes == 0 and self._fill < self.batch_bytes
+                    and time.monotonic() - self._fill_started > self.max_latency_s):
+                self._submit_current(self._fill // self.layout.epoch_bytes)  # slow stream: don't wait
         if self._fill == self.batch_bytes:
             self._submit_full(block)
         self.stats.frames = self.stats.bytes_in // (self.layout.frame_elements * self.layout.itemsize)
@@ -399,7 +411,11 @@ class Writer:
     # -- collector thread ----------------------------------------------------------------
     def _collect(self) -> None:
         while True:
-            item = self._submitted.get()
+            try:
+                item = self._submitted.get(timeout=_POLL_S)
+            except queue.Empty:
+                self._reap_io()  # publish epochs whose shards finished writing while idle
+                continue
             try:
                 if item is None:
                     return
@@ -410,6 +426,7 @@ class Writer:
                     shards = self._accumulator.add(first_epoch + offset, encoded)
                     if shards:
                         self._store_shards(shards, wait=False)
+                self._reap_io()
             except BaseException as exc:  # noqa: BLE001
                 self._fail(exc)
             finally:
@@ -450,6 +467,14 @@ class Writer:
         self.stats.rows_complete = max(self.stats.rows_complete, rows)
         if self.layout.unbounded and rows > self._metadata_rows:
             self._write_metadata(rows)
+
+    def _reap_io(self) -> None:
+        """Publish (zarr.json shape) every leading shard epoch whose writes are all done."""
+        try:
+            while self._pending_io and all(f.done() for f in self._pending_io[0][0]):
+                self._complete_oldest_io()
+        except WriterError:
+            pass  # recorded by _fail
 
     def _finish_io(self) -> None:
         while self._pending_io:
