@@ -43,3 +43,37 @@ def test_sigkill_mid_recording_leaves_completed_epochs(tmp_path):
     np.testing.assert_array_equal(read_tensorstore(out), expected)
     report = verify(out)
     assert report.ok, str(report)
+
+
+def test_slow_storage_applies_backpressure_with_bounded_memory(tmp_path):
+    """Storage slower than the input: append() waits instead of buffering without bound."""
+    from napari_tileshard import Dim, Layout, Writer
+
+    layout = Layout([Dim("t", 0, 2, 1), Dim("y", 32, 16, 1), Dim("x", 32, 16, 1)], "uint16")
+    writer = Writer(tmp_path / "slow-disk.zarr", layout, backend="cpu", batch_bytes=layout.epoch_bytes,
+                    io_threads=1)
+    real_write = writer._sink.write
+    writes, backlog = [], []
+
+    def slow_write(key, buffers):
+        time.sleep(0.02)
+        writes.append(key)
+        return real_write(key, buffers)
+
+    writer._sink.write = slow_write
+    original_store = writer._store_shards
+
+    def watched_store(shards, wait):
+        original_store(shards, wait)
+        backlog.append(len(writer._pending_io))
+
+    writer._store_shards = watched_store
+    frames = np.arange(40 * 32 * 32, dtype=np.uint16).reshape(40, 32, 32)
+    start = time.perf_counter()
+    writer.append(frames)  # 20 epochs x 4 shards, each write 20 ms on one I/O thread
+    fed = time.perf_counter() - start
+    writer.close()
+    assert fed > 0.5  # the producer was held back by storage (80 x 20 ms / 1 thread = 1.6 s total)
+    assert max(backlog) <= writer._max_pending_shard_epochs  # never more than the documented backlog
+    assert sum(key.startswith("c/") for key in writes) == 80  # 20 shard epochs x 4 shards, each once
+    np.testing.assert_array_equal(zarr.open_array(tmp_path / "slow-disk.zarr")[:], frames)
