@@ -106,7 +106,9 @@ def test_layout_must_be_a_layout(tmp_path):
         Writer(tmp_path / "l.zarr", [Dim("x", 4, 2)])
 
 
-def test_storage_error_stops_the_writer_and_keeps_what_was_written(tmp_path, backend):
+@pytest.mark.parametrize("errno_, message", [(28, "No space left on device"), (13, "Permission denied"),
+                                             (5, "Input/output error")])
+def test_storage_error_stops_the_writer_and_keeps_what_was_written(tmp_path, backend, errno_, message):
     layout = Layout([Dim("t", 0, 1, 1), Dim("x", 4, 4, 1)], "uint8")
     path = tmp_path / "fail.zarr"
     writer = Writer(path, layout, backend=backend, batch_bytes=1)
@@ -116,7 +118,7 @@ def test_storage_error_stops_the_writer_and_keeps_what_was_written(tmp_path, bac
 
     def failing_write(key, buffers):
         if key.startswith("c/"):
-            raise OSError(28, "No space left on device")
+            raise OSError(errno_, message)
         return real_write(key, buffers)
 
     writer._sink.write = failing_write
@@ -124,8 +126,8 @@ def test_storage_error_stops_the_writer_and_keeps_what_was_written(tmp_path, bac
         for _ in range(50):
             writer.append(np.zeros((1, 4), np.uint8))
             writer.flush()
-    assert "No space left on device" in str(info.value) and str(path) in str(info.value)
-    with pytest.raises(Exception, match="No space left"):
+    assert message in str(info.value) and str(path) in str(info.value)
+    with pytest.raises(Exception, match=message):
         writer.close()
     out = zarr.open_array(path, mode="r")
     assert out.shape[0] >= 2

@@ -77,3 +77,39 @@ def test_slow_storage_applies_backpressure_with_bounded_memory(tmp_path):
     assert max(backlog) <= writer._max_pending_shard_epochs  # never more than the documented backlog
     assert sum(key.startswith("c/") for key in writes) == 80  # 20 shard epochs x 4 shards, each once
     np.testing.assert_array_equal(zarr.open_array(tmp_path / "slow-disk.zarr")[:], frames)
+
+
+@pytest.fixture
+def tiny_filesystem(tmp_path):
+    """A real 512 KiB tmpfs (needs root and mount; skipped with the reason otherwise)."""
+    mount_point = tmp_path / "tiny"
+    mount_point.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(mount_point)],
+                            capture_output=True, text=True)
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a size-limited tmpfs here: {result.stderr.strip() or result.returncode}")
+    yield mount_point
+    subprocess.run(["umount", "-l", str(mount_point)], check=False)
+
+
+def test_real_disk_full(tiny_filesystem):
+    from napari_tileshard import Dim, Layout, Writer, WriterError
+
+    layout = Layout([Dim("t", 0, 2, 1), Dim("y", 64, 32, 2), Dim("x", 64, 32, 2)], "uint16")
+    path = tiny_filesystem / "full.zarr"
+    writer = Writer(path, layout, backend="cpu", batch_bytes=layout.epoch_bytes, codec="none")
+    frames = np.arange(64 * 64, dtype=np.uint16).reshape(64, 64)
+    with pytest.raises(WriterError) as info:
+        for i in range(1000):  # 8 KiB per frame uncompressed: the 512 KiB filesystem fills up
+            writer.append(frames + i)
+            writer.flush()
+    assert "No space left on device" in str(info.value) and str(path) in str(info.value)
+    start = time.perf_counter()
+    with pytest.raises(WriterError):
+        writer.close()
+    assert time.perf_counter() - start < 5
+    array = zarr.open_array(path, mode="r")
+    rows = array.shape[0]
+    assert rows > 10
+    np.testing.assert_array_equal(array[:], np.stack([frames + i for i in range(rows)]))
+    assert verify(path).ok

@@ -33,6 +33,8 @@ SUPPORTED_DTYPES = (
     "int8", "int16", "int32", "int64",
     "float16", "float32", "float64",
 )
+_MAX_TILES_PER_EPOCH = 1 << 24
+_MAX_EPOCH_BYTES = 1 << 40
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]{0,63}$")
 
 
@@ -110,7 +112,14 @@ class Layout:
         self.dims = tuple(dims)
         self.dtype = np_dtype.newbyteorder("<") if np_dtype.itemsize > 1 else np_dtype
         if self.tile_bytes > 2**31 - 1:
-            raise ValueError(f"tile of {self.tile_bytes} bytes is too large: zstd chunks must stay below 2 GiB")
+            raise ValueError(f"tile shape {self.tile_shape} of {self.dtype.name} is {self.tile_bytes} bytes: too large, "
+                             "a chunk must stay below 2 GiB")
+        if self.tiles_per_epoch > _MAX_TILES_PER_EPOCH:
+            raise ValueError(f"sizes {self.shape[1:]} with tiles {self.tile_shape[1:]} give {self.tiles_per_epoch} tiles "
+                             f"per tile epoch (at most {_MAX_TILES_PER_EPOCH}): use larger tiles")
+        if self.epoch_bytes > _MAX_EPOCH_BYTES:
+            raise ValueError(f"one tile epoch ({self.tile_shape[0]} x {self.shape[1:]}) would hold {self.epoch_bytes} "
+                             f"bytes (at most {_MAX_EPOCH_BYTES}): use a smaller tile_size along {self.names[0]!r}")
 
     # -- basic shapes -----------------------------------------------------------------
     def __repr__(self):
