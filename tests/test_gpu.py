@@ -1,5 +1,7 @@
 """GPU kernels against the NumPy references (run on the GPU machine: ``pytest -m gpu``)."""
 
+import time
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -151,3 +153,36 @@ def test_cupy_frames_skip_the_host_and_mix_with_host_frames(tmp_path, monkeypatc
     assert uploads[1][0] == (0, 4 * frame_bytes)  # flush: host frames + the provisional padding
     assert uploads[2] == [(0, 4 * frame_bytes)]  # only the host frames were uploaded
     assert sum(b - a for a, b in uploads[3]) < 4 * frame_bytes  # padding of the partial epoch only
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(REASON is not None, reason=f"GPU backend not usable: {REASON}")
+def test_cuda_error_mid_recording_keeps_what_reached_the_host(tmp_path, monkeypatch):
+    import cupy
+
+    from napari_tileshard import WriterError
+    from napari_tileshard.backends.gpu import GpuBackend
+
+    calls = {"n": 0}
+    original = GpuBackend._wait_ready
+
+    def failing_wait(slot):
+        calls["n"] += 1
+        if calls["n"] == 3:  # the third batch fails on the device
+            raise cupy.cuda.runtime.CUDARuntimeError(700)  # cudaErrorIllegalAddress
+        return original(slot)
+
+    monkeypatch.setattr(GpuBackend, "_wait_ready", staticmethod(failing_wait))
+    layout = Layout([Dim("t", 0, 2, 1), Dim("y", 32, 16, 2), Dim("x", 32, 16, 2)], "uint16")
+    path = tmp_path / "cuda-error.zarr"
+    frames = SyntheticCamera((32, 32), "uint16", seed=2).stack(20)
+    writer = Writer(path, layout, backend="gpu", batch_bytes=2 * layout.epoch_bytes)  # 4 frames per batch
+    with pytest.raises(WriterError, match="CUDA"):
+        for frame in frames:
+            writer.append(frame)
+            time.sleep(0.01)
+    with pytest.raises(WriterError):
+        writer.close()
+    out = read_back(path)
+    assert out.shape[0] >= 8  # the two batches before the error are published
+    np.testing.assert_array_equal(out, frames[: out.shape[0]])

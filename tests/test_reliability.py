@@ -113,3 +113,28 @@ def test_real_disk_full(tiny_filesystem):
     assert rows > 10
     np.testing.assert_array_equal(array[:], np.stack([frames + i for i in range(rows)]))
     assert verify(path).ok
+
+
+def test_huge_declared_shape_is_refused_without_allocating(tmp_path):
+    import json
+    import tracemalloc
+
+    from napari_tileshard import Dim, Layout, Writer
+    from napari_tileshard._reader import napari_get_reader
+
+    layout = Layout([Dim("t", 0, 2, 1), Dim("y", 8, 4, 1), Dim("x", 8, 4, 1)], "uint16")
+    path = tmp_path / "hostile.zarr"
+    with Writer(path, layout, backend="cpu") as writer:
+        writer.append(np.ones((2, 8, 8), np.uint16))
+    meta = json.loads((path / "zarr.json").read_text())
+    meta["shape"] = [10**12, 10**7, 10**7]
+    (path / "zarr.json").write_text(json.dumps(meta))
+    tracemalloc.start()
+    reader = napari_get_reader(str(path))
+    with pytest.raises(ValueError, match="too large to display"):
+        reader(str(path))
+    report = verify(path)  # lists the shards that exist; never walks the declared grid
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 50 << 20
+    assert report.ok and report.shards == 4

@@ -38,12 +38,31 @@ def open_lazy(path):
     return node, (list(names) if names and all(names) else None)
 
 
+MAX_DISPLAY_SLICE_BYTES = 1 << 30
+
+
 def read_zarr(path):
     path = Path(path[0] if isinstance(path, list) else path)
     array, names = open_lazy(path)
+    if array is not None:
+        check_displayable(array, path)
     if array is None or 0 in array.shape:
         return [] if array is None else [(_empty_like(array), _meta(path, names), "image")]
     return [(array, _meta(path, names), "image")]
+
+
+def check_displayable(array, path) -> None:
+    """napari reads a whole 2-D slice at full resolution: refuse declared frames too large for that
+    (a corrupted or hostile zarr.json must not make the viewer allocate its declared size)."""
+    import math
+
+    import numpy as np
+
+    plane = array.shape[-2:] if array.ndim >= 2 else array.shape
+    nbytes = math.prod(plane) * np.dtype(array.dtype).itemsize
+    if nbytes > MAX_DISPLAY_SLICE_BYTES:
+        raise ValueError(f"{path}: frames of shape {tuple(plane)} ({nbytes / 2**30:.1f} GiB each) are too large "
+                         f"to display without a multiscale pyramid (limit {MAX_DISPLAY_SLICE_BYTES >> 20} MiB)")
 
 
 def _meta(path: Path, names):
