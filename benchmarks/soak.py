@@ -25,14 +25,25 @@ def rss_mib() -> float:
         return int(f.read().split()[1]) * 4096 / 2**20
 
 
-def gpu_mib():
+def gpu_sampler():
+    """A function returning device memory in use (MiB), or None without a GPU.
+
+    CuPy is imported and the device initialised here, on the main thread, before the recorder's
+    threads start (importing it first from the sampler thread while another thread creates the
+    GPU backend hung a GPU soak run).
+    """
     try:
         import cupy
 
+        cupy.cuda.runtime.memGetInfo()
+    except Exception:  # noqa: BLE001 - no GPU: nothing to sample
+        return lambda: None
+
+    def sample():
         free, total = cupy.cuda.runtime.memGetInfo()
         return (total - free) / 2**20
-    except Exception:  # noqa: BLE001 - no GPU: nothing to sample
-        return None
+
+    return sample
 
 
 def main():
@@ -47,6 +58,7 @@ def main():
     layout = Layout([Dim("t", 0, 16, 1), Dim("y", h, 256, 4), Dim("x", w, 256, 4)], "uint16")
     settings = RecorderSettings(output=args.out, layout=layout, backend=args.backend, fps=args.fps,
                                 policy="drop", overwrite=True)
+    gpu_mib = gpu_sampler()
     recorder = Recorder(settings)
     samples = []
     done = threading.Event()
