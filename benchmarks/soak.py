@@ -9,7 +9,6 @@ after warm-up vs at the end, dropped frames, and the verify result.
 from __future__ import annotations
 
 import argparse
-import resource  # noqa: F401 - POSIX only, like the RSS reading below
 import sys
 import threading
 import time

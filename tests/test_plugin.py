@@ -1,6 +1,5 @@
 """The napari plugin under Xvfb: widget, recording on a QThread, preview, reader/writer/sample."""
 
-import time
 
 import numpy as np
 import pytest

@@ -1,6 +1,5 @@
 """The Qt-free recording loop (what the widget's QThread hosts)."""
 
-import time
 
 import numpy as np
 import pytest

@@ -1,7 +1,6 @@
 """Shard bytes checked against the sharding_indexed spec, independently of the writer's code."""
 
 import json
-import math
 
 import google_crc32c
 import numpy as np

@@ -1,6 +1,5 @@
 """The Writer end to end: what goes in comes back out of zarr-python and tensorstore."""
 
-import math
 import warnings
 
 import numpy as np

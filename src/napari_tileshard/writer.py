@@ -143,7 +143,7 @@ class Writer:
         self._capacity = None if layout.unbounded else layout.total_elements * layout.itemsize
         self._attributes = dict(attributes or {})
         # Buffers (and the GPU's memory check) before the store is touched: a refusal leaves no trace.
-        staging_buffers = staging_buffers or getattr(self._backend, "preferred_staging_buffers", 2)
+        staging_buffers = staging_buffers or self._backend.preferred_staging_buffers
         self._free = [[self._backend.allocate_staging(self.batch_bytes), None] for _ in range(staging_buffers)]
         self._sink = open_sink(store, overwrite)
         self.stats = WriterStats(backend=self._backend.describe())

@@ -7,7 +7,6 @@ the GUI thread, where the preview layer is updated by reopening the zarr store.
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import numpy as np

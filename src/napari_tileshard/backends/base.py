@@ -27,6 +27,8 @@ class Backend(ABC):
     name = "?"
     #: batch size the backend is efficient with; the Writer rounds it to whole tile epochs
     preferred_batch_bytes = 64 << 20
+    #: staging buffers the Writer allocates by default
+    preferred_staging_buffers = 2
 
     def __init__(self, layout: Layout, codec: str = "zstd", level: int = 1):
         if codec not in CODECS:

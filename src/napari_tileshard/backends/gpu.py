@@ -147,7 +147,6 @@ class GpuBackend(Backend):
         self.tile_stride_bytes = _round_up(layout.tile_bytes, _ALIGN)
         self.output_stride = (_round_up(_nvcomp.max_output_chunk_bytes(layout.tile_bytes), _ALIGN)
                               if codec == "zstd" else self.tile_stride_bytes)
-        self._epochs = 0
 
     def describe(self) -> str:
         return f"gpu ({self.device_name}, nvCOMP zstd)" if self.codec == "zstd" else f"gpu ({self.device_name})"
