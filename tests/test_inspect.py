@@ -1,0 +1,68 @@
+"""Shard inspector core: maps from the indexes only, checked against a full independent parse."""
+
+import numpy as np
+import zarr
+from zarr.storage import LocalStore
+
+from napari_tileshard import Dim, Layout, SyntheticCamera, Writer
+from napari_tileshard.inspect_shards import EMPTY_CHUNK, inspect_array
+
+
+class CountingStore(LocalStore):
+    """Counts the bytes handed out for shard objects."""
+
+    shard_bytes = 0
+
+    async def get(self, key, prototype=None, byte_range=None):
+        buffer = await super().get(key, prototype, byte_range)
+        if key.startswith("c/") and buffer is not None:
+            type(self).shard_bytes += len(buffer.to_bytes())
+        return buffer
+
+
+def test_chunk_map_equals_full_parse_and_reads_only_indexes(tmp_path):
+    # odd layout: edge shards along y and x, a partial last shard epoch along t
+    layout = Layout([Dim("t", 0, 2, 2), Dim("y", 40, 16, 2), Dim("x", 24, 8, 2)], "uint16")
+    path = tmp_path / "odd.zarr"
+    with Writer(path, layout, backend="cpu") as writer:
+        writer.append(SyntheticCamera((40, 24), "uint16", seed=1).stack(7))
+    CountingStore.shard_bytes = 0
+    result = inspect_array(CountingStore(path, read_only=True))
+    assert result.chunk_bytes.shape == (4, 3, 3)  # chunk grid
+    # independent: decode each chunk's size from the full shard bytes
+    expected = np.full((4, 3, 3), EMPTY_CHUNK)
+    for shard in (path / "c").rglob("*"):
+        if not shard.is_file():
+            continue
+        t, y, x = map(int, shard.relative_to(path / "c").parts)
+        raw = shard.read_bytes()
+        index = np.frombuffer(raw[-(8 * 16 + 4):-4], "<u8").reshape(2, 2, 2, 2)
+        for wt in range(2):
+            for wy in range(2):
+                for wx in range(2):
+                    ct, cy, cx = 2 * t + wt, 2 * y + wy, 2 * x + wx
+                    if ct < 4 and cy < 3 and cx < 3 and index[wt, wy, wx, 0] != 2**64 - 1:
+                        expected[ct, cy, cx] = index[wt, wy, wx, 1]
+    np.testing.assert_array_equal(result.chunk_bytes, expected)
+    assert (result.chunk_bytes[3, :, :] == EMPTY_CHUNK).sum() == 0  # 7 frames -> chunk row 3 has frame 6
+    n_shards = len(result.shards)
+    assert n_shards == 2 * 2 * 2
+    assert CountingStore.shard_bytes == n_shards * (8 * 16 + 4)  # index bytes only, never chunk data
+    assert all(s.crc_ok for s in result.shards)
+    edge = next(s for s in result.shards if s.coords == (0, 1, 1))
+    assert edge.chunks_possible == 8 and edge.chunks_present == 2 * 1 * 1  # one chunk row (y 32..40) x one column (x 16..24)
+    assert np.nanmin(result.chunk_ratio) > 1
+
+
+def test_corrupted_index_shows_as_crc_mismatch(tmp_path):
+    layout = Layout([Dim("t", 0, 2, 1), Dim("x", 32, 8, 2)], "uint16")
+    path = tmp_path / "c.zarr"
+    with Writer(path, layout, backend="cpu") as writer:
+        writer.append(np.arange(4 * 32, dtype=np.uint16).reshape(4, 32))
+    shard = path / "c" / "1" / "0"
+    raw = bytearray(shard.read_bytes())
+    raw[-8] ^= 0x01
+    shard.write_bytes(bytes(raw))
+    rows = {s.key: s.crc_ok for s in inspect_array(path).shards}
+    assert rows["c/1/0"] is False and rows["c/0/0"] is True
+    assert zarr.open_array(path).shape == (4, 32)
