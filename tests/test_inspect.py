@@ -66,3 +66,38 @@ def test_corrupted_index_shows_as_crc_mismatch(tmp_path):
     rows = {s.key: s.crc_ok for s in inspect_array(path).shards}
     assert rows["c/1/0"] is False and rows["c/0/0"] is True
     assert zarr.open_array(path).shape == (4, 32)
+
+
+def test_inspector_widget_overlays_and_table(make_napari_viewer, tmp_path):
+    import pytest
+
+    pytest.importorskip("napari")
+    from napari_tileshard._qt.inspector_widget import InspectorWidget
+
+    layout = Layout([Dim("t", 0, 2, 2), Dim("y", 40, 16, 2), Dim("x", 24, 8, 2)], "uint16")
+    path = tmp_path / "odd.zarr"
+    with Writer(path, layout, backend="cpu") as writer:
+        writer.append(SyntheticCamera((40, 24), "uint16", seed=1).stack(7))
+    viewer = make_napari_viewer()
+    viewer.add_image(zarr.open_array(path)[:], name="data")
+    shard = path / "c" / "0" / "0" / "0"
+    raw = shard.read_bytes()
+    shard.write_bytes(raw[:-6] + bytes([raw[-6] ^ 1]) + raw[-5:])  # flip a bit inside the index
+    widget = InspectorWidget(viewer)
+    widget.open(str(path))
+    shard_grid = widget._layers["shard grid"]
+    tile_grid = widget._layers["tile grid"]
+    # shards of 32 x 16 px over a 40 x 24 plane: 2 x 2, edge shards clipped to the array
+    corners = sorted((tuple(r.min(axis=0)), tuple(r.max(axis=0))) for r in shard_grid.data)
+    assert corners == [((0, 0), (32, 16)), ((0, 16), (32, 24)), ((32, 0), (40, 16)), ((32, 16), (40, 24))]
+    assert len(tile_grid.data) == 3 * 3  # tiles of 16 x 8
+    ratio_layer = widget._layers["chunk ratio"]
+    np.testing.assert_array_equal(np.isnan(ratio_layer.data), widget.inspection.chunk_bytes == EMPTY_CHUNK)
+    assert tuple(ratio_layer.scale) == (2, 16, 8)
+    crc = {widget.table.item(i, 0).text(): widget.table.item(i, 4).text() for i in range(widget.table.rowCount())}
+    assert crc["c/0/0/0"] == "mismatch" and list(crc.values()).count("ok") == 7
+    row = [widget.table.item(i, 0).text() for i in range(widget.table.rowCount())].index("c/1/1/1")
+    widget.jump_to(row)
+    assert viewer.dims.current_step[0] == 4  # shard epoch 1 starts at frame 4
+    selected = widget._layers["selected"].data[0]
+    assert tuple(selected.min(axis=0)) == (32, 16) and tuple(selected.max(axis=0)) == (40, 24)

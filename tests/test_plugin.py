@@ -58,6 +58,8 @@ def test_record_synthetic_and_preview_grows(widget, qtbot, tmp_path):
     assert widget._preview.data.shape == data.shape  # the final array opens in place
     assert verify(out).ok
     assert "frames" in widget.stats_label.text()
+    inspector = widget.inspect()  # reachable from the recorder after a recording
+    assert len(inspector.inspection.shards) == 2 * -(-widget.stats.frames // 4)  # 2 shards per 4-frame epoch
 
 
 def test_record_from_an_image_layer_frame_for_frame(widget, qtbot, tmp_path):

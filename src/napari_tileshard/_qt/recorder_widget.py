@@ -169,8 +169,12 @@ class RecorderWidget(QWidget):
         self.start_button.clicked.connect(self.start)
         self.stop_button.clicked.connect(self.stop)
         self.stop_button.setEnabled(False)
+        self.inspect_button = QPushButton("Inspect shards")
+        self.inspect_button.setToolTip("open the shard inspector on the current output")
+        self.inspect_button.clicked.connect(self.inspect)
         controls.addWidget(self.start_button)
         controls.addWidget(self.stop_button)
+        controls.addWidget(self.inspect_button)
         layout.addLayout(controls)
         self.stats_label = QLabel("idle")
         self.stats_label.setWordWrap(True)
@@ -353,6 +357,15 @@ class RecorderWidget(QWidget):
             QApplication.processEvents()  # delivers finished_recording -> _on_finished
             if self._active:  # the signal could not be delivered (e.g. the viewer is closing)
                 self._on_finished(self._recorder.stats)
+
+    def inspect(self):
+        """Dock the shard inspector on the recording (works during a recording too: Refresh)."""
+        from .inspector_widget import InspectorWidget
+
+        inspector = InspectorWidget(self.viewer)
+        self.viewer.window.add_dock_widget(inspector, name="Inspect shards", area="right")
+        inspector.open(self.output.text())
+        return inspector
 
     def _disconnect_source(self):
         if self._source_layer is not None:

@@ -1,0 +1,155 @@
+"""The "Inspect shards" dock widget: shard/tile grids, per-chunk compression map, shard table.
+
+Everything it shows comes from :func:`napari_tileshard.inspect_shards.inspect_array`, which
+reads only shard indexes.  Grids are 2-D Shapes layers over the last two dimensions (napari
+broadcasts them along the others, e.g. the append dimension); the per-chunk map is an image
+on the chunk grid scaled by the chunk shape, so it lies on the data at every zoom.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from qtpy.QtWidgets import (
+    QCheckBox, QHBoxLayout, QLabel, QLineEdit, QPushButton, QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget,
+)
+
+from ..inspect_shards import EMPTY_CHUNK, Inspection, inspect_array
+
+_COLUMNS = ("shard", "file bytes", "chunks", "mean ratio", "index CRC")
+
+
+def grid_rectangles(shape, cell) -> list[np.ndarray]:
+    """Rectangles (corner pairs) of a regular grid of ``cell`` over a 2-D ``shape``, clipped."""
+    rects = []
+    for y0 in range(0, shape[0], cell[0]):
+        for x0 in range(0, shape[1], cell[1]):
+            y1, x1 = min(shape[0], y0 + cell[0]), min(shape[1], x0 + cell[1])
+            rects.append(np.array([[y0, x0], [y1, x1]], dtype=float))
+    return rects
+
+
+class InspectorWidget(QWidget):
+    def __init__(self, napari_viewer, parent=None):
+        super().__init__(parent)
+        self.viewer = napari_viewer
+        self.inspection: Inspection | None = None
+        self.path: str | None = None
+        self._layers: dict = {}
+        layout = QVBoxLayout(self)
+        row = QHBoxLayout()
+        self.path_edit = QLineEdit()
+        self.path_edit.setPlaceholderText("path of a Zarr v3 array")
+        open_button = QPushButton("Inspect")
+        open_button.clicked.connect(lambda: self.open(self.path_edit.text()))
+        row.addWidget(self.path_edit)
+        row.addWidget(open_button)
+        layout.addLayout(row)
+        toggles = QHBoxLayout()
+        self.shard_grid = QCheckBox("shard grid")
+        self.tile_grid = QCheckBox("tile grid")
+        for box, name in ((self.shard_grid, "shard grid"), (self.tile_grid, "tile grid")):
+            box.setChecked(True)
+            box.toggled.connect(lambda on, n=name: self._set_visible(n, on))
+            toggles.addWidget(box)
+        refresh = QPushButton("Refresh")
+        refresh.clicked.connect(self.refresh)
+        toggles.addWidget(refresh)
+        layout.addLayout(toggles)
+        self.summary = QLabel()
+        self.summary.setWordWrap(True)
+        layout.addWidget(self.summary)
+        self.table = QTableWidget(0, len(_COLUMNS))
+        self.table.setHorizontalHeaderLabels(_COLUMNS)
+        self.table.itemSelectionChanged.connect(self._on_select)
+        layout.addWidget(self.table)
+
+    # -- loading -----------------------------------------------------------------------
+    def open(self, path) -> None:
+        from napari.utils.notifications import show_error
+
+        try:
+            inspection = inspect_array(str(path))
+        except Exception as exc:  # noqa: BLE001 - shown to the user, never raised into Qt
+            self.summary.setText(f"cannot inspect {path}: {exc}")
+            show_error(f"cannot inspect {path}: {exc}")
+            return
+        self.path = str(path)
+        self.path_edit.setText(self.path)
+        self.inspection = inspection
+        self._show(inspection)
+
+    def refresh(self) -> None:
+        """Re-read the indexes (a recording in progress adds shards)."""
+        if self.path:
+            self.open(self.path)
+
+    def _show(self, result: Inspection) -> None:
+        name = Path(self.path).name
+        plane = result.shape[-2:]
+        self._replace_shapes("shard grid", grid_rectangles(plane, result.shard_shape[-2:]),
+                             edge_color="yellow", edge_width=max(1, plane[-1] // 300), name=name)
+        self._replace_shapes("tile grid", grid_rectangles(plane, result.chunk_shape[-2:]),
+                             edge_color="cyan", edge_width=max(1, plane[-1] // 1000), name=name)
+        ratio = result.chunk_ratio.astype(np.float32)
+        key = "chunk ratio"
+        if key in self._layers and self._layers[key] in self.viewer.layers:
+            self._layers[key].data = ratio
+        else:
+            layer = self.viewer.add_image(ratio, name=f"compression ratio per chunk: {name}",
+                                          scale=result.chunk_shape, colormap="viridis", opacity=0.5,
+                                          blending="translucent")
+            layer.colorbar.visible = True
+            self._layers[key] = layer
+        self.table.setRowCount(len(result.shards))
+        for i, shard in enumerate(result.shards):
+            values = (shard.key, f"{shard.file_bytes}", f"{shard.chunks_present} / {shard.chunks_possible}",
+                      f"{shard.mean_ratio:.2f}", "ok" if shard.crc_ok else "mismatch")
+            for j, value in enumerate(values):
+                self.table.setItem(i, j, QTableWidgetItem(value))
+        empty = int((result.chunk_bytes == EMPTY_CHUNK).sum())
+        bad = sum(not s.crc_ok for s in result.shards)
+        self.summary.setText(f"{len(result.shards)} shards, {result.chunk_bytes.size - empty} chunks present, "
+                             f"{empty} empty (transparent in the map), {bad} index CRC mismatches; "
+                             f"read {result.bytes_read} index bytes")
+
+    def _replace_shapes(self, key, rectangles, edge_color, edge_width, name):
+        visible = (self.shard_grid if key == "shard grid" else self.tile_grid).isChecked()
+        if key in self._layers and self._layers[key] in self.viewer.layers:
+            self.viewer.layers.remove(self._layers[key])
+        self._layers[key] = self.viewer.add_shapes(
+            rectangles, shape_type="rectangle", edge_color=edge_color, face_color="transparent",
+            edge_width=edge_width, name=f"{key}: {name}", visible=visible)
+
+    def _set_visible(self, key, on) -> None:
+        layer = self._layers.get(key)
+        if layer is not None and layer in self.viewer.layers:
+            layer.visible = on
+
+    # -- navigation ----------------------------------------------------------------------
+    def _on_select(self) -> None:
+        rows = self.table.selectionModel().selectedRows() if self.table.selectionModel() else []
+        if not rows or self.inspection is None:
+            return
+        self.jump_to(rows[0].row())
+
+    def jump_to(self, index: int) -> None:
+        """Move the viewer to shard ``index`` of the table and outline it."""
+        result = self.inspection
+        shard = result.shards[index]
+        start = [c * s for c, s in zip(shard.coords, result.shard_shape)]
+        for axis in range(len(start) - 2):
+            self.viewer.dims.set_current_step(axis, start[axis])
+        y0, x0 = start[-2:]
+        y1 = min(result.shape[-2], y0 + result.shard_shape[-2])
+        x1 = min(result.shape[-1], x0 + result.shard_shape[-1])
+        rect = [np.array([[y0, x0], [y1, x1]], dtype=float)]
+        key = "selected"
+        if key in self._layers and self._layers[key] in self.viewer.layers:
+            self._layers[key].data = rect
+        else:
+            self._layers[key] = self.viewer.add_shapes(rect, shape_type="rectangle", edge_color="red",
+                                                       face_color="transparent", edge_width=4,
+                                                       name="selected shard")
+        self.viewer.camera.center = ((y0 + y1) / 2, (x0 + x1) / 2)
