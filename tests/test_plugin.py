@@ -136,7 +136,7 @@ def test_reader_writer_and_sample_contributions(make_napari_viewer, tmp_path):
 
     viewer = make_napari_viewer()
     manifest = npe2.PluginManager.instance().get_manifest("napari-tileshard")
-    assert {w.display_name for w in manifest.contributions.widgets} == {"Tile/Shard Recorder"}
+    assert {w.display_name for w in manifest.contributions.widgets} == {"Tile/Shard Recorder", "Inspect shards"}
     viewer.open_sample("napari-tileshard", "synthetic")
     sample = viewer.layers["synthetic microscope"]
     assert sample.data.shape == (200, 512, 512)
