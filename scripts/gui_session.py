@@ -22,6 +22,7 @@ def main():
     parser.add_argument("--fps", type=float, default=100)
     parser.add_argument("--backend", default="auto")
     parser.add_argument("--screenshot", default=None)
+    parser.add_argument("--inspector-screenshot", default=None, help="after stopping, open the shard inspector and shoot")
     args = parser.parse_args()
 
     import napari
@@ -69,6 +70,13 @@ def main():
         if previous is not None:
             gaps.append(t - previous)
         previous = t
+    if args.inspector_screenshot:
+        inspector = widget.inspect()
+        inspector.jump_to(len(inspector.inspection.shards) // 2)
+        for _ in range(20):
+            app.processEvents()
+            time.sleep(0.05)
+        viewer.window.screenshot(args.inspector_screenshot, canvas_only=False)
     stats = widget.stats
     print(f"GUI under recording: {stats.frames} frames of {h}x{w} uint16 at {args.fps:g} fps, backend {stats.backend}, "
           f"dropped {stats.dropped}; event-loop ticks {len(gaps)}, worst gap {max(gaps) * 1e3:.0f} ms, "

@@ -88,16 +88,18 @@ def test_inspector_widget_overlays_and_table(make_napari_viewer, tmp_path):
     shard_grid = widget._layers["shard grid"]
     tile_grid = widget._layers["tile grid"]
     # shards of 32 x 16 px over a 40 x 24 plane: 2 x 2, edge shards clipped to the array
-    corners = sorted((tuple(r.min(axis=0)), tuple(r.max(axis=0))) for r in shard_grid.data)
+    corners = sorted((tuple(r.min(axis=0) + 0.5), tuple(r.max(axis=0) + 0.5)) for r in shard_grid.data)
     assert corners == [((0, 0), (32, 16)), ((0, 16), (32, 24)), ((32, 0), (40, 16)), ((32, 16), (40, 24))]
     assert len(tile_grid.data) == 3 * 3  # tiles of 16 x 8
     ratio_layer = widget._layers["chunk ratio"]
     np.testing.assert_array_equal(np.isnan(ratio_layer.data), widget.inspection.chunk_bytes == EMPTY_CHUNK)
     assert tuple(ratio_layer.scale) == (2, 16, 8)
+    # chunk (0, 1, 2) covers data pixels y 16..31, x 16..23: its map pixel spans them exactly
+    assert tuple(ratio_layer.data_to_world((0, 1, 2))) == (0.5, 16 + 7.5, 16 + 3.5)
     crc = {widget.table.item(i, 0).text(): widget.table.item(i, 4).text() for i in range(widget.table.rowCount())}
     assert crc["c/0/0/0"] == "mismatch" and list(crc.values()).count("ok") == 7
     row = [widget.table.item(i, 0).text() for i in range(widget.table.rowCount())].index("c/1/1/1")
     widget.jump_to(row)
     assert viewer.dims.current_step[0] == 4  # shard epoch 1 starts at frame 4
     selected = widget._layers["selected"].data[0]
-    assert tuple(selected.min(axis=0)) == (32, 16) and tuple(selected.max(axis=0)) == (40, 24)
+    assert tuple(selected.min(axis=0) + 0.5) == (32, 16) and tuple(selected.max(axis=0) + 0.5) == (40, 24)

@@ -21,12 +21,16 @@ _COLUMNS = ("shard", "file bytes", "chunks", "mean ratio", "index CRC")
 
 
 def grid_rectangles(shape, cell) -> list[np.ndarray]:
-    """Rectangles (corner pairs) of a regular grid of ``cell`` over a 2-D ``shape``, clipped."""
+    """Rectangles (corner pairs) of a regular grid of ``cell`` over a 2-D ``shape``, clipped.
+
+    In napari pixel ``j`` is centred on ``j``, so a block of pixels ``[a, b)`` spans
+    ``[a - 0.5, b - 0.5]``: the corners are shifted by half a pixel to sit on pixel edges.
+    """
     rects = []
     for y0 in range(0, shape[0], cell[0]):
         for x0 in range(0, shape[1], cell[1]):
             y1, x1 = min(shape[0], y0 + cell[0]), min(shape[1], x0 + cell[1])
-            rects.append(np.array([[y0, x0], [y1, x1]], dtype=float))
+            rects.append(np.array([[y0, x0], [y1, x1]], dtype=float) - 0.5)
     return rects
 
 
@@ -97,9 +101,11 @@ class InspectorWidget(QWidget):
         if key in self._layers and self._layers[key] in self.viewer.layers:
             self._layers[key].data = ratio
         else:
+            # One map pixel per chunk, scaled and shifted so it covers exactly that chunk's pixels.
+            scale = np.array(result.chunk_shape, dtype=float)
             layer = self.viewer.add_image(ratio, name=f"compression ratio per chunk: {name}",
-                                          scale=result.chunk_shape, colormap="viridis", opacity=0.5,
-                                          blending="translucent")
+                                          scale=scale, translate=(scale - 1) / 2, colormap="viridis",
+                                          opacity=0.5, blending="translucent")
             layer.colorbar.visible = True
             self._layers[key] = layer
         self.table.setRowCount(len(result.shards))
@@ -144,7 +150,7 @@ class InspectorWidget(QWidget):
         y0, x0 = start[-2:]
         y1 = min(result.shape[-2], y0 + result.shard_shape[-2])
         x1 = min(result.shape[-1], x0 + result.shard_shape[-1])
-        rect = [np.array([[y0, x0], [y1, x1]], dtype=float)]
+        rect = [np.array([[y0, x0], [y1, x1]], dtype=float) - 0.5]
         key = "selected"
         if key in self._layers and self._layers[key] in self.viewer.layers:
             self._layers[key].data = rect
