@@ -68,7 +68,7 @@ def test_corrupted_index_shows_as_crc_mismatch(tmp_path):
     assert zarr.open_array(path).shape == (4, 32)
 
 
-def test_inspector_widget_overlays_and_table(make_napari_viewer, tmp_path):
+def test_inspector_widget_overlays_and_table(make_napari_viewer, qtbot, tmp_path):
     import pytest
 
     pytest.importorskip("napari")
@@ -103,3 +103,37 @@ def test_inspector_widget_overlays_and_table(make_napari_viewer, tmp_path):
     assert viewer.dims.current_step[0] == 4  # shard epoch 1 starts at frame 4
     selected = widget._layers["selected"].data[0]
     assert tuple(selected.min(axis=0) + 0.5) == (32, 16) and tuple(selected.max(axis=0) + 0.5) == (40, 24)
+    # the on-demand chunk check runs on a worker thread and fills the last column
+    worker = widget.check_chunks()
+    qtbot.waitUntil(lambda: widget.check_report is not None, timeout=20_000)
+    qtbot.waitUntil(lambda: not worker.is_running, timeout=20_000)
+    checks = {widget.table.item(i, 0).text(): widget.table.item(i, 5).text() for i in range(widget.table.rowCount())}
+    assert "CRC32C" in checks["c/0/0/0"] and checks["c/1/1/1"] == "ok"
+
+
+def test_unsharded_and_foreign_arrays(tmp_path):
+    # unsharded zarr-python array: chunk grid and per-chunk object sizes
+    plain = zarr.create_array(tmp_path / "plain.zarr", shape=(5, 9), chunks=(2, 4), dtype="uint16",
+                              compressors=zarr.codecs.ZstdCodec(level=1), fill_value=0)
+    plain[:] = np.arange(45, dtype=np.uint16).reshape(5, 9)
+    result = inspect_array(tmp_path / "plain.zarr")
+    assert result.chunk_bytes.shape == (3, 3) and (result.chunk_bytes > 0).all()
+    sizes = {p.relative_to(tmp_path / "plain.zarr" / "c").as_posix(): p.stat().st_size
+             for p in (tmp_path / "plain.zarr" / "c").rglob("*") if p.is_file()}
+    assert result.chunk_bytes[2, 1] == sizes["2/1"]
+    # sharded array written by tensorstore
+    ts = __import__("pytest").importorskip("tensorstore")
+    spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(tmp_path / "ts.zarr")},
+            "metadata": {"shape": [6, 10], "data_type": "uint16",
+                         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [4, 8]}},
+                         "codecs": [{"name": "sharding_indexed", "configuration": {
+                             "chunk_shape": [2, 4], "codecs": [{"name": "bytes", "configuration": {"endian": "little"}},
+                                                              {"name": "zstd", "configuration": {"level": 1}}],
+                             "index_codecs": [{"name": "bytes", "configuration": {"endian": "little"}},
+                                              {"name": "crc32c"}]}}]},
+            "create": True}
+    store = ts.open(spec).result()
+    store[...].write(np.arange(60, dtype=np.uint16).reshape(6, 10)).result()
+    foreign = inspect_array(tmp_path / "ts.zarr")
+    assert foreign.chunk_bytes.shape == (3, 3) and (foreign.chunk_bytes > 0).all()
+    assert all(s.crc_ok for s in foreign.shards) and len(foreign.shards) == 4

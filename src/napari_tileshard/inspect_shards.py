@@ -58,9 +58,9 @@ def inspect_array(path) -> Inspection:
 
     array = zarr.open_array(path, mode="r")
     meta = array.metadata.to_dict()
-    sharding = [c for c in meta["codecs"] if c["name"] == "sharding_indexed"]
+    sharding = [c for c in meta.get("codecs", []) if c["name"] == "sharding_indexed"]
     if not sharding:
-        raise ValueError(f"{path}: not a sharded array (no sharding_indexed codec)")
+        return _inspect_unsharded(array, meta)
     config = sharding[0]["configuration"]
     if config.get("index_location", "end") != "end":
         raise ValueError(f"{path}: index_location {config['index_location']!r} is not supported yet")
@@ -100,4 +100,38 @@ def inspect_array(path) -> Inspection:
         count = int(present.sum())
         ratio = count * result.uncompressed_chunk_bytes / stored if stored else float("nan")
         result.shards.append(ShardInfo(key, coords, size, count, chunks, stored, ratio, bool(crc_ok)))
+    return result
+
+
+def _inspect_unsharded(array, meta) -> Inspection:
+    """Unsharded (or Zarr v2) arrays: the chunk grid and each chunk object's size, no data read."""
+    from zarr.core.sync import sync
+
+    shape = tuple(array.shape)
+    chunk_shape = tuple(array.chunks)
+    grid = tuple(math.ceil(s / c) for s, c in zip(shape, chunk_shape))
+    result = Inspection(shape, chunk_shape, chunk_shape, np.full(grid, EMPTY_CHUNK, dtype=np.int64),
+                        math.prod(chunk_shape) * np.dtype(array.dtype).itemsize)
+    store, prefix = array.store_path.store, array.store_path.path
+    separator = "/"
+    encoding = meta.get("chunk_key_encoding", {})
+    if isinstance(encoding, dict):
+        separator = encoding.get("configuration", {}).get("separator", "/")
+
+    async def keys():
+        base = f"{prefix}/" if prefix else ""
+        return [k[len(base):] async for k in store.list_prefix(base)]
+
+    for key in sync(keys()):
+        name = key[2:] if key.startswith("c" + separator) else key
+        parts = name.split(separator)
+        if len(parts) != len(shape) or not all(p.isdigit() for p in parts):
+            continue
+        coords = tuple(int(p) for p in parts)
+        if any(c >= g for c, g in zip(coords, grid)):
+            continue
+        size = sync(store.getsize(f"{prefix}/{key}" if prefix else key))
+        result.chunk_bytes[coords] = size
+        result.shards.append(ShardInfo(key, coords, size, 1, 1, size,
+                                       result.uncompressed_chunk_bytes / size if size else float("nan"), True))
     return result

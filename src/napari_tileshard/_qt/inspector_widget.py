@@ -11,13 +11,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+from qtpy.QtCore import QTimer
 from qtpy.QtWidgets import (
     QCheckBox, QHBoxLayout, QLabel, QLineEdit, QPushButton, QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget,
 )
 
 from ..inspect_shards import EMPTY_CHUNK, Inspection, inspect_array
 
-_COLUMNS = ("shard", "file bytes", "chunks", "mean ratio", "index CRC")
+_COLUMNS = ("shard", "file bytes", "chunks", "mean ratio", "index CRC", "chunk check")
 
 
 def grid_rectangles(shape, cell) -> list[np.ndarray]:
@@ -60,7 +61,19 @@ class InspectorWidget(QWidget):
         refresh = QPushButton("Refresh")
         refresh.clicked.connect(self.refresh)
         toggles.addWidget(refresh)
+        self.live = QCheckBox("live")
+        self.live.setToolTip("re-read the indexes every 2 s (new shards of a running recording appear)")
+        self._live_timer = QTimer(self)
+        self._live_timer.setInterval(2000)
+        self._live_timer.timeout.connect(self.refresh)
+        self.live.toggled.connect(lambda on: self._live_timer.start() if on else self._live_timer.stop())
+        toggles.addWidget(self.live)
+        self.check_button = QPushButton("Check chunks")
+        self.check_button.setToolTip("decode every chunk in the background (reads all data)")
+        self.check_button.clicked.connect(self.check_chunks)
+        toggles.addWidget(self.check_button)
         layout.addLayout(toggles)
+        self.check_report = None
         self.summary = QLabel()
         self.summary.setWordWrap(True)
         layout.addWidget(self.summary)
@@ -111,7 +124,7 @@ class InspectorWidget(QWidget):
         self.table.setRowCount(len(result.shards))
         for i, shard in enumerate(result.shards):
             values = (shard.key, f"{shard.file_bytes}", f"{shard.chunks_present} / {shard.chunks_possible}",
-                      f"{shard.mean_ratio:.2f}", "ok" if shard.crc_ok else "mismatch")
+                      f"{shard.mean_ratio:.2f}", "ok" if shard.crc_ok else "mismatch", self._check_text(shard.key))
             for j, value in enumerate(values):
                 self.table.setItem(i, j, QTableWidgetItem(value))
         empty = int((result.chunk_bytes == EMPTY_CHUNK).sum())
@@ -119,6 +132,60 @@ class InspectorWidget(QWidget):
         self.summary.setText(f"{len(result.shards)} shards, {result.chunk_bytes.size - empty} chunks present, "
                              f"{empty} empty (transparent in the map), {bad} index CRC mismatches; "
                              f"read {result.bytes_read} index bytes")
+
+    # -- on-demand decode check ------------------------------------------------------------
+    def _check_text(self, key: str) -> str:
+        if self.check_report is None:
+            return "-"
+        problems = [p for p in self.check_report.problems if p.key == key]
+        return "ok" if not problems else "; ".join(str(p.message) for p in problems[:2])
+
+    def check_chunks(self):
+        """Run verify() (every chunk decoded) on a worker thread with a progress bar."""
+        import queue
+        import threading
+
+        from napari.qt.threading import thread_worker
+        from napari.utils import progress
+
+        from ..verify import verify
+
+        if not self.path:
+            return None
+        path = self.path
+        bar = progress(total=0, desc="checking chunks")
+
+        @thread_worker
+        def work():
+            updates, result = queue.Queue(), {}
+            runner = threading.Thread(target=lambda: result.setdefault("report", verify(path, lambda d, n: updates.put((d, n)))))
+            runner.start()
+            while runner.is_alive() or not updates.empty():
+                try:
+                    yield updates.get(timeout=0.1)
+                except queue.Empty:
+                    continue
+            return result["report"]
+
+        def on_progress(update):
+            done, total = update
+            bar.total = total
+            bar.n = done
+            bar.refresh()
+
+        def on_done(report):
+            bar.close()
+            self.check_report = report
+            if self.inspection is not None:
+                self._show(self.inspection)
+
+        worker = work()
+        worker.yielded.connect(on_progress)
+        worker.returned.connect(on_done)
+        self.check_button.setEnabled(False)
+        worker.finished.connect(lambda: self.check_button.setEnabled(True))
+        worker.start()
+        return worker
 
     def _replace_shapes(self, key, rectangles, edge_color, edge_width, name):
         visible = (self.shard_grid if key == "shard grid" else self.tile_grid).isChecked()

@@ -365,6 +365,7 @@ class RecorderWidget(QWidget):
         inspector = InspectorWidget(self.viewer)
         self.viewer.window.add_dock_widget(inspector, name="Inspect shards", area="right")
         inspector.open(self.output.text())
+        inspector.live.setChecked(self.is_recording)
         return inspector
 
     def _disconnect_source(self):
