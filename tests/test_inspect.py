@@ -137,3 +137,59 @@ def test_unsharded_and_foreign_arrays(tmp_path):
     foreign = inspect_array(tmp_path / "ts.zarr")
     assert foreign.chunk_bytes.shape == (3, 3) and (foreign.chunk_bytes > 0).all()
     assert all(s.crc_ok for s in foreign.shards) and len(foreign.shards) == 4
+
+
+def test_ten_thousand_shards_open_from_index_bytes_only(tmp_path):
+    import time
+
+    layout = Layout([Dim("t", 0, 1, 1), Dim("x", 100, 1, 1)], "uint8")  # one chunk per shard
+    path = tmp_path / "many.zarr"
+    with Writer(path, layout, backend="cpu", codec="none") as writer:
+        writer.append(np.arange(100 * 100, dtype=np.uint64).astype(np.uint8).reshape(100, 100))
+    CountingStore.shard_bytes = 0
+    start = time.perf_counter()
+    result = inspect_array(CountingStore(path, read_only=True))
+    elapsed = time.perf_counter() - start
+    assert len(result.shards) == 10_000
+    assert CountingStore.shard_bytes == 10_000 * (16 + 4)  # one index per shard, no chunk data
+    assert elapsed < 60
+
+
+def test_new_shards_appear_on_refresh_and_other_writers(tmp_path):
+    layout = Layout([Dim("t", 0, 2, 1), Dim("x", 16, 8, 1)], "uint16")
+    path = tmp_path / "growing.zarr"
+    writer = Writer(path, layout, backend="cpu", batch_bytes=1, max_latency_s=0.01)
+    writer.append(np.zeros((2, 16), np.uint16))
+    writer.flush()
+    first = len(inspect_array(path).shards)
+    writer.append(np.ones((4, 16), np.uint16))
+    writer.flush()
+    assert len(inspect_array(path).shards) == first + 4  # two more shard epochs x two shards
+    writer.close()
+    # zarr-python's own sharded writer
+    sharded = zarr.create_array(tmp_path / "zp.zarr", shape=(4, 16), chunks=(2, 8), shards=(2, 16),
+                                dtype="uint16", fill_value=0)
+    sharded[:] = np.arange(64, dtype=np.uint16).reshape(4, 16)
+    zp = inspect_array(tmp_path / "zp.zarr")
+    assert len(zp.shards) == 2 and (zp.chunk_bytes > 0).all() and all(s.crc_ok for s in zp.shards)
+
+
+def test_acquire_zarr_output(tmp_path):
+    az = __import__("pytest").importorskip("acquire_zarr")
+    settings = az.StreamSettings(store_path=str(tmp_path / "az.zarr"), overwrite=True)
+    settings.arrays = [az.ArraySettings(
+        output_key="0", data_type=az.DataType.UINT16,
+        compression=az.CompressionSettings(compressor=az.Compressor.ZSTD, codec=az.CompressionCodec.ZSTD, level=1),
+        dimensions=[az.Dimension(name="t", kind=az.DimensionType.TIME, array_size_px=0, chunk_size_px=2,
+                                 shard_size_chunks=1),
+                    az.Dimension(name="y", kind=az.DimensionType.SPACE, array_size_px=32, chunk_size_px=16,
+                                 shard_size_chunks=2),
+                    az.Dimension(name="x", kind=az.DimensionType.SPACE, array_size_px=32, chunk_size_px=16,
+                                 shard_size_chunks=1)])]
+    stream = az.ZarrStream(settings)
+    for i in range(4):
+        stream.append(np.full((32, 32), i, np.uint16))
+    stream.close()
+    result = inspect_array(tmp_path / "az.zarr" / "0")
+    assert result.chunk_bytes.shape == (2, 2, 2) and (result.chunk_bytes > 0).all()
+    assert len(result.shards) == 2 * 1 * 2 and all(s.crc_ok for s in result.shards)
