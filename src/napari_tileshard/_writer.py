@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .layout import Dim, Layout
+from .layout import Dim, Layout, is_valid_name
 from .writer import Writer
 
 # The recorder widget puts its last valid settings here, so File > Save uses the same tiling.
@@ -27,9 +27,7 @@ def default_layout(shape, dtype, names=None) -> Layout:
 
 
 def _safe_name(name, i):
-    import re
-
-    return name if isinstance(name, str) and re.match(r"^[A-Za-z_][A-Za-z0-9_\-]{0,63}$", name) else f"d{i}"
+    return name if is_valid_name(name) else f"d{i}"
 
 
 def write_image(path: str, data, meta: dict) -> list[str]:

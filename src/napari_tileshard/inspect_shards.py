@@ -54,7 +54,7 @@ def inspect_array(path) -> Inspection:
     from zarr.core.buffer import default_buffer_prototype
     from zarr.core.sync import sync
 
-    from .verify import _list_shards
+    from .store import list_shard_keys
 
     array = zarr.open_array(path, mode="r")
     meta = array.metadata.to_dict()
@@ -75,7 +75,7 @@ def inspect_array(path) -> Inspection:
                         math.prod(chunk_shape) * np.dtype(array.dtype).itemsize)
     store, prefix = array.store_path.store, array.store_path.path
     prototype = default_buffer_prototype()
-    for key in sorted(_list_shards(store, prefix)):
+    for key in sorted(list_shard_keys(store, prefix)):
         parts = key.split("/")[1:]
         if len(parts) != len(shape) or not all(p.isdigit() for p in parts):
             continue

@@ -38,6 +38,11 @@ _MAX_EPOCH_BYTES = 1 << 40
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]{0,63}$")
 
 
+def is_valid_name(name) -> bool:
+    """A dimension name that is safe as a key and a path component (no separators, no ``..``)."""
+    return isinstance(name, str) and bool(_NAME_RE.match(name))
+
+
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -59,7 +64,7 @@ class Dim:
     tiles_per_shard: int = 1
 
     def __post_init__(self):
-        if not isinstance(self.name, str) or not _NAME_RE.match(self.name):
+        if not is_valid_name(self.name):
             raise ValueError(
                 f"dimension name {self.name!r} is invalid: use a letter or underscore followed by "
                 "letters, digits, '_' or '-' (at most 64 characters, no path separators)"

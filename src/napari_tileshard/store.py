@@ -189,3 +189,15 @@ def open_sink(store, overwrite: bool = False):
     if hasattr(store, "set") and hasattr(store, "get"):
         return ZarrStoreSink(store, overwrite)
     raise TypeError(f"store must be a path or a zarr v3 Store, got {type(store).__name__}")
+
+
+def list_shard_keys(store, prefix: str = "") -> list[str]:
+    """Keys (relative to ``prefix``) of the shard objects under ``c/`` that exist in a zarr Store,
+    skipping hidden temporary files; never walks a declared grid."""
+    from zarr.core.sync import sync
+
+    async def collect():
+        base = f"{prefix}/c/" if prefix else "c/"
+        return [key[len(prefix) + 1:] if prefix else key async for key in store.list_prefix(base)]
+
+    return [k for k in sync(collect()) if not k.rsplit("/", 1)[-1].startswith(".")]

@@ -15,6 +15,7 @@ import numpy as np
 import zstandard
 
 from .shard import EMPTY, decode_index
+from .store import list_shard_keys
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,7 @@ def verify(path, progress=None) -> VerifyReport:
     zstd = "zstd" in inner
     store = array.store_path.store
     prefix = array.store_path.path
-    keys = sorted(_list_shards(store, prefix))
+    keys = sorted(list_shard_keys(store, prefix))
     decompressor = zstandard.ZstdDecompressor()
     for done, key in enumerate(keys):
         if progress:
@@ -137,16 +138,6 @@ def _check_shard(report, key, data, chunks_per_shard, tile_bytes, zstd, decompre
             report.problems.append(Problem(key, chunk, f"{trailing} bytes follow the first zstd frame"))
         if len(decoded) != tile_bytes:
             report.problems.append(Problem(key, chunk, f"decodes to {len(decoded)} bytes, a tile is {tile_bytes}"))
-
-
-def _list_shards(store, prefix: str):
-    from zarr.core.sync import sync
-
-    async def collect():
-        base = f"{prefix}/c/" if prefix else "c/"
-        return [key[len(prefix) + 1:] if prefix else key async for key in store.list_prefix(base)]
-
-    return [k for k in sync(collect()) if not k.rsplit("/", 1)[-1].startswith(".")]
 
 
 def _read(store, prefix: str, key: str) -> bytes | None:
