@@ -26,7 +26,7 @@ for layout in LAYOUTS:
         backend = select_backend("gpu", layout, codec, 1)
         staging = backend.allocate_staging(2 * layout.epoch_bytes)
         staging[:] = np.random.default_rng(0).integers(0, 8, staging.nbytes, dtype=np.uint8)
-        epochs = backend.result(backend.submit(staging, 2))
+        (epochs,) = backend.result(backend.submit(staging, 2))
         backend.close()
         assert len(epochs) == 2
 print("kernels ran on", len(LAYOUTS), "layouts x 2 codecs")

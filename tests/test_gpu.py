@@ -69,7 +69,7 @@ def test_aggregation_matches_numpy_reference(layout, epochs):
         staging = backend.allocate_staging(epochs * layout.epoch_bytes)
         rng = np.random.default_rng(epochs)
         staging[:] = rng.integers(0, 4, staging.nbytes, dtype=np.uint8)  # compressible, not trivial
-        encoded = backend.result(backend.submit(staging, epochs))
+        (encoded,) = backend.result(backend.submit(staging, epochs))
     finally:
         backend.close()
     batch = staging.view(layout.dtype).reshape((epochs * layout.epoch_rows,) + layout.shape[1:])

@@ -35,6 +35,9 @@ SUPPORTED_DTYPES = (
 )
 _MAX_TILES_PER_EPOCH = 1 << 24
 _MAX_EPOCH_BYTES = 1 << 40
+AXIS_KINDS = ("time", "channel", "space", "other")
+_DEFAULT_KINDS = {"t": "time", "time": "time", "c": "channel", "ch": "channel", "channel": "channel",
+                  "z": "space", "y": "space", "x": "space"}
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]{0,63}$")
 
 
@@ -55,13 +58,18 @@ def _is_int(value) -> bool:
 class Dim:
     """One array dimension: its extent, tile extent and how many tiles make a shard.
 
-    ``size=0`` marks the unbounded append dimension (allowed for dim 0 only).
+    ``size=0`` marks the unbounded append dimension (allowed for dim 0 only).  ``kind``,
+    ``unit`` and ``scale`` (pixel size, frame interval) describe the axis in OME-Zarr output;
+    ``kind=None`` means the default for the name (t time, c channel, z/y/x space).
     """
 
     name: str
     size: int
     tile_size: int
     tiles_per_shard: int = 1
+    kind: str | None = None
+    unit: str | None = None
+    scale: float = 1.0
 
     def __post_init__(self):
         if not is_valid_name(self.name):
@@ -83,9 +91,23 @@ class Dim:
                 f"dimension {self.name!r}: tiles_per_shard must be >= 1, got {self.tiles_per_shard}"
             )
 
+        if self.kind is not None and self.kind not in AXIS_KINDS:
+            raise ValueError(f"dimension {self.name!r}: kind {self.kind!r} is not one of {', '.join(AXIS_KINDS)}")
+        if self.unit is not None and (not isinstance(self.unit, str) or not self.unit.strip()):
+            raise TypeError(f"dimension {self.name!r}: unit must be a non-empty string, got {self.unit!r}")
+        if (not isinstance(self.scale, (int, float, np.integer, np.floating)) or isinstance(self.scale, bool)
+                or not math.isfinite(self.scale) or self.scale <= 0):
+            raise ValueError(f"dimension {self.name!r}: scale must be a positive finite number, got {self.scale!r}")
+        object.__setattr__(self, "scale", float(self.scale))
+
     @property
     def unbounded(self) -> bool:
         return self.size == 0
+
+    @property
+    def axis_kind(self) -> str:
+        """OME-NGFF axis type: ``kind``, or the default for the name."""
+        return self.kind or _DEFAULT_KINDS.get(self.name.lower(), "other")
 
 
 class Layout:

@@ -30,6 +30,8 @@ import numpy as np
 from .backends import select_backend
 from .backends.base import CODECS
 from .layout import Layout
+from .ome import group_metadata
+from .pyramid import Pyramid, level_fraction, plan_pyramid
 from .shard import ShardAccumulator
 from .store import METADATA_KEY, array_metadata, metadata_bytes, open_sink
 
@@ -81,7 +83,7 @@ def _validate_level(codec: str, level) -> int:
     return int(level)
 
 
-def estimate_memory(layout: Layout, batch_bytes: int | None = None) -> dict[str, int]:
+def estimate_memory(layout: Layout, batch_bytes: int | None = None, pyramid: Pyramid | None = None) -> dict[str, int]:
     """Host bytes with the CPU backend and host/device bytes with the GPU backend, by default batching.
 
     Pure arithmetic (no device is touched): what the widget shows before recording starts.
@@ -89,10 +91,15 @@ def estimate_memory(layout: Layout, batch_bytes: int | None = None) -> dict[str,
     from .backends.cpu import CpuBackend
     from .backends.gpu import GpuBackend
 
+    pyramid = pyramid or Pyramid.single(layout)
     cpu_batch = max(1, (batch_bytes or CpuBackend.preferred_batch_bytes) // layout.epoch_bytes) * layout.epoch_bytes
-    gpu = GpuBackend.estimate(layout, batch_bytes or GpuBackend.default_batch_bytes_for(layout))
-    in_flight = (1 + 2 * max(1, cpu_batch // layout.epoch_bytes)) * layout.tiles_per_epoch * layout.compressed_tile_bound()
-    return {"cpu_host": 2 * cpu_batch + in_flight, "gpu_host": gpu["host"] + in_flight, "gpu_device": gpu["device"]}
+    gpu = GpuBackend.estimate(layout, batch_bytes or GpuBackend.default_batch_bytes_for(layout),
+                              layouts=pyramid.layouts)
+    compressed_epoch = sum(lay.tiles_per_epoch * lay.compressed_tile_bound() for lay in pyramid.layouts)
+    in_flight = (1 + 2 * max(1, cpu_batch // layout.epoch_bytes)) * compressed_epoch
+    cpu_levels = int(cpu_batch * (level_fraction(pyramid) - 1) * (8 if pyramid.method == "mean" else 2) / 4)
+    return {"cpu_host": 2 * cpu_batch + in_flight + cpu_levels, "gpu_host": gpu["host"] + in_flight,
+            "gpu_device": gpu["device"]}
 
 
 class Writer:
@@ -106,12 +113,19 @@ class Writer:
     received data waits in a partly filled batch: at the first tile-epoch boundary after that
     time the complete epochs are submitted anyway, so a slow stream still reaches the disk (and
     survives a crash) within about that time.
+
+    ``ome=True`` writes an OME-Zarr 0.5 group instead of a bare array: level 0 at ``0/`` and a
+    pyramid of ``downsample`` levels (``"mean"``, ``"max"``, ``"min"``, ``"decimate"``) over
+    ``downsample_dims`` (default the last two dims) at ``1/``, ``2/``, ... computed by the backend
+    from each batch while recording (:mod:`napari_tileshard.pyramid`), up to ``max_levels``.
+    ``attributes`` (JSON-serialisable) go into the array's attributes, or the group's next to ``ome``.
     """
 
     def __init__(self, store, layout: Layout, *, codec: str = "zstd", level: int = 1,
                  backend: str = "auto", overwrite: bool = False, batch_bytes: int | None = None,
                  staging_buffers: int | None = None, io_threads: int = 4, threads: int | None = None,
-                 attributes: dict | None = None, max_latency_s: float = 1.0):
+                 attributes: dict | None = None, max_latency_s: float = 1.0, ome: bool = False,
+                 downsample: str = "mean", downsample_dims=None, max_levels: int | None = None):
         if not isinstance(layout, Layout):
             raise TypeError(f"layout must be a Layout, got {type(layout).__name__}")
         if not isinstance(max_latency_s, (int, float)) or not max_latency_s > 0:
@@ -122,7 +136,13 @@ class Writer:
         self.level = _validate_level(codec, level)
         if staging_buffers is not None and (not isinstance(staging_buffers, int) or staging_buffers < 2):
             raise ValueError(f"staging_buffers must be an integer >= 2, got {staging_buffers!r}")
+        self.ome = bool(ome)
+        self.pyramid = (plan_pyramid(layout, downsample, downsample_dims, max_levels) if ome
+                        else Pyramid.single(layout))
+        self._group = group_metadata(self.pyramid, "", attributes) if ome else None  # validates attributes
         options = {"threads": threads} if threads else {}
+        if ome:
+            options["pyramid"] = self.pyramid
         self._backend = select_backend(backend, layout, codec, self.level, **options)
         try:
             self._setup(store, overwrite, batch_bytes, staging_buffers, io_threads, attributes)
@@ -147,14 +167,19 @@ class Writer:
         self._free = [[self._backend.allocate_staging(self.batch_bytes), None] for _ in range(staging_buffers)]
         self._sink = open_sink(store, overwrite)
         self.stats = WriterStats(backend=self._backend.describe())
+        self._prefixes = [f"{k}/" for k in range(self.pyramid.levels)] if self.ome else [""]
         self._metadata_rows = 0 if layout.unbounded else layout.shape[0]
         self._write_metadata(self._metadata_rows)
+        if self.ome:  # after the level arrays exist, so the group never names a missing dataset
+            name = getattr(self._sink, "root", None)
+            self._group["attributes"]["ome"]["multiscales"][0]["name"] = name.stem if name else "image"
+            self._sink.write(METADATA_KEY, [metadata_bytes(self._group)])
         self._current = None  # [buffer, ticket] being filled
         self._fill = 0
         self._fill_started = 0.0
         self._host_ranges: list[list[int]] = []
         self._epochs_submitted = 0
-        self._accumulator = ShardAccumulator(layout)
+        self._accumulators = [ShardAccumulator(lay) for lay in self.pyramid.layouts]
         self._submitted: queue.Queue = queue.Queue(maxsize=staging_buffers)
         self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="tileshard-io")
         self._copy_threads = min(3, (os.cpu_count() or 1) - 1)
@@ -188,7 +213,8 @@ class Writer:
         layout = self.layout
         estimate = self._backend.memory_estimate(self.batch_bytes, len(self._free) + (self._current is not None))
         # The open shard epoch plus those waiting on storage, at the worst-case compressed size.
-        shard_epoch_bound = (layout.tiles_per_shard[0] * layout.tiles_per_epoch * layout.compressed_tile_bound())
+        shard_epoch_bound = layout.tiles_per_shard[0] * sum(
+            lay.tiles_per_epoch * lay.compressed_tile_bound() for lay in self.pyramid.layouts)
         estimate["host"] += (1 + self._max_pending_shard_epochs) * shard_epoch_bound
         return estimate
 
@@ -230,14 +256,16 @@ class Writer:
         """Write everything received so far, including partial shards; the stream continues."""
         self._check_open()
         self._drain()
-        provisional = []
+        provisional = [[] for _ in self._accumulators]
         if self._fill:
             buffer = self._current[0]
             ranges = [list(r) for r in self._host_ranges]
             epochs = self._pad_current()
-            provisional = self._backend.result(self._backend.submit(buffer, epochs, self._host_ranges))
+            ticket = self._backend.submit(buffer, epochs, self._host_ranges, rows=self._rows_in_current())
+            provisional = self._backend.result(ticket)
             self._host_ranges = ranges  # the padding is provisional: later (device) bytes replace it
-        shards = self._accumulator.pending(provisional)
+        shards = [(k, shard) for k, accumulator in enumerate(self._accumulators)
+                  for shard in accumulator.pending(provisional[k])]
         self._store_shards(shards, wait=True)
         if self.layout.unbounded:
             self._write_metadata(self._rows_received())
@@ -250,11 +278,13 @@ class Writer:
         self._closed = True
         try:
             if self._error is None and self._fill:
-                self._submit_current(self._pad_current())
+                rows = self._rows_in_current()
+                self._submit_current(self._pad_current(), rows)
             self._put_submitted(None)
             self._collector.join()
             if self._error is None:
-                self._store_shards(self._accumulator.take_pending(), wait=True)
+                self._store_shards([(k, shard) for k, accumulator in enumerate(self._accumulators)
+                                    for shard in accumulator.take_pending()], wait=True)
                 if self.layout.unbounded:
                     self._write_metadata(self._rows_received())
                 self.stats.rows_complete = self._rows_received()
@@ -389,9 +419,13 @@ class Writer:
         self._note_host_range(self._fill, epochs * layout.epoch_bytes)
         return epochs
 
-    def _submit_current(self, epochs: int) -> None:
+    def _rows_in_current(self) -> int:
+        """Rows along dim 0 that the current (partly filled) buffer holds data for."""
+        return math.ceil(self._fill / (self.layout.row_elements * self.layout.itemsize))
+
+    def _submit_current(self, epochs: int, rows: int | None = None) -> None:
         entry, self._current, self._fill = self._current, None, 0
-        entry[1] = self._backend.submit(entry[0], epochs, self._host_ranges)
+        entry[1] = self._backend.submit(entry[0], epochs, self._host_ranges, rows=rows)
         self._put_submitted((entry[1], self._epochs_submitted))
         self._epochs_submitted += epochs
         self._free.append(entry)
@@ -422,8 +456,11 @@ class Writer:
                 if self._error is not None:
                     continue  # drain without work so producers never block on a dead pipeline
                 ticket, first_epoch = item
-                for offset, encoded in enumerate(self._backend.result(ticket)):
-                    shards = self._accumulator.add(first_epoch + offset, encoded)
+                levels = self._backend.result(ticket)
+                for offset in range(len(levels[0])):
+                    # Level k's tile epoch e lies in level 0's: their shard epochs complete together.
+                    shards = [(k, shard) for k, accumulator in enumerate(self._accumulators)
+                              for shard in accumulator.add(first_epoch + offset, levels[k][offset])]
                     if shards:
                         self._store_shards(shards, wait=False)
                 self._reap_io()
@@ -444,16 +481,17 @@ class Writer:
     def _store_shards(self, shards, wait: bool) -> None:
         if not shards:
             return
-        futures = [self._io.submit(self._write_shard, shard) for shard in shards]
-        shard_epoch = shards[0].coords[0]
+        futures = [self._io.submit(self._write_shard, k, shard) for k, shard in shards]
+        shard_epoch = shards[0][1].coords[0]
         rows = min((shard_epoch + 1) * self.layout.shard_epoch_rows, self._rows_received())
         self._pending_io.append((futures, rows))
         limit = 0 if wait else self._max_pending_shard_epochs
         while len(self._pending_io) > limit:
             self._complete_oldest_io()
 
-    def _write_shard(self, shard) -> None:
-        self._sink.write(self.layout.shard_key(shard.coords), shard.buffers + [shard.index])
+    def _write_shard(self, level: int, shard) -> None:
+        key = self._prefixes[level] + self.pyramid.layouts[level].shard_key(shard.coords)
+        self._sink.write(key, shard.buffers + [shard.index])
         with self._stats_lock:
             self.stats.bytes_out += shard.nbytes
             self.stats.shards_written += 1
@@ -484,8 +522,11 @@ class Writer:
                 pass  # recorded by _fail; the remaining writes are still waited for
 
     def _write_metadata(self, rows: int) -> None:
-        metadata = array_metadata(self.layout, self.codec, self.level, rows, self._attributes)
-        self._sink.write(METADATA_KEY, [metadata_bytes(metadata)])
+        """Publish ``rows`` of level 0 (and the matching rows of every level) in the arrays' zarr.json."""
+        attributes = {} if self.ome else self._attributes
+        for k, (layout, prefix) in enumerate(zip(self.pyramid.layouts, self._prefixes)):
+            metadata = array_metadata(layout, self.codec, self.level, self.pyramid.level_rows(k, rows), attributes)
+            self._sink.write(prefix + METADATA_KEY, [metadata_bytes(metadata)])
         self._metadata_rows = rows
 
     # -- errors --------------------------------------------------------------------------

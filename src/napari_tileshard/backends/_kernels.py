@@ -8,6 +8,10 @@
 * ``permute_sizes``: pass 1 of the aggregation: ``sizes[P[i]] = compressed_bytes[i]``.
 * ``gather``: pass 3: copy each compressed chunk to its shard-major offset (the exclusive scan
   of pass 2 is ``cupy.cumsum``).
+* ``reduce``: one pyramid step.  One thread per element of the reduced level; it visits the
+  2 x ... x 2 block of the finer level (offsets from :func:`pyramid.block_offsets`), skipping
+  elements outside the array or past the batch's valid rows, and writes the mean/max/min/first
+  exactly as :func:`pyramid.reduce2` defines it.
 
 Sizes are baked in as constants so the divisions compile to multiplications.
 """
@@ -50,6 +54,63 @@ def tile_source(layout, tile_stride: int) -> str:
     return "\n".join(lines)
 
 
+_C_TYPES = {"uint8": "unsigned char", "uint16": "unsigned short", "uint32": "unsigned int",
+            "uint64": "unsigned long long", "int8": "signed char", "int16": "short", "int32": "int",
+            "int64": "long long", "float32": "float", "float64": "double",
+            "float16": "unsigned short"}  # float16: raw bits, converted with PTX cvt below
+
+_HALF_HELPERS = r"""
+__device__ __forceinline__ float half_to_float(unsigned short h) {
+  float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f; }
+__device__ __forceinline__ unsigned short float_to_half(float f) {
+  unsigned short h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h; }
+"""
+
+
+def reduce_source(source, target, axes, method: str) -> str:
+    """CUDA source of one pyramid step from layout ``source`` to ``target`` over ``axes``."""
+    from ..pyramid import block_offsets
+
+    dtype = source.dtype.name
+    half = dtype == "float16"
+    rank = source.rank
+    value = (lambda v: f"half_to_float({v})") if half else (lambda v: v)
+    lines = [_HALF_HELPERS if half else "", f"typedef {_C_TYPES[dtype]} T;",
+             'extern "C" __global__ void reduce(const T* __restrict__ in, T* __restrict__ out,',
+             "                                  long long out_elements, long long in_rows) {",
+             "  long long o = (long long)blockIdx.x * blockDim.x + threadIdx.x;",
+             "  if (o >= out_elements) return;",
+             "  long long rest = o;"]
+    for d in range(rank - 1, 0, -1):
+        lines.append(f"  long long c{d} = rest % {target.shape[d]}LL; rest /= {target.shape[d]}LL;")
+    lines.append("  long long c0 = rest;")
+    in_stride = [1] * rank
+    for d in range(rank - 2, -1, -1):
+        in_stride[d] = in_stride[d + 1] * source.shape[d + 1]
+    accumulate = {"mean": "sum += (double)({v}); ++count;",
+                  "max": "if (!count || {v} > best) best = {v}; ++count;",
+                  "min": "if (!count || {v} < best) best = {v}; ++count;",
+                  "decimate": "best = {v}; ++count;"}[method]
+    lines.append("  double sum = 0.0; int count = 0; " + ("float" if half else "T") + " best = 0;")
+    for offset in (block_offsets(rank, axes)[:1] if method == "decimate" else block_offsets(rank, axes)):
+        coords = [f"(c{d} * 2 + {offset[d]})" if d in axes else f"c{d}" for d in range(rank)]
+        inside = [f"{coords[0]} < in_rows"] + [f"{coords[d]} < {source.shape[d]}LL"
+                                               for d in axes if d > 0 and offset[d]]
+        index = " + ".join(f"{c} * {in_stride[d]}LL" for d, c in enumerate(coords))
+        lines.append(f"  if ({' && '.join(inside)}) {{ {accumulate.format(v=value(f'in[{index}]'))} }}")
+    if method == "mean":
+        if source.dtype.kind in "iu":
+            result = "(T)rint(sum / count)"  # rint: round half to even, like np.rint
+        elif half:
+            result = "float_to_half((float)(sum / count))"
+        else:
+            result = "(T)(sum / count)"
+    else:
+        result = "float_to_half(best)" if half else "best"
+    lines += [f"  out[o] = count ? {result} : (T)0;", "}"]
+    return "\n".join(lines)
+
+
 AGGREGATE_SOURCE = r"""
 extern "C" __global__ void permute_sizes(const unsigned long long* __restrict__ sizes,
                                          const long long* __restrict__ positions,
@@ -88,6 +149,13 @@ def tile_kernel(layout, tile_stride: int):
     import cupy
 
     return cupy.RawKernel(tile_source(layout, tile_stride), "tile")
+
+
+@functools.lru_cache(maxsize=32)
+def reduce_kernel(source, target, axes: tuple, method: str):
+    import cupy
+
+    return cupy.RawKernel(reduce_source(source, target, axes, method), "reduce")
 
 
 @functools.lru_cache(maxsize=1)

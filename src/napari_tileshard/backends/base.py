@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from ..layout import Layout
+from ..pyramid import Pyramid
 from ..shard import EncodedEpoch
 
 CODECS = ("zstd", "none")
@@ -22,6 +23,10 @@ class Backend(ABC):
     row-major order, then calls :meth:`submit`; it calls :meth:`result` for each ticket, in
     submission order, from its collector thread.  Before refilling a staging buffer it calls
     :meth:`staging_free` with that buffer's last ticket.
+
+    With a :class:`Pyramid` of several levels, the backend also computes every reduced level of
+    each batch and encodes its tiles with level 0's; :meth:`result` returns one list of epochs per
+    level.
     """
 
     name = "?"
@@ -30,12 +35,15 @@ class Backend(ABC):
     #: staging buffers the Writer allocates by default
     preferred_staging_buffers = 2
 
-    def __init__(self, layout: Layout, codec: str = "zstd", level: int = 1):
+    def __init__(self, layout: Layout, codec: str = "zstd", level: int = 1, pyramid: Pyramid | None = None):
         if codec not in CODECS:
             raise ValueError(f"codec {codec!r} is not one of {', '.join(CODECS)}")
+        if pyramid is not None and pyramid.layouts[0] != layout:
+            raise ValueError("the pyramid's level 0 must be the layout")
         self.layout = layout
         self.codec = codec
         self.level = level
+        self.pyramid = pyramid or Pyramid.single(layout)
 
     def allocate_staging(self, nbytes: int) -> np.ndarray:
         return np.zeros(nbytes, dtype=np.uint8)
@@ -44,19 +52,21 @@ class Backend(ABC):
     accepts_device_arrays = False
 
     @abstractmethod
-    def submit(self, staging: np.ndarray, epochs: int, host_ranges=None) -> Ticket:
+    def submit(self, staging: np.ndarray, epochs: int, host_ranges=None, rows: int | None = None) -> Ticket:
         """Start encoding the first ``epochs`` tile epochs held in ``staging``.
 
         ``host_ranges``: the ``(start, stop)`` byte ranges filled from host memory (None: all);
-        the rest was filled with :meth:`write_device`.
+        the rest was filled with :meth:`write_device`.  ``rows``: rows along dim 0 that hold data
+        when the last epoch is a zero-padded partial one (None: all); reductions along the
+        append dim leave the padding out.
         """
 
     def write_device(self, staging: np.ndarray, offset: int, data) -> None:
         raise NotImplementedError(f"the {self.name} backend takes host arrays only")
 
     @abstractmethod
-    def result(self, ticket: Ticket) -> list[EncodedEpoch]:
-        """Wait for ``ticket`` and return its epochs, in order."""
+    def result(self, ticket: Ticket) -> list[list[EncodedEpoch]]:
+        """Wait for ``ticket`` and return its epochs, in order, for each pyramid level."""
 
     def staging_free(self, ticket: Ticket, block: bool = True) -> bool:
         """True once the staging buffer given to ``submit`` may be overwritten."""

@@ -3,7 +3,8 @@
 Per batch of tile epochs (see ``docs/design.md``), all enqueued without a host sync:
 
     pinned staging --H2D (copy stream)--> input --tile kernel--> tile-major pool
-      --nvCOMP zstd (one call for every tile of the batch)--> compressed slots + sizes
+      [input --reduce kernel--> level 1 --reduce--> level 2 ... each --tile kernel--> same pool]
+      --nvCOMP zstd (one call for every tile of the batch, all levels)--> compressed slots + sizes
       --permute sizes by P, exclusive scan, gather--> packed shard-major bytes + offsets
       --D2H offsets + statuses--> host
 
@@ -118,10 +119,11 @@ class GpuBackend(Backend):
     #: overrides the batch size heuristic (tests set it small so each Writer stays cheap)
     default_batch_bytes: int | None = None
 
-    def __init__(self, layout, codec="zstd", level=1, slots: int = 3, batch_bytes: int | None = None, **_):
+    def __init__(self, layout, codec="zstd", level=1, slots: int = 3, batch_bytes: int | None = None,
+                 pyramid=None, **_):
         import cupy
 
-        super().__init__(layout, codec, level)
+        super().__init__(layout, codec, level, pyramid)
         if codec == "zstd" and layout.tile_bytes > _MAX_NVCOMP_CHUNK:
             raise ValueError(f"tile of {layout.tile_bytes} bytes exceeds nvCOMP zstd's 16 MiB chunk limit; "
                              "use smaller tiles or backend='cpu'")
@@ -159,23 +161,34 @@ class GpuBackend(Backend):
 
     @staticmethod
     def estimate(layout, batch_bytes: int, staging_buffers: int = 3, slots: int = 3, output_stride=None,
-                 temp_bytes: int = 0) -> dict[str, int]:
-        """Host and device bytes for a batching, without touching the GPU (the widget shows it)."""
+                 temp_bytes: int = 0, layouts=None) -> dict[str, int]:
+        """Host and device bytes for a batching, without touching the GPU (the widget shows it).
+
+        ``layouts``: every pyramid level (level 0 first) when the batch carries a pyramid.
+        """
+        layouts = layouts or (layout,)
         epochs = max(1, batch_bytes // layout.epoch_bytes)
-        chunks = epochs * layout.tiles_per_epoch
-        entries = epochs * layout.slots_per_epoch
+        chunks = epochs * sum(lay.tiles_per_epoch for lay in layouts)
+        entries = epochs * sum(lay.slots_per_epoch for lay in layouts)
         tile_stride = _round_up(layout.tile_bytes, _ALIGN)
         output_stride = output_stride or _round_up(layout.compressed_tile_bound() + 64, _ALIGN)
         per_slot = chunks * tile_stride + 2 * chunks * output_stride + chunks * 44 + entries * 16
         # Staging, plus the pinned packed-output buffers reserved for batches in flight.
         host = staging_buffers * epochs * layout.epoch_bytes + (slots + 2) * chunks * output_stride
         mirrors = max(staging_buffers, 1) * epochs * layout.epoch_bytes  # device copy of each staging buffer
-        return {"host": host, "device": slots * per_slot + mirrors + temp_bytes}
+        levels = epochs * sum(lay.epoch_bytes for lay in layouts[1:])  # reduced levels of the batch
+        geometry = chunks * 16  # shard-major positions and chunk sizes
+        return {"host": host, "device": slots * per_slot + mirrors + levels + geometry + temp_bytes}
 
     def memory_estimate(self, batch_bytes: int, staging_buffers: int) -> dict[str, int]:
-        chunks = max(1, batch_bytes // self.layout.epoch_bytes) * self.layout.tiles_per_epoch
+        epochs = max(1, batch_bytes // self.layout.epoch_bytes)
         return self.estimate(self.layout, batch_bytes, staging_buffers, self._slot_count, self.output_stride,
-                             self._temp_bytes(chunks))
+                             self._temp_bytes(epochs * self._tiles_per_epoch), self.pyramid.layouts)
+
+    @property
+    def _tiles_per_epoch(self) -> int:
+        """Tiles of one tile epoch over all pyramid levels."""
+        return sum(lay.tiles_per_epoch for lay in self.pyramid.layouts)
 
     def _temp_bytes(self, chunks: int) -> int:
         if self.codec != "zstd":
@@ -212,9 +225,10 @@ class GpuBackend(Backend):
         """Device ring, checked against free device memory before anything is allocated."""
         cupy = self._cupy
         layout = self.layout
+        levels = self.pyramid.layouts
         epochs = batch_bytes // layout.epoch_bytes
-        chunks = epochs * layout.tiles_per_epoch
-        entries = epochs * layout.slots_per_epoch
+        chunks = epochs * self._tiles_per_epoch
+        entries = epochs * sum(lay.slots_per_epoch for lay in levels)
         estimate = self.memory_estimate(batch_bytes, self.preferred_staging_buffers)["device"]
         free, total = cupy.cuda.runtime.memGetInfo()
         if estimate > 0.9 * free:
@@ -224,11 +238,10 @@ class GpuBackend(Backend):
                 f"{free / 2**30:.2f} GiB free of {total / 2**30:.2f} GiB; use smaller batch_bytes or tiles")
         self._temp_size = self._temp_bytes(chunks)
         self._d_temp = cupy.empty(max(1, self._temp_size), dtype=cupy.uint8)
-        self._d_chunk_bytes = cupy.full(chunks, layout.tile_bytes, dtype=cupy.uint64)
-        # Shard-major position of every tile of a batch: e * slots_per_epoch + P[i] (pass 1's map).
-        perm = cupy.asarray(layout.shard_permutation, dtype=cupy.int64)
-        self._d_positions = (cupy.arange(epochs, dtype=cupy.int64)[:, None] * layout.slots_per_epoch
-                             + perm[None, :]).reshape(-1)
+        self._geometries: dict = {}
+        self._geometry(epochs)
+        # Reduced levels of the batch being tiled (one set: the compute stream runs batches in order).
+        self._d_levels = [None] + [cupy.empty(epochs * lay.epoch_bytes, dtype=cupy.uint8) for lay in levels[1:]]
         for _ in range(self._slot_count):
             d_pool = cupy.empty(chunks * self.tile_stride_bytes, dtype=cupy.uint8)
             d_compressed = (cupy.empty(chunks * self.output_stride, dtype=cupy.uint8)
@@ -252,11 +265,33 @@ class GpuBackend(Backend):
         self._packed = _PinnedRecycler(chunks * self.output_stride)
         self._packed.reserve(self._slot_count + 2)  # in flight: slots + batches waiting on storage
         self.device.synchronize()  # allocations and fills above ran on the default stream
-        self._tile = _kernels.tile_kernel(layout, self.tile_stride_bytes // layout.itemsize)
+        # Every level's tiles use level 0's (largest) tile stride, so one pointer ramp serves the pool.
+        self._tiles = [_kernels.tile_kernel(lay, self.tile_stride_bytes // layout.itemsize) for lay in levels]
+        self._reduces = [None] + [_kernels.reduce_kernel(levels[k - 1], levels[k], self.pyramid.step_axes(k),
+                                                         self.pyramid.method) for k in range(1, len(levels))]
         self._permute, self._gather = _kernels.aggregate_kernels()
 
+    def _geometry(self, epochs: int):
+        """(shard-major position, uncompressed bytes) of every tile of a batch of ``epochs``, all levels.
+
+        Level k's tiles follow level k-1's in the pool; its position is its level's entry base +
+        e * slots_per_epoch + P[i] (pass 1's map).  Cached per batch size, built on the compute stream.
+        """
+        if epochs not in self._geometries:
+            cupy = self._cupy
+            positions, chunk_bytes, base = [], [], 0
+            with self.compute_stream:
+                for lay in self.pyramid.layouts:
+                    perm = cupy.asarray(lay.shard_permutation, dtype=cupy.int64)
+                    positions.append((base + cupy.arange(epochs, dtype=cupy.int64)[:, None] * lay.slots_per_epoch
+                                      + perm[None, :]).reshape(-1))
+                    chunk_bytes.append(cupy.full(epochs * lay.tiles_per_epoch, lay.tile_bytes, dtype=cupy.uint64))
+                    base += epochs * lay.slots_per_epoch
+                self._geometries[epochs] = (cupy.concatenate(positions), cupy.concatenate(chunk_bytes))
+        return self._geometries[epochs]
+
     # -- pipeline ----------------------------------------------------------------------
-    def submit(self, staging, epochs, host_ranges=None):
+    def submit(self, staging, epochs, host_ranges=None, rows=None):
         cupy = self._cupy
         layout = self.layout
         runtime = cupy.cuda.runtime
@@ -264,8 +299,9 @@ class GpuBackend(Backend):
         slot = self._slots[self._next % self._slot_count]
         self._next += 1
         nbytes = epochs * layout.epoch_bytes
-        chunks = epochs * layout.tiles_per_epoch
-        entries = epochs * layout.slots_per_epoch
+        chunks = epochs * self._tiles_per_epoch
+        entries = epochs * sum(lay.slots_per_epoch for lay in self.pyramid.layouts)
+        positions, chunk_bytes = self._geometry(epochs)
         mirror = self._mirrors[staging.ctypes.data]
         for start, stop in (host_ranges if host_ranges is not None else [(0, nbytes)]):
             stop = min(stop, nbytes)
@@ -276,26 +312,39 @@ class GpuBackend(Backend):
         uploaded.record(self.copy_stream)
         stream = self.compute_stream
         stream.wait_event(uploaded)
-        pool_elements = chunks * self.tile_stride_bytes // layout.itemsize
         block = 256
-        self._tile((-(-pool_elements // block),), (block,), (mirror, slot.d_pool, np.int64(pool_elements)),
-                   stream=stream)
-        # The staging buffer and its mirror may be refilled once the tile kernel has read them.
+        rows = epochs * layout.epoch_rows if rows is None else rows
+        source, first_chunk = mirror, 0
+        for k, lay in enumerate(self.pyramid.layouts):
+            if k:  # level k from level k-1, on the device: no second upload
+                target = self._d_levels[k]
+                elements = epochs * lay.epoch_elements
+                self._reduces[k]((-(-elements // block),), (block,),
+                                 (source, target, np.int64(elements), np.int64(self.pyramid.level_rows(k - 1, rows))),
+                                 stream=stream)
+                source = target
+            level_chunks = epochs * lay.tiles_per_epoch
+            pool_elements = level_chunks * self.tile_stride_bytes // layout.itemsize
+            pool = slot.d_pool[first_chunk * self.tile_stride_bytes:]
+            self._tiles[k]((-(-pool_elements // block),), (block,), (source, pool, np.int64(pool_elements)),
+                           stream=stream)
+            first_chunk += level_chunks
+        # The staging buffer and its mirror may be refilled once the kernels have read them.
         consumed = cupy.cuda.Event(block=True, disable_timing=True)
         consumed.record(stream)
         with stream:
             if self.codec == "zstd":
-                _nvcomp.compress_async(slot.input_ptrs.data.ptr, self._d_chunk_bytes.data.ptr, layout.tile_bytes,
+                _nvcomp.compress_async(slot.input_ptrs.data.ptr, chunk_bytes.data.ptr, layout.tile_bytes,
                                        chunks, self._d_temp.data.ptr, self._temp_size, slot.output_ptrs.data.ptr,
                                        slot.d_sizes.data.ptr, slot.d_status.data.ptr, stream.ptr)
             else:
-                slot.d_sizes[:chunks] = layout.tile_bytes
+                slot.d_sizes[:chunks] = chunk_bytes
             slot.d_permuted[:entries] = 0
             self._permute((-(-chunks // block),), (block,),
-                          (slot.d_sizes, self._d_positions, slot.d_permuted, np.int64(chunks)))
+                          (slot.d_sizes, positions, slot.d_permuted, np.int64(chunks)))
             cupy.cumsum(slot.d_permuted[:entries], out=slot.d_offsets[1:entries + 1])
             self._gather((chunks,), (128,), (slot.d_compressed, np.int64(self.output_stride), slot.d_sizes,
-                                             self._d_positions, slot.d_offsets, slot.d_packed))
+                                             positions, slot.d_offsets, slot.d_packed))
         runtime.memcpyAsync(slot.h_offsets.ctypes.data, slot.d_offsets.data.ptr, (entries + 1) * 8,
                             runtime.memcpyDeviceToHost, stream.ptr)
         runtime.memcpyAsync(slot.h_status.ctypes.data, slot.d_status.data.ptr, chunks * 4,
@@ -310,8 +359,8 @@ class GpuBackend(Backend):
         slot = ticket.slot
         try:
             self._wait_ready(slot)
-            chunks = ticket.epochs * layout.tiles_per_epoch
-            entries = ticket.epochs * layout.slots_per_epoch
+            chunks = ticket.epochs * self._tiles_per_epoch
+            entries = ticket.epochs * sum(lay.slots_per_epoch for lay in self.pyramid.layouts)
             if self.codec == "zstd":
                 failed = np.flatnonzero(slot.h_status[:chunks])
                 if failed.size:
@@ -327,15 +376,21 @@ class GpuBackend(Backend):
                                 runtime.memcpyDeviceToHost, self.d2h_stream.ptr)
             slot.copied.record(self.d2h_stream)
             slot.copied.synchronize()
-            epochs = []
-            per_epoch = layout.slots_per_epoch
-            shard_starts = np.arange(0, per_epoch + 1, layout.tiles_per_shard_inner)
-            sizes = np.diff(offsets).reshape(ticket.epochs, layout.inner_shard_count, layout.tiles_per_shard_inner)
-            for e in range(ticket.epochs):
-                bounds = offsets[e * per_epoch + shard_starts]
-                data = [packed[int(a):int(b)] for a, b in zip(bounds[:-1], bounds[1:])]
-                epochs.append(EncodedEpoch(data, sizes[e]))
-            return epochs
+            levels, base = [], 0
+            for lay in self.pyramid.layouts:
+                per_epoch = lay.slots_per_epoch
+                level_offsets = offsets[base: base + ticket.epochs * per_epoch + 1]
+                shard_starts = np.arange(0, per_epoch + 1, lay.tiles_per_shard_inner)
+                sizes = np.diff(level_offsets).reshape(ticket.epochs, lay.inner_shard_count,
+                                                       lay.tiles_per_shard_inner)
+                epochs = []
+                for e in range(ticket.epochs):
+                    bounds = level_offsets[e * per_epoch + shard_starts]
+                    data = [packed[int(a):int(b)] for a, b in zip(bounds[:-1], bounds[1:])]
+                    epochs.append(EncodedEpoch(data, sizes[e]))
+                levels.append(epochs)
+                base += ticket.epochs * per_epoch
+            return levels
         finally:
             self._free_slots.release()
 

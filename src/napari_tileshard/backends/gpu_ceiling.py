@@ -47,7 +47,7 @@ def measure(camera, frames, layout, level, repeats: int = 5):
     ticket = backend.submit(staging, epochs)  # tiles the batch into slot 0's pool
     backend.result(ticket)
     compress = timed(lambda: _nvcomp.compress_async(
-        slot.input_ptrs.data.ptr, backend._d_chunk_bytes.data.ptr, layout.tile_bytes, chunks, backend._d_temp.data.ptr,
+        slot.input_ptrs.data.ptr, backend._geometry(epochs)[1].data.ptr, layout.tile_bytes, chunks, backend._d_temp.data.ptr,
         backend._temp_size, slot.output_ptrs.data.ptr, slot.d_sizes.data.ptr, slot.d_status.data.ptr, stream.ptr))
     compressed = int(slot.d_sizes[:chunks].sum())
     backend.close()

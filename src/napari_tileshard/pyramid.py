@@ -1,0 +1,191 @@
+"""Multiscale pyramid: which dims each level halves, the level layouts, and the NumPy reference.
+
+Pure layout math plus the NumPy definition of a reduction step; the backends compute the same
+levels from each uploaded batch (the GPU with a generated kernel, the CPU with :func:`reduce2`)
+and tests compare both to :meth:`Pyramid.reference`.
+
+Rules (issue 6):
+
+* level ``k`` halves (ceil) each of ``downsample_dims`` relative to level ``k-1``; by default the
+  last two dims (y, x).  A dim already at size 1 stays 1.
+* every level keeps level 0's tile shape (clipped to its size) and tiles per shard, so each level
+  is tiled and sharded with the same rules and one tile epoch of level 0 maps to exactly one tile
+  epoch of every level: a level's shards complete together with level 0's.
+* the append dim (dim 0) may be reduced too: its tile size halves with each level, which keeps
+  the one-to-one epoch mapping, so it is reduced only while that tile size is even.
+* levels stop when the reduced non-append dims fit one tile, or at ``max_levels``.
+
+Reductions over each block of 2 x ... x 2 elements that lie inside the array (edge blocks of
+odd sizes, and the last partial block along the append dim, have fewer): ``mean`` (sum in
+float64, divided by the count; integers rounded half to even), ``max``, ``min``, ``decimate``
+(first element of the block).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from .layout import Layout
+
+DOWNSAMPLE = ("mean", "max", "min", "decimate")
+
+
+def _check_method(method) -> str:
+    if method not in DOWNSAMPLE:
+        raise ValueError(f"downsample {method!r} is not one of {', '.join(DOWNSAMPLE)}")
+    return method
+
+
+@dataclass(frozen=True)
+class Pyramid:
+    """Level layouts (level 0 first) and per-level, per-dim reduction factors relative to level 0."""
+
+    layouts: tuple[Layout, ...]
+    factors: tuple[tuple[int, ...], ...]
+    method: str = "mean"
+
+    @classmethod
+    def single(cls, layout: Layout) -> "Pyramid":
+        """No pyramid: level 0 only."""
+        return cls((layout,), ((1,) * layout.rank,))
+
+    @property
+    def levels(self) -> int:
+        return len(self.layouts)
+
+    def step_axes(self, k: int) -> tuple[int, ...]:
+        """Dims halved going from level ``k-1`` to level ``k``."""
+        return tuple(d for d, (a, b) in enumerate(zip(self.factors[k - 1], self.factors[k])) if b != a)
+
+    def level_rows(self, k: int, rows0: int) -> int:
+        """Rows along the append dim of level ``k`` when level 0 has ``rows0``."""
+        return -(-rows0 // self.factors[k][0])
+
+    def reference(self, array: np.ndarray) -> list[np.ndarray]:
+        """Every level of the level-0 ``array`` (rows along dim 0), computed with NumPy."""
+        levels = [np.asarray(array)]
+        for k in range(1, self.levels):
+            levels.append(reduce2(levels[-1], self.step_axes(k), self.method))
+        return levels
+
+
+def plan_pyramid(layout: Layout, downsample: str = "mean", downsample_dims=None,
+                 max_levels: int | None = None) -> Pyramid:
+    """The levels of ``layout``: see the module docstring for the rules."""
+    _check_method(downsample)
+    if max_levels is not None and (not isinstance(max_levels, int) or isinstance(max_levels, bool)
+                                   or max_levels < 1):
+        raise ValueError(f"max_levels must be a positive integer or None, got {max_levels!r}")
+    names = layout.names
+    if downsample_dims is None:
+        if layout.rank < 3:
+            raise ValueError(f"a pyramid over the two spatial dims needs at least 3 dims (append dim + y, x); "
+                             f"the layout has {layout.rank}: pass downsample_dims")
+        downsample_dims = names[-2:]
+    if isinstance(downsample_dims, str):
+        downsample_dims = [downsample_dims]
+    axes = []
+    for name in downsample_dims:
+        if name not in names:
+            raise ValueError(f"downsample dim {name!r} is not one of the layout's dims {list(names)}")
+        axes.append(names.index(name))
+    if not axes:
+        raise ValueError("downsample_dims is empty: name at least one dim to reduce")
+    if 0 in axes and layout.tile_shape[0] % 2:
+        raise ValueError(f"reducing the append dim {names[0]!r} needs an even tile size along it (it halves per "
+                         f"level), got {layout.tile_shape[0]}")
+    inner = [d for d in axes if d > 0]
+    layouts, factors = [layout], [(1,) * layout.rank]
+    while max_levels is None or len(layouts) < max_levels:
+        last = layouts[-1]
+        if inner and all(last.shape[d] <= last.tile_shape[d] for d in inner):
+            break  # the reduced dims fit one tile
+        step = [d for d in inner if last.shape[d] > 1]
+        if 0 in axes and last.tile_shape[0] % 2 == 0:
+            step.insert(0, 0)
+        if not step:
+            break
+        dims = list(last.dims)
+        for d in step:
+            dim = dims[d]
+            if d == 0:
+                dims[d] = replace(dim, size=-(-dim.size // 2), tile_size=dim.tile_size // 2)
+            else:
+                size = -(-dim.size // 2)
+                dims[d] = replace(dim, size=size, tile_size=min(dim.tile_size, size))
+        layouts.append(Layout(dims, layout.dtype))
+        factors.append(tuple(f * (2 if d in step else 1) for d, f in enumerate(factors[-1])))
+    return Pyramid(tuple(layouts), tuple(factors), downsample)
+
+
+def reduce2(array: np.ndarray, axes, method: str, valid_rows: int | None = None) -> np.ndarray:
+    """Halve (ceil) ``array`` along ``axes`` with ``method``: the NumPy definition of a level.
+
+    ``valid_rows``: rows along axis 0 that hold data (the rest is padding of a partial epoch and
+    is left out of the blocks it shares with real rows).
+    """
+    _check_method(method)
+    axes = tuple(sorted(axes))
+    if method == "decimate":
+        result = np.ascontiguousarray(array[tuple(slice(None, None, 2) if d in axes else slice(None)
+                                                  for d in range(array.ndim))])
+        if 0 in axes and valid_rows is not None:
+            result[-(-valid_rows // 2):] = 0  # blocks wholly past the valid rows, as for the other methods
+        return result
+    shape = array.shape
+    padded_shape = tuple(s + s % 2 if d in axes else s for d, s in enumerate(shape))
+    # valid[...] says which elements of the padded array are real (a product of per-axis masks).
+    valid = np.ones((1,) * array.ndim, dtype=bool)
+    for d in axes:
+        extent = min(valid_rows, shape[0]) if d == 0 and valid_rows is not None else shape[d]
+        mask = (np.arange(padded_shape[d]) < extent).reshape([-1 if i == d else 1 for i in range(array.ndim)])
+        valid = valid & mask
+    valid = np.broadcast_to(valid, [padded_shape[d] if d in axes else 1 for d in range(array.ndim)])
+    blocked = _blocked_shape(padded_shape, axes)
+    pair_axes = tuple(i + 1 + k for k, i in enumerate(axes))  # the "2" axes after reshaping
+    counts = valid.reshape(_blocked_shape(valid.shape, axes)).sum(axis=pair_axes)
+    padded = np.zeros(padded_shape, dtype=np.float64 if method == "mean" else array.dtype)
+    padded[tuple(slice(0, s) for s in shape)] = array
+    if method == "mean":
+        sums = np.where(valid, padded, 0.0).reshape(blocked).sum(axis=pair_axes)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            result = np.where(counts > 0, sums / np.maximum(counts, 1), 0.0)
+        return (np.rint(result) if array.dtype.kind in "iu" else result).astype(array.dtype)
+    if array.dtype.kind == "f":
+        identity = -np.inf if method == "max" else np.inf
+    else:
+        info = np.iinfo(array.dtype)
+        identity = info.min if method == "max" else info.max
+    values = np.where(valid, padded, np.asarray(identity, dtype=array.dtype)).reshape(blocked)
+    result = values.max(axis=pair_axes) if method == "max" else values.min(axis=pair_axes)
+    return np.where(counts > 0, result, 0).astype(array.dtype)
+
+
+def _blocked_shape(shape_, axes) -> list[int]:
+    """``shape_`` with each reduced axis split into (pairs, 2)."""
+    shape = []
+    for d, s in enumerate(shape_):
+        shape += [s // 2, 2] if d in axes else [s]
+    return shape
+
+
+def block_offsets(rank: int, axes) -> list[tuple[int, ...]]:
+    """The 2**len(axes) element offsets of one reduction block (first = the decimate pick)."""
+    offsets = []
+    for bits in itertools.product((0, 1), repeat=len(axes)):
+        offset = [0] * rank
+        for d, b in zip(axes, bits):
+            offset[d] = b
+        offsets.append(tuple(offset))
+    return offsets
+
+
+def level_fraction(pyramid: Pyramid) -> float:
+    """Bytes of all levels per byte of level 0 (about 4/3 for a y/x pyramid)."""
+    return sum(lay.epoch_elements for lay in pyramid.layouts) / pyramid.layouts[0].epoch_elements
+
+
+__all__ = ["DOWNSAMPLE", "Pyramid", "plan_pyramid", "reduce2", "block_offsets", "level_fraction"]
