@@ -25,7 +25,7 @@ def rss_mib() -> float:
 
 
 def gpu_sampler():
-    """A function returning device memory in use (MiB), or None without a GPU.
+    """A function returning the device memory this process holds (MiB), or None without a GPU.
 
     CuPy is imported and the device initialised here, on the main thread, before the recorder's
     threads start (importing it first from the sampler thread while another thread creates the
@@ -39,8 +39,8 @@ def gpu_sampler():
         return lambda: None
 
     def sample():
-        free, total = cupy.cuda.runtime.memGetInfo()
-        return (total - free) / 2**20
+        # This process's CuPy pool (the writer's device buffers): other processes on a shared GPU don't count.
+        return cupy.get_default_memory_pool().total_bytes() / 2**20
 
     return sample
 
@@ -80,7 +80,7 @@ def main():
           f"{stats.frames} frames, dropped {stats.dropped}, error {stats.error}")
     print(f"RSS after 30 s warm-up: min {min(rss):.0f} MiB, max {max(rss):.0f} MiB, at end {rss[-1]:.0f} MiB")
     if gpu:
-        print(f"GPU memory in use after warm-up: min {min(gpu):.0f} MiB, max {max(gpu):.0f} MiB")
+        print(f"GPU memory held (CuPy pool) after warm-up: min {min(gpu):.0f} MiB, max {max(gpu):.0f} MiB")
     print(f"verify: {'ok' if report.ok else 'FAILED'} ({report.shards} shards, {report.chunks} chunks)")
 
 

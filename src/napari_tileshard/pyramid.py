@@ -125,51 +125,69 @@ def reduce2(array: np.ndarray, axes, method: str, valid_rows: int | None = None)
     """Halve (ceil) ``array`` along ``axes`` with ``method``: the NumPy definition of a level.
 
     ``valid_rows``: rows along axis 0 that hold data (the rest is padding of a partial epoch and
-    is left out of the blocks it shares with real rows).
+    is left out of the blocks it shares with real rows; blocks with no valid element are 0).
+    Each block offset is visited as a strided view (same order as the GPU kernel, so float sums
+    agree bit for bit), accumulated into an array of the reduced shape: no padded copy.
     """
     _check_method(method)
     axes = tuple(sorted(axes))
-    if method == "decimate":
-        result = np.ascontiguousarray(array[tuple(slice(None, None, 2) if d in axes else slice(None)
-                                                  for d in range(array.ndim))])
-        if 0 in axes and valid_rows is not None:
-            result[-(-valid_rows // 2):] = 0  # blocks wholly past the valid rows, as for the other methods
-        return result
-    shape = array.shape
-    padded_shape = tuple(s + s % 2 if d in axes else s for d, s in enumerate(shape))
-    # valid[...] says which elements of the padded array are real (a product of per-axis masks).
-    valid = np.ones((1,) * array.ndim, dtype=bool)
+    extent = list(array.shape)
+    if valid_rows is not None and 0 in axes:
+        extent[0] = max(0, min(valid_rows, array.shape[0]))
+    out_shape = tuple(-(-s // 2) if d in axes else s for d, s in enumerate(array.shape))
+    # Elements per block: a product of per-axis counts (2 inside, 1 at an odd edge, 0 past the extent).
+    count = np.ones((1,) * array.ndim, dtype=np.int64)
     for d in axes:
-        extent = min(valid_rows, shape[0]) if d == 0 and valid_rows is not None else shape[d]
-        mask = (np.arange(padded_shape[d]) < extent).reshape([-1 if i == d else 1 for i in range(array.ndim)])
-        valid = valid & mask
-    valid = np.broadcast_to(valid, [padded_shape[d] if d in axes else 1 for d in range(array.ndim)])
-    blocked = _blocked_shape(padded_shape, axes)
-    pair_axes = tuple(i + 1 + k for k, i in enumerate(axes))  # the "2" axes after reshaping
-    counts = valid.reshape(_blocked_shape(valid.shape, axes)).sum(axis=pair_axes)
-    padded = np.zeros(padded_shape, dtype=np.float64 if method == "mean" else array.dtype)
-    padded[tuple(slice(0, s) for s in shape)] = array
+        first = np.arange(out_shape[d]) * 2
+        per_axis = (first < extent[d]).astype(np.int64) + (first + 1 < extent[d])
+        count = count * per_axis.reshape([-1 if i == d else 1 for i in range(array.ndim)])
+    views = [array[tuple(slice(o, extent[d], 2) if d in axes else slice(None) for d, o in enumerate(offset))]
+             for offset in block_offsets(array.ndim, axes)]
+    if method == "decimate":
+        result = np.zeros(out_shape, dtype=array.dtype)
+        result[tuple(slice(0, n) for n in views[0].shape)] = views[0]
+        return result
     if method == "mean":
-        sums = np.where(valid, padded, 0.0).reshape(blocked).sum(axis=pair_axes)
+        exact = array.dtype.kind in "iu" and array.dtype.itemsize <= 4
+        # Integer sums are exact (int32 holds 256 sums of 16-bit values); wider integers and floats sum in float64.
+        accumulator = (np.int32 if array.dtype.itemsize <= 2 and array.ndim <= 8 else np.int64) if exact else np.float64
+        sums = np.zeros(out_shape, dtype=accumulator)
+        for view in views:
+            sums[tuple(slice(0, n) for n in view.shape)] += view
+        if exact:
+            return _divide_half_to_even(sums, count).astype(array.dtype)
         with np.errstate(invalid="ignore", divide="ignore"):
-            result = np.where(counts > 0, sums / np.maximum(counts, 1), 0.0)
-        return (np.rint(result) if array.dtype.kind in "iu" else result).astype(array.dtype)
-    if array.dtype.kind == "f":
-        identity = -np.inf if method == "max" else np.inf
-    else:
-        info = np.iinfo(array.dtype)
-        identity = info.min if method == "max" else info.max
-    values = np.where(valid, padded, np.asarray(identity, dtype=array.dtype)).reshape(blocked)
-    result = values.max(axis=pair_axes) if method == "max" else values.min(axis=pair_axes)
-    return np.where(counts > 0, result, 0).astype(array.dtype)
+            mean = sums / np.maximum(count, 1)
+        if array.dtype.kind in "iu":
+            mean = np.rint(mean)
+        return np.where(count > 0, mean, 0).astype(array.dtype)
+    pick = np.maximum if method == "max" else np.minimum
+    result = np.zeros(out_shape, dtype=array.dtype)
+    result[tuple(slice(0, n) for n in views[0].shape)] = views[0]
+    for view in views[1:]:
+        target = result[tuple(slice(0, n) for n in view.shape)]
+        pick(target, view, out=target)
+    return result
 
 
-def _blocked_shape(shape_, axes) -> list[int]:
-    """``shape_`` with each reduced axis split into (pairs, 2)."""
-    shape = []
-    for d, s in enumerate(shape_):
-        shape += [s // 2, 2] if d in axes else [s]
-    return shape
+def _divide_half_to_even(sums: np.ndarray, count: np.ndarray) -> np.ndarray:
+    """``rint(sums / count)`` in integer arithmetic.
+
+    Counts are powers of two (products of per-axis 1s and 2s), so with ``count = 2**shift``:
+    ``(sums + 2**(shift-1) - 1 + ((sums >> shift) & 1)) >> shift`` rounds half to even (arithmetic
+    shifts floor, so negative sums too); blocks of count 0 give 0.
+    """
+    safe = np.maximum(count, 1)
+    shift = np.log2(safe).astype(sums.dtype)
+    bias = np.maximum((safe >> 1) - 1, 0).astype(sums.dtype)
+    result = sums >> shift
+    result &= (shift > 0).astype(sums.dtype)
+    result += sums
+    result += bias
+    result >>= shift
+    if (count == 0).any():
+        result *= count > 0
+    return result
 
 
 def block_offsets(rank: int, axes) -> list[tuple[int, ...]]:
