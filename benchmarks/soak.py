@@ -66,6 +66,10 @@ def main():
         start = time.perf_counter()
         while not done.wait(1.0):
             samples.append((time.perf_counter() - start, rss_mib(), gpu_mib(), recorder.stats.frames))
+            if len(samples) % 60 == 0:  # a line a minute: progress of a long run
+                t, rss, gpu, frames = samples[-1]
+                print(f"{t:6.0f} s: {frames} frames, dropped {recorder.stats.dropped}, RSS {rss:.0f} MiB, "
+                      f"GPU pool {gpu if gpu is None else round(gpu)} MiB", flush=True)
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
