@@ -131,9 +131,9 @@ def test_cupy_frames_skip_the_host_and_mix_with_host_frames(tmp_path, monkeypatc
     uploads = []
     original = GpuBackend.submit
 
-    def spy(self, staging, epochs, host_ranges=None):
+    def spy(self, staging, epochs, host_ranges=None, rows=None):
         uploads.append([tuple(r) for r in host_ranges])
-        return original(self, staging, epochs, host_ranges)
+        return original(self, staging, epochs, host_ranges, rows)
 
     monkeypatch.setattr(GpuBackend, "submit", spy)
     layout = Layout([Dim("t", 0, 4, 2), Dim("y", 50, 16, 2), Dim("x", 40, 16, 2)], "uint16")
