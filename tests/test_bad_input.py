@@ -133,3 +133,43 @@ def test_storage_error_stops_the_writer_and_keeps_what_was_written(tmp_path, bac
     assert out.shape[0] >= 2
     np.testing.assert_array_equal(out[:2], np.arange(8).reshape(2, 4))
     assert verify(path).ok
+
+
+@pytest.mark.parametrize("errno_, message", [(13, "Permission denied"), (5, "Input/output error"),
+                                             (28, "No space left on device")])
+def test_metadata_write_error_keeps_the_last_published_shape(tmp_path, backend, errno_, message):
+    """Publishing zarr.json fails: one clear error, close() returns promptly, and the store still
+    claims only what it holds (the previous zarr.json stays: it is replaced atomically)."""
+    import time
+
+    layout = Layout([Dim("t", 0, 2, 1), Dim("x", 8, 4, 1)], "uint16")
+    path = tmp_path / "meta-fail.zarr"
+    writer = Writer(path, layout, backend=backend, batch_bytes=1)
+    first = np.arange(4 * 8, dtype=np.uint16).reshape(4, 8)
+    writer.append(first)
+    writer.flush()
+    real_write = writer._sink.write
+
+    def failing_write(key, buffers):
+        if key.endswith("zarr.json"):
+            raise OSError(errno_, message)
+        return real_write(key, buffers)
+
+    writer._sink.write = failing_write
+    with pytest.raises(Exception) as info:
+        for _ in range(50):
+            writer.append(np.ones((2, 8), np.uint16))
+            writer.flush()
+    assert message in str(info.value) and str(path) in str(info.value)
+    with pytest.raises(Exception, match=message):
+        writer.append(np.ones((2, 8), np.uint16))  # stopped: no more frames accepted
+    start = time.perf_counter()
+    with pytest.raises(Exception, match=message):
+        writer.close()
+    assert time.perf_counter() - start < 5
+    out = zarr.open_array(path, mode="r")
+    assert out.shape == (4, 8)  # the last published shape; later shards are unpublished, not claimed
+    np.testing.assert_array_equal(out[:], first)
+    report = verify(path)
+    assert report.ok, str(report)
+    assert not list(path.glob("**/.*.tmp"))  # no temporary file left behind

@@ -161,3 +161,64 @@ def test_reader_declines_what_it_cannot_read(tmp_path):
     v2.mkdir()
     (v2 / ".zarray").write_text("{}")
     assert napari_get_reader(str(v2)) is None
+
+
+def test_ome_recording_previews_the_pyramid(widget, qtbot, tmp_path):
+    """OME-Zarr switch: the store is a pyramid group and the preview a multiscale layer that grows."""
+    out = tmp_path / "ome.zarr"
+    widget.settings = RecorderSettings(output=str(out), layout=small_layout((128, 96)), backend="cpu", fps=200.0,
+                                       ome=True, downsample="max")
+    assert widget.downsample.isEnabled() and "pyramid levels" in widget.figures.text()
+    widget.start()
+
+    def multiscale_grew():
+        layer = widget._preview
+        return layer is not None and layer.multiscale and layer.data[0].shape[0] >= 8
+
+    wait_until(qtbot, multiscale_grew)
+    widget.stop()
+    wait_until(qtbot, lambda: not widget.is_recording)
+    stats = widget.stats
+    assert stats.error is None
+    layer = widget._preview
+    assert layer.multiscale and len(layer.data) == 4  # 128x96 -> 64x48 -> 32x24 -> 16x12 fits a 32x16 tile
+    frames = SyntheticCamera((128, 96), "uint16", seed=0).stack(stats.frames)
+    pyramid = widget._pyramid()
+    for level, expected in zip(layer.data, pyramid.reference(frames)):
+        np.testing.assert_array_equal(np.asarray(level), expected)
+    assert verify(out).ok
+
+
+def test_reader_opens_an_ome_group_as_multiscale(make_napari_viewer, tmp_path):
+    from napari_tileshard import Writer
+
+    layout = Layout([Dim("t", 0, 2, 1), Dim("y", 64, 16, 2, unit="micrometer", scale=0.5),
+                     Dim("x", 48, 16, 2, unit="micrometer", scale=0.5)], "uint16")
+    out = tmp_path / "group.zarr"
+    with Writer(out, layout, backend="cpu", ome=True) as writer:
+        writer.append(SyntheticCamera((64, 48), "uint16", seed=1).stack(4))
+    viewer = make_napari_viewer()
+    (layer,) = viewer.open(str(out), plugin="napari-tileshard")
+    assert layer.multiscale and len(layer.data) == writer.pyramid.levels
+    assert tuple(layer.scale) == (1.0, 0.5, 0.5) and tuple(layer.axis_labels) == ("t", "y", "x")
+
+
+def test_preview_survives_a_hostile_zarr_json(widget, tmp_path):
+    """A zarr.json replaced mid-recording by one declaring huge frames: a warning, no allocation, no crash."""
+    import json
+
+    from napari_tileshard.recorder import Recorder
+
+    out = tmp_path / "hostile.zarr"
+    out.mkdir()
+    widget._recorder = Recorder(RecorderSettings(output=str(out), layout=small_layout(), backend="cpu"))
+    meta = {"zarr_format": 3, "node_type": "array", "shape": [10, 2**20, 2**20], "data_type": "uint16",
+            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [1, 1024, 1024]}},
+            "chunk_key_encoding": {"name": "default"}, "fill_value": 0,
+            "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}]}
+    (out / "zarr.json").write_text(json.dumps(meta))
+    widget._update_preview(5)
+    assert widget._preview is None and "too large to display" in widget._preview_error
+    (out / "zarr.json").write_text("{ not json")
+    widget._update_preview(6)  # unreadable: still no exception
+    assert widget._preview is None

@@ -73,3 +73,36 @@ def test_settings_are_validated(tmp_path):
         Recorder(RecorderSettings(output=str(tmp_path / "x.zarr"), layout=layout(), policy="lossy"))
     with pytest.raises(TypeError, match="Layout"):
         Recorder(RecorderSettings(output=str(tmp_path / "x.zarr")))
+
+
+def test_drop_policy_counts_every_dropped_frame_under_slow_storage(tmp_path, monkeypatch):
+    """Storage slower than the camera: the store holds exactly the accepted frames, in order, and
+    accepted + dropped equals what the source offered."""
+    import time
+
+    from napari_tileshard.store import DirectorySink
+
+    real_write = DirectorySink.write
+
+    def slow_write(self, key, buffers):
+        time.sleep(0.03)
+        return real_write(self, key, buffers)
+
+    monkeypatch.setattr(DirectorySink, "write", slow_write)
+    out = tmp_path / "slow.zarr"
+    settings = RecorderSettings(output=str(out), layout=layout((32, 32)), source="camera layer", backend="cpu",
+                                policy="drop", queue_frames=4, batch_bytes=1)
+    recorder = Recorder(settings).start()
+    offered = 300
+    accepted = []
+    for i in range(offered):
+        frame = np.full((32, 32), i, np.uint16)
+        if recorder.push(frame):
+            accepted.append(i)
+    recorder.stop()
+    stats = recorder.join(timeout=120)
+    assert stats.error is None
+    assert stats.dropped > 0  # the slow storage did make the queue overflow
+    assert len(accepted) + stats.dropped == offered and stats.frames == len(accepted)
+    np.testing.assert_array_equal(read_back(out)[:, 0, 0], accepted)
+    assert verify(out).ok

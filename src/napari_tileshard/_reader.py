@@ -43,6 +43,18 @@ MAX_DISPLAY_SLICE_BYTES = 1 << 30
 
 def read_zarr(path):
     path = Path(path[0] if isinstance(path, list) else path)
+    from .ome import open_levels
+
+    levels = open_levels(path)
+    if levels:  # OME-Zarr: one multiscale layer; napari reads only the level it displays
+        check_displayable(levels[-1], path)
+        names = levels[0].metadata.dimension_names
+        meta = _meta(path, list(names) if names and all(names) else None)
+        meta["multiscale"] = True
+        scale = _level0_scale(path)
+        if scale and len(scale) == levels[0].ndim:
+            meta["scale"] = scale
+        return [(levels, meta, "image")]
     array, names = open_lazy(path)
     if array is not None:
         check_displayable(array, path)
@@ -63,6 +75,18 @@ def check_displayable(array, path) -> None:
     if nbytes > MAX_DISPLAY_SLICE_BYTES:
         raise ValueError(f"{path}: frames of shape {tuple(plane)} ({nbytes / 2**30:.1f} GiB each) are too large "
                          f"to display without a multiscale pyramid (limit {MAX_DISPLAY_SLICE_BYTES >> 20} MiB)")
+
+
+def _level0_scale(path: Path):
+    """Level 0's OME scale transformation (pixel size, frame interval), or None."""
+    import zarr
+
+    try:
+        transforms = zarr.open_group(str(path), mode="r").attrs["ome"]["multiscales"][0]["datasets"][0][
+            "coordinateTransformations"]
+        return [float(v) for v in next(t["scale"] for t in transforms if t.get("type") == "scale")]
+    except (KeyError, IndexError, TypeError, ValueError, StopIteration):
+        return None
 
 
 def _meta(path: Path, names):

@@ -11,6 +11,7 @@ from tqdm import tqdm
 
 from .camera import SyntheticCamera
 from .layout import Dim, Layout
+from .pyramid import DOWNSAMPLE
 from .verify import verify
 from .writer import Writer
 
@@ -58,6 +59,13 @@ def _parser() -> argparse.ArgumentParser:
     record.add_argument("--source", choices=("synthetic",), default="synthetic")
     record.add_argument("--seed", type=int, default=0)
     record.add_argument("--fps", type=float, default=None, help="pace the camera (default: as fast as possible)")
+    record.add_argument("--ome", action="store_true",
+                        help="write an OME-Zarr 0.5 group with a multiscale pyramid computed while recording")
+    record.add_argument("--downsample", choices=DOWNSAMPLE, default="mean", help="pyramid reduction (with --ome)")
+    record.add_argument("--downsample-dims", type=lambda s: s.split(","), default=None,
+                        help="dims the pyramid halves (with --ome; default: the last two, e.g. y,x; t,y,x adds time)")
+    record.add_argument("--max-levels", type=int, default=None,
+                        help="pyramid levels including full resolution (default: until a level fits one tile)")
     record.add_argument("--overwrite", action="store_true")
     record.add_argument("--no-progress", action="store_true")
     gui = sub.add_parser("gui", help="start napari with the Tile/Shard Recorder docked (synthetic camera selected)")
@@ -73,8 +81,10 @@ def record(args) -> int:
     frames = args.frames if frames_possible is None else min(args.frames, frames_possible)
     camera = SyntheticCamera(layout.frame_shape or (1,), layout.dtype, seed=args.seed, fps=args.fps)
     camera.prepare()  # render the frame bank before the clock starts
+    pyramid = {"ome": True, "downsample": args.downsample, "downsample_dims": args.downsample_dims,
+               "max_levels": args.max_levels} if args.ome else {}
     with Writer(args.output, layout, codec=args.codec, level=args.level, backend=args.backend,
-                overwrite=args.overwrite) as writer:
+                overwrite=args.overwrite, **pyramid) as writer:
         bar = tqdm(total=frames, unit="frame", disable=args.no_progress, file=sys.stderr,
                    desc=f"recording ({writer.stats.backend})")
         start = time.perf_counter()
@@ -86,7 +96,8 @@ def record(args) -> int:
     elapsed = time.perf_counter() - start
     print(f"recorded {stats.frames} frames ({stats.bytes_in / 1e9:.2f} GB) to {writer.location} in {elapsed:.2f} s: "
           f"{stats.bytes_in / elapsed / 1e9:.2f} GB/s, compression ratio {stats.compression_ratio:.2f}, "
-          f"{stats.shards_written} shards, backend {stats.backend}")
+          f"{stats.shards_written} shards, backend {stats.backend}"
+          + (f", {writer.pyramid.levels} pyramid levels" if args.ome else ""))
     return 0
 
 

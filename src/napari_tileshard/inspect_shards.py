@@ -48,15 +48,17 @@ class Inspection:
 
 
 def inspect_array(path) -> Inspection:
-    """Read every shard index of the sharded array at ``path`` (a path or zarr Store)."""
+    """Read every shard index of the sharded array at ``path`` (a path or zarr Store; level 0 of an
+    OME-Zarr group)."""
     import zarr
     from zarr.abc.store import SuffixByteRequest
     from zarr.core.buffer import default_buffer_prototype
     from zarr.core.sync import sync
 
+    from .ome import open_level0
     from .store import list_shard_keys
 
-    array = zarr.open_array(path, mode="r")
+    array = open_level0(path)
     meta = array.metadata.to_dict()
     sharding = [c for c in meta.get("codecs", []) if c["name"] == "sharding_indexed"]
     if not sharding:

@@ -52,3 +52,25 @@ def multiscale_paths(group_attributes: dict) -> list[str] | None:
     if not paths or any(not p or p.startswith("/") or ".." in p.split("/") for p in paths):
         return None  # refuse paths that would leave the group
     return paths
+
+
+def open_levels(path) -> list | None:
+    """The level arrays (zarr-python, lazy) of the OME-Zarr multiscale at ``path``, or None when
+    ``path`` (a path or zarr Store) holds a plain array or a group without OME multiscales."""
+    import zarr
+
+    node = zarr.open(path if not isinstance(path, str) else str(path), mode="r")
+    if not isinstance(node, zarr.Group):
+        return None
+    paths = multiscale_paths(dict(node.attrs))
+    if paths is None:
+        return None
+    return [node[p] for p in paths]
+
+
+def open_level0(path):
+    """The full-resolution array at ``path``: the array itself, or level 0 of an OME-Zarr group."""
+    import zarr
+
+    levels = open_levels(path)
+    return levels[0] if levels else zarr.open_array(path, mode="r")

@@ -22,6 +22,7 @@ import numpy as np
 
 from .camera import SyntheticCamera
 from .layout import Layout
+from .pyramid import plan_pyramid
 from .writer import Writer
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,8 @@ class RecorderSettings:
     queue_frames: int = 64
     seed: int = 0
     batch_bytes: int | None = None  # Writer batching; default: about 1/4 s of frames (see batch())
+    ome: bool = False  # OME-Zarr group with a pyramid (Writer(ome=True))
+    downsample: str = "mean"
 
     def batch(self) -> int:
         """Bytes per Writer batch: ~0.25 s of input at ``fps`` (at least one tile epoch), so the
@@ -66,6 +69,8 @@ class RecorderSettings:
             raise ValueError(f"queue_frames must be a positive integer, got {self.queue_frames!r}")
         if self.fps is not None and not (self.fps > 0):
             raise ValueError(f"fps must be positive or None, got {self.fps!r}")
+        if self.ome:
+            plan_pyramid(self.layout, self.downsample)  # raises naming what a pyramid can't do here
         if not str(self.output).strip():
             raise ValueError("the output path is empty")
         path = Path(self.output).expanduser()
@@ -162,7 +167,8 @@ class Recorder:
         self._start = time.perf_counter()
         try:
             self.writer = Writer(s.output, s.layout, codec=s.codec, level=s.level, backend=s.backend,
-                                 overwrite=s.overwrite, batch_bytes=s.batch())
+                                 overwrite=s.overwrite, batch_bytes=s.batch(), ome=s.ome,
+                                 downsample=s.downsample)
             self.stats.backend = self.writer.stats.backend
             while True:
                 try:

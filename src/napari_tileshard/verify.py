@@ -50,26 +50,48 @@ class VerifyReport:
 
 
 def verify(path, progress=None) -> VerifyReport:
-    """Check every shard of the array at ``path`` (a path or zarr Store); ``progress(done, total)``."""
+    """Check every shard of the array at ``path`` (a path or zarr Store), or of every level of an
+    OME-Zarr group; ``progress(done, total)``."""
     import zarr
+
+    from .ome import open_levels
 
     report = VerifyReport(str(path))
     try:
-        array = zarr.open_array(path, mode="r")
+        levels = open_levels(path)
+        arrays = ([(f"{k}/", level) for k, level in enumerate(levels)] if levels is not None
+                  else [("", zarr.open_array(path, mode="r"))])
     except Exception as exc:  # noqa: BLE001 - every failure to open is a finding
-        report.problems.append(Problem("zarr.json", None, f"cannot open as a Zarr v3 array: {exc}"))
+        report.problems.append(Problem("zarr.json", None, f"cannot open as a Zarr v3 array or OME-Zarr group: {exc}"))
         return report
+    for label, array in arrays:
+        _verify_array(report, array, label, progress)
+    return report
+
+
+def _verify_array(report: VerifyReport, array, label: str, progress) -> None:
+    """Add the findings for one array; keys are reported as ``label`` + key (``1/c/0/0/0``)."""
+    problems_before = len(report.problems)
+    unpublished_before = len(report.unpublished)
+    _check_array(report, array, progress)
+    for i in range(problems_before, len(report.problems)):
+        problem = report.problems[i]
+        report.problems[i] = Problem(label + problem.key, problem.chunk, problem.message)
+    report.unpublished[unpublished_before:] = [label + k for k in report.unpublished[unpublished_before:]]
+
+
+def _check_array(report: VerifyReport, array, progress) -> None:
     meta = array.metadata.to_dict()
     sharding = [c for c in meta["codecs"] if c["name"] == "sharding_indexed"]
     if not sharding:
         report.problems.append(Problem("zarr.json", None, "array is not sharded (no sharding_indexed codec)"))
-        return report
+        return
     config = sharding[0]["configuration"]
     inner = [c["name"] for c in config["codecs"]]
     if config.get("index_location", "end") != "end" or [c["name"] for c in config["index_codecs"]] != [
         "bytes", "crc32c"] or inner not in (["bytes"], ["bytes", "zstd"]):
         report.problems.append(Problem("zarr.json", None, f"unsupported sharding configuration {config}"))
-        return report
+        return
     shape = meta["shape"]
     shard_shape = meta["chunk_grid"]["configuration"]["chunk_shape"]
     chunk_shape = config["chunk_shape"]
@@ -100,7 +122,6 @@ def verify(path, progress=None) -> VerifyReport:
         _check_shard(report, key, data, chunks_per_shard, tile_bytes, zstd, decompressor)
     if progress:
         progress(len(keys), len(keys))
-    return report
 
 
 def _check_shard(report, key, data, chunks_per_shard, tile_bytes, zstd, decompressor):

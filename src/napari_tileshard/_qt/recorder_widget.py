@@ -19,6 +19,7 @@ from qtpy.QtWidgets import (
 from .. import _writer
 from ..backends import gpu_unavailable_reason
 from ..layout import SUPPORTED_DTYPES, Dim, Layout
+from ..pyramid import DOWNSAMPLE, Pyramid, plan_pyramid
 from ..recorder import POLICIES, Recorder, RecorderSettings, RecorderStats
 
 SYNTHETIC = "synthetic"
@@ -30,10 +31,11 @@ class _RecorderThread(QThread):
     """Runs Recorder.run on its own thread and relays its callbacks as signals.
 
     On progress it also reads the newest completed frame back from the store (on this thread,
-    not the GUI's), so the preview shows it without decoding tiles on the event loop.
+    not the GUI's), of every pyramid level when there is one, so the preview shows it without
+    decoding tiles on the event loop.
     """
 
-    progress = Signal(object, object)  # stats, (rows, newest frame read back from the store)
+    progress = Signal(object, object)  # stats, (row, frame, [(row, frame) of levels 1..]) read back
     finished_recording = Signal(object)
 
     def __init__(self, recorder: Recorder, parent=None):
@@ -45,12 +47,21 @@ class _RecorderThread(QThread):
     def _progress(self, stats):
         from .._reader import open_lazy
 
+        from ..ome import open_levels
+
         rows = stats.rows_complete
         newest = None
+        settings = self.recorder.settings
         try:
-            array, _ = open_lazy(self.recorder.settings.output)
+            array, _ = open_lazy(settings.output)
             if array is not None and rows > 0:
-                newest = (rows - 1, np.asarray(array[rows - 1]))
+                levels = []
+                if settings.ome:
+                    pyramid = plan_pyramid(settings.layout, settings.downsample)
+                    for k, level in enumerate((open_levels(settings.output) or [])[1:], start=1):
+                        row = min(pyramid.level_rows(k, rows), level.shape[0]) - 1
+                        levels.append((row, np.asarray(level[row])))
+                newest = (rows - 1, np.asarray(array[rows - 1]), levels)
         except Exception:  # noqa: BLE001 - the preview is best effort; the recording goes on
             newest = None
         self.progress.emit(stats, newest)
@@ -70,9 +81,17 @@ class RecorderWidget(QWidget):
         self._active = False
         self._preview = None
         self._preview_placeholder = False
-        self._recent: dict = {}
+        self._recent: dict = {}  # level -> {row: frame read back off the GUI thread}
+        self._pending_preview = None
+        # Progress arrives per shard epoch (up to tens per second): the preview follows the
+        # newest at most every 200 ms so the event loop never falls behind.
+        self._preview_timer = QTimer(self)
+        self._preview_timer.setSingleShot(True)
+        self._preview_timer.setInterval(200)
+        self._preview_timer.timeout.connect(self._apply_pending_preview)
         self._preview_follow = True
         self._finalizing = None
+        self._preview_error = None
         self._build()
         self._timer = QTimer(self)
         self._timer.setInterval(250)
@@ -155,6 +174,19 @@ class RecorderWidget(QWidget):
         self.overwrite = QCheckBox("overwrite an existing store")
         self.overwrite.toggled.connect(self._validate)
         form.addRow("", self.overwrite)
+        pyramid_row = QHBoxLayout()
+        self.ome = QCheckBox("OME-Zarr with a pyramid")
+        self.ome.setToolTip("write an OME-Zarr 0.5 group: full resolution at 0/ and 2x-reduced levels (y, x) "
+                            "computed while recording; the preview becomes multiscale")
+        self.downsample = QComboBox()
+        self.downsample.addItems(DOWNSAMPLE)
+        self.downsample.setEnabled(False)
+        self.ome.toggled.connect(self.downsample.setEnabled)
+        self.ome.toggled.connect(self._validate)
+        self.downsample.currentIndexChanged.connect(self._validate)
+        pyramid_row.addWidget(self.ome)
+        pyramid_row.addWidget(self.downsample)
+        form.addRow("format", pyramid_row)
         layout.addLayout(form)
 
         self.figures = QLabel()
@@ -248,7 +280,8 @@ class RecorderWidget(QWidget):
             output=self.output.text(), layout=self._layout_from_form(), codec=self.codec.currentText(),
             level=self.level.value(), backend=self.backend.currentText().split(" ")[0],
             source=self.source.currentText(), fps=self.fps.value() or None,
-            overwrite=self.overwrite.isChecked(), policy=self.policy.currentText())
+            overwrite=self.overwrite.isChecked(), policy=self.policy.currentText(), ome=self.ome.isChecked(),
+            downsample=self.downsample.currentText())
 
     @settings.setter
     def settings(self, value: RecorderSettings):
@@ -266,6 +299,8 @@ class RecorderWidget(QWidget):
         self.fps.setValue(value.fps or 0.0)
         self.overwrite.setChecked(value.overwrite)
         self.policy.setCurrentText(value.policy)
+        self.ome.setChecked(value.ome)
+        self.downsample.setCurrentText(value.downsample)
         self._validate()
 
     def _validate(self, *_) -> bool:
@@ -374,11 +409,21 @@ class RecorderWidget(QWidget):
             self._source_layer = None
 
     def _on_progress(self, stats: RecorderStats, newest=None) -> None:
-        self._update_preview(stats.rows_complete, newest=newest)
+        self._pending_preview = (stats.rows_complete, newest)
+        if not self._preview_timer.isActive():
+            self._preview_timer.start()
+
+    def _apply_pending_preview(self) -> None:
+        if self._pending_preview is not None and self.is_recording:
+            rows, newest = self._pending_preview
+            self._pending_preview = None
+            self._update_preview(rows, newest=newest)
 
     def _on_finished(self, stats: RecorderStats) -> None:
         self._disconnect_source()
         self._timer.stop()
+        self._preview_timer.stop()
+        self._pending_preview = None
         self._thread.wait()
         self._active = False
         self._last_stats = stats
@@ -393,20 +438,28 @@ class RecorderWidget(QWidget):
             self._notify_error(f"recording stopped: {stats.error} (what was written stays readable)")
 
     def _update_preview(self, rows: int, final: bool = False, newest=None) -> None:
-        """Reopen the store: only rows whose shards are complete (zarr.json's shape says so)."""
+        """Reopen the store: only rows whose shards are complete (zarr.json's shape says so).
+
+        The preview is best effort: a store that can't be opened or displayed (e.g. a zarr.json
+        replaced by something hostile) is reported once and the recording goes on.
+        """
         if rows <= 0 or self._recorder is None:
             return
-        from .._reader import open_lazy
+        try:
+            data, names = self._preview_data(rows, final, newest)
+        except Exception as exc:  # noqa: BLE001 - never let the preview take the viewer down
+            if not self._preview_error:
+                self._preview_error = str(exc)
+                from napari.utils.notifications import show_warning
 
-        array, names = open_lazy(self._recorder.settings.output)
-        if array is None:
+                show_warning(f"preview unavailable: {exc}")
             return
-        if newest is not None:  # keep the last two: napari re-reads the current row when data changes
-            self._recent = {k: v for k, v in self._recent.items() if k >= newest[0] - 16}
-            self._recent[newest[0]] = newest[1]
-            self._recent = dict(sorted(self._recent.items())[-2:])
-        data = array if final else _RowsView(array, min(rows, array.shape[0]), self._recent)
-        if self._preview is None or self._preview not in self.viewer.layers:
+        self._preview_error = None
+        if data is None:
+            return
+        multiscale = isinstance(data, list)
+        if (self._preview is None or self._preview not in self.viewer.layers
+                or multiscale != bool(self._preview.multiscale)):
             self._add_preview(data, names, newest)
         else:
             if self._preview_placeholder and newest is not None:
@@ -415,18 +468,50 @@ class RecorderWidget(QWidget):
                 self._preview.name = self._preview.name.split(" (")[0]
                 self._preview_placeholder = False
             step = self.viewer.dims.current_step
-            last_shown = self._preview.data.shape[0] - 1
+            last_shown = _shape(self._preview.data)[0] - 1
             self._preview_follow = step[0] >= last_shown if step else True
             self._preview.data = data
         if self._preview_follow:
-            self.viewer.dims.set_current_step(0, data.shape[0] - 1)
+            self.viewer.dims.set_current_step(0, _shape(data)[0] - 1)
+
+    def _preview_data(self, rows: int, final: bool, newest):
+        """What the preview layer shows: the complete rows, every pyramid level when there is one."""
+        from .._reader import check_displayable, open_lazy
+        from ..ome import open_levels
+
+        output = self._recorder.settings.output
+        levels = open_levels(output) if self._recorder.settings.ome else None
+        array, names = open_lazy(output)
+        if array is None:
+            return None, names
+        if newest is not None:  # keep the last two per level: napari re-reads the current row on change
+            for k, (row, frame) in enumerate([newest[:2]] + list(newest[2])):
+                recent = self._recent.setdefault(k, {})
+                recent[row] = frame
+                self._recent[k] = dict(sorted(recent.items())[-2:])
+        if levels:
+            check_displayable(levels[-1], output)
+            pyramid = self._pyramid()
+            if final:
+                return list(levels), names
+            return [_RowsView(level, min(pyramid.level_rows(k, rows), level.shape[0]), self._recent.get(k))
+                    for k, level in enumerate(levels)], names
+        check_displayable(array, output)
+        return (array if final else _RowsView(array, min(rows, array.shape[0]), self._recent.get(0))), names
+
+    def _pyramid(self) -> Pyramid:
+        settings = self._recorder.settings
+        return plan_pyramid(settings.layout, settings.downsample) if settings.ome else Pyramid.single(settings.layout)
 
     def _add_preview(self, data, names, newest=None, placeholder=False):
         name = f"preview: {Path(self._recorder.settings.output).name}"
         if placeholder:
             name += " (waiting for the first shard epoch)"
         self._preview_placeholder = placeholder
-        kwargs = {"axis_labels": names} if names and len(names) == data.ndim else {}
+        ndim = len(_shape(data))
+        kwargs = {"axis_labels": names} if names and len(names) == ndim else {}
+        if isinstance(data, list):
+            kwargs["multiscale"] = True
         if newest is not None:
             low, high = np.percentile(newest[1], (0.5, 99.95))
             kwargs["contrast_limits"] = (float(low), float(max(high, low + 1)))
@@ -479,6 +564,7 @@ class _RowsView:
         self.shape = (rows,) + tuple(array.shape[1:])
         self.dtype = array.dtype
         self.ndim = len(self.shape)
+        self.size = int(np.prod(self.shape))
 
     def __getitem__(self, key):
         key = key if isinstance(key, tuple) else (key,)
@@ -500,6 +586,10 @@ class _RowsView:
         return np.asarray(self.array[: self.rows], dtype=dtype)
 
 
+def _shape(data) -> tuple:
+    return tuple((data[0] if isinstance(data, list) else data).shape)
+
+
 def _figures(settings: RecorderSettings) -> str:
     layout = settings.layout
     shard_bytes = layout.chunks_per_shard * layout.tile_bytes
@@ -507,11 +597,13 @@ def _figures(settings: RecorderSettings) -> str:
     files_per_gb = 1e9 / shard_bytes
     from ..writer import estimate_memory
 
-    memory = estimate_memory(layout)
+    pyramid = plan_pyramid(layout, settings.downsample) if settings.ome else None
+    memory = estimate_memory(layout, pyramid=pyramid)
+    levels = (f" · {pyramid.levels} pyramid levels, smallest {pyramid.layouts[-1].shape[-2:]}" if pyramid else "")
     return (f"tile {_size(layout.tile_bytes)} · shard {_size(shard_bytes)} ({layout.chunks_per_shard} tiles) · "
             f"{layout.tiles_per_epoch} tiles and {layout.inner_shard_count} shards per epoch "
-            f"({_size(epoch_bytes)}) · {files_per_gb:.1f} files/GB · host ≈ {_size(memory['cpu_host'])} (CPU "
-            f"backend) or {_size(memory['gpu_host'])} + GPU ≈ {_size(memory['gpu_device'])} (GPU backend)")
+            f"({_size(epoch_bytes)}) · {files_per_gb:.1f} files/GB{levels} · host ≈ {_size(memory['cpu_host'])} "
+            f"(CPU backend) or {_size(memory['gpu_host'])} + GPU ≈ {_size(memory['gpu_device'])} (GPU backend)")
 
 
 def _size(n: float) -> str:
