@@ -524,9 +524,14 @@ class Writer:
     def _write_metadata(self, rows: int) -> None:
         """Publish ``rows`` of level 0 (and the matching rows of every level) in the arrays' zarr.json."""
         attributes = {} if self.ome else self._attributes
-        for k, (layout, prefix) in enumerate(zip(self.pyramid.layouts, self._prefixes)):
-            metadata = array_metadata(layout, self.codec, self.level, self.pyramid.level_rows(k, rows), attributes)
-            self._sink.write(prefix + METADATA_KEY, [metadata_bytes(metadata)])
+        try:
+            for k, (layout, prefix) in enumerate(zip(self.pyramid.layouts, self._prefixes)):
+                metadata = array_metadata(layout, self.codec, self.level, self.pyramid.level_rows(k, rows),
+                                          attributes)
+                self._sink.write(prefix + METADATA_KEY, [metadata_bytes(metadata)])
+        except OSError as exc:  # the store keeps its previous zarr.json (atomic replace): stop here
+            self._fail(exc)
+            self._raise_if_failed()
         self._metadata_rows = rows
 
     # -- errors --------------------------------------------------------------------------
