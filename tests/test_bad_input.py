@@ -106,27 +106,36 @@ def test_layout_must_be_a_layout(tmp_path):
         Writer(tmp_path / "l.zarr", [Dim("x", 4, 2)])
 
 
-@pytest.mark.parametrize("errno_, message", [(28, "No space left on device"), (13, "Permission denied"),
-                                             (5, "Input/output error")])
-def test_storage_error_stops_the_writer_and_keeps_what_was_written(tmp_path, backend, errno_, message):
-    layout = Layout([Dim("t", 0, 1, 1), Dim("x", 4, 4, 1)], "uint8")
-    path = tmp_path / "fail.zarr"
-    writer = Writer(path, layout, backend=backend, batch_bytes=1)
-    writer.append(np.arange(8, dtype=np.uint8).reshape(2, 4))
-    writer.flush()
+STORAGE_ERRORS = [(28, "No space left on device"), (13, "Permission denied"), (5, "Input/output error")]
+
+
+def fail_writes(writer, failing_key, errno_, message, frame) -> Exception:
+    """Make the sink raise ``OSError(errno_)`` for keys matching ``failing_key``, then feed ``frame``
+    and flush until the Writer reports it; returns the reported exception."""
     real_write = writer._sink.write
 
     def failing_write(key, buffers):
-        if key.startswith("c/"):
+        if failing_key(key):
             raise OSError(errno_, message)
         return real_write(key, buffers)
 
     writer._sink.write = failing_write
     with pytest.raises(Exception) as info:
         for _ in range(50):
-            writer.append(np.zeros((1, 4), np.uint8))
+            writer.append(frame)
             writer.flush()
-    assert message in str(info.value) and str(path) in str(info.value)
+    assert message in str(info.value) and str(writer.location) in str(info.value)
+    return info.value
+
+
+@pytest.mark.parametrize("errno_, message", STORAGE_ERRORS)
+def test_storage_error_stops_the_writer_and_keeps_what_was_written(tmp_path, backend, errno_, message):
+    layout = Layout([Dim("t", 0, 1, 1), Dim("x", 4, 4, 1)], "uint8")
+    path = tmp_path / "fail.zarr"
+    writer = Writer(path, layout, backend=backend, batch_bytes=1)
+    writer.append(np.arange(8, dtype=np.uint8).reshape(2, 4))
+    writer.flush()
+    fail_writes(writer, lambda key: key.startswith("c/"), errno_, message, np.zeros((1, 4), np.uint8))
     with pytest.raises(Exception, match=message):
         writer.close()
     out = zarr.open_array(path, mode="r")
@@ -135,8 +144,7 @@ def test_storage_error_stops_the_writer_and_keeps_what_was_written(tmp_path, bac
     assert verify(path).ok
 
 
-@pytest.mark.parametrize("errno_, message", [(13, "Permission denied"), (5, "Input/output error"),
-                                             (28, "No space left on device")])
+@pytest.mark.parametrize("errno_, message", STORAGE_ERRORS)
 def test_metadata_write_error_keeps_the_last_published_shape(tmp_path, backend, errno_, message):
     """Publishing zarr.json fails: one clear error, close() returns promptly, and the store still
     claims only what it holds (the previous zarr.json stays: it is replaced atomically)."""
@@ -148,19 +156,7 @@ def test_metadata_write_error_keeps_the_last_published_shape(tmp_path, backend, 
     first = np.arange(4 * 8, dtype=np.uint16).reshape(4, 8)
     writer.append(first)
     writer.flush()
-    real_write = writer._sink.write
-
-    def failing_write(key, buffers):
-        if key.endswith("zarr.json"):
-            raise OSError(errno_, message)
-        return real_write(key, buffers)
-
-    writer._sink.write = failing_write
-    with pytest.raises(Exception) as info:
-        for _ in range(50):
-            writer.append(np.ones((2, 8), np.uint16))
-            writer.flush()
-    assert message in str(info.value) and str(path) in str(info.value)
+    fail_writes(writer, lambda key: key.endswith("zarr.json"), errno_, message, np.ones((2, 8), np.uint16))
     with pytest.raises(Exception, match=message):
         writer.append(np.ones((2, 8), np.uint16))  # stopped: no more frames accepted
     start = time.perf_counter()
