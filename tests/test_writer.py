@@ -275,24 +275,3 @@ def test_slow_stream_reaches_disk_within_max_latency(tmp_path, backend):
         writer.close()
     with pytest.raises(ValueError, match="max_latency_s"):
         Writer(tmp_path / "bad.zarr", layout, backend=backend, max_latency_s=0)
-
-
-def test_first_batches_ramp_up_so_encoding_starts_early(tmp_path):
-    """Batches of 1/4, then 1/2 of the configured size, then full ones: the backend starts while
-    the producer still fills (shorter pipeline fill), and the data is the same."""
-    layout = Layout([Dim("t", 0, 1, 1), Dim("y", 8, 4, 1), Dim("x", 8, 4, 1)], "uint16")
-    writer = Writer(tmp_path / "ramp.zarr", layout, backend="cpu", batch_bytes=8 * layout.epoch_bytes)
-    sizes = []
-    original = writer._backend.submit
-
-    def spy(staging, epochs, host_ranges=None, rows=None):
-        sizes.append(epochs)
-        return original(staging, epochs, host_ranges, rows)
-
-    writer._backend.submit = spy
-    frames = np.arange(30 * 64, dtype=np.uint16).reshape(30, 8, 8)
-    for frame in frames:
-        writer.append(frame)
-    writer.close()
-    assert sizes == [2, 4, 8, 8, 8]  # 30 frames = 2 + 4 + 8 + 8 + 8
-    np.testing.assert_array_equal(read_back(tmp_path / "ramp.zarr"), frames)

@@ -177,9 +177,6 @@ class Writer:
         self._current = None  # [buffer, ticket] being filled
         self._fill = 0
         self._fill_started = 0.0
-        # Ramp-up: the first batches are a quarter, then half a batch, so the backend starts
-        # encoding while the producer is still filling (pipeline fill time), then full batches.
-        self._ramp_bytes = max(1, self.batch_epochs // 4) * layout.epoch_bytes
         self._host_ranges: list[list[int]] = []
         self._epochs_submitted = 0
         self._accumulators = [ShardAccumulator(lay) for lay in self.pyramid.layouts]
@@ -349,8 +346,7 @@ class Writer:
             if self._current is None and not self._acquire(block):
                 break
             buffer = self._current[0]
-            target = self._ramp_bytes if self._fill < self._ramp_bytes else self.batch_bytes
-            n = min(data.nbytes, target - self._fill)
+            n = min(data.nbytes, self.batch_bytes - self._fill)
             if device:
                 self._backend.write_device(buffer, self._fill, data[:n])
             else:
@@ -361,12 +357,9 @@ class Writer:
             self._fill += n
             self.stats.bytes_in += n
             data = data[n:]
-            if self._fill % self.layout.epoch_bytes == 0 and self._fill < self.batch_bytes:
-                if self._fill >= self._ramp_bytes:  # a ramp-up batch is complete
-                    self._ramp_bytes = min(self.batch_bytes, 2 * self._ramp_bytes)
-                    self._submit_current(self._fill // self.layout.epoch_bytes)
-                elif time.monotonic() - self._fill_started > self.max_latency_s:
-                    self._submit_current(self._fill // self.layout.epoch_bytes)  # slow stream: don't wait
+            if (self._fill % self.layout.epoch_bytes == 0 and self._fill < self.batch_bytes
+                    and time.monotonic() - self._fill_started > self.max_latency_s):
+                self._submit_current(self._fill // self.layout.epoch_bytes)  # slow stream: don't wait
         if self._fill == self.batch_bytes:
             self._submit_full(block)
         self.stats.frames = self.stats.bytes_in // (self.layout.frame_elements * self.layout.itemsize)
