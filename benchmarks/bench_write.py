@@ -58,12 +58,10 @@ def dir_bytes(path: Path) -> int:
 # Each engine is set up (store created, buffers allocated) before the clock starts, as a
 # recorder is configured before an acquisition; the clock runs from the first frame until the
 # store is closed.
-def setup_tileshard(backend, camera, frames, tile, out, level, ome=False, ramp=True):
+def setup_tileshard(backend, camera, frames, tile, out, level, ome=False):
     layout = layout_for(camera.shape, tile)
     writer = Writer(out, layout, codec="zstd", level=level, backend=backend, overwrite=True, ome=ome,
                     downsample="mean")
-    if not ramp:  # A/B of the batch ramp-up: full batches from the start
-        writer._ramp_bytes = writer.batch_bytes
 
     def run():
         with writer:
@@ -167,8 +165,7 @@ def setup_acquire_zarr(camera, frames, tile, out, level, ome=False):
 def setup_engine(engine, camera, frames, tile, out, level):
     ome = engine.endswith("-ome")
     if engine.startswith("tileshard-"):
-        return setup_tileshard(engine.split("-")[1], camera, frames, tile, out, level, ome,
-                               ramp=not engine.endswith("-noramp"))
+        return setup_tileshard(engine.split("-")[1], camera, frames, tile, out, level, ome)
     if engine == "acquire-zarr-ome":
         return setup_acquire_zarr(camera, frames, tile, out, level, ome=True)
     return {"tensorstore": setup_tensorstore, "zarr-python": setup_zarr_python,
