@@ -137,24 +137,22 @@ def test_cupy_frames_skip_the_host_and_mix_with_host_frames(tmp_path, monkeypatc
 
     monkeypatch.setattr(GpuBackend, "submit", spy)
     layout = Layout([Dim("t", 0, 4, 2), Dim("y", 50, 16, 2), Dim("x", 40, 16, 2)], "uint16")
-    frames = SyntheticCamera((50, 40), "uint16", seed=4).stack(23)
+    frames = SyntheticCamera((50, 40), "uint16", seed=4).stack(19)
     with Writer(tmp_path / "d.zarr", layout, backend="gpu", batch_bytes=2 * layout.epoch_bytes) as writer:
-        writer.append(cupy.asarray(frames[:4]))  # the ramp-up batch (1 epoch), from the device
-        frames_left = frames[4:]
-        writer.append(cupy.asarray(frames_left[:8]))  # one whole batch from the device
+        writer.append(cupy.asarray(frames[:8]))  # one whole batch from the device
         for i in range(8, 12):
-            writer.append(frames_left[i])  # host
+            writer.append(frames[i])  # host
         for i in range(12, 15):
-            writer.append(cupy.asarray(frames_left[i]))
+            writer.append(cupy.asarray(frames[i]))
         writer.flush()  # pads the open epoch provisionally; the next device frame replaces the padding
         for i in range(15, 19):
-            writer.append(cupy.asarray(frames_left[i]))  # device, then a partial last batch
+            writer.append(cupy.asarray(frames[i]))  # device, then a partial last batch
     np.testing.assert_array_equal(read_back(tmp_path / "d.zarr"), frames)
     frame_bytes = 50 * 40 * 2
-    assert uploads[0] == [] and uploads[1] == []  # the first two batches never touched the host
-    assert uploads[2][0] == (0, 4 * frame_bytes)  # flush: host frames + the provisional padding
-    assert uploads[3] == [(0, 4 * frame_bytes)]  # only the host frames were uploaded
-    assert sum(b - a for a, b in uploads[4]) < 4 * frame_bytes  # padding of the partial epoch only
+    assert uploads[0] == []  # the first batch never touched the host
+    assert uploads[1][0] == (0, 4 * frame_bytes)  # flush: host frames + the provisional padding
+    assert uploads[2] == [(0, 4 * frame_bytes)]  # only the host frames were uploaded
+    assert sum(b - a for a, b in uploads[3]) < 4 * frame_bytes  # padding of the partial epoch only
 
 
 @pytest.mark.gpu
@@ -192,5 +190,5 @@ def test_cuda_error_mid_recording_keeps_what_reached_the_host(tmp_path, monkeypa
         errors.append(exc)
     assert errors and "CUDA" in str(errors[0]) and str(path) in str(errors[0])
     out = read_back(path)
-    assert out.shape[0] >= 6  # the two batches before the error are published (a 1-epoch ramp batch, then 2 epochs)
+    assert out.shape[0] >= 8  # the two batches before the error are published
     np.testing.assert_array_equal(out, frames[: out.shape[0]])
