@@ -22,6 +22,7 @@ def main():
     parser.add_argument("--fps", type=float, default=100)
     parser.add_argument("--backend", default="auto")
     parser.add_argument("--screenshot", default=None)
+    parser.add_argument("--ome", action="store_true", help="record an OME-Zarr pyramid (multiscale preview)")
     parser.add_argument("--inspector-screenshot", default=None, help="after stopping, open the shard inspector and shoot")
     args = parser.parse_args()
 
@@ -39,7 +40,7 @@ def main():
     out = Path(tempfile.mkdtemp()) / "recording.zarr"
     layout = Layout([Dim("t", 0, 16, 1), Dim("y", h, 256, 2), Dim("x", w, 256, 2)], "uint16")
     widget.settings = RecorderSettings(output=str(out), layout=layout, backend=args.backend, fps=args.fps,
-                                       policy="drop")
+                                       policy="drop", ome=args.ome)
     ticks = []
     timer = QTimer()
     timer.setInterval(5)

@@ -54,7 +54,10 @@ def read_zarr(path):
         scale = _level0_scale(path)
         if scale and len(scale) == levels[0].ndim:
             meta["scale"] = scale
-        return [(levels, meta, "image")]
+        # Lazy (dask): napari's multiscale slicing crops every row of a level before picking one.
+        import dask.array as da
+
+        return [([da.from_array(level, chunks=level.shards or level.chunks) for level in levels], meta, "image")]
     array, names = open_lazy(path)
     if array is not None:
         check_displayable(array, path)

@@ -64,8 +64,14 @@ def verify(path, progress=None) -> VerifyReport:
     except Exception as exc:  # noqa: BLE001 - every failure to open is a finding
         report.problems.append(Problem("zarr.json", None, f"cannot open as a Zarr v3 array or OME-Zarr group: {exc}"))
         return report
+    done_before = 0  # shards of earlier levels, so progress keeps counting up across levels
     for label, array in arrays:
-        _verify_array(report, array, label, progress)
+        def level_progress(done, total, base=done_before):
+            if progress:
+                progress(base + done, base + total)
+
+        _verify_array(report, array, label, level_progress)
+        done_before = report.shards + len(report.unpublished)
     return report
 
 

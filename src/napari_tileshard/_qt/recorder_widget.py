@@ -355,7 +355,9 @@ class RecorderWidget(QWidget):
         # The preview layer exists from the start (creating a layer costs the GUI a moment,
         # better on the click than mid-recording); it shows zeros until a shard epoch completes.
         layout = settings.layout
-        self._add_preview(np.zeros((1,) + tuple(layout.shape[1:]), layout.dtype), list(layout.names), None,
+        levels = plan_pyramid(layout, settings.downsample).layouts if settings.ome else (layout,)
+        placeholder = [np.zeros((1,) + tuple(level.shape[1:]), layout.dtype) for level in levels]
+        self._add_preview(placeholder if settings.ome else placeholder[0], list(layout.names), None,
                           placeholder=True)
         self._thread.start()
         layer = self._layer(settings.source)
@@ -467,6 +469,8 @@ class RecorderWidget(QWidget):
                 self._preview.contrast_limits = (float(low), float(max(high, low + 1)))
                 self._preview.name = self._preview.name.split(" (")[0]
                 self._preview_placeholder = False
+                if self._preview.multiscale:
+                    self.viewer.reset_view()  # a multiscale layer loads only the tiles in view: frame it
             step = self.viewer.dims.current_step
             last_shown = _shape(self._preview.data)[0] - 1
             self._preview_follow = step[0] >= last_shown if step else True
@@ -492,9 +496,8 @@ class RecorderWidget(QWidget):
         if levels:
             check_displayable(levels[-1], output)
             pyramid = self._pyramid()
-            if final:
-                return list(levels), names
-            return [_RowsView(level, min(pyramid.level_rows(k, rows), level.shape[0]), self._recent.get(k))
+            return [_RowsView(level, level.shape[0] if final else min(pyramid.level_rows(k, rows), level.shape[0]),
+                              None if final else self._recent.get(k))
                     for k, level in enumerate(levels)], names
         check_displayable(array, output)
         return (array if final else _RowsView(array, min(rows, array.shape[0]), self._recent.get(0))), names
@@ -573,6 +576,10 @@ class _RowsView:
             first = slice(*first.indices(self.rows))
             if first.step == 1 and first.stop - first.start == 1 and first.start in self.recent:
                 return self.recent[first.start][None][(slice(None),) + tuple(key[1:])]
+            if first.stop - first.start > 1 and all(isinstance(k, slice) for k in key):
+                # napari's multiscale slicing crops the displayed dims over *every* row first and
+                # picks the row afterwards: stay lazy so only that row is read.
+                return _LazyCrop(self, key)
         else:
             first = int(first)
             if not -self.rows <= first < self.rows:
@@ -584,6 +591,30 @@ class _RowsView:
 
     def __array__(self, dtype=None, copy=None):
         return np.asarray(self.array[: self.rows], dtype=dtype)
+
+
+class _LazyCrop:
+    """A crop of a :class:`_RowsView` by slices, read only when indexed further or materialised."""
+
+    def __init__(self, parent, key):
+        key = tuple(key) + (slice(None),) * (parent.ndim - len(key))
+        self.parent = parent
+        self.ranges = [k if isinstance(k, range) else range(n)[k] for n, k in zip(parent.shape, key)]
+        self.shape = tuple(len(r) for r in self.ranges)
+        self.dtype = parent.dtype
+        self.ndim = len(self.shape)
+        self.size = int(np.prod(self.shape))
+
+    def __getitem__(self, key):
+        key = key if isinstance(key, tuple) else (key,)
+        key = key + (slice(None),) * (self.ndim - len(key))
+        picked = [r[k] for r, k in zip(self.ranges, key)]
+        if all(isinstance(p, range) for p in picked):
+            return _LazyCrop(self.parent, picked)
+        return self.parent[tuple(p if isinstance(p, int) else slice(p.start, p.stop, p.step) for p in picked)]
+
+    def __array__(self, dtype=None, copy=None):
+        return np.asarray(self.parent[tuple(slice(r.start, r.stop, r.step) for r in self.ranges)], dtype=dtype)
 
 
 def _shape(data) -> tuple:
