@@ -87,6 +87,10 @@ def test_invalid_settings_disable_start_and_explain(widget, tmp_path):
     assert "must be integers" in widget.message.text()
     widget.table.item(1, 2).setText("32")
     assert widget.start_button.isEnabled()
+    widget.table.item(1, 4).setText("-0.5")  # a negative pixel size
+    assert not widget.start_button.isEnabled() and "scale must be a positive" in widget.message.text()
+    widget.table.item(1, 4).setText("0.65")
+    assert widget.start_button.isEnabled() and widget.settings.layout.dims[1].scale == 0.65
     (tmp_path / "v.zarr").mkdir()
     (tmp_path / "v.zarr" / "zarr.json").write_text("{}")
     widget.output.setText("")
@@ -168,6 +172,9 @@ def test_ome_recording_previews_the_pyramid(widget, qtbot, tmp_path):
     out = tmp_path / "ome.zarr"
     widget.settings = RecorderSettings(output=str(out), layout=small_layout((128, 96)), backend="cpu", fps=200.0,
                                        ome=True, downsample="max")
+    for row, (scale, unit) in enumerate([("0.05", "second"), ("0.65", "micrometer"), ("0.65", "micrometer")]):
+        widget.table.item(row, 4).setText(scale)
+        widget.table.item(row, 5).setText(unit)
     assert widget.downsample.isEnabled() and "pyramid levels" in widget.figures.text()
     widget.start()
 
@@ -187,6 +194,9 @@ def test_ome_recording_previews_the_pyramid(widget, qtbot, tmp_path):
     for level, expected in zip(layer.data, pyramid.reference(frames)):
         np.testing.assert_array_equal(np.asarray(level), expected)
     assert verify(out).ok
+    multiscale = zarr.open_group(out, mode="r").attrs["ome"]["multiscales"][0]
+    assert multiscale["axes"][1] == {"name": "y", "type": "space", "unit": "micrometer"}
+    assert multiscale["datasets"][2]["coordinateTransformations"][0]["scale"] == pytest.approx([0.05, 2.6, 2.6])
 
 
 def test_reader_opens_an_ome_group_as_multiscale(make_napari_viewer, tmp_path):

@@ -91,3 +91,19 @@ def test_record_cli(tmp_path):
 def test_record_cli_rejects_mismatched_lists(tmp_path, capsys):
     assert main(["record", str(tmp_path / "x.zarr"), "--shape", "0,8,8", "--tile", "2,4"]) == 2
     assert "--tile has 2" in capsys.readouterr().err
+
+
+def test_record_cli_ome_pyramid_with_units(tmp_path, capsys):
+    out = tmp_path / "ome.zarr"
+    assert main(["record", str(out), "--shape", "0,96,80", "--tile", "2,32,32", "--tiles-per-shard", "1,2,2",
+                 "--frames", "5", "--backend", "cpu", "--ome", "--downsample", "min", "--no-progress",
+                 "--scale", "t=0.5,y=0.65,x=0.65", "--unit", "t=second,y=micrometer,x=micrometer"]) == 0
+    assert "3 pyramid levels" in capsys.readouterr().out  # 96x80 -> 48x40 -> 24x20 fits one 32x32 tile
+    multiscale = zarr.open_group(out, mode="r").attrs["ome"]["multiscales"][0]
+    assert [a.get("unit") for a in multiscale["axes"]] == ["second", "micrometer", "micrometer"]
+    assert multiscale["datasets"][1]["coordinateTransformations"][0]["scale"] == [0.5, 1.3, 1.3]
+    frames = SyntheticCamera((96, 80), "uint16", seed=0).stack(5)
+    np.testing.assert_array_equal(zarr.open_array(out / "2")[:], frames.reshape(5, 24, 4, 20, 4).min(axis=(2, 4)))
+    assert main(["verify", str(out)]) == 0
+    assert main(["record", str(tmp_path / "bad.zarr"), "--scale", "q=1", "--no-progress"]) == 2
+    assert "'q', which is not one of the dims" in capsys.readouterr().err

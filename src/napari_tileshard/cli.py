@@ -25,8 +25,24 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
 
 
-def build_layout(shape, tile, tiles_per_shard, dtype, names=None) -> Layout:
-    """A Layout from per-dimension lists, as the CLI and the plugin take them."""
+def _axis_values(text: str, kind):
+    """``"t=0.02,y=0.65"`` -> ``{"t": 0.02, "y": 0.65}`` (values converted with ``kind``)."""
+    values = {}
+    for item in filter(None, text.split(",")):
+        name, sep, value = item.partition("=")
+        if not sep or not name.strip():
+            raise argparse.ArgumentTypeError(f"{item!r} is not NAME=VALUE")
+        try:
+            values[name.strip()] = kind(value.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{item!r}: {value!r} is not a {kind.__name__}") from None
+    return values
+
+
+def build_layout(shape, tile, tiles_per_shard, dtype, names=None, scale=None, unit=None) -> Layout:
+    """A Layout from per-dimension lists, as the CLI and the plugin take them.
+
+    ``scale`` and ``unit`` map dim names to pixel size / frame interval and unit (OME-Zarr axes)."""
     rank = len(shape)
     if len(tile) != rank or len(tiles_per_shard) != rank:
         raise ValueError(f"--shape has {rank} values but --tile has {len(tile)} and --tiles-per-shard "
@@ -37,7 +53,12 @@ def build_layout(shape, tile, tiles_per_shard, dtype, names=None) -> Layout:
                          else [f"d{i}" for i in range(1, rank)])
     if len(names) != rank:
         raise ValueError(f"{len(names)} names for {rank} dimensions")
-    return Layout([Dim(n, s, t, p) for n, s, t, p in zip(names, shape, tile, tiles_per_shard)], dtype=dtype)
+    scale, unit = dict(scale or {}), dict(unit or {})
+    unknown = sorted((set(scale) | set(unit)) - set(names))
+    if unknown:
+        raise ValueError(f"--scale/--unit name {unknown[0]!r}, which is not one of the dims {list(names)}")
+    return Layout([Dim(n, s, t, p, unit=unit.get(n), scale=scale.get(n, 1.0))
+                   for n, s, t, p in zip(names, shape, tile, tiles_per_shard)], dtype=dtype)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -66,6 +87,10 @@ def _parser() -> argparse.ArgumentParser:
                         help="dims the pyramid halves (with --ome; default: the last two, e.g. y,x; t,y,x adds time)")
     record.add_argument("--max-levels", type=int, default=None,
                         help="pyramid levels including full resolution (default: until a level fits one tile)")
+    record.add_argument("--scale", type=lambda s: _axis_values(s, float), default=None,
+                        help="physical size per dim for OME-Zarr axes, e.g. t=0.02,y=0.65,x=0.65")
+    record.add_argument("--unit", type=lambda s: _axis_values(s, str), default=None,
+                        help="unit per dim, e.g. t=second,y=micrometer,x=micrometer")
     record.add_argument("--overwrite", action="store_true")
     record.add_argument("--no-progress", action="store_true")
     gui = sub.add_parser("gui", help="start napari with the Tile/Shard Recorder docked (synthetic camera selected)")
@@ -76,7 +101,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def record(args) -> int:
-    layout = build_layout(args.shape, args.tile, args.tiles_per_shard, args.dtype, args.names)
+    layout = build_layout(args.shape, args.tile, args.tiles_per_shard, args.dtype, args.names, args.scale, args.unit)
     frames_possible = None if layout.unbounded else layout.total_elements // layout.frame_elements
     frames = args.frames if frames_possible is None else min(args.frames, frames_possible)
     camera = SyntheticCamera(layout.frame_shape or (1,), layout.dtype, seed=args.seed, fps=args.fps)

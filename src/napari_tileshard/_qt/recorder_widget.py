@@ -23,8 +23,8 @@ from ..pyramid import DOWNSAMPLE, Pyramid, plan_pyramid
 from ..recorder import POLICIES, Recorder, RecorderSettings, RecorderStats
 
 SYNTHETIC = "synthetic"
-_COLUMNS = ("name", "size (0 = unbounded)", "tile", "tiles/shard")
-_DEFAULT_DIMS = (("t", 0, 32, 1), ("y", 1024, 256, 4), ("x", 1024, 256, 4))
+_COLUMNS = ("name", "size (0 = unbounded)", "tile", "tiles/shard", "scale", "unit")
+_DEFAULT_DIMS = (("t", 0, 32, 1, 1.0, ""), ("y", 1024, 256, 4, 1.0, ""), ("x", 1024, 256, 4, 1.0, ""))
 
 
 class _RecorderThread(QThread):
@@ -109,12 +109,14 @@ class RecorderWidget(QWidget):
         dims_layout = QVBoxLayout(dims_box)
         self.table = QTableWidget(0, len(_COLUMNS))
         self.table.setHorizontalHeaderLabels(_COLUMNS)
+        self.table.horizontalHeaderItem(4).setToolTip("pixel size or frame interval (OME-Zarr axes)")
+        self.table.horizontalHeaderItem(5).setToolTip("e.g. micrometer, second (OME-Zarr axes; empty: none)")
         for row in _DEFAULT_DIMS:
             self._append_row(row)
         self.table.itemChanged.connect(self._validate)
         buttons = QHBoxLayout()
         add, remove = QPushButton("+ dim"), QPushButton("- dim")
-        add.clicked.connect(lambda: self._append_row(("d", 1, 1, 1), front=True))
+        add.clicked.connect(lambda: self._append_row(("d", 1, 1, 1, 1.0, ""), front=True))
         remove.clicked.connect(self._remove_row)
         buttons.addWidget(add)
         buttons.addWidget(remove)
@@ -254,11 +256,15 @@ class RecorderWidget(QWidget):
             texts = [(self.table.item(row, c).text() if self.table.item(row, c) else "").strip()
                      for c in range(len(_COLUMNS))]
             try:
-                size, tile, tps = (int(t) for t in texts[1:])
+                size, tile, tps = (int(t) for t in texts[1:4])
             except ValueError:
                 raise ValueError(f"row {row + 1} ({texts[0] or '?'}): size, tile and tiles/shard must be integers, "
-                                 f"got {texts[1:]}") from None
-            dims.append(Dim(texts[0], size, tile, tps))
+                                 f"got {texts[1:4]}") from None
+            try:
+                scale = float(texts[4]) if texts[4] else 1.0
+            except ValueError:
+                raise ValueError(f"row {row + 1} ({texts[0] or '?'}): scale must be a number, got {texts[4]!r}") from None
+            dims.append(Dim(texts[0], size, tile, tps, unit=texts[5] or None, scale=scale))
         dtype = self.dtype.currentText()
         layer = self._layer(self.source.currentText())
         if layer is not None:
@@ -288,7 +294,7 @@ class RecorderWidget(QWidget):
         self.table.blockSignals(True)
         self.table.setRowCount(0)
         for dim in value.layout.dims:
-            self._append_row((dim.name, dim.size, dim.tile_size, dim.tiles_per_shard))
+            self._append_row((dim.name, dim.size, dim.tile_size, dim.tiles_per_shard, dim.scale, dim.unit or ""))
         self.table.blockSignals(False)
         self.dtype.setCurrentText(value.layout.dtype.name)
         self.output.setText(str(value.output))
