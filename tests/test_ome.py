@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 import zarr
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from napari_tileshard import Dim, Layout, SyntheticCamera, verify
@@ -209,3 +209,32 @@ def test_bad_options(tmp_path):
         Dim("y", 8, 4, scale=float("nan"))
     assert not any(p.exists() for p in tmp_path.iterdir())  # refusals leave nothing behind
     assert plan_pyramid(layout, max_levels=1).levels == 1
+
+
+@st.composite
+def pyramid_cases(draw):
+    """Random small layouts, dtypes, reduced dims (t too when its tile is even), methods, frame counts."""
+    rank = draw(st.integers(3, 4))
+    names = ["t", "z", "y", "x"][4 - rank:] if rank == 4 else ["t", "y", "x"]
+    t_tile = draw(st.sampled_from([1, 2, 4]))
+    dims = [Dim("t", 0, t_tile, draw(st.integers(1, 2)))]
+    for name in names[1:]:
+        size = draw(st.integers(1, 40))
+        dims.append(Dim(name, size, draw(st.integers(1, 16)), draw(st.integers(1, 3))))
+    dtype = draw(st.sampled_from(["uint8", "uint16", "int16", "int32", "float32"]))
+    candidates = names[1:] + (["t"] if t_tile % 2 == 0 else [])
+    reduced = draw(st.lists(st.sampled_from(candidates), min_size=1, max_size=len(candidates), unique=True))
+    method = draw(st.sampled_from(METHODS))
+    frames = draw(st.integers(1, 9))
+    return Layout(dims, dtype), tuple(reduced), method, frames, draw(st.integers(0, 2**31))
+
+
+@given(pyramid_cases())
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_any_pyramid_equals_the_reference(tmp_path_factory, backend, case):
+    layout, reduced, method, count, seed = case
+    frames = np.random.default_rng(seed).integers(-100, 200, (count,) + layout.shape[1:]).astype(layout.dtype)
+    path = tmp_path_factory.mktemp("pyr") / "p.zarr"
+    writer = record(path, layout, frames, backend, downsample=method, downsample_dims=reduced, max_levels=4)
+    for k, expected in enumerate(writer.pyramid.reference(frames)):
+        np.testing.assert_array_equal(zarr.open_array(path / str(k), mode="r")[...], expected, err_msg=f"level {k}")
