@@ -149,34 +149,71 @@ def reduce2(array: np.ndarray, axes, method: str, valid_rows: int | None = None)
         return result
     if method == "mean":
         exact = array.dtype.kind in "iu" and array.dtype.itemsize <= 4
-        # Integer sums are exact (int32 holds 256 sums of 16-bit values); wider integers and floats sum in float64.
-        accumulator = (np.int32 if array.dtype.itemsize <= 2 and array.ndim <= 8 else np.int64) if exact else np.float64
-        sums = np.zeros(out_shape, dtype=accumulator)
+        if exact:
+            # Integer sums are exact in any order (int32 holds 256 sums of 16-bit values): add pairs
+            # axis by axis, which reads memory in order, then divide in integers.
+            accumulator = np.int32 if array.dtype.itemsize <= 2 else np.int64
+            sums = _pairwise(array, axes, extent, np.add, accumulator)
+            return _divide_half_to_even(sums, count, axes, extent).astype(array.dtype)
+        sums = np.zeros(out_shape, dtype=np.float64)  # floats: the kernel's order, for identical rounding
         for view in views:
             sums[tuple(slice(0, n) for n in view.shape)] += view
-        if exact:
-            return _divide_half_to_even(sums, count).astype(array.dtype)
         with np.errstate(invalid="ignore", divide="ignore"):
             mean = sums / np.maximum(count, 1)
         if array.dtype.kind in "iu":
             mean = np.rint(mean)
         return np.where(count > 0, mean, 0).astype(array.dtype)
-    pick = np.maximum if method == "max" else np.minimum
-    result = np.zeros(out_shape, dtype=array.dtype)
-    result[tuple(slice(0, n) for n in views[0].shape)] = views[0]
-    for view in views[1:]:
-        target = result[tuple(slice(0, n) for n in view.shape)]
-        pick(target, view, out=target)
+    return _pairwise(array, axes, extent, np.maximum if method == "max" else np.minimum, array.dtype)
+
+
+def _pairwise(array: np.ndarray, axes, extent, combine, dtype) -> np.ndarray:
+    """Combine element pairs along each reduced axis in turn (for max, min and integer sums, whose
+    result does not depend on the order).  Elements past ``extent`` are left out; blocks with none
+    inside stay 0."""
+    result = array
+    for d in axes:
+        def along(start, a=result, d=d):
+            return a[tuple(slice(start, extent[d], 2) if i == d else slice(None) for i in range(a.ndim))]
+
+        even, odd = along(0), along(1)
+        shape = list(result.shape)
+        shape[d] = -(-result.shape[d] // 2)
+        out = np.zeros(shape, dtype=dtype)
+        out[tuple(slice(0, n) for n in even.shape)] = even
+        target = out[tuple(slice(0, n) for n in odd.shape)]
+        combine(target, odd, out=target)
+        result = out
     return result
 
 
-def _divide_half_to_even(sums: np.ndarray, count: np.ndarray) -> np.ndarray:
-    """``rint(sums / count)`` in integer arithmetic.
+def _divide_half_to_even(sums: np.ndarray, count: np.ndarray, axes, extent) -> np.ndarray:
+    """``rint(sums / count)`` in integer arithmetic, in place.
 
     Counts are powers of two (products of per-axis 1s and 2s), so with ``count = 2**shift``:
     ``(sums + 2**(shift-1) - 1 + ((sums >> shift) & 1)) >> shift`` rounds half to even (arithmetic
-    shifts floor, so negative sums too); blocks of count 0 give 0.
+    shifts floor, so negative sums too); blocks of count 0 give 0.  Inside the array every block
+    has ``2**len(axes)`` elements (scalar shift); only the slabs at odd edges or past the valid
+    rows need the per-block count.
     """
+    edges = [(d, extent[d] // 2) for d in axes if extent[d] // 2 < sums.shape[d]]
+    edge_sums = [sums[_slab(sums.ndim, d, start)].copy() for d, start in edges]  # before the in-place pass
+    shift = len(axes)
+    result = sums
+    parity = (result >> shift) & 1
+    result += (1 << (shift - 1)) - 1
+    result += parity
+    result >>= shift
+    for (d, start), edge in zip(edges, edge_sums):
+        result[_slab(sums.ndim, d, start)] = _divide_by_counts(edge, count[_slab(count.ndim, d, start)])
+    return result
+
+
+def _slab(ndim: int, d: int, start: int) -> tuple:
+    return tuple(slice(start, None) if i == d else slice(None) for i in range(ndim))
+
+
+def _divide_by_counts(sums: np.ndarray, count: np.ndarray) -> np.ndarray:
+    """The rounding of :func:`_divide_half_to_even` with a per-block (broadcast) count."""
     safe = np.maximum(count, 1)
     shift = np.log2(safe).astype(sums.dtype)
     bias = np.maximum((safe >> 1) - 1, 0).astype(sums.dtype)
