@@ -56,6 +56,16 @@ class Pyramid:
     def levels(self) -> int:
         return len(self.layouts)
 
+    @property
+    def tiles_per_epoch(self) -> int:
+        """Tiles of one tile epoch over all levels (what one batch epoch gives the compressor)."""
+        return sum(lay.tiles_per_epoch for lay in self.layouts)
+
+    @property
+    def slots_per_epoch(self) -> int:
+        """Padded shard-major slots of one tile epoch over all levels."""
+        return sum(lay.slots_per_epoch for lay in self.layouts)
+
     def step_axes(self, k: int) -> tuple[int, ...]:
         """Dims halved going from level ``k-1`` to level ``k``."""
         return tuple(d for d, (a, b) in enumerate(zip(self.factors[k - 1], self.factors[k])) if b != a)
@@ -135,19 +145,19 @@ def reduce2(array: np.ndarray, axes, method: str, valid_rows: int | None = None)
     if valid_rows is not None and 0 in axes:
         extent[0] = max(0, min(valid_rows, array.shape[0]))
     out_shape = tuple(-(-s // 2) if d in axes else s for d, s in enumerate(array.shape))
-    # Elements per block: a product of per-axis counts (2 inside, 1 at an odd edge, 0 past the extent).
-    count = np.ones((1,) * array.ndim, dtype=np.int64)
-    for d in axes:
-        first = np.arange(out_shape[d]) * 2
-        per_axis = (first < extent[d]).astype(np.int64) + (first + 1 < extent[d])
-        count = count * per_axis.reshape([-1 if i == d else 1 for i in range(array.ndim)])
     views = [array[tuple(slice(o, extent[d], 2) if d in axes else slice(None) for d, o in enumerate(offset))]
-             for offset in block_offsets(array.ndim, axes)]
+             for offset in block_offsets(array.ndim, axes)]  # strided views, no copies
     if method == "decimate":
         result = np.zeros(out_shape, dtype=array.dtype)
         result[tuple(slice(0, n) for n in views[0].shape)] = views[0]
         return result
     if method == "mean":
+        # Elements per block: a product of per-axis counts (2 inside, 1 at an odd edge, 0 past the extent).
+        count = np.ones((1,) * array.ndim, dtype=np.int64)
+        for d in axes:
+            first = np.arange(out_shape[d]) * 2
+            per_axis = (first < extent[d]).astype(np.int64) + (first + 1 < extent[d])
+            count = count * per_axis.reshape([-1 if i == d else 1 for i in range(array.ndim)])
         exact = array.dtype.kind in "iu" and array.dtype.itemsize <= 4
         if exact:
             # Integer sums are exact in any order (int32 holds 256 sums of 16-bit values): add pairs

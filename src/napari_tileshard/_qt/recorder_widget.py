@@ -57,7 +57,7 @@ class _RecorderThread(QThread):
             if array is not None and rows > 0:
                 levels = []
                 if settings.ome:
-                    pyramid = plan_pyramid(settings.layout, settings.downsample)
+                    pyramid = self.recorder.writer.pyramid
                     for k, level in enumerate((open_levels(settings.output) or [])[1:], start=1):
                         row = min(pyramid.level_rows(k, rows), level.shape[0]) - 1
                         levels.append((row, np.asarray(level[row])))
@@ -92,6 +92,7 @@ class RecorderWidget(QWidget):
         self._preview_follow = True
         self._finalizing = None
         self._preview_error = None
+        self._levels: Pyramid | None = None
         self._build()
         self._timer = QTimer(self)
         self._timer.setInterval(250)
@@ -361,8 +362,8 @@ class RecorderWidget(QWidget):
         # The preview layer exists from the start (creating a layer costs the GUI a moment,
         # better on the click than mid-recording); it shows zeros until a shard epoch completes.
         layout = settings.layout
-        levels = plan_pyramid(layout, settings.downsample).layouts if settings.ome else (layout,)
-        placeholder = [np.zeros((1,) + tuple(level.shape[1:]), layout.dtype) for level in levels]
+        self._levels = plan_pyramid(layout, settings.downsample) if settings.ome else Pyramid.single(layout)
+        placeholder = [np.zeros((1,) + tuple(level.shape[1:]), layout.dtype) for level in self._levels.layouts]
         self._add_preview(placeholder if settings.ome else placeholder[0], list(layout.names), None,
                           placeholder=True)
         self._thread.start()
@@ -509,8 +510,8 @@ class RecorderWidget(QWidget):
         return (array if final else _RowsView(array, min(rows, array.shape[0]), self._recent.get(0))), names
 
     def _pyramid(self) -> Pyramid:
-        settings = self._recorder.settings
-        return plan_pyramid(settings.layout, settings.downsample) if settings.ome else Pyramid.single(settings.layout)
+        """The levels of the current recording (planned once, at start)."""
+        return self._levels
 
     def _add_preview(self, data, names, newest=None, placeholder=False):
         name = f"preview: {Path(self._recorder.settings.output).name}"

@@ -3,8 +3,8 @@
 Work is split into one task per (tile epoch, shard): the task copies the shard's tiles out of
 the staging buffer in one NumPy call (the lift/transpose, padding edge tiles with 0) and
 compresses them with ``zstandard``, which releases the GIL, so tasks run truly in parallel.
-Pyramid levels are reduced from the batch with :func:`~napari_tileshard.pyramid.reduce2` (on the
-pool, while level 0 compresses) and encoded the same way.
+Pyramid levels are reduced from the batch with :func:`~napari_tileshard.pyramid.reduce2` (on a
+reducer thread, while level 0 compresses) and encoded the same way.
 """
 
 from __future__ import annotations

@@ -183,12 +183,7 @@ class GpuBackend(Backend):
     def memory_estimate(self, batch_bytes: int, staging_buffers: int) -> dict[str, int]:
         epochs = max(1, batch_bytes // self.layout.epoch_bytes)
         return self.estimate(self.layout, batch_bytes, staging_buffers, self._slot_count, self.output_stride,
-                             self._temp_bytes(epochs * self._tiles_per_epoch), self.pyramid.layouts)
-
-    @property
-    def _tiles_per_epoch(self) -> int:
-        """Tiles of one tile epoch over all pyramid levels."""
-        return sum(lay.tiles_per_epoch for lay in self.pyramid.layouts)
+                             self._temp_bytes(epochs * self.pyramid.tiles_per_epoch), self.pyramid.layouts)
 
     def _temp_bytes(self, chunks: int) -> int:
         if self.codec != "zstd":
@@ -227,8 +222,8 @@ class GpuBackend(Backend):
         layout = self.layout
         levels = self.pyramid.layouts
         epochs = batch_bytes // layout.epoch_bytes
-        chunks = epochs * self._tiles_per_epoch
-        entries = epochs * sum(lay.slots_per_epoch for lay in levels)
+        chunks = epochs * self.pyramid.tiles_per_epoch
+        entries = epochs * self.pyramid.slots_per_epoch
         estimate = self.memory_estimate(batch_bytes, self.preferred_staging_buffers)["device"]
         free, total = cupy.cuda.runtime.memGetInfo()
         if estimate > 0.9 * free:
@@ -299,8 +294,8 @@ class GpuBackend(Backend):
         slot = self._slots[self._next % self._slot_count]
         self._next += 1
         nbytes = epochs * layout.epoch_bytes
-        chunks = epochs * self._tiles_per_epoch
-        entries = epochs * sum(lay.slots_per_epoch for lay in self.pyramid.layouts)
+        chunks = epochs * self.pyramid.tiles_per_epoch
+        entries = epochs * self.pyramid.slots_per_epoch
         positions, chunk_bytes = self._geometry(epochs)
         mirror = self._mirrors[staging.ctypes.data]
         for start, stop in (host_ranges if host_ranges is not None else [(0, nbytes)]):
@@ -355,12 +350,11 @@ class GpuBackend(Backend):
     def result(self, ticket):
         cupy = self._cupy
         runtime = cupy.cuda.runtime
-        layout = self.layout
         slot = ticket.slot
         try:
             self._wait_ready(slot)
-            chunks = ticket.epochs * self._tiles_per_epoch
-            entries = ticket.epochs * sum(lay.slots_per_epoch for lay in self.pyramid.layouts)
+            chunks = ticket.epochs * self.pyramid.tiles_per_epoch
+            entries = ticket.epochs * self.pyramid.slots_per_epoch
             if self.codec == "zstd":
                 failed = np.flatnonzero(slot.h_status[:chunks])
                 if failed.size:
