@@ -50,7 +50,6 @@ class Inspection:
 def inspect_array(path) -> Inspection:
     """Read every shard index of the sharded array at ``path`` (a path or zarr Store; level 0 of an
     OME-Zarr group)."""
-    import zarr
     from zarr.abc.store import SuffixByteRequest
     from zarr.core.buffer import default_buffer_prototype
     from zarr.core.sync import sync
