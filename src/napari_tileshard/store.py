@@ -16,6 +16,8 @@ import json
 import os
 import shutil
 import uuid
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from pathlib import Path
 
 from .layout import Layout
@@ -67,7 +69,34 @@ class StoreExistsError(FileExistsError):
     pass
 
 
-class DirectorySink:
+class Sink(ABC):
+    """Where the Writer puts objects (shards, ``zarr.json``): the one storage seam.
+
+    ``write`` stores one object atomically from a sequence of buffers (a reader sees the old
+    object or the new one, never a torn one).  ``release`` ends a recording (drops the writer's
+    lock); ``discard`` undoes a recording that failed before it started: it removes every object
+    this sink wrote, its lock, and the store directory if this sink created it.  Both are
+    idempotent.  Wrappers (e.g. :class:`napari_tileshard.testing.FaultInjectingSink`) subclass
+    this and :func:`open_sink` passes any ``Sink`` through unchanged.
+    """
+
+    @property
+    @abstractmethod
+    def location(self) -> str:
+        """A human-readable name of the store (a path or URL) for messages."""
+
+    @abstractmethod
+    def write(self, key: str, buffers: Sequence) -> None:
+        """Store ``buffers`` (bytes-like, concatenated) as object ``key``, atomically."""
+
+    def release(self) -> None:
+        """The recording ended: drop the lock (no-op where there is none)."""
+
+    def discard(self) -> None:
+        """Setup failed: remove what this sink created (no-op where nothing was)."""
+
+
+class DirectorySink(Sink):
     """Objects as files under ``root``, each written atomically (temporary file + rename)."""
 
     def __init__(self, root, overwrite: bool = False):
@@ -139,7 +168,7 @@ def _writev_all(fd: int, views: list) -> None:
             views[0] = views[0][written:]
 
 
-class ZarrStoreSink:
+class ZarrStoreSink(Sink):
     """Objects in any zarr v3 ``Store`` (MemoryStore, FsspecStore, ...), one ``set`` each."""
 
     def __init__(self, store, overwrite: bool = False):
@@ -175,7 +204,10 @@ class ZarrStoreSink:
 
 
 def open_sink(store, overwrite: bool = False):
-    """A sink for ``store``: a path, a zarr ``LocalStore`` or any other zarr v3 ``Store``."""
+    """A sink for ``store``: a path, a zarr ``LocalStore`` or any other zarr v3 ``Store``; a
+    :class:`Sink` is returned as it is."""
+    if isinstance(store, Sink):
+        return store
     if isinstance(store, (str, os.PathLike)):
         return DirectorySink(store, overwrite)
     try:
