@@ -66,7 +66,7 @@ def test_write_takes_any_byte_count(tmp_path, value):
     with pytest.warns(UserWarning, match="stray bytes") if len(value) % 2 else _nothing():
         with Writer(tmp_path / "w.zarr", layout, backend="cpu") as writer:
             assert writer.write(value).nbytes == 0
-    assert zarr.open_array(tmp_path / "w.zarr").shape[0] == -(-len(value) // 6)
+    assert zarr.open_array(tmp_path / "w.zarr").shape[0] == len(value) // 6  # whole rows only
 
 
 class _nothing:

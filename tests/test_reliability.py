@@ -48,34 +48,27 @@ def test_sigkill_mid_recording_leaves_completed_epochs(tmp_path):
 def test_slow_storage_applies_backpressure_with_bounded_memory(tmp_path):
     """Storage slower than the input: append() waits instead of buffering without bound."""
     from napari_tileshard import Dim, Layout, Writer
+    from napari_tileshard.testing import FaultInjectingSink
 
     layout = Layout([Dim("t", 0, 2, 1), Dim("y", 32, 16, 1), Dim("x", 32, 16, 1)], "uint16")
-    writer = Writer(tmp_path / "slow-disk.zarr", layout, backend="cpu", batch_bytes=layout.epoch_bytes,
-                    io_threads=1)
-    real_write = writer._sink.write
-    writes, backlog = [], []
+    backlog = []
+    writer = None
 
-    def slow_write(key, buffers):
-        time.sleep(0.02)
-        writes.append(key)
-        return real_write(key, buffers)
+    def watch(key):  # tile epochs received but not yet on disk, seen by each shard write
+        if writer is not None and key.startswith("c/"):
+            backlog.append(writer.stats.frames // 2 - len([k for k in sink.writes if k.startswith("c/")]) // 4)
 
-    writer._sink.write = slow_write
-    original_store = writer._store_shards
-
-    def watched_store(shards, wait):
-        original_store(shards, wait)
-        backlog.append(len(writer._pending_io))
-
-    writer._store_shards = watched_store
+    sink = FaultInjectingSink(tmp_path / "slow-disk.zarr", delay={"c/*": 0.02}, before_write=watch)
+    writer = Writer(sink, layout, backend="cpu", batch_bytes=layout.epoch_bytes, io_threads=1)
     frames = np.arange(40 * 32 * 32, dtype=np.uint16).reshape(40, 32, 32)
     start = time.perf_counter()
     writer.append(frames)  # 20 epochs x 4 shards, each write 20 ms on one I/O thread
     fed = time.perf_counter() - start
     writer.close()
     assert fed > 0.5  # the producer was held back by storage (80 x 20 ms / 1 thread = 1.6 s total)
-    assert max(backlog) <= writer._max_pending_shard_epochs  # never more than the documented backlog
-    assert sum(key.startswith("c/") for key in writes) == 80  # 20 shard epochs x 4 shards, each once
+    # staging (2 buffers + the one filling) + 2 shard epochs waiting on storage + 1 being written
+    assert max(backlog) <= 6, backlog
+    assert sum(key.startswith("c/") for key in sink.writes) == 80  # 20 shard epochs x 4 shards, each once
     np.testing.assert_array_equal(zarr.open_array(tmp_path / "slow-disk.zarr")[:], frames)
 
 

@@ -301,6 +301,10 @@ class Layout:
         """Shard coordinates along dims 1.. of inner shard ``shard`` (row-major)."""
         return tuple(int(c) for c in np.unravel_index(shard, self.shard_count[1:])) if self.rank > 1 else ()
 
+    def inner_shard_number(self, coords) -> int:
+        """Inverse of :meth:`inner_shard_coords`."""
+        return int(np.ravel_multi_index(tuple(coords), self.shard_count[1:])) if self.rank > 1 else 0
+
     # -- lifted strides (what the GPU tiling kernel evaluates per element) ------------------
     def lifted_strides(self, tile_stride: int | None = None) -> dict:
         """Strides of the lift ``(t_0, n_0, ..., t_{D-1}, n_{D-1})`` into the tile-major pool.

@@ -7,6 +7,7 @@ A shard on disk is the concatenated chunk bytes followed by the index: one
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import crc32c
@@ -73,12 +74,19 @@ class ShardAccumulator:
         self.layout = layout
         self._shard_epoch = 0
         self._next_epoch = 0
+        self._preserved: dict[tuple[int, ...], bytes] = {}  # flushed files of unopened shard epochs
         self._state = self._fresh_state()
 
     def _fresh_state(self) -> _ShardEpochState:
         inner = self.layout.inner_shard_count
         index = np.full((inner, self.layout.chunks_per_shard, 2), EMPTY, dtype=np.uint64)
-        return _ShardEpochState([[] for _ in range(inner)], np.zeros(inner, dtype=np.uint64), index)
+        state = _ShardEpochState([[] for _ in range(inner)], np.zeros(inner, dtype=np.uint64), index)
+        for j in range(inner):
+            blob = self._preserved.pop((self._shard_epoch,) + self.layout.inner_shard_coords(j), None)
+            if blob is not None:
+                state.data[j].append(blob)
+                state.length[j] = len(blob)
+        return state
 
     @property
     def has_pending(self) -> bool:
@@ -96,18 +104,34 @@ class ShardAccumulator:
             return self._take()
         return []
 
-    def pending(self, provisional: list[EncodedEpoch] = ()) -> list[Shard]:
-        """Every shard as it would be if the stream ended now, after the ``provisional`` epochs.
+    def flush(self, provisional: Sequence[EncodedEpoch] = ()) -> list[Shard]:
+        """Every open shard as it would be if the stream ended after the ``provisional`` epochs.
 
-        Nothing is consumed: later epochs keep filling the same shards (``flush()``).
+        The stream goes on, so these shards are written again later.  A reader may have read
+        a flushed shard's index and not yet its chunks when the new version replaces the file;
+        so every byte of a flushed shard keeps its offset in every later version of that shard:
+        later chunks go after the flushed file (whose provisional chunks and old index stay as
+        unreferenced bytes, which the sharding spec allows).  Cost: each flush adds the
+        provisional part and the index of every open shard once to its final size.
         """
         clone = ShardAccumulator.__new__(ShardAccumulator)
         clone.layout, clone._shard_epoch, clone._next_epoch = self.layout, self._shard_epoch, self._next_epoch
+        clone._preserved = dict(self._preserved)
         clone._state = self._state.copy()
         shards = []
         for encoded in provisional:
             shards += clone.add(clone._next_epoch, encoded)
-        return shards + clone.take_pending()
+        shards += clone.take_pending()
+        for shard in shards:
+            blob = b"".join(memoryview(b).cast("B") for b in shard.buffers) + shard.index
+            if shard.coords[0] == self._shard_epoch:
+                j = self.layout.inner_shard_number(shard.coords[1:])
+                kept = int(self._state.length[j])  # the open shard's chunks, which stay where they are
+                self._state.data[j].append(blob[kept:])
+                self._state.length[j] += len(blob) - kept
+            else:  # a shard epoch this accumulator has not opened yet: starts with the whole file
+                self._preserved[shard.coords] = blob
+        return shards
 
     def take_pending(self) -> list[Shard]:
         """Hand out the open shard epoch as final (end of the recording)."""

@@ -1,4 +1,4 @@
-"""The Writer: drives staging -> backend -> shard accumulation -> store.
+"""The Writer: drives staging -> backend -> shard accumulation -> store, and nothing else.
 
 Threads and buffers (see ``docs/design.md``):
 
@@ -6,11 +6,13 @@ Threads and buffers (see ``docs/design.md``):
   ``batch_epochs`` whole tile epochs and submits a full buffer to the backend;
 * a collector thread takes backend results in order, feeds the :class:`ShardAccumulator` and
   hands completed shards to a small I/O pool;
-* the collector lets at most two batches' worth of shard epochs wait on storage; when an
-  epoch's shards are on disk it rewrites ``zarr.json`` so that ``shape[0]`` covers it (unbounded arrays).
+* the :class:`~napari_tileshard.publish.Publisher` rewrites ``zarr.json`` as shard writes
+  complete: it alone decides what a reader may see (a contiguous prefix of fully written
+  shard epochs, never past a failed write, never a partial row).
 
 Backpressure: ``write`` returns the unconsumed tail when no staging buffer is free, ``append``
-waits.  Errors on any thread stop the Writer; the next call raises :class:`WriterError`.
+waits; the collector waits while too many shard epochs wait on storage.  Errors on any thread
+stop the Writer; the next call raises :class:`WriterError`.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import threading
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -31,13 +34,13 @@ from .backends import select_backend
 from .backends.base import CODECS
 from .layout import Layout
 from .ome import group_metadata
+from .publish import Publisher, check_attributes
 from .pyramid import Pyramid, level_fraction, plan_pyramid
 from .shard import ShardAccumulator
-from .store import METADATA_KEY, array_metadata, metadata_bytes, open_sink
+from .store import METADATA_KEY, metadata_bytes, open_sink
 
 log = logging.getLogger(__name__)
 
-_POLL_S = 0.05
 _PENDING_BATCHES = 2  # compressed batches that may wait on storage before the collector waits
 _PARALLEL_COPY_BYTES = 2 << 20
 
@@ -102,23 +105,43 @@ def estimate_memory(layout: Layout, batch_bytes: int | None = None, pyramid: Pyr
             "gpu_device": gpu["device"]}
 
 
+
+
+def _positive_int(name: str, value, allow_none: bool = False):
+    if value is None and allow_none:
+        return None
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def _physical_memory() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not every platform says
+        return None
+
+
 class Writer:
     """Stream frames into a sharded Zarr v3 array.
 
-    ``store`` is a path or a zarr v3 ``Store``.  ``batch_bytes`` sets how much input one backend
-    call gets (rounded to whole tile epochs, at least one; default: the backend's preference,
-    64-256 MiB on the CPU, 0.5-1 GiB on the GPU); ``staging_buffers`` how many such batches may be
-    buffered (>= 2 so the caller fills one while the backend encodes another; default: the
-    backend's preference, 2 on the CPU, 3 on the GPU).  ``max_latency_s`` bounds how long
-    received data waits in a partly filled batch: at the first tile-epoch boundary after that
-    time the complete epochs are submitted anyway, so a slow stream still reaches the disk (and
-    survives a crash) within about that time.
+    ``store`` is a path, a zarr v3 ``Store`` or a :class:`~napari_tileshard.store.Sink`.
+    ``batch_bytes`` sets how much input one backend call gets (rounded to whole tile epochs, at
+    least one; default: the backend's preference, 64-256 MiB on the CPU, 0.5-1 GiB on the GPU);
+    ``staging_buffers`` how many such batches may be buffered (>= 2 so the caller fills one while
+    the backend encodes another; default: the backend's preference, 2 on the CPU, 3 on the GPU).
+    ``max_latency_s`` bounds how long received data waits in a partly filled batch: at the first
+    tile-epoch boundary after that time the complete epochs are submitted anyway, so a slow
+    stream still reaches the disk (and survives a crash) within about that time.
 
     ``ome=True`` writes an OME-Zarr 0.5 group instead of a bare array: level 0 at ``0/`` and a
     pyramid of ``downsample`` levels (``"mean"``, ``"max"``, ``"min"``, ``"decimate"``) over
     ``downsample_dims`` (default the last two dims) at ``1/``, ``2/``, ... computed by the backend
     from each batch while recording (:mod:`napari_tileshard.pyramid`), up to ``max_levels``.
     ``attributes`` (JSON-serialisable) go into the array's attributes, or the group's next to ``ome``.
+
+    Every option is checked before the store is touched; a store the Writer creates is removed
+    again if setup fails.  A local store is locked for the Writer's life (one writer per store).
     """
 
     def __init__(self, store, layout: Layout, *, codec: str = "zstd", level: int = 1,
@@ -128,48 +151,76 @@ class Writer:
                  downsample: str = "mean", downsample_dims=None, max_levels: int | None = None):
         if not isinstance(layout, Layout):
             raise TypeError(f"layout must be a Layout, got {type(layout).__name__}")
-        if not isinstance(max_latency_s, (int, float)) or not max_latency_s > 0:
+        if (not isinstance(max_latency_s, (int, float)) or isinstance(max_latency_s, bool)
+                or not max_latency_s > 0 or not math.isfinite(max_latency_s)):
             raise ValueError(f"max_latency_s must be a positive number of seconds, got {max_latency_s!r}")
+        if not isinstance(overwrite, bool):
+            raise TypeError(f"overwrite must be True or False, got {overwrite!r}")
         self.max_latency_s = float(max_latency_s)
         self.layout = layout
         self.codec = codec
         self.level = _validate_level(codec, level)
-        if staging_buffers is not None and (not isinstance(staging_buffers, int) or staging_buffers < 2):
+        if staging_buffers is not None and (_positive_int("staging_buffers", staging_buffers) < 2):
             raise ValueError(f"staging_buffers must be an integer >= 2, got {staging_buffers!r}")
+        io_threads = _positive_int("io_threads", io_threads)
+        threads = _positive_int("threads", threads, allow_none=True)
+        batch_bytes = _positive_int("batch_bytes", batch_bytes, allow_none=True)
+        attributes = check_attributes(attributes)
         self.ome = bool(ome)
         self.pyramid = (plan_pyramid(layout, downsample, downsample_dims, max_levels) if ome
                         else Pyramid.single(layout))
         self._group = group_metadata(self.pyramid, "", attributes) if ome else None  # validates attributes
+        self._check_shard_epoch_fits_memory()
         options = {"threads": threads} if threads else {}
         if ome:
             options["pyramid"] = self.pyramid
         self._backend = select_backend(backend, layout, codec, self.level, **options)
+        self._sink = None
         try:
             self._setup(store, overwrite, batch_bytes, staging_buffers, io_threads, attributes)
-        except BaseException:
+        except BaseException as exc:
             self._backend.close()
+            if self._sink is not None:
+                location = self._sink.location
+                self._sink.discard()  # nothing half-made stays behind
+                if isinstance(exc, OSError) and not isinstance(exc, FileExistsError) and exc.errno:
+                    raise OSError(exc.errno, f"could not create the store {location}: {exc.strerror}") from exc
             raise
+
+    def _check_shard_epoch_fits_memory(self) -> None:
+        """Shards are held in memory until their shard epoch is complete: refuse what cannot fit."""
+        layout = self.layout
+        shard_epoch_bytes = layout.tiles_per_shard[0] * sum(lay.epoch_bytes for lay in self.pyramid.layouts)
+        memory = _physical_memory()
+        if memory and shard_epoch_bytes > memory // 2:
+            raise ValueError(
+                f"one shard epoch ({layout.tiles_per_shard[0]} tiles of {layout.tile_shape[0]} along "
+                f"{layout.names[0]!r}) holds {shard_epoch_bytes} bytes before compression, which stay in memory "
+                f"until its shards are written: more than half of this machine's {memory} bytes; use fewer "
+                f"tiles_per_shard along {layout.names[0]!r}")
 
     def _setup(self, store, overwrite, batch_bytes, staging_buffers, io_threads, attributes):
         layout = self.layout
         target = batch_bytes or self._backend.preferred_batch_bytes
-        if not isinstance(target, (int, np.integer)) or target < 1:
-            raise ValueError(f"batch_bytes must be a positive integer, got {batch_bytes!r}")
         epochs = max(1, int(target) // layout.epoch_bytes)
         if layout.epoch_count is not None:
             epochs = min(epochs, layout.epoch_count)
         self.batch_epochs = epochs
         self.batch_bytes = epochs * layout.epoch_bytes
+        self._row_bytes = layout.row_elements * layout.itemsize
         self._capacity = None if layout.unbounded else layout.total_elements * layout.itemsize
-        self._attributes = dict(attributes or {})
+        self._error: BaseException | None = None
+        self._closed = False
         # Buffers (and the GPU's memory check) before the store is touched: a refusal leaves no trace.
         staging_buffers = staging_buffers or self._backend.preferred_staging_buffers
         self._free = [[self._backend.allocate_staging(self.batch_bytes), None] for _ in range(staging_buffers)]
         self._sink = open_sink(store, overwrite)
         self.stats = WriterStats(backend=self._backend.describe())
         self._prefixes = [f"{k}/" for k in range(self.pyramid.levels)] if self.ome else [""]
-        self._metadata_rows = 0 if layout.unbounded else layout.shape[0]
-        self._write_metadata(self._metadata_rows)
+        self._publisher = Publisher(self._sink, self.pyramid, self.codec, self.level,
+                                    {} if self.ome else attributes, self._prefixes, on_error=self._fail,
+                                    on_publish=self._published)
+        self._publisher.begin()
         if self.ome:  # after the level arrays exist, so the group never names a missing dataset
             name = getattr(self._sink, "root", None)
             self._group["attributes"]["ome"]["multiscales"][0]["name"] = name.stem if name else "image"
@@ -179,18 +230,21 @@ class Writer:
         self._fill_started = 0.0
         self._host_ranges: list[list[int]] = []
         self._epochs_submitted = 0
+        self._bytes_collected = 0  # stream bytes of every batch the collector has taken in
         self._accumulators = [ShardAccumulator(lay) for lay in self.pyramid.layouts]
-        self._submitted: queue.Queue = queue.Queue(maxsize=staging_buffers)
+        # Batches in the pipeline, reserved *before* a batch changes any state, so an interrupt
+        # (Ctrl-C while append() waits) can never lose a batch that was already counted.
+        self._pipeline_limit = staging_buffers
+        self._in_pipeline = 0
+        self._room = threading.Condition()
+        self._submitted: queue.Queue = queue.Queue()
+        shard_epochs_per_batch = -(-self.batch_epochs // layout.tiles_per_shard[0])
+        self._max_pending_shard_epochs = max(2, _PENDING_BATCHES * shard_epochs_per_batch)
+        self._stats_lock = threading.Lock()
         self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="tileshard-io")
         self._copy_threads = min(3, (os.cpu_count() or 1) - 1)
         self._copy_pool = (ThreadPoolExecutor(self._copy_threads, thread_name_prefix="tileshard-copy")
                            if self._copy_threads > 0 else None)
-        shard_epochs_per_batch = -(-self.batch_epochs // layout.tiles_per_shard[0])
-        self._max_pending_shard_epochs = max(2, _PENDING_BATCHES * shard_epochs_per_batch)
-        self._pending_io: list[tuple[list, int]] = []  # (futures, rows complete once they finish)
-        self._stats_lock = threading.Lock()
-        self._error: BaseException | None = None
-        self._closed = False
         self._start = time.perf_counter()
         self._collector = threading.Thread(target=self._collect, name="tileshard-collector", daemon=True)
         self._collector.start()
@@ -253,7 +307,11 @@ class Writer:
         return self._write(data, block=False)
 
     def flush(self) -> None:
-        """Write everything received so far, including partial shards; the stream continues."""
+        """Write everything received so far, partial shards included, and publish its whole rows.
+
+        The stream continues.  Flushed shards are rewritten later without moving any byte a
+        reader may already have located (:meth:`ShardAccumulator.flush`).
+        """
         self._check_open()
         self._drain()
         provisional = [[] for _ in self._accumulators]
@@ -265,37 +323,35 @@ class Writer:
             provisional = self._backend.result(ticket)
             self._host_ranges = ranges  # the padding is provisional: later (device) bytes replace it
         shards = [(k, shard) for k, accumulator in enumerate(self._accumulators)
-                  for shard in accumulator.pending(provisional[k])]
-        self._store_shards(shards, wait=True)
-        if self.layout.unbounded:
-            self._write_metadata(self._rows_received())
+                  for shard in accumulator.flush(provisional[k])]
+        self._store_shards(shards, self.stats.bytes_in // self._row_bytes)
+        self._publisher.wait()
         self._raise_if_failed()
 
     def close(self) -> None:
-        """Flush, finalize ``zarr.json`` and release buffers, threads and the device."""
+        """Write what is left, finalize ``zarr.json`` and release buffers, threads, device and lock."""
         if self._closed:
             return
         self._closed = True
         try:
             if self._error is None and self._fill:
-                rows = self._rows_in_current()
-                self._submit_current(self._pad_current(), rows)
-            self._put_submitted(None)
+                self._submit_current(self._pad_current(), self._rows_in_current())
+            self._submitted.put(None)
             self._collector.join()
             if self._error is None:
                 self._store_shards([(k, shard) for k, accumulator in enumerate(self._accumulators)
-                                    for shard in accumulator.take_pending()], wait=True)
-                if self.layout.unbounded:
-                    self._write_metadata(self._rows_received())
-                self.stats.rows_complete = self._rows_received()
+                                    for shard in accumulator.take_pending()], self._bytes_collected // self._row_bytes)
+                self._publisher.finish(self._bytes_collected // self._row_bytes)
         except BaseException as exc:  # noqa: BLE001 - recorded and re-raised below
             self._fail(exc)
         finally:
-            self._finish_io()
             self._io.shutdown(wait=True)
             if self._copy_pool is not None:
                 self._copy_pool.shutdown(wait=True)
             self._backend.close()
+            if self._error is not None:
+                self._publisher.mark_failed()
+            self._sink.release()
             self.stats.elapsed_s = time.perf_counter() - self._start
         self._raise_if_failed()
 
@@ -315,6 +371,9 @@ class Writer:
             array = np.asarray(array)
         if not isinstance(array, np.ndarray):
             raise TypeError(f"append() needs a NumPy or CuPy array, got {type(array).__name__}")
+        if isinstance(array, np.ma.MaskedArray):
+            raise TypeError("append() got a masked array: its mask cannot be stored; pass "
+                            "array.filled(value) or np.asarray(array)")
         self._check_frames(array)
         return memoryview(array.reshape(-1).view(np.uint8))
 
@@ -341,7 +400,7 @@ class Writer:
     def _write(self, data, block: bool, device: bool = False):
         """Copy ``data`` (bytes: a memoryview, or a 1-D uint8 CuPy array with ``device``) into staging."""
         while data.nbytes:
-            if self._fill == self.batch_bytes and not self._submit_full(block):
+            if self._fill == self.batch_bytes and not self._submit_current(self.batch_epochs, block=block):
                 break
             if self._current is None and not self._acquire(block):
                 break
@@ -359,9 +418,10 @@ class Writer:
             data = data[n:]
             if (self._fill % self.layout.epoch_bytes == 0 and self._fill < self.batch_bytes
                     and time.monotonic() - self._fill_started > self.max_latency_s):
-                self._submit_current(self._fill // self.layout.epoch_bytes)  # slow stream: don't wait
+                # slow stream: don't wait for a full batch (only if the pipeline has room now)
+                self._submit_current(self._fill // self.layout.epoch_bytes, block=False)
         if self._fill == self.batch_bytes:
-            self._submit_full(block)
+            self._submit_current(self.batch_epochs, block=block)
         self.stats.frames = self.stats.bytes_in // (self.layout.frame_elements * self.layout.itemsize)
         return data
 
@@ -382,27 +442,20 @@ class Writer:
         bounds = [n * i // parts for i in range(parts + 1)]
         futures = [self._copy_pool.submit(np.copyto, destination[a:b], source[a:b])
                    for a, b in zip(bounds[1:-1], bounds[2:])]
-        destination[: bounds[1]] = source[: bounds[1]]
+        try:
+            destination[: bounds[1]] = source[: bounds[1]]
+        finally:  # even when interrupted: no copy may land in staging after we return
+            wait_futures(futures)
         for future in futures:
             future.result()
 
-    def _submit_full(self, block: bool) -> bool:
-        """Submit the full current buffer; without ``block``, only if the pipeline has room."""
-        if not block and self._submitted.full():
-            return False
-        self._submit_current(self.batch_epochs)
-        return True
-
     def _acquire(self, block: bool) -> bool:
         """Make a free staging buffer current; False if none is free and ``block`` is False."""
-        while True:
-            self._raise_if_failed()
-            entry = self._free[0]
-            if entry[1] is None or self._backend.staging_free(entry[1], block=False):
-                break
-            if not block:
-                return False
-            self._backend.staging_free(entry[1], block=True)
+        self._raise_if_failed()
+        entry = self._free[0]
+        if entry[1] is not None and not self._backend.staging_free(entry[1], block=block):
+            return False
+        self._raise_if_failed()
         self._current = self._free.pop(0)
         self._fill = 0
         self._host_ranges = []
@@ -413,7 +466,7 @@ class Writer:
         layout = self.layout
         if self._fill % layout.itemsize:
             warnings.warn(f"the stream ends inside an element ({self._fill % layout.itemsize} stray bytes); "
-                          "they are padded with zeros", stacklevel=3)
+                          "they are padded with zeros and not published", stacklevel=3)
         epochs = math.ceil(self._fill / layout.epoch_bytes)
         self._current[0][self._fill : epochs * layout.epoch_bytes] = 0
         self._note_host_range(self._fill, epochs * layout.epoch_bytes)
@@ -421,73 +474,79 @@ class Writer:
 
     def _rows_in_current(self) -> int:
         """Rows along dim 0 that the current (partly filled) buffer holds data for."""
-        return math.ceil(self._fill / (self.layout.row_elements * self.layout.itemsize))
+        return math.ceil(self._fill / self._row_bytes)
 
-    def _submit_current(self, epochs: int, rows: int | None = None) -> None:
-        entry, self._current, self._fill = self._current, None, 0
-        entry[1] = self._backend.submit(entry[0], epochs, self._host_ranges, rows=rows)
-        self._put_submitted((entry[1], self._epochs_submitted))
-        self._epochs_submitted += epochs
-        self._free.append(entry)
+    def _reserve_room(self, block: bool) -> bool:
+        with self._room:
+            if block:
+                self._room.wait_for(lambda: self._in_pipeline < self._pipeline_limit or self._error is not None)
+            self._raise_if_failed()
+            if self._in_pipeline >= self._pipeline_limit:
+                return False
+            self._in_pipeline += 1
+            return True
 
-    def _put_submitted(self, item) -> None:
-        while True:
-            self._raise_if_failed(closing_ok=item is None)
-            try:
-                self._submitted.put(item, timeout=_POLL_S)
-                return
-            except queue.Full:
-                continue
-
-    def _rows_received(self) -> int:
-        return math.ceil(self.stats.bytes_in / (self.layout.row_elements * self.layout.itemsize))
+    def _submit_current(self, epochs: int, rows: int | None = None, block: bool = True) -> bool:
+        """Hand the current buffer's first ``epochs`` to the backend and the collector; False if
+        ``block`` is False and the pipeline is full."""
+        if not self._reserve_room(block):
+            return False
+        try:  # from here on every step must happen, or the stream position is lost: fail then
+            entry, self._current = self._current, None
+            entry[1] = self._backend.submit(entry[0], epochs, self._host_ranges, rows=rows)
+            stream_end = self.stats.bytes_in
+            self._fill = 0
+            self._submitted.put((entry[1], self._epochs_submitted, stream_end))
+            self._epochs_submitted += epochs
+            self._free.append(entry)
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+        return True
 
     # -- collector thread ----------------------------------------------------------------
     def _collect(self) -> None:
         while True:
-            try:
-                item = self._submitted.get(timeout=_POLL_S)
-            except queue.Empty:
-                self._reap_io()  # publish epochs whose shards finished writing while idle
-                continue
+            item = self._submitted.get()
             try:
                 if item is None:
                     return
-                if self._error is not None:
-                    continue  # drain without work so producers never block on a dead pipeline
-                ticket, first_epoch = item
-                levels = self._backend.result(ticket)
-                for offset in range(len(levels[0])):
-                    # Level k's tile epoch e lies in level 0's: their shard epochs complete together.
-                    shards = [(k, shard) for k, accumulator in enumerate(self._accumulators)
-                              for shard in accumulator.add(first_epoch + offset, levels[k][offset])]
-                    if shards:
-                        self._store_shards(shards, wait=False)
-                self._reap_io()
+                if self._error is None:  # else drain without work so producers never block
+                    self._collect_batch(*item)
             except BaseException as exc:  # noqa: BLE001
                 self._fail(exc)
             finally:
+                if item is not None:
+                    with self._room:
+                        self._in_pipeline -= 1
+                        self._room.notify_all()
                 self._submitted.task_done()
+
+    def _collect_batch(self, ticket, first_epoch: int, stream_end: int) -> None:
+        levels = self._backend.result(ticket)
+        rows_received = stream_end // self._row_bytes  # whole rows only: a partial row is never claimed
+        for offset in range(len(levels[0])):
+            # Level k's tile epoch e lies in level 0's: their shard epochs complete together.
+            shards = [(k, shard) for k, accumulator in enumerate(self._accumulators)
+                      for shard in accumulator.add(first_epoch + offset, levels[k][offset])]
+            if shards:
+                shard_epoch = shards[0][1].coords[0]
+                self._store_shards(shards, min((shard_epoch + 1) * self.layout.shard_epoch_rows, rows_received))
+                self._publisher.wait(self._max_pending_shard_epochs)  # storage backpressure
+        self._bytes_collected = stream_end
 
     def _drain(self) -> None:
         """Wait until the collector has processed everything submitted and storage caught up."""
-        while self._submitted.unfinished_tasks:
-            self._raise_if_failed()
-            time.sleep(0.002)
-        self._finish_io()
+        self._submitted.join()
+        self._publisher.wait()
         self._raise_if_failed()
 
     # -- storage -------------------------------------------------------------------------
-    def _store_shards(self, shards, wait: bool) -> None:
-        if not shards:
-            return
-        futures = [self._io.submit(self._write_shard, k, shard) for k, shard in shards]
-        shard_epoch = shards[0][1].coords[0]
-        rows = min((shard_epoch + 1) * self.layout.shard_epoch_rows, self._rows_received())
-        self._pending_io.append((futures, rows))
-        limit = 0 if wait else self._max_pending_shard_epochs
-        while len(self._pending_io) > limit:
-            self._complete_oldest_io()
+    def _store_shards(self, shards, rows: int) -> None:
+        """Write ``shards`` (level, shard) on the I/O pool; level-0 rows ``[0, rows)`` are
+        published once they and everything before them are on disk."""
+        if shards:
+            self._publisher.track([self._io.submit(self._write_shard, k, shard) for k, shard in shards], rows)
 
     def _write_shard(self, level: int, shard) -> None:
         key = self._prefixes[level] + self.pyramid.layouts[level].shard_key(shard.coords)
@@ -496,56 +555,23 @@ class Writer:
             self.stats.bytes_out += shard.nbytes
             self.stats.shards_written += 1
 
-    def _complete_oldest_io(self) -> None:
-        futures, rows = self._pending_io.pop(0)
-        errors = [f.exception() for f in futures if f.exception() is not None]
-        if errors:
-            self._fail(errors[0])
-            self._raise_if_failed()
-        self.stats.rows_complete = max(self.stats.rows_complete, rows)
-        if self.layout.unbounded and rows > self._metadata_rows:
-            self._write_metadata(rows)
-
-    def _reap_io(self) -> None:
-        """Publish (zarr.json shape) every leading shard epoch whose writes are all done."""
-        try:
-            while self._pending_io and all(f.done() for f in self._pending_io[0][0]):
-                self._complete_oldest_io()
-        except WriterError:
-            pass  # recorded by _fail
-
-    def _finish_io(self) -> None:
-        while self._pending_io:
-            try:
-                self._complete_oldest_io()
-            except WriterError:
-                pass  # recorded by _fail; the remaining writes are still waited for
-
-    def _write_metadata(self, rows: int) -> None:
-        """Publish ``rows`` of level 0 (and the matching rows of every level) in the arrays' zarr.json."""
-        attributes = {} if self.ome else self._attributes
-        try:
-            for k, (layout, prefix) in enumerate(zip(self.pyramid.layouts, self._prefixes)):
-                metadata = array_metadata(layout, self.codec, self.level, self.pyramid.level_rows(k, rows),
-                                          attributes)
-                self._sink.write(prefix + METADATA_KEY, [metadata_bytes(metadata)])
-        except OSError as exc:  # the store keeps its previous zarr.json (atomic replace): stop here
-            self._fail(exc)
-            self._raise_if_failed()
-        self._metadata_rows = rows
+    def _published(self, rows: int) -> None:
+        self.stats.rows_complete = rows
 
     # -- errors --------------------------------------------------------------------------
     def _fail(self, exc: BaseException) -> None:
         if self._error is None:
             log.error("writer for %s failed: %s", self._sink.location, exc)
             self._error = exc
+        with self._room:
+            self._room.notify_all()  # a producer waiting for room must see the error
 
     def _check_open(self) -> None:
         if self._closed:
             raise ValueError(f"the Writer for {self._sink.location} is closed")
         self._raise_if_failed()
 
-    def _raise_if_failed(self, closing_ok: bool = False) -> None:
-        if self._error is not None and not closing_ok:
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
             exc = self._error
             raise WriterError(f"writing {self._sink.location} failed: {type(exc).__name__}: {exc}") from exc

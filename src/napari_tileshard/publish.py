@@ -1,0 +1,177 @@
+"""The publisher: the only place that decides what a reader of the store may see.
+
+A reader learns what exists from ``zarr.json``: ``shape[0]`` for an unbounded array, and the
+``tileshard`` attribute (``rows_written``, ``state``) for every array the Writer writes.  The
+Writer hands the publisher each group of shard writes that, once on disk, makes a number of
+rows readable (``track``).  Groups are published strictly in the order they were tracked: the
+published extent only ever advances over a contiguous prefix of groups whose every write
+succeeded.  After the first failed write nothing more is published, whatever completes later,
+so a store never claims a row whose shards are not all on disk (``docs/reliability.md``).
+
+Shard writes complete on I/O threads; their completion callbacks advance the prefix, so a
+shard epoch is published as soon as its last shard lands, without polling.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+
+from .layout import Layout
+from .pyramid import Pyramid
+from .store import METADATA_KEY, Sink, array_metadata, metadata_bytes
+
+log = logging.getLogger(__name__)
+
+#: attribute key of the Writer's own record in every array's zarr.json
+STATE_KEY = "tileshard"
+RECORDING, COMPLETE, FAILED = "recording", "complete", "failed"
+
+
+class _Group:
+    __slots__ = ("remaining", "rows")
+
+    def __init__(self, writes: int, rows: int):
+        self.remaining = writes
+        self.rows = rows
+
+
+class Publisher:
+    """Publishes ``zarr.json`` of every pyramid level as shard writes complete, in order.
+
+    ``on_error`` is called once with the first storage error (a failed shard or metadata write).
+    """
+
+    def __init__(self, sink: Sink, pyramid: Pyramid, codec: str, level: int, attributes: dict,
+                 prefixes: Sequence[str], on_error: Callable[[BaseException], None],
+                 on_publish: Callable[[int], None] = lambda rows: None):
+        self._sink = sink
+        self._pyramid = pyramid
+        self._codec = codec
+        self._level = level
+        self._attributes = dict(attributes)
+        self._prefixes = list(prefixes)
+        self._on_error = on_error
+        self._on_publish = on_publish
+        self._groups: deque[_Group] = deque()
+        self._changed = threading.Condition()
+        self._publish_lock = threading.Lock()  # one zarr.json writer at a time, in order
+        self.rows = 0  # rows of level 0 that the store claims now
+        self.error: BaseException | None = None
+        self.state = RECORDING
+
+    @property
+    def layout(self) -> Layout:
+        return self._pyramid.layouts[0]
+
+    # -- what readers see -------------------------------------------------------------
+    def begin(self) -> None:
+        """The first zarr.json of every level: no rows written yet.  Raises the storage error."""
+        self._write_metadata(0, RECORDING)
+
+    def track(self, futures: Sequence[Future], rows: int) -> None:
+        """``futures`` (shard writes) make level-0 rows ``[0, rows)`` readable once all succeed
+        and every group tracked before them is published."""
+        group = _Group(len(futures), rows)
+        with self._changed:
+            self._groups.append(group)
+        if not futures:
+            self._advance()
+        for future in futures:
+            future.add_done_callback(lambda f, g=group: self._write_done(g, f))
+
+    def wait(self, max_pending: int = 0) -> None:
+        """Block until at most ``max_pending`` tracked groups are unpublished (or a write failed)."""
+        with self._changed:
+            self._changed.wait_for(lambda: len(self._groups) <= max_pending or self.error is not None)
+
+    def finish(self, rows: int | None) -> None:
+        """End of the recording: after every tracked group, publish state ``complete`` (``rows``:
+        the final row count, when the last group already covers them, None)."""
+        self.wait()
+        if self.error is not None:
+            return
+        with self._publish_lock:
+            final = self.rows if rows is None else max(self.rows, rows)
+            self._write_metadata(final, COMPLETE)
+
+    def mark_failed(self) -> None:
+        """Best effort: say in zarr.json that the recording stopped on an error (same rows)."""
+        with self._publish_lock:
+            if self.state == FAILED:
+                return
+            try:
+                self._write_metadata(self.rows, FAILED)
+            except OSError as exc:  # storage is failing already: the previous zarr.json stays
+                log.warning("could not mark %s as failed: %s", self._sink.location, exc)
+
+    # -- internals --------------------------------------------------------------------
+    def _write_done(self, group: _Group, future: Future) -> None:
+        exc = future.exception()
+        with self._changed:
+            group.remaining -= 1
+            if exc is not None:  # the first failure ends publishing, even of groups before it
+                self._set_error(exc)
+                self._changed.notify_all()
+                return
+        self._advance()
+
+    def _advance(self) -> None:
+        """Publish the longest prefix of fully written groups (nothing once a write failed)."""
+        with self._publish_lock:
+            rows = self.rows
+            with self._changed:
+                while self._groups and self.error is None:
+                    head = self._groups[0]
+                    if head.remaining:
+                        break
+                    rows = max(rows, head.rows)
+                    self._groups.popleft()
+                self._changed.notify_all()
+                if self.error is not None or rows == self.rows:
+                    return
+            try:
+                self._write_metadata(rows, RECORDING)
+            except OSError as exc:  # the previous zarr.json stays (atomic replace): stop here
+                with self._changed:
+                    self._set_error(exc)
+                    self._changed.notify_all()
+
+    def _set_error(self, exc: BaseException) -> None:
+        if self.error is None:
+            self.error = exc
+            self._on_error(exc)
+
+    def _write_metadata(self, rows: int, state: str) -> None:
+        pyramid = self._pyramid
+        for k, (layout, prefix) in enumerate(zip(pyramid.layouts, self._prefixes)):
+            level_rows = pyramid.level_rows(k, rows)
+            shape0 = level_rows if layout.unbounded else layout.shape[0]
+            attributes = {**self._attributes, STATE_KEY: {"rows_written": level_rows, "state": state}}
+            metadata = array_metadata(layout, self._codec, self._level, shape0, attributes)
+            self._sink.write(prefix + METADATA_KEY, [metadata_bytes(metadata)])
+        self.rows = rows
+        self.state = state
+        self._on_publish(rows)
+
+
+def check_attributes(attributes) -> dict:
+    """User attributes: a JSON object without NaN/Infinity and without the Writer's own keys."""
+    if attributes is None:
+        return {}
+    if not isinstance(attributes, dict):
+        raise TypeError(f"attributes must be a dict, got {type(attributes).__name__}")
+    if STATE_KEY in attributes:
+        raise ValueError(f"attributes may not contain {STATE_KEY!r}: the Writer records the recording's "
+                         "state there")
+    try:
+        json.dumps(attributes, allow_nan=False)
+    except TypeError as exc:
+        raise TypeError(f"attributes must be JSON-serialisable: {exc}") from exc
+    except ValueError as exc:  # NaN/Infinity: json.dumps would write invalid JSON by default
+        raise ValueError(f"attributes must be valid JSON, without NaN or Infinity: {exc}") from exc
+    return dict(attributes)
