@@ -1,41 +1,146 @@
-"""napari reader: any Zarr v3 array (or a group's arrays), opened lazily with its axis names."""
+"""napari reader: any Zarr v3 array (or a group's arrays), opened lazily with its axis names.
+
+napari offers every path a user drops to every reader, so ``napari_get_reader`` must decide
+without trusting the path: it reads ``zarr.json`` through :mod:`napari_tileshard.safe_read`
+(regular file inside the store, capped size and nesting) and answers None for anything else,
+never raising and never blocking.  Arrays are then built from that checked metadata over a
+store that reads only regular files inside the store.
+
+An array written by the Writer records in its attributes how many rows along dim 0 are fully
+on disk (``tileshard.rows_written``); a bounded array's shape is its declared size from the
+start, so after a crash the rows past ``rows_written`` would show as fill value: only the
+written rows are shown, and the layer metadata says so.
+"""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-
-
-def _is_zarr_v3(path: Path) -> bool:
-    try:
-        meta = json.loads((path / "zarr.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(meta, dict) and meta.get("zarr_format") == 3
 
 
 def napari_get_reader(path):
     """Return a reader for a Zarr v3 store path, or None so that other readers get their turn."""
-    if isinstance(path, list):
-        path = path[0] if len(path) == 1 else None
-    if not isinstance(path, (str, Path)):
+    try:
+        if isinstance(path, list):
+            path = path[0] if len(path) == 1 else None
+        if not isinstance(path, (str, Path)):
+            return None
+        from .safe_read import read_local_metadata
+
+        path = Path(path)
+        if not path.is_dir():
+            return None
+        meta = read_local_metadata(path, "zarr.json")
+    except Exception:  # noqa: BLE001 - not ours (or not safely readable): let other readers try
         return None
-    path = Path(path)
-    return read_zarr if path.is_dir() and _is_zarr_v3(path) else None
+    return read_zarr if isinstance(meta, dict) and meta.get("zarr_format") == 3 else None
 
 
 def open_lazy(path):
-    """The array (or first array of a group) at ``path``, lazily, with its dimension names."""
+    """The array (or first array of a group) at ``path``, lazily, with its dimension names.
+
+    An array with the Writer's ``rows_written`` below ``shape[0]`` comes back as a lazy
+    :class:`FirstRows` view of its written rows."""
+    array, names, _ = _open_lazy(path)
+    return array, names
+
+
+def _open_lazy(path):
+    """(array or None, dimension names or None, note on rows not shown or None)."""
     import zarr
 
-    node = zarr.open(str(path), mode="r")
+    from .safe_read import StoreAccess
+
+    access = StoreAccess(path)
+    node = access.open_node("")
     if isinstance(node, zarr.Group):
-        arrays = sorted(node.arrays(), key=lambda kv: kv[0])
-        if not arrays:
-            return None, None
-        node = arrays[0][1]
+        node = next((child for child in map(access.open_node, _array_children(access))
+                     if isinstance(child, zarr.Array)), None)
+        if node is None:
+            return None, None, None
     names = node.metadata.dimension_names if node.metadata.zarr_format == 3 else None
-    return node, (list(names) if names and all(names) else None)
+    array, note = written_rows(node)
+    return array, (list(names) if names and all(names) else None), note
+
+
+def _array_children(access):
+    """Child names that hold a zarr node, sorted (zarr-python's ``Group.arrays()`` order)."""
+    for name in access.list_children(""):
+        for meta in ("zarr.json", ".zarray"):
+            try:
+                access.read_metadata(f"{name}/{meta}")
+            except Exception:  # noqa: BLE001 - missing or unreadable: not an array child
+                continue
+            yield name
+            break
+
+
+def written_rows(array):
+    """``(array, note)``: ``array`` itself, or a lazy slice of its first ``rows_written`` rows
+    when the Writer's record says the rest were never written (``note`` says which)."""
+    from .safe_read import recording_state
+
+    try:
+        record = recording_state(array.metadata.attributes if array.metadata.zarr_format == 3 else None)
+    except ValueError:  # a malformed record: show the array as it is, like any other tool's
+        record = None
+    if record is None or not array.shape or record[0] >= array.shape[0]:
+        return array, None
+    rows, state = record
+    note = (f"showing rows 0..{rows - 1} of {array.shape[0]}: rows {rows}..{array.shape[0] - 1} were never "
+            f"written (recording state: {state})")
+    return FirstRows(array, rows), note
+
+
+class FirstRows:
+    """The first ``rows`` rows of an array, lazily: indexing reads only what it selects.
+
+    Not a dask slice: dask's graph has a task per chunk of the whole declared array, which a
+    hostile or merely long ``shape`` makes huge; this costs nothing until indexed.
+    """
+
+    def __init__(self, array, rows: int):
+        import math
+
+        self.array, self.rows = array, int(rows)
+        self.shape = (self.rows,) + tuple(array.shape[1:])
+        self.dtype = array.dtype
+        self.ndim = len(self.shape)
+        self.size = math.prod(self.shape)
+
+    def __len__(self) -> int:
+        return self.rows
+
+    def __getitem__(self, key):
+        import numpy as np
+
+        key = key if isinstance(key, tuple) else (key,)
+        if any(k is Ellipsis for k in key):
+            at = next(i for i, k in enumerate(key) if k is Ellipsis)
+            key = key[:at] + (slice(None),) * (self.ndim - len(key) + 1) + key[at + 1:]
+        first, rest = (key[0], key[1:]) if key else (slice(None), ())
+        if isinstance(first, slice):
+            start, stop, step = first.indices(self.rows)
+            # zarr takes no negative steps (and a negative stop means "from the end"): spell them out
+            first = slice(start, stop, step) if step > 0 else np.arange(start, stop, step)
+        elif isinstance(first, (int, np.integer)):
+            if not -self.rows <= first < self.rows:
+                raise IndexError(f"row {int(first)} is outside the {self.rows} written rows")
+            first = int(first) % self.rows
+        else:
+            index = np.asarray(first)
+            if index.dtype == bool:
+                if index.shape[:1] != (self.rows,):
+                    raise IndexError(f"boolean index of length {index.shape[:1]} for {self.rows} rows")
+                index = np.flatnonzero(index)
+            if index.size and (index.min() < -self.rows or index.max() >= self.rows):
+                raise IndexError(f"row index outside the {self.rows} written rows")
+            first = index % self.rows if self.rows else index
+        return self.array[(first,) + tuple(rest)]
+
+    def __array__(self, dtype=None, copy=None):
+        import numpy as np
+
+        return np.asarray(self.array[: self.rows], dtype=dtype)
 
 
 MAX_DISPLAY_SLICE_BYTES = 1 << 30
@@ -43,27 +148,55 @@ MAX_DISPLAY_SLICE_BYTES = 1 << 30
 
 def read_zarr(path):
     path = Path(path[0] if isinstance(path, list) else path)
-    from .ome import open_levels
+    import zarr
 
-    levels = open_levels(path)
+    from .ome import _levels
+    from .safe_read import StoreAccess
+
+    access = StoreAccess(path)
+    root = access.open_node("")
+    levels = _levels(access, root)
     if levels:  # OME-Zarr: one multiscale layer; napari reads only the level it displays
         check_displayable(levels[-1], path)
         names = levels[0].metadata.dimension_names
         meta = _meta(path, list(names) if names and all(names) else None)
         meta["multiscale"] = True
-        scale = _level0_scale(path)
+        scale = _level0_scale(root)
         if scale and len(scale) == levels[0].ndim:
             meta["scale"] = scale
         # Lazy (dask): napari's multiscale slicing crops every row of a level before picking one.
         import dask.array as da
 
-        return [([da.from_array(level, chunks=level.shards or level.chunks) for level in levels], meta, "image")]
-    array, names = open_lazy(path)
+        shown, notes = [], []
+        for level in levels:
+            data, note = written_rows(level)
+            if note:
+                notes.append(f"level {len(shown)}: {note}")
+            if note and data.shape[0] == 0:
+                break  # a coarser level without written rows: napari needs every level non-empty
+            shown.append(da.from_array(data, chunks=level.shards or level.chunks))
+        if notes:
+            meta["metadata"]["unwritten_rows"] = "; ".join(notes)
+        if not shown:
+            del meta["multiscale"]
+            return [(_empty_like(levels[0]), meta, "image")]
+        return [(shown, meta, "image")]
+    if isinstance(root, zarr.Group):  # not OME: its first array
+        array, names, note = _open_lazy(access)
+    else:
+        names = root.metadata.dimension_names if root.metadata.zarr_format == 3 else None
+        names = list(names) if names and all(names) else None
+        array, note = written_rows(root)
     if array is not None:
         check_displayable(array, path)
-    if array is None or 0 in array.shape:
-        return [] if array is None else [(_empty_like(array), _meta(path, names), "image")]
-    return [(array, _meta(path, names), "image")]
+    if array is None:
+        return []
+    meta = _meta(path, names)
+    if note:
+        meta["metadata"]["unwritten_rows"] = note
+    if 0 in array.shape:
+        return [(_empty_like(array), meta, "image")]
+    return [(array, meta, "image")]
 
 
 def check_displayable(array, path) -> None:
@@ -80,15 +213,12 @@ def check_displayable(array, path) -> None:
                          f"to display without a multiscale pyramid (limit {MAX_DISPLAY_SLICE_BYTES >> 20} MiB)")
 
 
-def _level0_scale(path: Path):
+def _level0_scale(group):
     """Level 0's OME scale transformation (pixel size, frame interval), or None."""
-    import zarr
-
     try:
-        transforms = zarr.open_group(str(path), mode="r").attrs["ome"]["multiscales"][0]["datasets"][0][
-            "coordinateTransformations"]
+        transforms = group.attrs["ome"]["multiscales"][0]["datasets"][0]["coordinateTransformations"]
         return [float(v) for v in next(t["scale"] for t in transforms if t.get("type") == "scale")]
-    except (KeyError, IndexError, TypeError, ValueError, StopIteration):
+    except (KeyError, IndexError, TypeError, ValueError, StopIteration, AttributeError):
         return None
 
 

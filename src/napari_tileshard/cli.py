@@ -12,6 +12,7 @@ from tqdm import tqdm
 from .camera import SyntheticCamera
 from .layout import Dim, Layout
 from .pyramid import DOWNSAMPLE
+from .store import _OVERWRITE_HINT, StoreExistsError
 from .verify import verify
 from .writer import Writer
 
@@ -160,6 +161,9 @@ def main(argv=None) -> int:
         bar.close()
         print(report)
         return 0 if report.ok else 1
+    except StoreExistsError as exc:  # the Python API's hint names overwrite=True; here it is a flag
+        print(f"napari-tileshard: error: {str(exc).replace(_OVERWRITE_HINT, 'use --overwrite')}", file=sys.stderr)
+        return 2
     except (ValueError, TypeError, OSError, RuntimeError) as exc:
         print(f"napari-tileshard: error: {exc}", file=sys.stderr)
         return 2

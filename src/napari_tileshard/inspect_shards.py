@@ -4,6 +4,11 @@ For each shard object it reads the object's size and one suffix range (the index
 ``chunks * 16 + 4`` bytes) — never the chunk data — so a store of many shards opens quickly.
 The result is a per-chunk map of compressed bytes on the chunk (tile) grid, with -1 for empty
 chunks (index ``2^64-1``), and a table of shards with their index CRC status.
+
+The store is untrusted: metadata is read through :mod:`napari_tileshard.safe_read`, shard keys
+are listed without following symlinks (entries pointing out of the store are noted, never read),
+and the map covers the chunk grid only as far as shards exist (up to :data:`MAX_MAP_CHUNKS`), so
+memory follows what is on disk, not the declared ``shape``.
 """
 
 from __future__ import annotations
@@ -13,9 +18,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .safe_read import StoreAccess, UnsafeStoreError
 from .shard import EMPTY, decode_index
 
 EMPTY_CHUNK = -1
+#: the most chunks the per-chunk map holds (8 bytes each); beyond, it covers the first rows only
+MAX_MAP_CHUNKS = 1 << 24
+#: the largest shard index read (a declared chunks-per-shard beyond it is refused)
+MAX_INDEX_BYTES = 64 << 20
 
 
 @dataclass
@@ -39,6 +49,14 @@ class Inspection:
     uncompressed_chunk_bytes: int = 0
     shards: list[ShardInfo] = field(default_factory=list)
     bytes_read: int = 0
+    #: entries not read (symlinks out of the store, special files) and limits applied to the map
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def covered_shape(self) -> tuple[int, ...]:
+        """The part of ``shape`` (from the origin) that the chunk map covers: where shards exist.
+        Draw over this rather than ``shape``, which is only what zarr.json declares."""
+        return tuple(min(s, m * c) for s, m, c in zip(self.shape, self.chunk_bytes.shape, self.chunk_shape))
 
     @property
     def chunk_ratio(self) -> np.ndarray:
@@ -50,18 +68,14 @@ class Inspection:
 def inspect_array(path) -> Inspection:
     """Read every shard index of the sharded array at ``path`` (a path or zarr Store; level 0 of an
     OME-Zarr group)."""
-    from zarr.abc.store import SuffixByteRequest
-    from zarr.core.buffer import default_buffer_prototype
-    from zarr.core.sync import sync
-
     from .ome import open_level0
-    from .store import list_shard_keys
 
-    array = open_level0(path)
+    access = StoreAccess(path)
+    array = open_level0(access)
     meta = array.metadata.to_dict()
-    sharding = [c for c in meta.get("codecs", []) if c["name"] == "sharding_indexed"]
+    sharding = [c for c in meta.get("codecs", []) if c.get("name") == "sharding_indexed"]
     if not sharding:
-        return _inspect_unsharded(array, meta)
+        return _inspect_unsharded(access, array, meta)
     config = sharding[0]["configuration"]
     if config.get("index_location", "end") != "end":
         raise ValueError(f"{path}: index_location {config['index_location']!r} is not supported yet")
@@ -71,32 +85,39 @@ def inspect_array(path) -> Inspection:
     per_shard = tuple(s // c for s, c in zip(shard_shape, chunk_shape))
     chunks = math.prod(per_shard)
     index_bytes = chunks * 16 + 4
+    if index_bytes > MAX_INDEX_BYTES:
+        raise ValueError(f"{path}: {chunks} chunks per shard make an index of {index_bytes} bytes, more than the "
+                         f"inspector reads (MAX_INDEX_BYTES = {MAX_INDEX_BYTES})")
     grid = tuple(math.ceil(s / c) for s, c in zip(shape, chunk_shape))
-    result = Inspection(shape, shard_shape, chunk_shape, np.full(grid, EMPTY_CHUNK, dtype=np.int64),
-                        math.prod(chunk_shape) * np.dtype(array.dtype).itemsize)
-    store, prefix = array.store_path.store, array.store_path.path
-    prototype = default_buffer_prototype()
-    for key in sorted(list_shard_keys(store, prefix)):
-        parts = key.split("/")[1:]
-        if len(parts) != len(shape) or not all(p.isdigit() for p in parts):
+    prefix = array.store_path.path
+    base = f"{prefix}/" if prefix else ""
+    shards, notes = _shard_keys(access, base, len(shape))
+    chunk_bytes, note = _chunk_map(grid, per_shard, [coords for _, coords in shards], path)
+    result = Inspection(shape, shard_shape, chunk_shape, chunk_bytes,
+                        math.prod(chunk_shape) * np.dtype(array.dtype).itemsize, notes=notes + note)
+    for key, coords in shards:
+        try:
+            with access.open_object(base + key) as obj:
+                size = obj.size
+                tail = obj.read_suffix(index_bytes) if size >= index_bytes else b""
+        except FileNotFoundError:
+            continue  # removed since it was listed
+        except (UnsafeStoreError, OSError) as exc:
+            result.notes.append(f"{key}: {exc}")
             continue
-        coords = tuple(int(p) for p in parts)
-        full_key = f"{prefix}/{key}" if prefix else key
-        size = sync(store.getsize(full_key))
-        if size < index_bytes:
+        if len(tail) < index_bytes:
             result.shards.append(ShardInfo(key, coords, size, 0, chunks, 0, float("nan"), False))
             continue
-        tail = sync(store.get(full_key, prototype, byte_range=SuffixByteRequest(index_bytes))).to_bytes()
         result.bytes_read += len(tail)
         index, crc_ok = decode_index(tail, chunks)
         nbytes = index[:, 1].astype(np.int64)
         present = ~((index[:, 0] == EMPTY) & (index[:, 1] == EMPTY))
         nbytes = np.where(present, nbytes, EMPTY_CHUNK).reshape(per_shard)
-        # Place the shard's chunks on the chunk grid, clipped to the array's extent.
+        # Place the shard's chunks on the map, clipped to the array's extent and the map's.
         start = [c * p for c, p in zip(coords, per_shard)]
-        region = tuple(slice(s, min(g, s + p)) for s, g, p in zip(start, grid, per_shard))
+        region = tuple(slice(s, min(m, s + p)) for s, m, p in zip(start, chunk_bytes.shape, per_shard))
         if all(r.stop > r.start for r in region):
-            result.chunk_bytes[region] = nbytes[tuple(slice(0, r.stop - r.start) for r in region)]
+            chunk_bytes[region] = nbytes[tuple(slice(0, r.stop - r.start) for r in region)]
         stored = int(nbytes[nbytes > 0].sum())
         count = int(present.sum())
         ratio = count * result.uncompressed_chunk_bytes / stored if stored else float("nan")
@@ -104,35 +125,71 @@ def inspect_array(path) -> Inspection:
     return result
 
 
-def _inspect_unsharded(array, meta) -> Inspection:
-    """Unsharded (or Zarr v2) arrays: the chunk grid and each chunk object's size, no data read."""
-    from zarr.core.sync import sync
+def _shard_keys(access, base: str, ndim: int, chunk_dir: str = "c", separator: str = "/"):
+    """``[(key, coords)]`` of the objects under ``chunk_dir`` whose names are chunk coordinates,
+    sorted, and notes on entries not read."""
+    listing = access.list_keys(base + chunk_dir) if chunk_dir else access.list_keys(base.rstrip("/"))
+    notes = [f"{key[len(base):]}: {reason}" for key, reason in listing.refused]
+    found = []
+    for full in listing.keys:
+        key = full[len(base):]
+        name = key[len(chunk_dir) + 1:] if chunk_dir else key
+        if not chunk_dir and name.startswith("c" + separator):
+            name = name[2:]
+        parts = name.split(separator)
+        if len(parts) != ndim or not all(p.isdigit() for p in parts):
+            continue
+        found.append((key, tuple(int(p) for p in parts)))
+    return sorted(found), notes
 
+
+def _chunk_map(grid, per_shard, coords, path) -> tuple[np.ndarray, list[str]]:
+    """The per-chunk map, EMPTY_CHUNK everywhere: it covers the chunk grid as far as the existing
+    objects reach (never the declared grid itself, which a 1 KB edit of zarr.json can make
+    astronomically large), and at most MAX_MAP_CHUNKS chunks, cut along dim 0."""
+    extent = [min(g, 1) for g in grid]
+    for c in coords:
+        extent = [max(e, min(g, (ci + 1) * p)) for e, g, ci, p in zip(extent, grid, c, per_shard)]
+    notes = []
+    row = math.prod(extent[1:])
+    if extent and math.prod(extent) > MAX_MAP_CHUNKS:
+        if row > MAX_MAP_CHUNKS:
+            raise ValueError(f"{path}: one row of the chunk map holds {row} chunks, more than the inspector "
+                             f"shows (MAX_MAP_CHUNKS = {MAX_MAP_CHUNKS})")
+        rows = MAX_MAP_CHUNKS // row
+        notes.append(f"the chunk map shows the first {rows} of {extent[0]} chunk rows along dim 0 "
+                     f"(MAX_MAP_CHUNKS = {MAX_MAP_CHUNKS}); the shard table lists every shard")
+        extent[0] = rows
+    return np.full(tuple(extent), EMPTY_CHUNK, dtype=np.int64), notes
+
+
+def _inspect_unsharded(access, array, meta) -> Inspection:
+    """Unsharded (or Zarr v2) arrays: the chunk grid and each chunk object's size, no data read."""
     shape = tuple(array.shape)
     chunk_shape = tuple(array.chunks)
     grid = tuple(math.ceil(s / c) for s, c in zip(shape, chunk_shape))
-    result = Inspection(shape, chunk_shape, chunk_shape, np.full(grid, EMPTY_CHUNK, dtype=np.int64),
-                        math.prod(chunk_shape) * np.dtype(array.dtype).itemsize)
-    store, prefix = array.store_path.store, array.store_path.path
-    separator = "/"
+    prefix = array.store_path.path
+    base = f"{prefix}/" if prefix else ""
+    separator = meta.get("dimension_separator") or "/"  # Zarr v2
     encoding = meta.get("chunk_key_encoding", {})
-    if isinstance(encoding, dict):
+    if isinstance(encoding, dict) and "dimension_separator" not in meta:
         separator = encoding.get("configuration", {}).get("separator", "/")
-
-    async def keys():
-        base = f"{prefix}/" if prefix else ""
-        return [k[len(base):] async for k in store.list_prefix(base)]
-
-    for key in sync(keys()):
-        name = key[2:] if key.startswith("c" + separator) else key
-        parts = name.split(separator)
-        if len(parts) != len(shape) or not all(p.isdigit() for p in parts):
+    objects, notes = _shard_keys(access, base, len(shape), chunk_dir="", separator=separator)
+    objects = [(k, c) for k, c in objects if all(ci < g for ci, g in zip(c, grid))]
+    chunk_bytes, note = _chunk_map(grid, (1,) * len(shape), [c for _, c in objects], access.location)
+    result = Inspection(shape, chunk_shape, chunk_shape, chunk_bytes,
+                        math.prod(chunk_shape) * np.dtype(array.dtype).itemsize, notes=notes + note)
+    for key, coords in objects:
+        try:
+            with access.open_object(base + key) as obj:
+                size = obj.size
+        except FileNotFoundError:
             continue
-        coords = tuple(int(p) for p in parts)
-        if any(c >= g for c, g in zip(coords, grid)):
+        except (UnsafeStoreError, OSError) as exc:
+            result.notes.append(f"{key}: {exc}")
             continue
-        size = sync(store.getsize(f"{prefix}/{key}" if prefix else key))
-        result.chunk_bytes[coords] = size
+        if all(c < m for c, m in zip(coords, chunk_bytes.shape)):
+            chunk_bytes[coords] = size
         result.shards.append(ShardInfo(key, coords, size, 1, 1, size,
                                        result.uncompressed_chunk_bytes / size if size else float("nan"), True))
     return result

@@ -34,6 +34,11 @@ SUPPORTED_DTYPES = (
     "float16", "float32", "float64",
 )
 _MAX_TILES_PER_EPOCH = 1 << 24
+#: largest dimension size: tensorstore's largest finite index + 1 (larger arrays it cannot open)
+MAX_DIM_SIZE = (1 << 62) - 1
+#: chunks in one shard: its index (16 bytes a chunk) is written whole with every shard, so a
+#: huge shard grid turns a few small frames into megabytes of index on disk
+MAX_CHUNKS_PER_SHARD = 1 << 16
 _MAX_EPOCH_BYTES = 1 << 40
 AXIS_KINDS = ("time", "channel", "space", "other")
 _DEFAULT_KINDS = {"t": "time", "time": "time", "c": "channel", "ch": "channel", "channel": "channel",
@@ -84,6 +89,10 @@ class Dim:
             object.__setattr__(self, field, int(value))
         if self.size < 0:
             raise ValueError(f"dimension {self.name!r}: size must be >= 0 (0 = unbounded), got {self.size}")
+        for field in ("size", "tile_size", "tiles_per_shard"):
+            if getattr(self, field) > MAX_DIM_SIZE:
+                raise ValueError(f"dimension {self.name!r}: {field} {getattr(self, field)} is larger than "
+                                 f"{MAX_DIM_SIZE} (2^62 - 1), the largest that Zarr readers such as tensorstore open")
         if self.tile_size < 1:
             raise ValueError(f"dimension {self.name!r}: tile_size must be >= 1, got {self.tile_size}")
         if self.tiles_per_shard < 1:
@@ -141,6 +150,10 @@ class Layout:
         if self.tile_bytes > 2**31 - 1:
             raise ValueError(f"tile shape {self.tile_shape} of {self.dtype.name} is {self.tile_bytes} bytes: too large, "
                              "a chunk must stay below 2 GiB")
+        if self.chunks_per_shard > MAX_CHUNKS_PER_SHARD:
+            raise ValueError(f"tiles_per_shard {self.tiles_per_shard} put {self.chunks_per_shard} chunks in a shard "
+                             f"(at most {MAX_CHUNKS_PER_SHARD}, each shard stores a 16-byte index entry per chunk): "
+                             "use fewer tiles per shard")
         if self.tiles_per_epoch > _MAX_TILES_PER_EPOCH:
             raise ValueError(f"sizes {self.shape[1:]} with tiles {self.tile_shape[1:]} give {self.tiles_per_epoch} tiles "
                              f"per tile epoch (at most {_MAX_TILES_PER_EPOCH}): use larger tiles")

@@ -56,21 +56,44 @@ def multiscale_paths(group_attributes: dict) -> list[str] | None:
 
 def open_levels(path) -> list | None:
     """The level arrays (zarr-python, lazy) of the OME-Zarr multiscale at ``path``, or None when
-    ``path`` (a path or zarr Store) holds a plain array or a group without OME multiscales."""
+    ``path`` (a path, a zarr Store or a :class:`~napari_tileshard.safe_read.StoreAccess`) holds a
+    plain array or a group without OME multiscales.
+
+    Every ``zarr.json`` is read through :mod:`napari_tileshard.safe_read` (regular files inside
+    the store, size- and depth-limited) before zarr-python sees it.
+    """
+    from .safe_read import StoreAccess
+
+    access = StoreAccess(path)
+    return _levels(access, access.open_node(""))
+
+
+def _levels(access, node) -> list | None:
     import zarr
 
-    node = zarr.open(path if not isinstance(path, str) else str(path), mode="r")
     if not isinstance(node, zarr.Group):
         return None
     paths = multiscale_paths(dict(node.attrs))
     if paths is None:
         return None
-    return [node[p] for p in paths]
+    levels = [access.open_node(p) for p in paths]
+    for p, level in zip(paths, levels):
+        if not isinstance(level, zarr.Array):
+            raise ValueError(f"{access.location}: multiscale dataset {p!r} is not an array")
+    return levels
 
 
 def open_level0(path):
     """The full-resolution array at ``path``: the array itself, or level 0 of an OME-Zarr group."""
     import zarr
 
-    levels = open_levels(path)
-    return levels[0] if levels else zarr.open_array(path, mode="r")
+    from .safe_read import StoreAccess
+
+    access = StoreAccess(path)
+    node = access.open_node("")
+    levels = _levels(access, node)
+    if levels:
+        return levels[0]
+    if not isinstance(node, zarr.Array):
+        raise ValueError(f"{access.location}: a group without OME-Zarr multiscales, not an array")
+    return node

@@ -121,25 +121,29 @@ class Publisher:
         self._advance()
 
     def _advance(self) -> None:
-        """Publish the longest prefix of fully written groups (nothing once a write failed)."""
+        """Publish the longest prefix of fully written groups (nothing once a write failed).
+
+        Groups leave the queue only after their rows are in zarr.json, so ``wait()`` never
+        returns before what it waited for is visible to readers."""
         with self._publish_lock:
-            rows = self.rows
             with self._changed:
-                while self._groups and self.error is None:
-                    head = self._groups[0]
-                    if head.remaining:
+                done, rows = 0, self.rows
+                for group in self._groups:
+                    if group.remaining or self.error is not None:
                         break
-                    rows = max(rows, head.rows)
+                    done, rows = done + 1, max(rows, group.rows)
+            if not done:
+                return
+            if rows != self.rows:
+                try:
+                    self._write_metadata(rows, RECORDING)
+                except OSError as exc:  # the previous zarr.json stays (atomic replace): stop here
+                    with self._changed:
+                        self._set_error(exc)
+            with self._changed:
+                for _ in range(done):
                     self._groups.popleft()
                 self._changed.notify_all()
-                if self.error is not None or rows == self.rows:
-                    return
-            try:
-                self._write_metadata(rows, RECORDING)
-            except OSError as exc:  # the previous zarr.json stays (atomic replace): stop here
-                with self._changed:
-                    self._set_error(exc)
-                    self._changed.notify_all()
 
     def _set_error(self, exc: BaseException) -> None:
         if self.error is None:

@@ -1,29 +1,48 @@
 """The zarr store and metadata layer: array ``zarr.json`` and atomic writes of shards.
 
-Two sinks share one small interface (``write(key, buffers)``, ``read``, ``exists``):
+Two sinks share one small interface (``write(key, buffers)``, ``release``, ``discard``):
 
 * :class:`DirectorySink` for a local path (or a zarr ``LocalStore``): each object is written to a
   temporary name in the same directory and renamed over the target, so a reader (or a
   crash) never sees a torn shard or ``zarr.json``; shards are written with ``os.writev`` straight
-  from the compressed buffers, without joining them first.
+  from the compressed buffers, without joining them first.  A lock file (``.tileshard.lock``)
+  keeps a second writer out for the life of the sink.
 * :class:`ZarrStoreSink` for any other zarr v3 ``Store`` (memory, fsspec, ...): one ``set`` per
   object, which is atomic for the stores that support it.
+
+``overwrite`` removes only a store this recorder writes (a Zarr v3 array or an OME-Zarr group of
+such arrays, nothing else in it), file by file; anything else is refused.
 """
 
 from __future__ import annotations
 
+import errno
+import itertools
 import json
+import logging
 import os
-import shutil
+import re
+import socket
+import stat
+import time
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from datetime import datetime
 from pathlib import Path
 
 from .layout import Layout
 
+log = logging.getLogger(__name__)
+
 METADATA_KEY = "zarr.json"
+LOCK_NAME = ".tileshard.lock"
+_TAKEOVER_NAME = LOCK_NAME + ".takeover"
 _IOV_MAX = 512
+_METADATA_CAP = 16 << 20
+_TEMP_NAME = re.compile(r"\.[^/]+\.[0-9a-f]{12}\.tmp")
+_CHUNK_NAME = re.compile(r"[0-9]+")
+_OVERWRITE_HINT = "use overwrite=True (--overwrite on the command line)"
 
 
 def array_metadata(layout: Layout, codec: str, level: int, shape0: int, attributes=None) -> dict:
@@ -69,6 +88,242 @@ class StoreExistsError(FileExistsError):
     pass
 
 
+class StoreLockedError(StoreExistsError):
+    """Another writer holds the store's lock file."""
+
+
+class StoreVanishedError(OSError):
+    """The store directory was deleted or replaced while a sink was writing into it."""
+
+    def __str__(self):
+        return self.strerror
+
+
+class _Unreadable(Exception):
+    """A metadata or lock object that cannot be trusted; the message says why."""
+
+
+def _read_capped(path, cap: int) -> bytes:
+    """A regular file's bytes; never follows a symlink nor blocks on a FIFO (raises _Unreadable)."""
+    st = os.lstat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise _Unreadable("is not a regular file")
+    if st.st_size > cap:
+        raise _Unreadable(f"is larger than {cap >> 20} MiB")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except OSError as exc:
+        if exc.errno == errno.ENOENT:
+            raise
+        raise _Unreadable(f"cannot be read ({exc.strerror})") from None
+    with os.fdopen(fd, "rb") as f:
+        now = os.fstat(fd)
+        if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+            raise _Unreadable("was replaced while being read")
+        data = f.read(cap + 1)
+    if len(data) > cap:
+        raise _Unreadable(f"is larger than {cap >> 20} MiB")
+    return data
+
+
+def _parse_metadata(data: bytes) -> dict:
+    if not data.strip():
+        raise _Unreadable("is empty")
+    try:
+        meta = json.loads(data)
+    except (ValueError, UnicodeDecodeError):
+        raise _Unreadable("is not JSON") from None
+    if not isinstance(meta, dict) or meta.get("zarr_format") != 3 or meta.get("node_type") not in ("array", "group"):
+        raise _Unreadable("is not Zarr v3 metadata")
+    return meta
+
+
+class _Plan:
+    """What an overwrite may delete (``files``, then ``dirs`` once empty) or why it may not."""
+
+    def __init__(self):
+        self.files: list[str] = []
+        self.dirs: list[str] = []
+        self.foreign: list[str] = []
+        self.problems: list[str] = []
+
+    def refusal(self, location: str) -> str | None:
+        parts = list(self.problems)
+        if self.foreign:
+            names = ", ".join(repr(n) for n in self.foreign[:5])
+            if len(self.foreign) > 5:
+                names += f" and {len(self.foreign) - 5} more"
+            parts.append(f"it holds {names} which this recorder did not write")
+        return f"refusing to overwrite {location!r}: " + "; ".join(parts) if parts else None
+
+
+def _join(rel: str, name: str) -> str:
+    return f"{rel}/{name}" if rel else name
+
+
+def _recognise(tree) -> _Plan:
+    """Classify a store's tree (``tree.entries(rel)`` -> {name: "file"|"dir"|"other"},
+    ``tree.read(rel)`` -> bytes) as a Zarr v3 array or an OME-Zarr group of arrays, as written here."""
+    plan = _Plan()
+    top = tree.entries("")
+    meta = _node_metadata(tree, "", top, plan, "its zarr.json")
+    members = {}
+    if meta is not None and meta["node_type"] == "array":
+        members["c"] = _chunks
+    elif meta is not None:
+        from .ome import multiscale_paths  # lazily: ome's readers build on this module
+
+        paths = multiscale_paths(meta.get("attributes") or {})
+        if paths is None:
+            plan.problems.append("its zarr.json describes a group without OME-Zarr multiscales")
+        else:
+            for path in paths:
+                if "/" in path or path in (".", METADATA_KEY) or path.startswith("."):
+                    plan.problems.append(f"its OME-Zarr dataset path {path!r} is not one this recorder writes")
+                else:
+                    members[path] = _dataset
+    elif METADATA_KEY not in top and any(_foreign_name(n, k, True) for n, k in top.items()):
+        plan.problems.append("it is not a zarr store (no zarr.json)")
+    _members(tree, "", top, members, plan, root=True)
+    return plan
+
+
+def _foreign_name(name: str, kind: str, root: bool) -> bool:
+    if root and name in (LOCK_NAME, _TAKEOVER_NAME):
+        return kind != "file"
+    return not (kind == "file" and _TEMP_NAME.fullmatch(name))
+
+
+def _node_metadata(tree, rel, entries, plan, what) -> dict | None:
+    key = _join(rel, METADATA_KEY)
+    kind = entries.get(METADATA_KEY)
+    if kind is None:
+        return None
+    try:
+        if kind != "file":
+            raise _Unreadable("is not a regular file")
+        meta = _parse_metadata(tree.read(key))
+    except _Unreadable as exc:
+        plan.problems.append(f"{what} {exc}")
+        return None
+    except FileNotFoundError:
+        plan.problems.append(f"{what} vanished while being read")
+        return None
+    plan.files.append(key)
+    return meta
+
+
+def _members(tree, rel, entries, members, plan, root=False) -> None:
+    for name, kind in entries.items():
+        path = _join(rel, name)
+        if name == METADATA_KEY:  # classified by _node_metadata
+            continue
+        if kind == "dir" and name in members:
+            members[name](tree, path, plan)
+        elif not _foreign_name(name, kind, root):
+            if name not in (LOCK_NAME, _TAKEOVER_NAME):  # the lock is the overwriter's own now
+                plan.files.append(path)
+        else:
+            plan.foreign.append(path + "/" if kind == "dir" else path)
+
+
+def _dataset(tree, rel, plan) -> None:
+    entries = tree.entries(rel)
+    meta = _node_metadata(tree, rel, entries, plan, f"{_join(rel, METADATA_KEY)!r}")
+    if meta is not None and meta["node_type"] != "array":
+        plan.problems.append(f"{_join(rel, METADATA_KEY)!r} is not array metadata")
+        plan.files.remove(_join(rel, METADATA_KEY))
+        meta = None
+    elif meta is None and METADATA_KEY not in entries:
+        plan.problems.append(f"dataset {rel!r} has no zarr.json")
+    _members(tree, rel, entries, {"c": _chunks} if meta is not None else {}, plan)
+    plan.dirs.append(rel)
+
+
+def _chunks(tree, rel, plan) -> None:
+    for name, kind in tree.entries(rel).items():
+        path = _join(rel, name)
+        if _CHUNK_NAME.fullmatch(name) and kind == "dir":
+            _chunks(tree, path, plan)
+        elif (_CHUNK_NAME.fullmatch(name) or _TEMP_NAME.fullmatch(name)) and kind == "file":
+            plan.files.append(path)
+        else:
+            plan.foreign.append(path + "/" if kind == "dir" else path)
+    plan.dirs.append(rel)
+
+
+class _LocalTree:
+    def __init__(self, root: Path):
+        self.root = root
+
+    def entries(self, rel: str) -> dict:
+        result = {}
+        try:
+            with os.scandir(self.root / rel) as it:
+                for entry in it:
+                    if entry.is_symlink():
+                        kind = "other"
+                    elif entry.is_dir(follow_symlinks=False):
+                        kind = "dir"
+                    else:
+                        kind = "file" if entry.is_file(follow_symlinks=False) else "other"
+                    result[entry.name] = kind
+        except FileNotFoundError:
+            pass
+        return dict(sorted(result.items()))
+
+    def read(self, rel: str) -> bytes:
+        return _read_capped(self.root / rel, _METADATA_CAP)
+
+
+def _open_dir(root_fd: int, rel: str) -> int:
+    """A descriptor of ``rel`` under ``root_fd``, refusing any symlink on the way."""
+    fd = os.dup(root_fd)
+    for part in filter(None, rel.split("/")):
+        try:
+            fd_next = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+        finally:
+            os.close(fd)
+        fd = fd_next
+    return fd
+
+
+def _deletion_order(paths: list[str]) -> tuple[list[str], list[str]]:
+    """Data, then ``zarr.json`` files (deepest first): an interrupted overwrite leaves a store that
+    the next overwrite still recognises."""
+    meta = [p for p in paths if p.rpartition("/")[2] == METADATA_KEY]
+    return [p for p in paths if p.rpartition("/")[2] != METADATA_KEY], sorted(meta, key=_depth, reverse=True)
+
+
+def _depth(path: str) -> int:
+    return path.count("/")
+
+
+def _delete_local(root: Path, plan: _Plan) -> None:
+    data, meta = _deletion_order(plan.files)
+    dirs = sorted(plan.dirs, key=_depth, reverse=True)
+    root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        # Dataset directories empty only once their zarr.json is gone: a second pass over dirs.
+        for step, remove in ((data, os.unlink), (dirs, os.rmdir), (meta, os.unlink), (dirs, os.rmdir)):
+            for parent, paths in itertools.groupby(step, key=lambda p: p.rpartition("/")[0]):
+                try:
+                    fd = _open_dir(root_fd, parent)
+                except FileNotFoundError:
+                    continue
+                try:
+                    for path in paths:
+                        try:
+                            remove(path.rpartition("/")[2], dir_fd=fd)
+                        except OSError as exc:  # gone, or a directory with something new in it: kept
+                            if exc.errno not in (errno.ENOENT, errno.ENOTEMPTY, errno.EEXIST):
+                                raise
+                finally:
+                    os.close(fd)
+    finally:
+        os.close(root_fd)
+
+
 class Sink(ABC):
     """Where the Writer puts objects (shards, ``zarr.json``): the one storage seam.
 
@@ -97,32 +352,36 @@ class Sink(ABC):
 
 
 class DirectorySink(Sink):
-    """Objects as files under ``root``, each written atomically (temporary file + rename)."""
+    """Objects as files under ``root``, each written atomically (temporary file + rename).
+
+    The sink holds ``root/.tileshard.lock`` from creation to :meth:`release` (or :meth:`discard`);
+    a lock left by a dead process on this host is taken over, any other makes the constructor
+    raise :class:`StoreLockedError`.  Writes fail with :class:`StoreVanishedError` once ``root``
+    is deleted or replaced, rather than recreating it.
+    """
 
     def __init__(self, root, overwrite: bool = False):
-        self.root = Path(root).expanduser().absolute()
-        if self.root.exists():
-            if not self.root.is_dir():
-                raise StoreExistsError(f"output path {str(self.root)!r} exists and is not a directory")
-            if any(self.root.iterdir()):
-                if not overwrite:
-                    raise StoreExistsError(
-                        f"output {str(self.root)!r} already exists and is not empty; pass overwrite=True "
-                        "to replace it"
-                    )
-                if not (self.root / METADATA_KEY).exists():
-                    raise StoreExistsError(
-                        f"refusing to overwrite {str(self.root)!r}: it is not a zarr store (no zarr.json)"
-                    )
-                shutil.rmtree(self.root)
+        self.root = Path(root).expanduser().resolve()
+        self._lock_path = self.root / LOCK_NAME
+        self._lock_id = None  # (st_dev, st_ino, content) of the lock file while we hold it
+        self._created: list[Path] = []  # root and ancestors this sink made, outermost first
+        self._dirs: set[str] = set()
+        self._made_dirs: list[str] = []  # directories inside root this sink made
+        self._written: set[str] = set()
+        if self.root.exists() and not self.root.is_dir():
+            raise StoreExistsError(f"output path {self.location!r} exists and is not a directory")
+        if self.root.is_dir():
+            # Read-only: a directory refused here never gets a lock file of ours.
+            self._check_contents(overwrite, locked=False)
+        self._make_root()
+        st = os.stat(self.root)
+        self._identity = (st.st_dev, st.st_ino)
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
-            probe = self.root / f".probe-{uuid.uuid4().hex}"
-            probe.write_bytes(b"")
-            probe.unlink()
-        except OSError as exc:
-            raise PermissionError(f"output path {str(self.root)!r} is not writable: {exc.strerror}") from exc
-        self._made_dirs: set[Path] = {self.root}
+            self._lock()
+            self._check_contents(overwrite, locked=True)
+        except BaseException:
+            self.discard()  # a root we made (e.g. on a full disk) goes again
+            raise
 
     def __repr__(self):
         return f"DirectorySink({str(self.root)!r})"
@@ -131,31 +390,235 @@ class DirectorySink(Sink):
     def location(self) -> str:
         return str(self.root)
 
-    def write(self, key: str, buffers) -> None:
-        path = self.root / key
-        parent = path.parent
-        if parent not in self._made_dirs:
-            parent.mkdir(parents=True, exist_ok=True)
-            self._made_dirs.add(parent)
-        tmp = parent / f".{path.name}.{uuid.uuid4().hex[:12]}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    def _not_writable(self, exc: OSError) -> OSError:
+        if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            return PermissionError(exc.errno, f"output path {self.location!r} is not writable: {exc.strerror}")
+        # e.g. ENOSPC: keep the errno so callers can tell a full disk from a permission problem
+        return OSError(exc.errno, f"output path {self.location!r} is not writable: {exc.strerror}")
+
+    def _make_root(self) -> None:
+        missing = []
+        path = self.root
+        while not path.exists() and path != path.parent:
+            missing.append(path)
+            path = path.parent
+        for path in reversed(missing):
+            try:
+                os.mkdir(path)
+            except FileExistsError:  # made by someone else meanwhile: not ours to remove
+                continue
+            except OSError as exc:
+                raise self._not_writable(exc) from exc
+            self._created.append(path)
+
+    def _check_contents(self, overwrite: bool, locked: bool) -> None:
+        names = [n for n in os.listdir(self.root) if not (locked and n == LOCK_NAME)]
+        if not names:
+            return
+        if not locked and LOCK_NAME in names:
+            try:
+                self._holder(_read_capped(self._lock_path, 1 << 16))
+            except (FileNotFoundError, _Unreadable):
+                pass  # judged again when locking
+        if not overwrite:
+            raise StoreExistsError(f"output {self.location!r} already exists and is not empty; "
+                                   f"{_OVERWRITE_HINT} to replace it")
+        plan = _recognise(_LocalTree(self.root))
+        refusal = plan.refusal(self.location)
+        if refusal:
+            raise StoreExistsError(refusal)
+        if locked:
+            _delete_local(self.root, plan)
+
+    # -- the lock ------------------------------------------------------------------------
+    def _holder(self, content: bytes) -> dict:
+        """The lock's holder if it is a dead process on this host (stale); else StoreLockedError."""
         try:
-            views = [memoryview(b).cast("B") for b in buffers]
-            views = [v for v in views if v.nbytes]
-            for start in range(0, len(views), _IOV_MAX):
-                _writev_all(fd, views[start : start + _IOV_MAX])
+            holder = json.loads(content)
+            pid, host = holder["pid"], holder["host"]
+            if not isinstance(pid, int) or pid <= 0 or not isinstance(host, str):
+                raise TypeError
+        except (ValueError, TypeError, KeyError, UnicodeDecodeError):
+            raise StoreLockedError(f"{self.location!r} is locked by another writer (unreadable lock file); "
+                                   f"if no writer is running, delete {str(self._lock_path)!r}") from None
+        if host == socket.gethostname() and not _alive(pid):
+            return holder
+        raise StoreLockedError(f"{self.location!r} is being written by pid {pid} on host {host} since "
+                               f"{holder.get('started', '?')}; if that process is gone, delete "
+                               f"{str(self._lock_path)!r}")
+
+    def _lock(self) -> None:
+        content = json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                              "started": datetime.now().astimezone().isoformat(timespec="seconds"),
+                              "tool": "napari-tileshard"}).encode()
+        for attempt in range(5):
+            try:
+                fd = os.open(self._lock_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+            except FileExistsError:
+                pass
+            except OSError as exc:
+                raise self._not_writable(exc) from exc
+            else:
+                self._lock_id = self._fill_lock(fd, content, self._lock_path)
+                return
+            try:
+                seen = _read_capped(self._lock_path, 1 << 16)
+            except FileNotFoundError:
+                continue  # released meanwhile
+            except _Unreadable:
+                seen = b""
+            try:
+                holder = self._holder(seen)
+            except StoreLockedError:
+                if attempt < 2 and not seen:  # a new lock is filled right after its creation
+                    time.sleep(0.02)
+                    continue
+                raise
+            if self._take_over(seen, content, holder):
+                return
+        raise StoreLockedError(f"{self.location!r} is locked by other writers; try again")
+
+    def _fill_lock(self, fd: int, content: bytes, path: Path) -> tuple:
+        try:
+            try:
+                os.write(fd, content)
+                st = os.fstat(fd)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            path.unlink(missing_ok=True)
+            raise self._not_writable(exc) from exc
+        return st.st_dev, st.st_ino, content
+
+    def _take_over(self, seen: bytes, content: bytes, holder: dict) -> bool:
+        """Replace the stale lock ``seen`` by ours; a second file serialises takers-over, and the
+        lock path never disappears meanwhile, so a plain O_EXCL creator cannot win too."""
+        mutex = self.root / _TAKEOVER_NAME
+        try:
+            os.close(os.open(mutex, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644))
+        except FileExistsError:
+            raise StoreLockedError(f"another writer is taking over the stale lock of {self.location!r}; "
+                                   f"if none is, delete {str(mutex)!r}") from None
+        try:
+            try:
+                if _read_capped(self._lock_path, 1 << 16) != seen:
+                    return False
+            except (FileNotFoundError, _Unreadable):
+                return False
+            tmp = self.root / f"{LOCK_NAME}.{uuid.uuid4().hex[:12]}.tmp"
+            lock_id = self._fill_lock(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), content, tmp)
+            os.replace(tmp, self._lock_path)
+            self._lock_id = lock_id
+            log.warning("%s: taking over the lock of pid %s (started %s), which is no longer running",
+                        self.location, holder["pid"], holder.get("started", "?"))
+            return True
+        finally:
+            mutex.unlink(missing_ok=True)
+
+    def _lock_in_place(self) -> bool:
+        try:
+            st = os.lstat(self._lock_path)
+        except OSError:
+            return False
+        return (st.st_dev, st.st_ino) == self._lock_id[:2]
+
+    def release(self) -> None:
+        if self._lock_id is None:
+            return
+        try:
+            ours = self._lock_in_place() and _read_capped(self._lock_path, 1 << 16) == self._lock_id[2]
+        except (OSError, _Unreadable):
+            ours = False
+        if ours:
+            self._lock_path.unlink(missing_ok=True)
+        self._lock_id = None
+
+    def discard(self) -> None:
+        same = self._same_root()
+        if same:
+            for key in self._written:
+                try:
+                    os.unlink(self.root / key)
+                except OSError:
+                    pass
+            for rel in sorted(self._made_dirs, key=_depth, reverse=True):
+                try:
+                    os.rmdir(self.root / rel)
+                except OSError:
+                    pass
+        self._written, self._made_dirs, self._dirs = set(), [], set()
+        self.release()
+        created, self._created = self._created, []
+        if same:
+            for path in reversed(created):
+                try:
+                    os.rmdir(path)
+                except OSError:  # not empty (someone else's now) or gone
+                    break
+
+    # -- writing -------------------------------------------------------------------------
+    def _same_root(self) -> bool:
+        try:
+            st = os.stat(self.root)
+        except OSError:
+            return False
+        return (st.st_dev, st.st_ino) == self._identity
+
+    def _check_root(self) -> None:
+        # The lock's identity too: a directory recreated at the same path may reuse the inode.
+        if not self._same_root() or (self._lock_id is not None and not self._lock_in_place()):
+            raise StoreVanishedError(errno.ENOENT, f"the store directory {self.location!r} was deleted or moved "
+                                                   f"during the recording (or its lock file {LOCK_NAME} was removed)")
+
+    def write(self, key: str, buffers) -> None:
+        self._check_root()
+        parts = key.split("/")
+        try:
+            for i in range(1, len(parts)):
+                rel = "/".join(parts[:i])
+                if rel in self._dirs:
+                    continue
+                try:
+                    os.mkdir(self.root / rel)  # one level at a time: never the root or above
+                    self._made_dirs.append(rel)
+                except FileExistsError:
+                    pass
+                self._dirs.add(rel)
+            path = self.root / key
+            tmp = path.parent / f".{path.name}.{uuid.uuid4().hex[:12]}.tmp"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        except FileNotFoundError:
+            self._check_root()
+            raise
+        try:
+            try:
+                views = [memoryview(b).cast("B") for b in buffers]
+                views = [v for v in views if v.nbytes]
+                for start in range(0, len(views), _IOV_MAX):
+                    _writev_all(fd, views[start : start + _IOV_MAX])
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
         except BaseException:
-            os.close(fd)
             tmp.unlink(missing_ok=True)
             raise
-        os.close(fd)
-        os.replace(tmp, path)
+        self._written.add(key)
 
     def read(self, key: str) -> bytes | None:
         try:
             return (self.root / key).read_bytes()
         except FileNotFoundError:
             return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # e.g. EPERM: it exists, under another user
+        return True
+    return True
 
 
 def _writev_all(fd: int, views: list) -> None:
@@ -168,6 +631,29 @@ def _writev_all(fd: int, views: list) -> None:
             views[0] = views[0][written:]
 
 
+class _KeyTree:
+    """A zarr Store's keys seen as a directory tree, for :func:`_recognise`."""
+
+    def __init__(self, keys, read):
+        self.nodes: dict = {}
+        for key in keys:
+            node = self.nodes
+            *dirs, name = key.split("/")
+            for part in dirs:
+                node = node.setdefault(part, {})
+                if not isinstance(node, dict):
+                    break
+            else:
+                node.setdefault(name, None)
+        self.read = read
+
+    def entries(self, rel: str) -> dict:
+        node = self.nodes
+        for part in filter(None, rel.split("/")):
+            node = node.get(part)
+        return {name: "dir" if isinstance(sub, dict) else "file" for name, sub in sorted(node.items())}
+
+
 class ZarrStoreSink(Sink):
     """Objects in any zarr v3 ``Store`` (MemoryStore, FsspecStore, ...), one ``set`` each."""
 
@@ -176,12 +662,25 @@ class ZarrStoreSink(Sink):
 
         self.store = store
         self._sync = sync
+        self._written: set[str] = set()
         if getattr(store, "read_only", False):
             raise PermissionError(f"store {store!r} is read-only")
-        if self._sync(store.exists(METADATA_KEY)):
-            if not overwrite:
-                raise StoreExistsError(f"store {store!r} already holds a zarr node; pass overwrite=True")
-            self._sync(store.delete_dir(""))
+
+        async def collect():
+            return [key async for key in store.list()]
+
+        keys = self._sync(collect())
+        if not keys:
+            return
+        if not overwrite:
+            raise StoreExistsError(f"store {store!r} is not empty; {_OVERWRITE_HINT} to replace it")
+        plan = _recognise(_KeyTree(keys, self._read_capped))
+        refusal = plan.refusal(self.location)
+        if refusal:
+            raise StoreExistsError(refusal)
+        data, meta = _deletion_order(plan.files)
+        for key in data + meta:
+            self._sync(store.delete(key))
 
     def __repr__(self):
         return f"ZarrStoreSink({self.store!r})"
@@ -190,17 +689,31 @@ class ZarrStoreSink(Sink):
     def location(self) -> str:
         return str(self.store)
 
+    def _read_capped(self, key: str) -> bytes:
+        data = self.read(key)
+        if data is None:
+            raise FileNotFoundError(key)
+        if len(data) > _METADATA_CAP:
+            raise _Unreadable(f"is larger than {_METADATA_CAP >> 20} MiB")
+        return data
+
     def write(self, key: str, buffers) -> None:
         from zarr.core.buffer import default_buffer_prototype
 
         data = b"".join(memoryview(b).cast("B") for b in buffers)
         self._sync(self.store.set(key, default_buffer_prototype().buffer.from_bytes(data)))
+        self._written.add(key)
 
     def read(self, key: str) -> bytes | None:
         from zarr.core.buffer import default_buffer_prototype
 
         buffer = self._sync(self.store.get(key, default_buffer_prototype()))
         return None if buffer is None else buffer.to_bytes()
+
+    def discard(self) -> None:
+        written, self._written = self._written, set()
+        for key in written:
+            self._sync(self.store.delete(key))
 
 
 def open_sink(store, overwrite: bool = False):

@@ -1,21 +1,35 @@
 """Integrity check of a sharded Zarr v3 array, shard by shard and chunk by chunk.
 
-Reads the metadata with zarr-python, lists the shard objects that exist (it never walks a
-declared grid, so a bogus huge ``shape`` costs nothing), and for each shard checks the index
-size and CRC32C, that every chunk lies inside the shard, is one standard zstd frame (when the
-codec is zstd) and decodes to exactly one tile.
+The store is untrusted (checking broken stores is the point), so memory and I/O follow what is
+on disk, never what ``zarr.json`` declares: metadata is read through
+:mod:`napari_tileshard.safe_read` (regular files inside the store, size- and depth-capped), the
+shard objects that exist are listed without following symlinks (a bogus huge ``shape`` costs
+nothing; a symlink out of the store is reported, not read), and each shard is streamed: its index
+with one suffix read (in blocks for huge indexes), then each chunk's byte range, one at a time.
+For each shard it checks the index size and CRC32C, that every chunk lies inside the shard
+(offsets as Python integers: a uint64 sum would wrap), holds a plausible number of bytes, and,
+for zstd, is one standard zstd frame that decodes to exactly one tile (never more is decoded).
+
+The Writer's record in each array's attributes (``tileshard``: ``rows_written``, ``state``) is
+checked too: rows inside the published shape that were never written are a problem.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 
+import crc32c
 import numpy as np
 import zstandard
 
-from .shard import EMPTY, decode_index
-from .store import list_shard_keys
+from .safe_read import StoreAccess, UnsafeStoreError, recording_state
+
+#: the largest tile verify decompresses to check it (a declared tile beyond it is reported)
+MAX_DECODED_TILE_BYTES = 1 << 28
+_EMPTY = 2**64 - 1
+_INDEX_BLOCK_ENTRIES = 1 << 16  # index entries read at a time: 1 MiB
 
 
 @dataclass(frozen=True)
@@ -37,6 +51,8 @@ class VerifyReport:
     problems: list[Problem] = field(default_factory=list)
     #: shards past shape[0]: written but not (yet) published, e.g. after a crash; readers ignore them
     unpublished: list[str] = field(default_factory=list)
+    #: information that is not a problem, e.g. a recording still in progress
+    notes: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -46,7 +62,7 @@ class VerifyReport:
         head = f"{self.path}: {self.shards} shards, {self.chunks} chunks checked, {len(self.problems)} problems"
         if self.unpublished:
             head += f" ({len(self.unpublished)} shards past shape[0] ignored: written after the last published epoch)"
-        return "\n".join([head] + [f"  {p}" for p in self.problems])
+        return "\n".join([head] + [f"  {p}" for p in self.problems] + [f"  note: {n}" for n in self.notes])
 
 
 def verify(path, progress=None) -> VerifyReport:
@@ -54,13 +70,16 @@ def verify(path, progress=None) -> VerifyReport:
     OME-Zarr group; ``progress(done, total)``."""
     import zarr
 
-    from .ome import open_levels
+    from .ome import _levels
 
     report = VerifyReport(str(path))
     try:
-        levels = open_levels(path)
-        arrays = ([(f"{k}/", level) for k, level in enumerate(levels)] if levels is not None
-                  else [("", zarr.open_array(path, mode="r"))])
+        access = StoreAccess(path)
+        node = access.open_node("")
+        levels = _levels(access, node)
+        if levels is None and not isinstance(node, zarr.Array):
+            raise ValueError("a group without OME-Zarr multiscales")
+        arrays = [(f"{k}/", level) for k, level in enumerate(levels)] if levels is not None else [("", node)]
     except Exception as exc:  # noqa: BLE001 - every failure to open is a finding
         report.problems.append(Problem("zarr.json", None, f"cannot open as a Zarr v3 array or OME-Zarr group: {exc}"))
         return report
@@ -70,25 +89,44 @@ def verify(path, progress=None) -> VerifyReport:
             if progress:
                 progress(base + done, base + total)
 
-        _verify_array(report, array, label, level_progress)
+        _verify_array(report, access, array, label, level_progress)
         done_before = report.shards + len(report.unpublished)
     return report
 
 
-def _verify_array(report: VerifyReport, array, label: str, progress) -> None:
+def _verify_array(report: VerifyReport, access, array, label: str, progress) -> None:
     """Add the findings for one array; keys are reported as ``label`` + key (``1/c/0/0/0``)."""
     problems_before = len(report.problems)
     unpublished_before = len(report.unpublished)
-    _check_array(report, array, progress)
+    _check_array(report, access, array, label, progress)
     for i in range(problems_before, len(report.problems)):
         problem = report.problems[i]
         report.problems[i] = Problem(label + problem.key, problem.chunk, problem.message)
     report.unpublished[unpublished_before:] = [label + k for k in report.unpublished[unpublished_before:]]
 
 
-def _check_array(report: VerifyReport, array, progress) -> None:
+def _check_recording_state(report: VerifyReport, meta: dict, label: str) -> None:
+    try:
+        record = recording_state(meta.get("attributes"))
+    except ValueError as exc:
+        report.problems.append(Problem("zarr.json", None, str(exc)))
+        return
+    if record is None:  # written by another tool: nothing to compare
+        return
+    rows, state = record
+    shape0 = meta["shape"][0] if meta.get("shape") else 0
+    if rows < shape0:
+        report.problems.append(Problem("zarr.json", None, f"rows {rows}..{shape0 - 1} of {shape0} were never "
+                                                          f"written (recording state: {state})"))
+    elif state != "complete":
+        report.notes.append(f"{label}zarr.json: recording state {state!r}, {rows} rows written "
+                            "(a recording in progress, or one that stopped before it finished)")
+
+
+def _check_array(report: VerifyReport, access: StoreAccess, array, label: str, progress) -> None:
     meta = array.metadata.to_dict()
-    sharding = [c for c in meta["codecs"] if c["name"] == "sharding_indexed"]
+    _check_recording_state(report, meta, label)
+    sharding = [c for c in meta.get("codecs", []) if c.get("name") == "sharding_indexed"]
     if not sharding:
         report.problems.append(Problem("zarr.json", None, "array is not sharded (no sharding_indexed codec)"))
         return
@@ -101,76 +139,138 @@ def _check_array(report: VerifyReport, array, progress) -> None:
     shape = meta["shape"]
     shard_shape = meta["chunk_grid"]["configuration"]["chunk_shape"]
     chunk_shape = config["chunk_shape"]
-    itemsize = np.dtype(array.dtype).itemsize
-    tile_bytes = math.prod(chunk_shape) * itemsize
+    tile_bytes = math.prod(chunk_shape) * np.dtype(array.dtype).itemsize
     chunks_per_shard = math.prod(s // c for s, c in zip(shard_shape, chunk_shape))
     grid = [math.ceil(s / n) for s, n in zip(shape, shard_shape)]
     zstd = "zstd" in inner
-    store = array.store_path.store
+    decode = zstd and tile_bytes <= MAX_DECODED_TILE_BYTES
+    if zstd and not decode:
+        report.problems.append(Problem("zarr.json", None, f"tiles of {tile_bytes} bytes are larger than verify "
+                                                          f"decodes ({MAX_DECODED_TILE_BYTES} bytes): chunks "
+                                                          "checked for placement and size only"))
     prefix = array.store_path.path
-    keys = sorted(list_shard_keys(store, prefix))
-    decompressor = zstandard.ZstdDecompressor()
+    base = f"{prefix}/" if prefix else ""
+    listing = access.list_keys(base + "c")
+    for key, reason in listing.refused:
+        report.problems.append(Problem(key[len(base):], None, reason))
+    keys = sorted(k[len(base):] for k in listing.keys)
+    checker = _ShardChecker(report, chunks_per_shard, tile_bytes, zstd, decode)
     for done, key in enumerate(keys):
         if progress:
             progress(done, len(keys))
         coords = key.split("/")[1:]
+        if coords and coords[0].isdigit() and int(coords[0]) >= grid[0]:
+            # past shape[0]: not published, so readers never look there (whatever it holds)
+            report.unpublished.append(key)
+            continue
         if len(coords) != len(shape) or not all(c.isdigit() for c in coords):
             report.problems.append(Problem(key, None, "not a shard key of this array"))
             continue
         if any(int(c) >= g for c, g in zip(coords[1:], grid[1:])):
             report.problems.append(Problem(key, None, f"shard lies outside the array shape {shape}"))
             continue
-        if int(coords[0]) >= grid[0]:
-            report.unpublished.append(key)
-            continue
-        data = _read(store, prefix, key)
-        report.shards += 1
-        _check_shard(report, key, data, chunks_per_shard, tile_bytes, zstd, decompressor)
+        try:
+            with access.open_object(base + key) as shard:
+                report.shards += 1
+                checker.check(key, shard)
+        except FileNotFoundError:
+            continue  # removed since it was listed
+        except UnsafeStoreError as exc:
+            report.problems.append(Problem(key, None, str(exc)))
+        except OSError as exc:
+            report.problems.append(Problem(key, None, f"read error: {exc}"))
     if progress:
         progress(len(keys), len(keys))
 
 
-def _check_shard(report, key, data, chunks_per_shard, tile_bytes, zstd, decompressor):
-    index_bytes = chunks_per_shard * 16 + 4
-    if data is None or len(data) < index_bytes:
-        size = 0 if data is None else len(data)
-        report.problems.append(Problem(key, None, f"shard of {size} bytes is shorter than its index "
-                                                  f"({index_bytes} bytes): truncated"))
-        return
-    index, crc_ok = decode_index(data[-index_bytes:], chunks_per_shard)
-    if not crc_ok:
-        report.problems.append(Problem(key, None, "index CRC32C mismatch"))
-    data_end = len(data) - index_bytes
-    for chunk, (offset, nbytes) in enumerate(index):
-        if offset == EMPTY and nbytes == EMPTY:
-            continue
-        report.chunks += 1
-        if offset == EMPTY or nbytes == EMPTY or offset + nbytes > data_end:
-            report.problems.append(Problem(key, chunk, f"chunk (offset {int(offset)}, {int(nbytes)} bytes) "
-                                                       f"lies outside the shard data ({data_end} bytes)"))
-            continue
-        chunk_bytes = data[int(offset): int(offset + nbytes)]
-        if not zstd:
-            if nbytes != tile_bytes:
-                report.problems.append(Problem(key, chunk, f"holds {int(nbytes)} bytes, a tile is {tile_bytes}"))
-            continue
+def zstd_bound(nbytes: int) -> int:
+    """The most bytes a zstd encoder emits for ``nbytes`` of input as one frame (libzstd's
+    ``ZSTD_COMPRESSBOUND``, which includes the frame header and checksum); python-zstandard
+    does not expose it."""
+    return nbytes + (nbytes >> 8) + (((128 << 10) - nbytes) >> 11 if nbytes < (128 << 10) else 0)
+
+
+class _ShardChecker:
+    def __init__(self, report, chunks_per_shard, tile_bytes, zstd, decode):
+        self.report = report
+        self.chunks = chunks_per_shard
+        self.index_bytes = chunks_per_shard * 16 + 4
+        self.tile_bytes = tile_bytes
+        self.zstd, self.decode = zstd, decode
+        self.max_chunk = zstd_bound(tile_bytes) if zstd else tile_bytes
+        self.decompressor = zstandard.ZstdDecompressor()
+
+    def check(self, key: str, shard) -> None:
+        report, size = self.report, shard.size
+        if size < self.index_bytes:
+            report.problems.append(Problem(key, None, f"shard of {size} bytes is shorter than its index "
+                                                      f"({self.index_bytes} bytes): truncated"))
+            return
+        data_end = size - self.index_bytes
+        found: list[Problem] = []
+        crc = 0
+        if self.chunks <= _INDEX_BLOCK_ENTRIES:  # the usual case: the whole index in one suffix read
+            tail = shard.read_suffix(self.index_bytes)
+            blocks, stored_crc = [(0, self.chunks, tail[:-4])], tail[-4:]
+        else:  # a huge index is streamed, so memory stays bounded whatever the shard declares
+            blocks = ((first, n, shard.read(data_end + first * 16, n * 16))
+                      for first in range(0, self.chunks, _INDEX_BLOCK_ENTRIES)
+                      for n in [min(_INDEX_BLOCK_ENTRIES, self.chunks - first)])
+            stored_crc = None
+        for first, n, raw in blocks:
+            if len(raw) != n * 16:
+                found.append(Problem(key, None, "shard changed size while it was read"))
+                break
+            crc = crc32c.crc32c(raw, crc)
+            # tolist(): Python ints, so offset + nbytes cannot wrap around 2^64
+            for i, (offset, nbytes) in enumerate(np.frombuffer(raw, "<u8").reshape(-1, 2).tolist()):
+                self._check_chunk(shard, key, first + i, offset, nbytes, data_end, found)
+        if stored_crc is None:
+            stored_crc = shard.read(size - 4, 4)
+        if crc != int.from_bytes(stored_crc, "little"):
+            found.insert(0, Problem(key, None, "index CRC32C mismatch"))
+        report.problems.extend(found)
+
+    def _check_chunk(self, shard, key, chunk, offset, nbytes, data_end, found) -> None:
+        if offset == _EMPTY and nbytes == _EMPTY:
+            return
+        self.report.chunks += 1
+        if offset == _EMPTY or nbytes == _EMPTY or offset + nbytes > data_end:
+            found.append(Problem(key, chunk, f"chunk (offset {offset}, {nbytes} bytes) lies outside the shard "
+                                             f"data ({data_end} bytes)"))
+        elif not self.zstd:
+            if nbytes != self.tile_bytes:
+                found.append(Problem(key, chunk, f"holds {nbytes} bytes, a tile is {self.tile_bytes}"))
+        elif nbytes > self.max_chunk:
+            found.append(Problem(key, chunk, f"holds {nbytes} bytes, more than zstd makes of one tile of "
+                                             f"{self.tile_bytes} bytes (at most {self.max_chunk})"))
+        elif self.decode:
+            found.extend(Problem(key, chunk, message)
+                         for message in self._zstd_problems(shard.read(offset, nbytes)))
+
+    def _zstd_problems(self, data: bytes) -> list[str]:
+        # zstandard rather than zarr-python's codec: zarr's decode cannot bound its output (a
+        # small frame may expand to gigabytes) nor tell that bytes follow the first frame.
+        tile = self.tile_bytes
         try:
-            stream = decompressor.decompressobj()
-            decoded = stream.decompress(chunk_bytes)
-            trailing = len(stream.unused_data)
+            declared = zstandard.frame_content_size(data)
         except zstandard.ZstdError as exc:
-            report.problems.append(Problem(key, chunk, f"zstd decode failed: {exc}"))
-            continue
-        if trailing:
-            report.problems.append(Problem(key, chunk, f"{trailing} bytes follow the first zstd frame"))
-        if len(decoded) != tile_bytes:
-            report.problems.append(Problem(key, chunk, f"decodes to {len(decoded)} bytes, a tile is {tile_bytes}"))
-
-
-def _read(store, prefix: str, key: str) -> bytes | None:
-    from zarr.core.buffer import default_buffer_prototype
-    from zarr.core.sync import sync
-
-    full = f"{prefix}/{key}" if prefix else key
-    buffer = sync(store.get(full, default_buffer_prototype()))
-    return None if buffer is None else buffer.to_bytes()
+            return [f"zstd decode failed: {exc}"]
+        if declared not in (-1, zstandard.CONTENTSIZE_UNKNOWN, tile):
+            # decompress() allocates a declared size: refuse any but the tile's
+            return [f"zstd frame declares {declared} bytes, a tile is {tile}"]
+        problems = []
+        try:
+            decoded = self.decompressor.decompress(data, max_output_size=tile, allow_extra_data=False)
+        except zstandard.ZstdError as exc:
+            trailing = re.search(r"contains (\d+) bytes of unused data", str(exc))
+            if not trailing:
+                return [f"zstd decode failed: {exc} (a tile is {tile} bytes)"]
+            problems.append(f"{trailing.group(1)} bytes follow the first zstd frame")
+            try:
+                decoded = self.decompressor.decompress(data, max_output_size=tile)
+            except zstandard.ZstdError as exc2:
+                return problems + [f"zstd decode failed: {exc2} (a tile is {tile} bytes)"]
+        if len(decoded) != tile:
+            problems.append(f"decodes to {len(decoded)} bytes, a tile is {tile}")
+        return problems

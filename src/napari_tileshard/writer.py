@@ -208,6 +208,7 @@ class Writer:
         self.batch_epochs = epochs
         self.batch_bytes = epochs * layout.epoch_bytes
         self._row_bytes = layout.row_elements * layout.itemsize
+        self._frame_bytes = layout.frame_elements * layout.itemsize
         self._capacity = None if layout.unbounded else layout.total_elements * layout.itemsize
         self._error: BaseException | None = None
         self._closed = False
@@ -415,6 +416,7 @@ class Writer:
                 self._fill_started = time.monotonic()
             self._fill += n
             self.stats.bytes_in += n
+            self.stats.frames = self.stats.bytes_in // self._frame_bytes
             data = data[n:]
             if (self._fill % self.layout.epoch_bytes == 0 and self._fill < self.batch_bytes
                     and time.monotonic() - self._fill_started > self.max_latency_s):
@@ -422,7 +424,6 @@ class Writer:
                 self._submit_current(self._fill // self.layout.epoch_bytes, block=False)
         if self._fill == self.batch_bytes:
             self._submit_current(self.batch_epochs, block=block)
-        self.stats.frames = self.stats.bytes_in // (self.layout.frame_elements * self.layout.itemsize)
         return data
 
     def _note_host_range(self, start: int, stop: int) -> None:

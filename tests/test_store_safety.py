@@ -1,0 +1,341 @@
+"""Overwrite deletes only a store this recorder wrote, one writer per store, a vanished store is an
+error, and a failed setup leaves nothing behind."""
+
+import errno
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+import zarr
+
+from napari_tileshard import Dim, Layout, Writer
+from napari_tileshard.cli import main
+from napari_tileshard.store import (
+    LOCK_NAME,
+    DirectorySink,
+    StoreExistsError,
+    StoreLockedError,
+    StoreVanishedError,
+    ZarrStoreSink,
+    array_metadata,
+    list_shard_keys,
+    metadata_bytes,
+)
+
+LAYOUT = Layout([Dim("t", 0, 2, 1), Dim("y", 8, 4, 1), Dim("x", 8, 4, 1)], "uint16")
+
+
+def record(store, ome=False, frames=3):
+    with Writer(store, LAYOUT, backend="cpu", ome=ome) as writer:
+        writer.append(np.ones((frames, 8, 8), np.uint16))
+
+
+def tree(path):
+    return sorted(str(p.relative_to(path)) for p in path.rglob("*"))
+
+
+def user_dir(tmp_path):
+    d = tmp_path / "work"
+    d.mkdir()
+    (d / "thesis.txt").write_text("precious")
+    (d / "notes").mkdir()
+    (d / "notes" / "a.md").write_text("a")
+    return d
+
+
+# -- 1. overwrite deletes only what is ours ------------------------------------------------
+
+@pytest.mark.parametrize("metadata", [b"", b"garbage", b'{"zarr_format": 2}', "dir",
+                                      b'{"zarr_format": 3, "node_type": "group", "attributes": {}}'])
+def test_overwrite_refuses_user_files_next_to_a_zarr_json(tmp_path, metadata):
+    d = user_dir(tmp_path)
+    if metadata == "dir":
+        (d / "zarr.json").mkdir()
+    else:
+        (d / "zarr.json").write_bytes(metadata)
+    before = tree(d)
+    with pytest.raises(StoreExistsError) as info:
+        DirectorySink(d, overwrite=True)
+    message = str(info.value)
+    assert f"refusing to overwrite {str(d)!r}" in message and "'thesis.txt'" in message and "'notes/'" in message
+    assert tree(d) == before and (d / "thesis.txt").read_text() == "precious"
+
+
+def test_overwrite_resolves_dotdot_before_checking(tmp_path):
+    d = user_dir(tmp_path)
+    (d / "zarr.json").write_bytes(b"")
+    before = tree(d)
+    with pytest.raises(StoreExistsError, match="thesis.txt"):
+        DirectorySink(f"{d}/new.zarr/..", overwrite=True)
+    assert tree(d) == before
+
+
+def test_overwrite_lists_five_names_then_a_count(tmp_path):
+    d = tmp_path / "many"
+    d.mkdir()
+    for i in range(8):
+        (d / f"f{i}").write_text("x")
+    with pytest.raises(StoreExistsError, match=r"'f4' and 3 more which this recorder did not write"):
+        DirectorySink(d, overwrite=True)
+
+
+def test_overwrite_removes_an_array_store_file_by_file_and_keeps_the_root(tmp_path):
+    path = tmp_path / "a.zarr"
+    record(path)
+    (path / "c" / ".0.0123456789ab.tmp").write_bytes(b"torn")  # a crashed writer's temporary
+    inode = path.stat().st_ino
+    sink = DirectorySink(path, overwrite=True)
+    assert path.stat().st_ino == inode and tree(path) == [LOCK_NAME]
+    sink.release()
+    assert tree(path) == []
+
+
+@pytest.mark.parametrize("extra", ["thesis.txt", "c/readme", "c/0/x.npy", "c/.hidden", "other/"])
+def test_overwrite_refuses_an_array_store_with_anything_else_in_it(tmp_path, extra):
+    path = tmp_path / "a.zarr"
+    record(path)
+    target = path / extra.rstrip("/")
+    target.mkdir() if extra.endswith("/") else target.write_text("mine")
+    before = tree(path)
+    with pytest.raises(StoreExistsError, match=repr(extra)):
+        DirectorySink(path, overwrite=True)
+    assert tree(path) == before and not (path / LOCK_NAME).exists()
+
+
+def test_overwrite_never_follows_a_symlink(tmp_path):
+    outside = user_dir(tmp_path)
+    path = tmp_path / "a.zarr"
+    record(path)
+    (path / "c" / "9").symlink_to(outside, target_is_directory=True)
+    with pytest.raises(StoreExistsError, match="'c/9'"):
+        DirectorySink(path, overwrite=True)
+    assert (outside / "thesis.txt").read_text() == "precious" and (path / "zarr.json").exists()
+
+
+def test_overwrite_refuses_a_fifo_or_an_oversized_zarr_json(tmp_path):
+    fifo = tmp_path / "fifo.zarr"
+    fifo.mkdir()
+    os.mkfifo(fifo / "zarr.json")  # opening it for reading would block forever
+    with pytest.raises(StoreExistsError, match="zarr.json is not a regular file"):
+        DirectorySink(fifo, overwrite=True)
+    big = tmp_path / "big.zarr"
+    big.mkdir()
+    with open(big / "zarr.json", "wb") as f:
+        f.truncate((16 << 20) + 1)
+    with pytest.raises(StoreExistsError, match="larger than 16 MiB"):
+        DirectorySink(big, overwrite=True)
+    assert (big / "zarr.json").stat().st_size == (16 << 20) + 1
+
+
+def test_overwrite_removes_an_ome_group_but_not_other_members(tmp_path):
+    path = tmp_path / "ome.zarr"
+    record(path, ome=True)
+    DirectorySink(path, overwrite=True).release()
+    assert tree(path) == []
+    record(path, ome=True)
+    (path / "labels").mkdir()
+    (path / "0" / "notes.txt").write_text("mine")
+    with pytest.raises(StoreExistsError) as info:
+        DirectorySink(path, overwrite=True)
+    assert "'0/notes.txt'" in str(info.value) and "'labels/'" in str(info.value)
+    assert (path / "0" / "notes.txt").exists() and (path / "zarr.json").exists()
+
+
+def test_a_non_empty_directory_needs_overwrite(tmp_path):
+    path = tmp_path / "a.zarr"
+    record(path)
+    with pytest.raises(StoreExistsError, match=r"use overwrite=True \(--overwrite on the command line\)"):
+        DirectorySink(path)
+
+
+def test_zarr_store_overwrite_deletes_only_recognised_keys():
+    from zarr.storage import MemoryStore
+
+    store = MemoryStore()
+    record(store, ome=True)
+    with pytest.raises(StoreExistsError, match="overwrite=True"):
+        ZarrStoreSink(store)
+    ZarrStoreSink(store, overwrite=True)
+    assert not store._store_dict
+    record(store)
+    store._store_dict["thesis.txt"] = store._store_dict["zarr.json"]
+    with pytest.raises(StoreExistsError, match="'thesis.txt'"):
+        ZarrStoreSink(store, overwrite=True)
+    assert "thesis.txt" in store._store_dict and "zarr.json" in store._store_dict
+    fresh = MemoryStore()
+    sink = ZarrStoreSink(fresh)
+    sink.write("zarr.json", [b"{}"])
+    sink.discard()
+    assert not fresh._store_dict
+
+
+# -- 2. one writer per store ---------------------------------------------------------------
+
+def dead_pid():
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+@pytest.mark.parametrize("existing", ["none", "store", "stale lock"])
+def test_racing_writers_exactly_one_wins(tmp_path, existing):
+    pid = dead_pid()
+    for trial in range(30):
+        path = tmp_path / f"race{trial}.zarr"
+        if existing == "store":
+            record(path)
+        elif existing == "stale lock":
+            write_lock(path, pid=pid)
+        barrier = threading.Barrier(2)
+        results = [None, None]
+
+        def open_(i):
+            barrier.wait()
+            try:
+                results[i] = DirectorySink(path, overwrite=existing != "none")
+            except StoreExistsError as exc:
+                results[i] = exc
+
+        threads = [threading.Thread(target=open_, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        winners = [r for r in results if isinstance(r, DirectorySink)]
+        assert len(winners) == 1 and sum(isinstance(r, StoreExistsError) for r in results) == 1, results
+        assert tree(path) == [LOCK_NAME]  # the loser deleted nothing the winner holds
+        assert json.loads((path / LOCK_NAME).read_text())["pid"] == os.getpid()
+        winners[0].release()
+
+
+def write_lock(path, **fields):
+    path.mkdir(exist_ok=True)
+    (path / LOCK_NAME).write_text(json.dumps({"host": socket.gethostname(), "started": "2026-01-01T00:00:00",
+                                              "tool": "napari-tileshard", **fields}))
+
+
+def test_a_live_lock_is_refused_and_nothing_is_touched(tmp_path):
+    path = tmp_path / "a.zarr"
+    record(path)
+    write_lock(path, pid=os.getpid())
+    before = tree(path)
+    for overwrite in (False, True):
+        with pytest.raises(StoreLockedError, match=f"being written by pid {os.getpid()} on host"):
+            DirectorySink(path, overwrite=overwrite)
+    assert tree(path) == before
+
+
+def test_a_lock_from_another_host_is_refused(tmp_path):
+    path = tmp_path / "h.zarr"
+    write_lock(path, pid=999999999, host="elsewhere")
+    with pytest.raises(StoreLockedError, match=r"pid 999999999 on host elsewhere since 2026-01-01.*delete"):
+        DirectorySink(path, overwrite=True)
+
+
+def test_a_stale_lock_is_taken_over(tmp_path, caplog):
+    pid = dead_pid()
+    path = tmp_path / "s.zarr"
+    write_lock(path, pid=pid)
+    with caplog.at_level(logging.WARNING, logger="napari_tileshard.store"):
+        sink = DirectorySink(path, overwrite=True)
+    assert str(pid) in caplog.text
+    assert json.loads((path / LOCK_NAME).read_text())["pid"] == os.getpid()
+    sink.release()
+    assert not (path / LOCK_NAME).exists()
+
+
+def test_release_removes_only_our_own_lock(tmp_path):
+    path = tmp_path / "r.zarr"
+    sink = DirectorySink(path)
+    lock = json.loads((path / LOCK_NAME).read_text())
+    assert lock["pid"] == os.getpid() and lock["host"] == socket.gethostname() and lock["tool"] == "napari-tileshard"
+    sink.release()
+    sink.release()
+    assert not (path / LOCK_NAME).exists()
+    other = DirectorySink(path)
+    sink.release()  # a stale sink must not drop the new holder's lock
+    assert (path / LOCK_NAME).exists()
+    other.release()
+
+
+def test_readers_ignore_the_lock(tmp_path):
+    path = tmp_path / "l.zarr"
+    sink = DirectorySink(path)
+    sink.write("zarr.json", [metadata_bytes(array_metadata(LAYOUT, "none", 0, 0))])
+    assert zarr.open_array(path, mode="r").shape == (0, 8, 8)
+    assert list_shard_keys(zarr.storage.LocalStore(path)) == []
+    sink.release()
+
+
+# -- 3. a vanished store is an error -------------------------------------------------------
+
+@pytest.mark.parametrize("recreate", [False, True])
+def test_a_deleted_store_directory_is_not_recreated(tmp_path, recreate):
+    path = tmp_path / "v.zarr"
+    sink = DirectorySink(path)
+    sink.write("c/0/0/0", [b"shard"])
+    for p in sorted(path.rglob("*"), reverse=True):
+        p.rmdir() if p.is_dir() else p.unlink()
+    path.rmdir()
+    if recreate:
+        path.mkdir()
+    with pytest.raises(StoreVanishedError) as info:
+        sink.write("c/1/0/0", [b"shard"])
+    assert info.value.errno == errno.ENOENT and isinstance(info.value, OSError)
+    assert str(info.value).startswith(f"the store directory {str(path)!r} was deleted or moved during the recording")
+    assert path.exists() == recreate and (not recreate or tree(path) == [])
+
+
+# -- 4. a failed setup leaves nothing behind -----------------------------------------------
+
+def test_discard_removes_what_the_sink_made(tmp_path):
+    path = tmp_path / "new" / "d.zarr"
+    sink = DirectorySink(path)
+    sink.write("zarr.json", [b"{}"])
+    sink.write("0/c/0/0", [b"shard"])
+    sink.discard()
+    sink.discard()
+    assert not (tmp_path / "new").exists()
+
+    existing = tmp_path / "empty"
+    existing.mkdir()
+    sink = DirectorySink(existing)
+    sink.write("c/0/0", [b"shard"])
+    sink.discard()
+    assert existing.is_dir() and tree(existing) == []
+
+
+# -- 6. the command line -------------------------------------------------------------------
+
+def cli_record(path, *extra):
+    return main(["record", str(path), "--shape", "0,8,8", "--tile", "2,4,4", "--tiles-per-shard", "1,1,1",
+                 "--frames", "2", "--backend", "cpu", "--no-progress", *extra])
+
+
+def test_cli_overwrite_refuses_user_files(tmp_path, capsys):
+    d = user_dir(tmp_path)
+    (d / "zarr.json").write_bytes(b"")
+    before = tree(d)
+    assert cli_record(d, "--overwrite") == 2
+    err = capsys.readouterr().err
+    assert err.startswith("napari-tileshard: error: refusing to overwrite") and "'thesis.txt'" in err
+    assert err.count("\n") == 1
+    assert cli_record(f"{d}/new.zarr/..", "--overwrite") == 2
+    assert "'thesis.txt'" in capsys.readouterr().err
+    assert tree(d) == before and (d / "thesis.txt").read_text() == "precious"
+
+
+def test_cli_names_the_flag(tmp_path, capsys):
+    path = tmp_path / "a.zarr"
+    assert cli_record(path) == 0
+    capsys.readouterr()
+    assert cli_record(path) == 2
+    err = capsys.readouterr().err
+    assert "use --overwrite" in err and "overwrite=True" not in err
+    assert cli_record(path, "--overwrite") == 0
