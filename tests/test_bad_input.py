@@ -5,7 +5,8 @@ import pytest
 import zarr
 
 from conftest import read_back
-from napari_tileshard import Dim, Layout, Writer, verify
+from napari_tileshard import Dim, Layout, Writer, WriterError, verify
+from napari_tileshard.testing import FaultInjectingSink
 
 
 @pytest.fixture
@@ -109,18 +110,12 @@ def test_layout_must_be_a_layout(tmp_path):
 STORAGE_ERRORS = [(28, "No space left on device"), (13, "Permission denied"), (5, "Input/output error")]
 
 
-def fail_writes(writer, failing_key, errno_, message, frame) -> Exception:
-    """Make the sink raise ``OSError(errno_)`` for keys matching ``failing_key``, then feed ``frame``
-    and flush until the Writer reports it; returns the reported exception."""
-    real_write = writer._sink.write
-
-    def failing_write(key, buffers):
-        if failing_key(key):
-            raise OSError(errno_, message)
-        return real_write(key, buffers)
-
-    writer._sink.write = failing_write
-    with pytest.raises(Exception) as info:
+def fail_writes(writer, sink, failing_keys, errno_, message, frame) -> Exception:
+    """Make ``sink`` (the Writer's FaultInjectingSink) raise ``OSError(errno_)`` for keys matching
+    the glob ``failing_keys``, then feed ``frame`` and flush until the Writer reports it; returns
+    the reported exception."""
+    sink.fail[failing_keys] = OSError(errno_, message)
+    with pytest.raises(WriterError) as info:
         for _ in range(50):
             writer.append(frame)
             writer.flush()
@@ -132,11 +127,12 @@ def fail_writes(writer, failing_key, errno_, message, frame) -> Exception:
 def test_storage_error_stops_the_writer_and_keeps_what_was_written(tmp_path, backend, errno_, message):
     layout = Layout([Dim("t", 0, 1, 1), Dim("x", 4, 4, 1)], "uint8")
     path = tmp_path / "fail.zarr"
-    writer = Writer(path, layout, backend=backend, batch_bytes=1)
+    sink = FaultInjectingSink(path)
+    writer = Writer(sink, layout, backend=backend, batch_bytes=1)
     writer.append(np.arange(8, dtype=np.uint8).reshape(2, 4))
     writer.flush()
-    fail_writes(writer, lambda key: key.startswith("c/"), errno_, message, np.zeros((1, 4), np.uint8))
-    with pytest.raises(Exception, match=message):
+    fail_writes(writer, sink, "c/*", errno_, message, np.zeros((1, 4), np.uint8))
+    with pytest.raises(WriterError, match=message):
         writer.close()
     out = zarr.open_array(path, mode="r")
     assert out.shape[0] >= 2
@@ -152,15 +148,16 @@ def test_metadata_write_error_keeps_the_last_published_shape(tmp_path, backend, 
 
     layout = Layout([Dim("t", 0, 2, 1), Dim("x", 8, 4, 1)], "uint16")
     path = tmp_path / "meta-fail.zarr"
-    writer = Writer(path, layout, backend=backend, batch_bytes=1)
+    sink = FaultInjectingSink(path)
+    writer = Writer(sink, layout, backend=backend, batch_bytes=1)
     first = np.arange(4 * 8, dtype=np.uint16).reshape(4, 8)
     writer.append(first)
     writer.flush()
-    fail_writes(writer, lambda key: key.endswith("zarr.json"), errno_, message, np.ones((2, 8), np.uint16))
-    with pytest.raises(Exception, match=message):
+    fail_writes(writer, sink, "*zarr.json", errno_, message, np.ones((2, 8), np.uint16))
+    with pytest.raises(WriterError, match=message):
         writer.append(np.ones((2, 8), np.uint16))  # stopped: no more frames accepted
     start = time.perf_counter()
-    with pytest.raises(Exception, match=message):
+    with pytest.raises(WriterError, match=message):
         writer.close()
     assert time.perf_counter() - start < 5
     out = zarr.open_array(path, mode="r")

@@ -307,6 +307,13 @@ class Writer:
         self._check_capacity(data.nbytes)
         return self._write(data, block=False)
 
+    def sync(self) -> None:
+        """Wait until every batch handed to the backend so far is encoded and its complete shard
+        epochs are written and published.  Unlike :meth:`flush` it writes no partial shard and
+        leaves data still filling a staging buffer where it is."""
+        self._check_open()
+        self._drain()
+
     def flush(self) -> None:
         """Write everything received so far, partial shards included, and publish its whole rows.
 
