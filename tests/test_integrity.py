@@ -388,19 +388,23 @@ def test_two_writers_created_at_the_same_instant_never_both_win(tmp_path, overwr
             except StoreExistsError as exc:
                 results.append(("refused", str(exc)))
                 return
-            results.append(("won", value))
+            opened = time.monotonic()
             writer.append(np.full((2, 8, 8), value, np.uint16))
             writer.close()
+            results.append(("won", value, opened, time.monotonic()))
 
         threads = [threading.Thread(target=create, args=(v,)) for v in (1, 2)]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-        winners = [r for r in results if r[0] == "won"]
-        assert len(winners) == 1, (trial, results)
+        winners = sorted((r for r in results if r[0] == "won"), key=lambda r: r[2])
+        if not overwrite:
+            assert len(winners) == 1, (trial, results)
+        else:  # a second writer may replace the store, but only after the first has closed it
+            assert winners and all(a[3] <= b[2] for a, b in zip(winners, winners[1:])), (trial, results)
         data = read_back(path)
-        assert data.shape == (2, 8, 8) and (data == winners[0][1]).all()  # one writer's rows only
+        assert data.shape == (2, 8, 8) and (data == winners[-1][1]).all()  # one writer's rows only
 
 
 def test_record_overwrite_while_another_record_runs_is_refused(tmp_path):

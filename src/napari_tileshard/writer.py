@@ -2,10 +2,11 @@
 
 Threads and buffers (see ``docs/design.md``):
 
-* the caller's thread copies incoming bytes into one of ``staging_buffers`` staging buffers of
-  ``batch_epochs`` whole tile epochs and submits a full buffer to the backend;
-* a collector thread takes backend results in order, feeds the :class:`ShardAccumulator` and
-  hands completed shards to a small I/O pool;
+* the caller's thread copies incoming bytes into the :class:`~napari_tileshard.staging.StagingRing`
+  (``staging_buffers`` buffers of ``batch_epochs`` whole tile epochs) and submits a full buffer
+  to the backend;
+* the :class:`~napari_tileshard.collector.Collector` thread takes backend results in order,
+  assembles shards and writes them on a small I/O pool;
 * the :class:`~napari_tileshard.publish.Publisher` rewrites ``zarr.json`` as shard writes
   complete: it alone decides what a reader may see (a contiguous prefix of fully written
   shard epochs, never past a failed write, never a partial row).
@@ -20,29 +21,23 @@ from __future__ import annotations
 import logging
 import math
 import os
-import queue
 import threading
 import time
-import warnings
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import wait as wait_futures
 from dataclasses import asdict, dataclass
 
 import numpy as np
 
 from .backends import select_backend
 from .backends.base import CODECS
+from .collector import Collector
 from .layout import Layout
 from .ome import group_metadata
 from .publish import Publisher, check_attributes
 from .pyramid import Pyramid, level_fraction, plan_pyramid
-from .shard import ShardAccumulator
+from .staging import StagingRing
 from .store import METADATA_KEY, metadata_bytes, open_sink
 
 log = logging.getLogger(__name__)
-
-_PENDING_BATCHES = 2  # compressed batches that may wait on storage before the collector waits
-_PARALLEL_COPY_BYTES = 2 << 20
 
 
 def _is_device_array(array) -> bool:
@@ -214,41 +209,28 @@ class Writer:
         self._closed = False
         # Buffers (and the GPU's memory check) before the store is touched: a refusal leaves no trace.
         staging_buffers = staging_buffers or self._backend.preferred_staging_buffers
-        self._free = [[self._backend.allocate_staging(self.batch_bytes), None] for _ in range(staging_buffers)]
-        self._sink = open_sink(store, overwrite)
-        self.stats = WriterStats(backend=self._backend.describe())
-        self._prefixes = [f"{k}/" for k in range(self.pyramid.levels)] if self.ome else [""]
-        self._publisher = Publisher(self._sink, self.pyramid, self.codec, self.level,
-                                    {} if self.ome else attributes, self._prefixes, on_error=self._fail,
-                                    on_publish=self._published)
-        self._publisher.begin()
-        if self.ome:  # after the level arrays exist, so the group never names a missing dataset
-            name = getattr(self._sink, "root", None)
-            self._group["attributes"]["ome"]["multiscales"][0]["name"] = name.stem if name else "image"
-            self._sink.write(METADATA_KEY, [metadata_bytes(self._group)])
-        self._current = None  # [buffer, ticket] being filled
-        self._fill = 0
-        self._fill_started = 0.0
-        self._host_ranges: list[list[int]] = []
-        self._epochs_submitted = 0
-        self._bytes_collected = 0  # stream bytes of every batch the collector has taken in
-        self._accumulators = [ShardAccumulator(lay) for lay in self.pyramid.layouts]
-        # Batches in the pipeline, reserved *before* a batch changes any state, so an interrupt
-        # (Ctrl-C while append() waits) can never lose a batch that was already counted.
-        self._pipeline_limit = staging_buffers
-        self._in_pipeline = 0
-        self._room = threading.Condition()
-        self._submitted: queue.Queue = queue.Queue()
-        shard_epochs_per_batch = -(-self.batch_epochs // layout.tiles_per_shard[0])
-        self._max_pending_shard_epochs = max(2, _PENDING_BATCHES * shard_epochs_per_batch)
+        self._staging = StagingRing(self._backend, self.batch_bytes, staging_buffers)
+        try:
+            self._sink = open_sink(store, overwrite)
+            self.stats = WriterStats(backend=self._backend.describe())
+            self._prefixes = [f"{k}/" for k in range(self.pyramid.levels)] if self.ome else [""]
+            self._publisher = Publisher(self._sink, self.pyramid, self.codec, self.level,
+                                        {} if self.ome else attributes, self._prefixes, on_error=self._fail,
+                                        on_publish=self._published)
+            self._publisher.begin()
+            if self.ome:  # after the level arrays exist, so the group never names a missing dataset
+                name = getattr(self._sink, "root", None)
+                self._group["attributes"]["ome"]["multiscales"][0]["name"] = name.stem if name else "image"
+                self._sink.write(METADATA_KEY, [metadata_bytes(self._group)])
+        except BaseException:
+            self._staging.close()
+            raise
         self._stats_lock = threading.Lock()
-        self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="tileshard-io")
-        self._copy_threads = min(3, (os.cpu_count() or 1) - 1)
-        self._copy_pool = (ThreadPoolExecutor(self._copy_threads, thread_name_prefix="tileshard-copy")
-                           if self._copy_threads > 0 else None)
+        self._collector = Collector(self._backend, self.pyramid, self._sink, self._prefixes, self._publisher,
+                                    io_threads=io_threads, pipeline_limit=staging_buffers,
+                                    batch_epochs=self.batch_epochs, failed=lambda: self._error,
+                                    on_error=self._fail, on_shard=self._shard_written)
         self._start = time.perf_counter()
-        self._collector = threading.Thread(target=self._collect, name="tileshard-collector", daemon=True)
-        self._collector.start()
 
     # -- public API ---------------------------------------------------------------------
     @property
@@ -266,11 +248,11 @@ class Writer:
     def memory_estimate(self) -> dict[str, int]:
         """Upper bound of the bytes the Writer holds: staging, compressed shards in flight, device."""
         layout = self.layout
-        estimate = self._backend.memory_estimate(self.batch_bytes, len(self._free) + (self._current is not None))
+        estimate = self._backend.memory_estimate(self.batch_bytes, self._staging.count)
         # The open shard epoch plus those waiting on storage, at the worst-case compressed size.
         shard_epoch_bound = layout.tiles_per_shard[0] * sum(
             lay.tiles_per_epoch * lay.compressed_tile_bound() for lay in self.pyramid.layouts)
-        estimate["host"] += (1 + self._max_pending_shard_epochs) * shard_epoch_bound
+        estimate["host"] += (1 + self._collector.max_pending_shard_epochs) * shard_epoch_bound
         return estimate
 
     def append(self, array) -> None:
@@ -322,18 +304,12 @@ class Writer:
         """
         self._check_open()
         self._drain()
-        provisional = [[] for _ in self._accumulators]
-        if self._fill:
-            buffer = self._current[0]
-            ranges = [list(r) for r in self._host_ranges]
-            epochs = self._pad_current()
-            ticket = self._backend.submit(buffer, epochs, self._host_ranges, rows=self._rows_in_current())
+        provisional = [[] for _ in self.pyramid.layouts]
+        if self._staging.fill:
+            ticket = self._staging.submit_provisional(self.layout.epoch_bytes, self.layout.itemsize,
+                                                      rows=self._rows_in_current())
             provisional = self._backend.result(ticket)
-            self._host_ranges = ranges  # the padding is provisional: later (device) bytes replace it
-        shards = [(k, shard) for k, accumulator in enumerate(self._accumulators)
-                  for shard in accumulator.flush(provisional[k])]
-        self._store_shards(shards, self.stats.bytes_in // self._row_bytes)
-        self._publisher.wait()
+        self._collector.flush(provisional, self.stats.bytes_in // self._row_bytes)
         self._raise_if_failed()
 
     def close(self) -> None:
@@ -342,20 +318,15 @@ class Writer:
             return
         self._closed = True
         try:
-            if self._error is None and self._fill:
-                self._submit_current(self._pad_current(), self._rows_in_current())
-            self._submitted.put(None)
-            self._collector.join()
-            if self._error is None:
-                self._store_shards([(k, shard) for k, accumulator in enumerate(self._accumulators)
-                                    for shard in accumulator.take_pending()], self._bytes_collected // self._row_bytes)
-                self._publisher.finish(self._bytes_collected // self._row_bytes)
+            if self._error is None and self._staging.fill:
+                self._submit_current(self._staging.pad(self.layout.epoch_bytes, self.layout.itemsize),
+                                     self._rows_in_current())
+            self._collector.finish()
         except BaseException as exc:  # noqa: BLE001 - recorded and re-raised below
             self._fail(exc)
         finally:
-            self._io.shutdown(wait=True)
-            if self._copy_pool is not None:
-                self._copy_pool.shutdown(wait=True)
+            self._collector.shutdown()
+            self._staging.close()
             self._backend.close()
             if self._error is not None:
                 self._publisher.mark_failed()
@@ -407,160 +378,51 @@ class Writer:
 
     def _write(self, data, block: bool, device: bool = False):
         """Copy ``data`` (bytes: a memoryview, or a 1-D uint8 CuPy array with ``device``) into staging."""
+        staging = self._staging
         while data.nbytes:
-            if self._fill == self.batch_bytes and not self._submit_current(self.batch_epochs, block=block):
+            if staging.full and not self._submit_current(self.batch_epochs, block=block):
                 break
-            if self._current is None and not self._acquire(block):
+            self._raise_if_failed()
+            if not staging.acquire(block):
                 break
-            buffer = self._current[0]
-            n = min(data.nbytes, self.batch_bytes - self._fill)
-            if device:
-                self._backend.write_device(buffer, self._fill, data[:n])
-            else:
-                self._copy(buffer[self._fill : self._fill + n], np.frombuffer(data[:n], dtype=np.uint8))
-                self._note_host_range(self._fill, self._fill + n)
-            if not self._fill:
-                self._fill_started = time.monotonic()
-            self._fill += n
+            n = staging.copy_in(data, device)
             self.stats.bytes_in += n
             self.stats.frames = self.stats.bytes_in // self._frame_bytes
             data = data[n:]
-            if (self._fill % self.layout.epoch_bytes == 0 and self._fill < self.batch_bytes
-                    and time.monotonic() - self._fill_started > self.max_latency_s):
+            if (staging.fill % self.layout.epoch_bytes == 0 and not staging.full
+                    and time.monotonic() - staging.fill_started > self.max_latency_s):
                 # slow stream: don't wait for a full batch (only if the pipeline has room now)
-                self._submit_current(self._fill // self.layout.epoch_bytes, block=False)
-        if self._fill == self.batch_bytes:
+                self._submit_current(staging.fill // self.layout.epoch_bytes, block=False)
+        if staging.full:
             self._submit_current(self.batch_epochs, block=block)
         return data
 
-    def _note_host_range(self, start: int, stop: int) -> None:
-        """Remember which staging bytes came from host memory (the GPU uploads only those)."""
-        if self._host_ranges and self._host_ranges[-1][1] == start:
-            self._host_ranges[-1][1] = stop
-        else:
-            self._host_ranges.append([start, stop])
-
-    def _copy(self, destination: np.ndarray, source: np.ndarray) -> None:
-        """Copy into staging; large pieces in parallel (one thread's memcpy tops out near 4 GB/s)."""
-        n = source.nbytes
-        if n < _PARALLEL_COPY_BYTES or self._copy_pool is None:
-            destination[...] = source
-            return
-        parts = self._copy_threads + 1
-        bounds = [n * i // parts for i in range(parts + 1)]
-        futures = [self._copy_pool.submit(np.copyto, destination[a:b], source[a:b])
-                   for a, b in zip(bounds[1:-1], bounds[2:])]
-        try:
-            destination[: bounds[1]] = source[: bounds[1]]
-        finally:  # even when interrupted: no copy may land in staging after we return
-            wait_futures(futures)
-        for future in futures:
-            future.result()
-
-    def _acquire(self, block: bool) -> bool:
-        """Make a free staging buffer current; False if none is free and ``block`` is False."""
-        self._raise_if_failed()
-        entry = self._free[0]
-        if entry[1] is not None and not self._backend.staging_free(entry[1], block=block):
-            return False
-        self._raise_if_failed()
-        self._current = self._free.pop(0)
-        self._fill = 0
-        self._host_ranges = []
-        return True
-
-    def _pad_current(self) -> int:
-        """Zero the unfilled part of the current buffer's last epoch; returns its epoch count."""
-        layout = self.layout
-        if self._fill % layout.itemsize:
-            warnings.warn(f"the stream ends inside an element ({self._fill % layout.itemsize} stray bytes); "
-                          "they are padded with zeros and not published", stacklevel=3)
-        epochs = math.ceil(self._fill / layout.epoch_bytes)
-        self._current[0][self._fill : epochs * layout.epoch_bytes] = 0
-        self._note_host_range(self._fill, epochs * layout.epoch_bytes)
-        return epochs
-
     def _rows_in_current(self) -> int:
         """Rows along dim 0 that the current (partly filled) buffer holds data for."""
-        return math.ceil(self._fill / self._row_bytes)
-
-    def _reserve_room(self, block: bool) -> bool:
-        with self._room:
-            if block:
-                self._room.wait_for(lambda: self._in_pipeline < self._pipeline_limit or self._error is not None)
-            self._raise_if_failed()
-            if self._in_pipeline >= self._pipeline_limit:
-                return False
-            self._in_pipeline += 1
-            return True
+        return math.ceil(self._staging.fill / self._row_bytes)
 
     def _submit_current(self, epochs: int, rows: int | None = None, block: bool = True) -> bool:
         """Hand the current buffer's first ``epochs`` to the backend and the collector; False if
         ``block`` is False and the pipeline is full."""
-        if not self._reserve_room(block):
+        if not self._collector.reserve(block):
+            self._raise_if_failed()
             return False
         try:  # from here on every step must happen, or the stream position is lost: fail then
-            entry, self._current = self._current, None
-            entry[1] = self._backend.submit(entry[0], epochs, self._host_ranges, rows=rows)
-            stream_end = self.stats.bytes_in
-            self._fill = 0
-            self._submitted.put((entry[1], self._epochs_submitted, stream_end))
-            self._epochs_submitted += epochs
-            self._free.append(entry)
+            ticket = self._staging.submit(epochs, rows)
+            self._collector.enqueue(ticket, epochs, self.stats.bytes_in)
         except BaseException as exc:
             self._fail(exc)
             raise
         return True
 
-    # -- collector thread ----------------------------------------------------------------
-    def _collect(self) -> None:
-        while True:
-            item = self._submitted.get()
-            try:
-                if item is None:
-                    return
-                if self._error is None:  # else drain without work so producers never block
-                    self._collect_batch(*item)
-            except BaseException as exc:  # noqa: BLE001
-                self._fail(exc)
-            finally:
-                if item is not None:
-                    with self._room:
-                        self._in_pipeline -= 1
-                        self._room.notify_all()
-                self._submitted.task_done()
-
-    def _collect_batch(self, ticket, first_epoch: int, stream_end: int) -> None:
-        levels = self._backend.result(ticket)
-        rows_received = stream_end // self._row_bytes  # whole rows only: a partial row is never claimed
-        for offset in range(len(levels[0])):
-            # Level k's tile epoch e lies in level 0's: their shard epochs complete together.
-            shards = [(k, shard) for k, accumulator in enumerate(self._accumulators)
-                      for shard in accumulator.add(first_epoch + offset, levels[k][offset])]
-            if shards:
-                shard_epoch = shards[0][1].coords[0]
-                self._store_shards(shards, min((shard_epoch + 1) * self.layout.shard_epoch_rows, rows_received))
-                self._publisher.wait(self._max_pending_shard_epochs)  # storage backpressure
-        self._bytes_collected = stream_end
-
     def _drain(self) -> None:
         """Wait until the collector has processed everything submitted and storage caught up."""
-        self._submitted.join()
-        self._publisher.wait()
+        self._collector.drain()
         self._raise_if_failed()
 
-    # -- storage -------------------------------------------------------------------------
-    def _store_shards(self, shards, rows: int) -> None:
-        """Write ``shards`` (level, shard) on the I/O pool; level-0 rows ``[0, rows)`` are
-        published once they and everything before them are on disk."""
-        if shards:
-            self._publisher.track([self._io.submit(self._write_shard, k, shard) for k, shard in shards], rows)
-
-    def _write_shard(self, level: int, shard) -> None:
-        key = self._prefixes[level] + self.pyramid.layouts[level].shard_key(shard.coords)
-        self._sink.write(key, shard.buffers + [shard.index])
+    def _shard_written(self, nbytes: int) -> None:
         with self._stats_lock:
-            self.stats.bytes_out += shard.nbytes
+            self.stats.bytes_out += nbytes
             self.stats.shards_written += 1
 
     def _published(self, rows: int) -> None:
@@ -571,8 +433,9 @@ class Writer:
         if self._error is None:
             log.error("writer for %s failed: %s", self._sink.location, exc)
             self._error = exc
-        with self._room:
-            self._room.notify_all()  # a producer waiting for room must see the error
+        collector = getattr(self, "_collector", None)
+        if collector is not None:
+            collector.wake()  # a producer waiting for room must see the error
 
     def _check_open(self) -> None:
         if self._closed:
