@@ -17,7 +17,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from napari_tileshard import SyntheticCamera, Writer  # noqa: E402
-from napari_tileshard import writer as writer_module  # noqa: E402
+from napari_tileshard.backends.cpu import CpuBackend  # noqa: E402
+from napari_tileshard.collector import Collector  # noqa: E402
+from napari_tileshard.publish import Publisher  # noqa: E402
+from napari_tileshard.shard import ShardAccumulator  # noqa: E402
+from napari_tileshard.staging import StagingRing  # noqa: E402
+from napari_tileshard.store import Sink, open_sink  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_write import layout_for  # noqa: E402
@@ -40,6 +45,36 @@ def timed(owner, name, label=None):
     setattr(owner, name, wrapper)
 
 
+class TimingSink(Sink):
+    """Storage time, per object kind, through the public Sink seam."""
+
+    def __init__(self, store, overwrite=False):
+        self.inner = open_sink(store, overwrite)
+
+    @property
+    def location(self):
+        return self.inner.location
+
+    @property
+    def root(self):
+        return getattr(self.inner, "root", None)
+
+    def write(self, key, buffers):
+        start = time.perf_counter()
+        try:
+            self.inner.write(key, buffers)
+        finally:
+            with LOCK:
+                TOTALS["sink.write zarr.json" if key.endswith("zarr.json") else "sink.write shard"] += (
+                    time.perf_counter() - start)
+
+    def release(self):
+        self.inner.release()
+
+    def discard(self):
+        self.inner.discard()
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--backend", default="gpu")
@@ -55,21 +90,17 @@ def main():
     camera.prepare()
     frames = int(args.gib * 2**30 // camera.frame_bytes)
     layout = layout_for(shape, tile)
-    W = writer_module.Writer
-    for name in ("_write", "_acquire", "_submit_current", "_collect", "_store_shards", "_write_shard",
-                 "_complete_oldest_io", "_write_metadata"):
-        timed(W, name)
+    # Time the stages by class (public methods of each pipeline piece), and storage through a Sink.
+    for owner, names in ((StagingRing, ("copy_in", "acquire", "submit")), (Collector, ("reserve", "drain")),
+                         (ShardAccumulator, ("add",)), (Publisher, ("track", "wait"))):
+        for name in names:
+            timed(owner, name, f"{owner.__name__}.{name}")
+    backend_class = CpuBackend if args.backend == "cpu" else __import__(
+        "napari_tileshard.backends.gpu", fromlist=["GpuBackend"]).GpuBackend
+    for name in ("submit", "result", "staging_free"):
+        timed(backend_class, name, f"backend.{name}")
     batch = args.batch_mib << 20 if args.batch_mib else None
-    writer = Writer(args.out, layout, backend=args.backend, overwrite=True, batch_bytes=batch)
-    backend = writer._backend
-    timed(backend, "submit", "backend.submit")
-    timed(backend, "result", "backend.result")
-    timed(backend, "staging_free", "backend.staging_free")
-    timed(writer._accumulator, "add", "accumulator.add")
-    timed(writer._sink, "write", "sink.write")
-    if hasattr(backend, "_packed"):
-        timed(backend._packed, "take", "pinned.take")
-        timed(backend, "_wait_ready", "backend.wait_ready")
+    writer = Writer(TimingSink(args.out, overwrite=True), layout, backend=args.backend, batch_bytes=batch)
     start = time.perf_counter()
     for frame in camera.frames(frames):
         writer.append(frame)

@@ -219,8 +219,7 @@ def test_polling_reader_never_fails_while_the_writer_flushes(tmp_path, reader):
         if reader == "zarr":
             array = zarr.open_array(path, mode="r")
             return array[:]
-        import tensorstore as ts
-
+        ts = pytest.importorskip("tensorstore")
         spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(path)}}
         return ts.open(spec, read=True).result().read().result()
 
