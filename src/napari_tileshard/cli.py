@@ -9,6 +9,7 @@ import time
 
 from tqdm import tqdm
 
+from . import codecs
 from .camera import SyntheticCamera
 from .layout import Dim, Layout
 from .pyramid import DOWNSAMPLE
@@ -75,8 +76,9 @@ def _parser() -> argparse.ArgumentParser:
     record.add_argument("--names", type=lambda s: s.split(","), default=None, help="dimension names")
     record.add_argument("--dtype", default="uint16")
     record.add_argument("--frames", type=int, default=256, help="camera frames to record")
-    record.add_argument("--codec", choices=("zstd", "none"), default="zstd")
-    record.add_argument("--level", type=int, default=1)
+    record.add_argument("--codec", choices=codecs.names(), default="zstd")
+    record.add_argument("--level", type=int, default=1, help="compression level (" + ", ".join(
+        f"{c.name} {c.level_range[0]}..{c.level_range[1]}" for c in codecs.CODECS.values() if c.level_range) + ")")
     record.add_argument("--backend", choices=("auto", "cpu", "gpu"), default="auto")
     record.add_argument("--source", choices=("synthetic",), default="synthetic")
     record.add_argument("--seed", type=int, default=0)

@@ -394,10 +394,13 @@ class Layout:
         return tiles.reshape(-1, self.tile_elements)
 
     # -- memory ---------------------------------------------------------------------------
-    def compressed_tile_bound(self) -> int:
-        """Worst-case bytes of one compressed tile (zstd's ``ZSTD_COMPRESSBOUND``)."""
-        n = self.tile_bytes
-        return n + (n >> 8) + ((128 * 1024 - n) >> 11 if n < 128 * 1024 else 0)
+    def compressed_tile_bound(self, codec=None) -> int:
+        """Worst-case bytes of one encoded tile with ``codec`` (a name or Codec); None: with any
+        registered codec (a bound for memory estimates made before the codec is known)."""
+        from . import codecs
+
+        candidates = codecs.CODECS.values() if codec is None else [codecs.get(codec)]
+        return max(c.max_encoded_bytes(self.tile_bytes) for c in candidates)
 
     def shard_key(self, shard_coords) -> str:
         """Store key of a shard (default chunk key encoding, ``/`` separator)."""

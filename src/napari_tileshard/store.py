@@ -45,11 +45,12 @@ _CHUNK_NAME = re.compile(r"[0-9]+")
 _OVERWRITE_HINT = "use overwrite=True (--overwrite on the command line)"
 
 
-def array_metadata(layout: Layout, codec: str, level: int, shape0: int, attributes=None) -> dict:
-    """Standard Zarr v3 array metadata with the ``sharding_indexed`` codec for ``layout``."""
-    inner_codecs = [{"name": "bytes", "configuration": {"endian": "little"}}]
-    if codec == "zstd":
-        inner_codecs.append({"name": "zstd", "configuration": {"level": int(level), "checksum": False}})
+def array_metadata(layout: Layout, codec, level: int, shape0: int, attributes=None) -> dict:
+    """Standard Zarr v3 array metadata with the ``sharding_indexed`` codec for ``layout``;
+    ``codec``: a codec name or :class:`~napari_tileshard.codecs.Codec`."""
+    from . import codecs
+
+    inner_codecs = codecs.get(codec).configure(level, layout.dtype).zarr_codecs()
     shape = [int(shape0)] + [int(s) for s in layout.shape[1:]]
     fill_value = 0.0 if layout.dtype.kind == "f" else 0
     return {

@@ -7,8 +7,9 @@ shard objects that exist are listed without following symlinks (a bogus huge ``s
 nothing; a symlink out of the store is reported, not read), and each shard is streamed: its index
 with one suffix read (in blocks for huge indexes), then each chunk's byte range, one at a time.
 For each shard it checks the index size and CRC32C, that every chunk lies inside the shard
-(offsets as Python integers: a uint64 sum would wrap), holds a plausible number of bytes, and,
-for zstd, is one standard zstd frame that decodes to exactly one tile (never more is decoded).
+(offsets as Python integers: a uint64 sum would wrap), holds a plausible number of bytes for its
+codec, and decodes, with the codec's own decoder, to exactly one tile (never more is decoded; for
+zstd: one standard zstd frame).
 
 The Writer's record in each array's attributes (``tileshard``: ``rows_written``, ``state``) is
 checked too: rows inside the published shape that were never written are a problem.
@@ -17,13 +18,12 @@ checked too: rows inside the published shape that were never written are a probl
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 
 import crc32c
 import numpy as np
-import zstandard
 
+from . import codecs
 from .safe_read import StoreAccess, UnsafeStoreError, recording_state
 
 #: the largest tile verify decompresses to check it (a declared tile beyond it is reported)
@@ -131,9 +131,9 @@ def _check_array(report: VerifyReport, access: StoreAccess, array, label: str, p
         report.problems.append(Problem("zarr.json", None, "array is not sharded (no sharding_indexed codec)"))
         return
     config = sharding[0]["configuration"]
-    inner = [c["name"] for c in config["codecs"]]
+    codec = codecs.from_zarr_codecs(list(config["codecs"]), array.dtype)
     if config.get("index_location", "end") != "end" or [c["name"] for c in config["index_codecs"]] != [
-        "bytes", "crc32c"] or inner not in (["bytes"], ["bytes", "zstd"]):
+        "bytes", "crc32c"] or codec is None:
         report.problems.append(Problem("zarr.json", None, f"unsupported sharding configuration {config}"))
         return
     shape = meta["shape"]
@@ -142,9 +142,8 @@ def _check_array(report: VerifyReport, access: StoreAccess, array, label: str, p
     tile_bytes = math.prod(chunk_shape) * np.dtype(array.dtype).itemsize
     chunks_per_shard = math.prod(s // c for s, c in zip(shard_shape, chunk_shape))
     grid = [math.ceil(s / n) for s, n in zip(shape, shard_shape)]
-    zstd = "zstd" in inner
-    decode = zstd and tile_bytes <= MAX_DECODED_TILE_BYTES
-    if zstd and not decode:
+    decode = codec.checks_content and tile_bytes <= MAX_DECODED_TILE_BYTES
+    if codec.checks_content and not decode:
         report.problems.append(Problem("zarr.json", None, f"tiles of {tile_bytes} bytes are larger than verify "
                                                           f"decodes ({MAX_DECODED_TILE_BYTES} bytes): chunks "
                                                           "checked for placement and size only"))
@@ -154,7 +153,7 @@ def _check_array(report: VerifyReport, access: StoreAccess, array, label: str, p
     for key, reason in listing.refused:
         report.problems.append(Problem(key[len(base):], None, reason))
     keys = sorted(k[len(base):] for k in listing.keys)
-    checker = _ShardChecker(report, chunks_per_shard, tile_bytes, zstd, decode)
+    checker = _ShardChecker(report, chunks_per_shard, tile_bytes, codec, decode)
     for done, key in enumerate(keys):
         if progress:
             progress(done, len(keys))
@@ -183,22 +182,15 @@ def _check_array(report: VerifyReport, access: StoreAccess, array, label: str, p
         progress(len(keys), len(keys))
 
 
-def zstd_bound(nbytes: int) -> int:
-    """The most bytes a zstd encoder emits for ``nbytes`` of input as one frame (libzstd's
-    ``ZSTD_COMPRESSBOUND``, which includes the frame header and checksum); python-zstandard
-    does not expose it."""
-    return nbytes + (nbytes >> 8) + (((128 << 10) - nbytes) >> 11 if nbytes < (128 << 10) else 0)
-
-
 class _ShardChecker:
-    def __init__(self, report, chunks_per_shard, tile_bytes, zstd, decode):
+    def __init__(self, report, chunks_per_shard, tile_bytes, codec, decode):
         self.report = report
         self.chunks = chunks_per_shard
         self.index_bytes = chunks_per_shard * 16 + 4
         self.tile_bytes = tile_bytes
-        self.zstd, self.decode = zstd, decode
-        self.max_chunk = zstd_bound(tile_bytes) if zstd else tile_bytes
-        self.decompressor = zstandard.ZstdDecompressor()
+        self.codec, self.decode = codec, decode
+        self.min_chunk = codec.min_encoded_bytes(tile_bytes)
+        self.max_chunk = codec.max_encoded_bytes(tile_bytes)
 
     def check(self, key: str, shard) -> None:
         report, size = self.report, shard.size
@@ -238,39 +230,16 @@ class _ShardChecker:
         if offset == _EMPTY or nbytes == _EMPTY or offset + nbytes > data_end:
             found.append(Problem(key, chunk, f"chunk (offset {offset}, {nbytes} bytes) lies outside the shard "
                                              f"data ({data_end} bytes)"))
-        elif not self.zstd:
-            if nbytes != self.tile_bytes:
-                found.append(Problem(key, chunk, f"holds {nbytes} bytes, a tile is {self.tile_bytes}"))
+        elif self.min_chunk == self.max_chunk != nbytes:
+            found.append(Problem(key, chunk, f"holds {nbytes} bytes, a tile is {self.tile_bytes}"))
         elif nbytes > self.max_chunk:
-            found.append(Problem(key, chunk, f"holds {nbytes} bytes, more than zstd makes of one tile of "
-                                             f"{self.tile_bytes} bytes (at most {self.max_chunk})"))
+            found.append(Problem(key, chunk, f"holds {nbytes} bytes, more than {self.codec.name} makes of one tile "
+                                             f"of {self.tile_bytes} bytes (at most {self.max_chunk})"))
+        elif nbytes < self.min_chunk:
+            found.append(Problem(key, chunk, f"holds {nbytes} bytes, fewer than {self.codec.name} makes of one tile "
+                                             f"(at least {self.min_chunk})"))
         elif self.decode:
-            found.extend(Problem(key, chunk, message)
-                         for message in self._zstd_problems(shard.read(offset, nbytes)))
-
-    def _zstd_problems(self, data: bytes) -> list[str]:
-        # zstandard rather than zarr-python's codec: zarr's decode cannot bound its output (a
-        # small frame may expand to gigabytes) nor tell that bytes follow the first frame.
-        tile = self.tile_bytes
-        try:
-            declared = zstandard.frame_content_size(data)
-        except zstandard.ZstdError as exc:
-            return [f"zstd decode failed: {exc}"]
-        if declared not in (-1, zstandard.CONTENTSIZE_UNKNOWN, tile):
-            # decompress() allocates a declared size: refuse any but the tile's
-            return [f"zstd frame declares {declared} bytes, a tile is {tile}"]
-        problems = []
-        try:
-            decoded = self.decompressor.decompress(data, max_output_size=tile, allow_extra_data=False)
-        except zstandard.ZstdError as exc:
-            trailing = re.search(r"contains (\d+) bytes of unused data", str(exc))
-            if not trailing:
-                return [f"zstd decode failed: {exc} (a tile is {tile} bytes)"]
-            problems.append(f"{trailing.group(1)} bytes follow the first zstd frame")
-            try:
-                decoded = self.decompressor.decompress(data, max_output_size=tile)
-            except zstandard.ZstdError as exc2:
-                return problems + [f"zstd decode failed: {exc2} (a tile is {tile} bytes)"]
-        if len(decoded) != tile:
-            problems.append(f"decodes to {len(decoded)} bytes, a tile is {tile}")
-        return problems
+            try:  # the codec's decoder never allocates more than one tile
+                self.codec.decode(shard.read(offset, nbytes), self.tile_bytes)
+            except codecs.CodecError as exc:
+                found.append(Problem(key, chunk, str(exc)))

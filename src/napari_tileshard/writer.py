@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from .backends import select_backend
-from .backends.base import CODECS
+from . import codecs
 from .collector import Collector
 from .layout import Layout
 from .ome import group_metadata
@@ -71,16 +71,6 @@ class WriterStats:
                 "throughput_gbps": self.throughput_gbps}
 
 
-def _validate_level(codec: str, level) -> int:
-    if codec not in CODECS:
-        raise ValueError(f"codec {codec!r} is not one of {', '.join(CODECS)}")
-    if not isinstance(level, (int, np.integer)) or isinstance(level, bool):
-        raise TypeError(f"level must be an integer, got {level!r}")
-    if codec == "zstd" and not -7 <= level <= 22:
-        raise ValueError(f"zstd level must be in -7..22, got {level}")
-    return int(level)
-
-
 def estimate_memory(layout: Layout, batch_bytes: int | None = None, pyramid: Pyramid | None = None) -> dict[str, int]:
     """Host bytes with the CPU backend and host/device bytes with the GPU backend, by default batching.
 
@@ -98,8 +88,6 @@ def estimate_memory(layout: Layout, batch_bytes: int | None = None, pyramid: Pyr
     cpu_levels = int(cpu_batch * (level_fraction(pyramid) - 1) * (8 if pyramid.method == "mean" else 2) / 4)
     return {"cpu_host": 2 * cpu_batch + in_flight + cpu_levels, "gpu_host": gpu["host"] + in_flight,
             "gpu_device": gpu["device"]}
-
-
 
 
 def _positive_int(name: str, value, allow_none: bool = False):
@@ -154,7 +142,7 @@ class Writer:
         self.max_latency_s = float(max_latency_s)
         self.layout = layout
         self.codec = codec
-        self.level = _validate_level(codec, level)
+        self.level = codecs.get(codec).validate_level(level)
         if staging_buffers is not None and (_positive_int("staging_buffers", staging_buffers) < 2):
             raise ValueError(f"staging_buffers must be an integer >= 2, got {staging_buffers!r}")
         io_threads = _positive_int("io_threads", io_threads)
@@ -251,7 +239,7 @@ class Writer:
         estimate = self._backend.memory_estimate(self.batch_bytes, self._staging.count)
         # The open shard epoch plus those waiting on storage, at the worst-case compressed size.
         shard_epoch_bound = layout.tiles_per_shard[0] * sum(
-            lay.tiles_per_epoch * lay.compressed_tile_bound() for lay in self.pyramid.layouts)
+            lay.tiles_per_epoch * lay.compressed_tile_bound(self.codec) for lay in self.pyramid.layouts)
         estimate["host"] += (1 + self._collector.max_pending_shard_epochs) * shard_epoch_bound
         return estimate
 

@@ -2,8 +2,9 @@
 
 One small interface (:class:`Backend`), two implementations:
 
-* :mod:`.cpu` - NumPy tiling + multi-threaded zstd (``zstandard``, GIL released).
-* :mod:`.gpu` - CuPy scatter/aggregate kernels + nvCOMP batched zstd, pipelined on streams.
+* :mod:`.cpu` - NumPy tiling + multi-threaded compression (every codec; GIL released).
+* :mod:`.gpu` - CuPy scatter/aggregate kernels + nvCOMP batched zstd, pipelined on streams
+  (the codecs whose ``gpu`` is not None).
 
 The GPU module is imported only when asked for, so the package works without CUDA.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import logging
 
+from ..codecs import gpu_support
 from .base import Backend, Ticket
 
 log = logging.getLogger(__name__)
@@ -26,12 +28,16 @@ def gpu_unavailable_reason() -> str | None:
     return gpu_probe.unavailable_reason()
 
 
-def select_backend(name: str, layout, codec: str, level: int, **options) -> Backend:
-    """Instantiate backend ``name`` (``auto`` picks the GPU when it is usable, and says so)."""
+def select_backend(name: str, layout, codec, level: int, **options) -> Backend:
+    """Instantiate backend ``name`` (``auto`` picks the GPU when it is usable and encodes ``codec``,
+    and says so)."""
     if name not in BACKENDS:
         raise ValueError(f"backend {name!r} is not one of {', '.join(BACKENDS)}")
     if name in ("auto", "gpu"):
-        reason = gpu_unavailable_reason()
+        refusal = gpu_support(codec)  # asked first: the same answer with or without a GPU
+        if refusal and name == "gpu":
+            raise ValueError(refusal)
+        reason = refusal or gpu_unavailable_reason()
         if reason is None:
             from .gpu import GpuBackend
 

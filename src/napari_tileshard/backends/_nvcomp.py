@@ -12,6 +12,7 @@ import ctypes
 import functools
 
 _SUCCESS = 0
+ALGORITHMS = ("zstd",)  # the nvCOMP algorithms bound here (a codec's ``gpu.nvcomp``)
 
 
 class CompressOpts(ctypes.Structure):

@@ -7,11 +7,12 @@ from typing import Any
 
 import numpy as np
 
+from .. import codecs
 from ..layout import Layout
 from ..pyramid import Pyramid
 from ..shard import EncodedEpoch
 
-CODECS = ("zstd", "none")
+CODECS = codecs.names()  # the Writer validates names against these until it asks codecs.get()
 
 Ticket = Any  # what submit() returns; opaque to the Writer
 
@@ -35,14 +36,17 @@ class Backend(ABC):
     #: staging buffers the Writer allocates by default
     preferred_staging_buffers = 2
 
-    def __init__(self, layout: Layout, codec: str = "zstd", level: int = 1, pyramid: Pyramid | None = None):
-        if codec not in CODECS:
-            raise ValueError(f"codec {codec!r} is not one of {', '.join(CODECS)}")
+    def __init__(self, layout: Layout, codec: str | codecs.Codec = "zstd", level: int = 1,
+                 pyramid: Pyramid | None = None):
+        #: the configured :class:`~napari_tileshard.codecs.Codec` (level and element size applied)
+        self.codec = codecs.get(codec).configure(level, layout.dtype)
+        if layout.tile_bytes > self.codec.max_chunk_bytes:
+            raise ValueError(f"tile of {layout.tile_bytes} bytes exceeds codec {self.codec.name!r}'s limit of "
+                             f"{self.codec.max_chunk_bytes} bytes per chunk; use smaller tiles")
         if pyramid is not None and pyramid.layouts[0] != layout:
             raise ValueError("the pyramid's level 0 must be the layout")
         self.layout = layout
-        self.codec = codec
-        self.level = level
+        self.level = self.codec.level
         self.pyramid = pyramid or Pyramid.single(layout)
 
     def allocate_staging(self, nbytes: int) -> np.ndarray:

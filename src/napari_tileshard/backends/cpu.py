@@ -1,8 +1,9 @@
-"""CPU backend: NumPy tiling and zstd on a thread pool.
+"""CPU backend: NumPy tiling and compression on a thread pool.
 
 Work is split into one task per (tile epoch, shard): the task copies the shard's tiles out of
 the staging buffer in one NumPy call (the lift/transpose, padding edge tiles with 0) and
-compresses them with ``zstandard``, which releases the GIL, so tasks run truly in parallel.
+compresses them with the codec's CPU encoder (``zstandard``, Blosc), which releases the GIL, so
+tasks run truly in parallel.
 Pyramid levels are reduced from the batch with :func:`~napari_tileshard.pyramid.reduce2` (on a
 reducer thread, while level 0 compresses) and encoded the same way.
 """
@@ -10,11 +11,9 @@ reducer thread, while level 0 compresses) and encoded the same way.
 from __future__ import annotations
 
 import os
-import threading
 from concurrent.futures import ThreadPoolExecutor, wait
 
 import numpy as np
-import zstandard
 
 from ..pyramid import reduce2
 from ..shard import EncodedEpoch
@@ -33,7 +32,6 @@ class CpuBackend(Backend):
         # Reductions run on their own thread: an encode task never waits on a reduction queued
         # behind it in the same pool.
         self._reducer = ThreadPoolExecutor(1, thread_name_prefix="tileshard-reduce") if self.pyramid.levels > 1 else None
-        self._local = threading.local()
         # Tasks per (epoch, shard [piece]): a few epochs per batch so every thread has work.
         epochs = -(-2 * self.threads // layout.inner_shard_count)
         self.preferred_batch_bytes = max(self.preferred_batch_bytes,
@@ -41,12 +39,6 @@ class CpuBackend(Backend):
 
     def describe(self) -> str:
         return f"cpu ({self.threads} threads)"
-
-    def _compressor(self):
-        compressor = getattr(self._local, "compressor", None)
-        if compressor is None:
-            compressor = self._local.compressor = zstandard.ZstdCompressor(level=self.level)
-        return compressor
 
     def submit(self, staging, epochs, host_ranges=None, rows=None):
         layout = self.layout
@@ -94,12 +86,7 @@ class CpuBackend(Backend):
         piece_mask = layout.slot_mask[shard].reshape(rows, -1)[within_1]
         present = np.flatnonzero(piece_mask)  # the slots of `tiles`, in the same order
         sizes = np.zeros(piece_mask.size, dtype=np.uint64)
-        if self.codec != "zstd":
-            sizes[present] = layout.tile_bytes
-            return [tiles], sizes
-        compress = self._compressor().compress
-        chunks = [compress(tile) for tile in tiles]
-        sizes[present] = [len(c) for c in chunks]
+        chunks, sizes[present] = self.codec.encode_tiles(tiles)
         return chunks, sizes
 
     def result(self, ticket):

@@ -1,5 +1,7 @@
 """GPU backend: CuPy kernels + nvCOMP batched zstd + on-GPU shard aggregation.
 
+Codecs whose bitstream nvCOMP cannot produce (``codec.gpu`` is None) are refused at construction.
+
 Per batch of tile epochs (see ``docs/design.md``), all enqueued without a host sync:
 
     pinned staging --H2D (copy stream)--> input --tile kernel--> tile-major pool
@@ -24,12 +26,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .. import codecs
 from ..shard import EncodedEpoch
 from . import _kernels, _nvcomp
 from .base import Backend
 
 _ALIGN = 16
-_MAX_NVCOMP_CHUNK = 16 << 20  # nvCOMP zstd's limit on one chunk
 
 
 def _round_up(n: int, m: int) -> int:
@@ -121,16 +123,24 @@ class GpuBackend(Backend):
 
     def __init__(self, layout, codec="zstd", level=1, slots: int = 3, batch_bytes: int | None = None,
                  pyramid=None, **_):
+        refusal = codecs.gpu_support(codec)  # before CuPy: the refusal does not depend on the machine
+        if refusal:
+            raise ValueError(refusal)
+        support = codecs.get(codec).gpu
+        if support.nvcomp not in (None, *_nvcomp.ALGORITHMS):  # else _nvcomp would write zstd under its name
+            raise ValueError(f"nvCOMP's {support.nvcomp} is not bound in backends/_nvcomp.py")
         import cupy
 
         super().__init__(layout, codec, level, pyramid)
-        if codec == "zstd" and layout.tile_bytes > _MAX_NVCOMP_CHUNK:
-            raise ValueError(f"tile of {layout.tile_bytes} bytes exceeds nvCOMP zstd's 16 MiB chunk limit; "
-                             "use smaller tiles or backend='cpu'")
-        if codec == "zstd" and level != 1:
-            warnings.warn(f"nvCOMP's zstd has no compression level: level={level} is recorded in the metadata "
-                          "but the GPU compresses at its own fixed setting (use backend='cpu' for other levels)",
-                          UserWarning, stacklevel=4)
+        #: nvCOMP's algorithm for this codec; None: tiles are stored as they are
+        self.nvcomp = support.nvcomp
+        if layout.tile_bytes > support.max_chunk_bytes:
+            raise ValueError(f"tile of {layout.tile_bytes} bytes exceeds nvCOMP {self.nvcomp}'s "
+                             f"{support.max_chunk_bytes >> 20} MiB chunk limit; use smaller tiles or backend='cpu'")
+        if self.nvcomp and not support.levels and level != 1:
+            warnings.warn(f"nvCOMP's {self.nvcomp} has no compression level: level={level} is recorded in the "
+                          "metadata but the GPU compresses at its own fixed setting (use backend='cpu' for other "
+                          "levels)", UserWarning, stacklevel=4)
         self._cupy = cupy
         self.device = cupy.cuda.Device()
         props = cupy.cuda.runtime.getDeviceProperties(self.device.id)
@@ -148,10 +158,10 @@ class GpuBackend(Backend):
         self.d2h_stream = cupy.cuda.Stream(non_blocking=True)
         self.tile_stride_bytes = _round_up(layout.tile_bytes, _ALIGN)
         self.output_stride = (_round_up(_nvcomp.max_output_chunk_bytes(layout.tile_bytes), _ALIGN)
-                              if codec == "zstd" else self.tile_stride_bytes)
+                              if self.nvcomp else self.tile_stride_bytes)
 
     def describe(self) -> str:
-        return f"gpu ({self.device_name}, nvCOMP zstd)" if self.codec == "zstd" else f"gpu ({self.device_name})"
+        return f"gpu ({self.device_name}, nvCOMP {self.nvcomp})" if self.nvcomp else f"gpu ({self.device_name})"
 
     # -- sizing ------------------------------------------------------------------------
     @staticmethod
@@ -186,7 +196,7 @@ class GpuBackend(Backend):
                              self._temp_bytes(epochs * self.pyramid.tiles_per_epoch), self.pyramid.layouts)
 
     def _temp_bytes(self, chunks: int) -> int:
-        if self.codec != "zstd":
+        if not self.nvcomp:
             return 0
         return _nvcomp.temp_bytes(chunks, self.layout.tile_bytes, self.compute_stream.ptr)
 
@@ -240,7 +250,7 @@ class GpuBackend(Backend):
         for _ in range(self._slot_count):
             d_pool = cupy.empty(chunks * self.tile_stride_bytes, dtype=cupy.uint8)
             d_compressed = (cupy.empty(chunks * self.output_stride, dtype=cupy.uint8)
-                            if self.codec == "zstd" else d_pool)
+                            if self.nvcomp else d_pool)
             index = cupy.arange(chunks, dtype=cupy.uint64)
             self._slots.append(_Slot(
                 d_pool=d_pool,
@@ -328,7 +338,7 @@ class GpuBackend(Backend):
         consumed = cupy.cuda.Event(block=True, disable_timing=True)
         consumed.record(stream)
         with stream:
-            if self.codec == "zstd":
+            if self.nvcomp:
                 _nvcomp.compress_async(slot.input_ptrs.data.ptr, chunk_bytes.data.ptr, layout.tile_bytes,
                                        chunks, self._d_temp.data.ptr, self._temp_size, slot.output_ptrs.data.ptr,
                                        slot.d_sizes.data.ptr, slot.d_status.data.ptr, stream.ptr)
@@ -355,7 +365,7 @@ class GpuBackend(Backend):
             self._wait_ready(slot)
             chunks = ticket.epochs * self.pyramid.tiles_per_epoch
             entries = ticket.epochs * self.pyramid.slots_per_epoch
-            if self.codec == "zstd":
+            if self.nvcomp:
                 failed = np.flatnonzero(slot.h_status[:chunks])
                 if failed.size:
                     raise _nvcomp.NvcompError(
