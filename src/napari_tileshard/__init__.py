@@ -2,6 +2,7 @@
 
 from .camera import SyntheticCamera
 from .layout import MAX_RANK, SUPPORTED_DTYPES, Dim, Layout
+from .store import Sink, StoreExistsError, StoreLockedError, StoreVanishedError
 from .verify import VerifyReport, verify
 from .writer import Writer, WriterError, WriterStats
 
@@ -9,5 +10,5 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Dim", "Layout", "Writer", "WriterError", "WriterStats", "SyntheticCamera", "verify", "VerifyReport",
-    "MAX_RANK", "SUPPORTED_DTYPES",
+    "MAX_RANK", "SUPPORTED_DTYPES", "Sink", "StoreExistsError", "StoreLockedError", "StoreVanishedError",
 ]
