@@ -14,6 +14,7 @@ shard epoch is published as soon as its last shard lands, without polling.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import threading
@@ -48,7 +49,7 @@ class Publisher:
 
     def __init__(self, sink: Sink, pyramid: Pyramid, codec: str, level: int, attributes: dict,
                  prefixes: Sequence[str], on_error: Callable[[BaseException], None],
-                 on_publish: Callable[[int], None] = lambda rows: None):
+                 on_publish: Callable[[int], None] | None = None):
         self._sink = sink
         self._pyramid = pyramid
         self._codec = codec
@@ -82,7 +83,7 @@ class Publisher:
         if not futures:
             self._advance()
         for future in futures:
-            future.add_done_callback(lambda f, g=group: self._write_done(g, f))
+            future.add_done_callback(functools.partial(self._write_done, group))
 
     def wait(self, max_pending: int = 0) -> None:
         """Block until at most ``max_pending`` tracked groups are unpublished (or a write failed)."""
@@ -160,7 +161,8 @@ class Publisher:
             self._sink.write(prefix + METADATA_KEY, [metadata_bytes(metadata)])
         self.rows = rows
         self.state = state
-        self._on_publish(rows)
+        if self._on_publish is not None:
+            self._on_publish(rows)
 
 
 def check_attributes(attributes) -> dict:

@@ -8,7 +8,7 @@ A shard on disk is the concatenated chunk bytes followed by the index: one
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import crc32c
 import numpy as np
@@ -59,11 +59,11 @@ class Shard:
 
 @dataclass
 class _ShardEpochState:
-    data: list[list] = field(default_factory=list)  # per inner shard: buffers
-    length: np.ndarray | None = None  # per inner shard: bytes so far
-    index: np.ndarray | None = None  # (inner shards, chunks per shard, 2)
+    data: list[list]  # per inner shard: buffers
+    length: np.ndarray  # per inner shard: bytes so far
+    index: np.ndarray  # (inner shards, chunks per shard, 2)
 
-    def copy(self) -> "_ShardEpochState":
+    def copy(self) -> _ShardEpochState:
         return _ShardEpochState([list(d) for d in self.data], self.length.copy(), self.index.copy())
 
 

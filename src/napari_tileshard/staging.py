@@ -26,7 +26,7 @@ class StagingRing:
         self._backend = backend
         self.batch_bytes = batch_bytes
         self._free = [[backend.allocate_staging(batch_bytes), None] for _ in range(count)]  # [buffer, ticket]
-        self._current: list | None = None
+        self._current: list = []  # [buffer, ticket] while filling; empty between buffers
         self.fill = 0  # bytes in the current buffer
         self.fill_started = 0.0  # when the current buffer got its first byte (time.monotonic)
         self.host_ranges: list[list[int]] = []  # byte ranges of the current buffer filled from the host
@@ -36,12 +36,12 @@ class StagingRing:
 
     @property
     def count(self) -> int:
-        return len(self._free) + (self._current is not None)
+        return len(self._free) + bool(self._current)
 
     @property
     def buffer(self):
         """The current buffer (None before :meth:`acquire`)."""
-        return None if self._current is None else self._current[0]
+        return self._current[0] if self._current else None
 
     @property
     def full(self) -> bool:
@@ -49,7 +49,7 @@ class StagingRing:
 
     def acquire(self, block: bool) -> bool:
         """Make a free buffer current; False if none is free and ``block`` is False."""
-        if self._current is not None:
+        if self._current:
             return True
         entry = self._free[0]
         if entry[1] is not None and not self._backend.staging_free(entry[1], block=block):
@@ -111,7 +111,7 @@ class StagingRing:
     def submit(self, epochs: int, rows: int | None = None):
         """Hand the current buffer's first ``epochs`` to the backend; the buffer goes back to
         the free list (refilled once the backend releases it).  Returns the backend's ticket."""
-        entry, self._current = self._current, None
+        entry, self._current = self._current, []
         entry[1] = self._backend.submit(entry[0], epochs, self.host_ranges, rows=rows)
         self.fill = 0
         self._free.append(entry)

@@ -35,7 +35,8 @@ from .ome import group_metadata
 from .publish import Publisher, check_attributes
 from .pyramid import Pyramid, level_fraction, plan_pyramid
 from .staging import StagingRing
-from .store import METADATA_KEY, metadata_bytes, open_sink
+from .shard import EncodedEpoch
+from .store import METADATA_KEY, Sink, metadata_bytes, open_sink
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +128,8 @@ class Writer:
     again if setup fails.  A local store is locked for the Writer's life (one writer per store).
     """
 
+    _sink: Sink
+
     def __init__(self, store, layout: Layout, *, codec: str = "zstd", level: int = 1,
                  backend: str = "auto", overwrite: bool = False, batch_bytes: int | None = None,
                  staging_buffers: int | None = None, io_threads: int = 4, threads: int | None = None,
@@ -158,14 +161,14 @@ class Writer:
         if ome:
             options["pyramid"] = self.pyramid
         self._backend = select_backend(backend, layout, codec, self.level, **options)
-        self._sink = None
         try:
             self._setup(store, overwrite, batch_bytes, staging_buffers, io_threads, attributes)
         except BaseException as exc:
             self._backend.close()
-            if self._sink is not None:
-                location = self._sink.location
-                self._sink.discard()  # nothing half-made stays behind
+            sink: Sink | None = self.__dict__.get("_sink")
+            if sink is not None:
+                location = sink.location
+                sink.discard()  # nothing half-made stays behind
                 if isinstance(exc, OSError) and not isinstance(exc, FileExistsError) and exc.errno:
                     raise OSError(exc.errno, f"could not create the store {location}: {exc.strerror}") from exc
             raise
@@ -292,7 +295,7 @@ class Writer:
         """
         self._check_open()
         self._drain()
-        provisional = [[] for _ in self.pyramid.layouts]
+        provisional: list[list[EncodedEpoch]] = [[] for _ in self.pyramid.layouts]
         if self._staging.fill:
             ticket = self._staging.submit_provisional(self.layout.epoch_bytes, self.layout.itemsize,
                                                       rows=self._rows_in_current())
@@ -342,7 +345,7 @@ class Writer:
             raise TypeError("append() got a masked array: its mask cannot be stored; pass "
                             "array.filled(value) or np.asarray(array)")
         self._check_frames(array)
-        return memoryview(array.reshape(-1).view(np.uint8))
+        return array.reshape(-1).view(np.uint8).data
 
     def _check_frames(self, array) -> None:
         """dtype, trailing frame shape and contiguity, for NumPy and CuPy arrays alike."""
