@@ -1,4 +1,5 @@
-"""Run the GPU kernels and one nvCOMP batch per layout, for compute-sanitizer:
+"""Run the GPU stages' kernels (``backends/stages/``) and one nvCOMP batch per layout, through the
+GPU backend, for compute-sanitizer:
 
     compute-sanitizer --tool memcheck python3 scripts/sanitize_kernels.py
 

@@ -16,6 +16,20 @@ REASON = gpu_unavailable_reason()
 needs_gpu = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=f"GPU backend not usable: {REASON}")]
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(REASON is not None, reason=f"GPU backend not usable: {REASON}")
+def test_gpu_is_listed_usable_and_auto_prefers_it():
+    from napari_tileshard.backends import available_backends
+
+    assert available_backends() == {"gpu": None, "cpu": None}
+    layout = Layout([Dim("t", 0, 2, 1), Dim("x", 8, 4, 1)], "uint8")
+    backend = select_backend("auto", layout, "zstd", 1, threads=4)  # the Writer's CPU option is taken
+    try:
+        assert backend.name == "gpu"
+    finally:
+        backend.close()
+
+
 def test_gpu_backend_request_without_gpu_names_the_reason():
     if REASON is None:
         pytest.skip("a GPU is usable here; this checks the error on machines without one")
@@ -38,22 +52,60 @@ def gpu_layouts(draw):
 @given(gpu_layouts(), st.integers(1, 3), st.integers(0, 2**31))
 @settings(max_examples=60, deadline=None)
 def test_tile_kernel_matches_numpy_reference(layout, epochs, seed):
+    """The tile stage on the GPU equals the CPU's evaluation of the same lifted strides and the reference."""
     import cupy
 
-    from napari_tileshard.backends import _kernels
     from napari_tileshard.backends.gpu import _ALIGN, _round_up
+    from napari_tileshard.backends.stages.tile import tile_gpu, tile_kernel
 
     rng = np.random.default_rng(seed)
     batch = rng.integers(1, 250, (epochs * layout.epoch_rows,) + layout.shape[1:]).astype(layout.dtype)
     stride = _round_up(layout.tile_bytes, _ALIGN) // layout.itemsize
     elements = epochs * layout.tiles_per_epoch * stride
     pool = cupy.full(elements * layout.itemsize, 0xAB, dtype=cupy.uint8)  # poisoned
-    kernel = _kernels.tile_kernel(layout, stride)
-    kernel((-(-elements // 128),), (128,), (cupy.asarray(batch.reshape(-1).view(np.uint8)), pool, np.int64(elements)))
-    got = pool.get().view(layout.dtype).reshape(epochs, layout.tiles_per_epoch, stride)
+    stream = cupy.cuda.get_current_stream()  # the one that filled the pool: no race with the fill
+    tile_gpu(tile_kernel(layout, stride), cupy.asarray(batch.reshape(-1).view(np.uint8)), pool, elements, stream)
+    stream.synchronize()
+    got = pool.get().view(layout.dtype)
+    np.testing.assert_array_equal(got, layout.lifted_strides(stride).scatter(batch))
+    got = got.reshape(epochs, layout.tiles_per_epoch, stride)
     assert not got[:, :, layout.tile_elements:].any()  # alignment padding written too
     expected = layout.tile_pool_reference(batch).reshape(epochs, layout.tiles_per_epoch, -1)
     np.testing.assert_array_equal(got[:, :, :layout.tile_elements], expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(REASON is not None, reason=f"GPU backend not usable: {REASON}")
+@pytest.mark.parametrize("method, dims, dtype", [("mean", None, "uint16"), ("max", ("t", "z", "y", "x"), "float16"),
+                                                 ("mean", ("t", "y", "x"), "float32"), ("min", None, "int32")])
+def test_reduce_stage_on_the_gpu_equals_reduce_cpu(method, dims, dtype):
+    import cupy
+
+    from napari_tileshard.backends.stages.reduce import (
+        reduce_cpu,
+        reduce_gpu,
+        reduce_kernel,
+    )
+    from napari_tileshard.pyramid import plan_pyramid
+
+    pyramid = plan_pyramid(Layout([Dim("t", 0, 4, 1), Dim("z", 5, 2, 2), Dim("y", 37, 8, 2), Dim("x", 29, 8, 2)],
+                                  dtype), method, dims)
+    layout, epochs = pyramid.layouts[0], 3
+    rows = epochs * layout.epoch_rows - 1  # a partial last epoch: its padding stays out
+    rng = np.random.default_rng(5)
+    batch = (rng.random((epochs * layout.epoch_rows,) + layout.shape[1:]) * 1000).astype(dtype)
+    batch[rows:] = 0  # the Writer's padding (levels that keep dim 0 reduce it like any row)
+    expected = reduce_cpu(pyramid, batch, epochs, rows)
+    stream = cupy.cuda.get_current_stream()  # the one that uploads and zeroes: no race with them
+    source = cupy.asarray(batch)
+    for k in range(1, pyramid.levels):
+        lay = pyramid.layouts[k]
+        target = cupy.zeros(epochs * lay.epoch_elements, dtype=dtype)
+        kernel = reduce_kernel(pyramid.layouts[k - 1], lay, pyramid.step_axes(k), method)
+        reduce_gpu(kernel, source, target, target.size, pyramid.level_rows(k - 1, rows), stream)
+        stream.synchronize()
+        np.testing.assert_array_equal(target.get().reshape(expected[k - 1].shape), expected[k - 1])
+        source = target
 
 
 @pytest.mark.gpu
@@ -64,12 +116,17 @@ def test_aggregation_matches_numpy_reference(layout, epochs):
     """Whole GPU batch: packed shard-major bytes and offsets equal permute + scan + gather in NumPy."""
     import zstandard
 
+    from napari_tileshard.backends.gpu import GpuTicket
+
     backend = select_backend("gpu", layout, "zstd", 1)
     try:
         staging = backend.allocate_staging(epochs * layout.epoch_bytes)
         rng = np.random.default_rng(epochs)
         staging[:] = rng.integers(0, 4, staging.nbytes, dtype=np.uint8)  # compressible, not trivial
-        (encoded,) = backend.result(backend.submit(staging, epochs))
+        ticket = backend.submit(staging, epochs)
+        assert isinstance(ticket, GpuTicket) and ticket.epochs == epochs
+        assert backend.staging_free(ticket) is True
+        (encoded,) = backend.result(ticket)
     finally:
         backend.close()
     batch = staging.view(layout.dtype).reshape((epochs * layout.epoch_rows,) + layout.shape[1:])

@@ -51,16 +51,16 @@ def test_shard_permutation_matches_definition(layout):
 
 
 def scatter_with_lifted_strides(layout, batch, tile_stride=None):
-    """What the tiling kernel computes per element, evaluated with NumPy over all elements."""
-    strides = layout.lifted_strides(tile_stride)
-    stride = strides["tile_elements_stride"]
+    """The formula of LiftedStrides' docstring, evaluated element by element with NumPy."""
+    lift = layout.lifted_strides(tile_stride)
+    stride = lift.tile_elements_stride
     epochs = batch.shape[0] // layout.epoch_rows
     pool = np.zeros(epochs * layout.tiles_per_epoch * stride, dtype=batch.dtype)
     coords = np.indices(batch.shape).reshape(batch.ndim, -1)
     offset = np.zeros(coords.shape[1], dtype=np.int64)
     for d in range(layout.rank):
-        offset += (coords[d] // layout.tile_shape[d]) * strides["tile_stride"][d]
-        offset += (coords[d] % layout.tile_shape[d]) * strides["element_stride"][d]
+        offset += (coords[d] // lift.tile_shape[d]) * lift.tile_stride[d]
+        offset += (coords[d] % lift.tile_shape[d]) * lift.element_stride[d]
     pool[offset] = batch.reshape(-1)
     pool = pool.reshape(epochs, layout.tiles_per_epoch, stride)[:, :, :layout.tile_elements]
     return pool.reshape((epochs, layout.tiles_per_epoch) + layout.tile_shape)
@@ -74,6 +74,11 @@ def test_lifted_strides_equal_reshape_transpose(layout, epochs, seed, extra_stri
     expected = layout.tile_pool_reference(batch)
     scattered = scatter_with_lifted_strides(layout, batch, layout.tile_elements + extra_stride)
     np.testing.assert_array_equal(scattered, expected)
+    # The NumPy path of the lift (the CPU's): the same strides, one strided copy, padding included.
+    stride = layout.tile_elements + extra_stride
+    pool = layout.lifted_strides(stride).scatter(batch).reshape(epochs, layout.tiles_per_epoch, stride)
+    assert not pool[:, :, layout.tile_elements:].any()
+    np.testing.assert_array_equal(pool[:, :, :layout.tile_elements].reshape(expected.shape), expected)
     # The pool is tile-major: tile (e, i) is the block of the array it came from, padded with 0.
     tile_coords = np.unravel_index(np.arange(layout.tiles_per_epoch), layout.tile_count[1:]) if layout.rank > 1 else ()
     for e in range(epochs):
@@ -101,6 +106,56 @@ def test_shard_tiles_equal_pool_through_permutation(layout, seed):
     if layout.rank > 1 and layout.tiles_per_shard[1] > 1:  # pieces along w_1 concatenate to the shard
         pieces = [layout.shard_tiles(epoch, 0, slice(a, a + 1)) for a in range(layout.tiles_per_shard[1])]
         np.testing.assert_array_equal(np.concatenate(pieces), layout.shard_tiles(epoch, 0))
+
+
+@given(layouts(), st.integers(1, 4), st.integers(0, 5), st.integers(0, 2**31))
+@settings(max_examples=100, deadline=None)
+def test_lifted_strides_are_the_row_major_pool_the_gpu_kernel_unravels(layout, epochs, extra_stride, seed):
+    """The tile kernel walks the pool backwards by the extents (tile_count, tile_shape), so the pool
+    strides must be exactly the row-major strides of (epoch, t_1.., slot) and (n_0, ..., n_{D-1})."""
+    lift = layout.lifted_strides(layout.tile_elements + extra_stride)
+    assert (lift.shape, lift.tile_shape, lift.tile_count) == (layout.shape, layout.tile_shape, layout.tile_count)
+    assert lift.tile_elements == layout.tile_elements
+    rng = np.random.default_rng(seed)
+    tile_extents = (epochs,) + layout.tile_count[1:]
+    t = [rng.integers(0, n, 50) for n in tile_extents]
+    n = [rng.integers(0, k, 50) for k in layout.tile_shape]
+    offset = sum(t[d] * lift.tile_stride[d] + n[d] * lift.element_stride[d] for d in range(layout.rank))
+    expected = (np.ravel_multi_index(t, tile_extents) * lift.tile_elements_stride
+                + np.ravel_multi_index(n, layout.tile_shape))
+    np.testing.assert_array_equal(offset, expected)
+    batch_shape = (epochs * layout.epoch_rows,) + layout.shape[1:]
+    c = [rng.integers(0, s, 50) for s in batch_shape]
+    np.testing.assert_array_equal(sum(c[d] * lift.input_stride[d] for d in range(layout.rank)),
+                                  np.ravel_multi_index(c, batch_shape))
+
+
+@given(layouts(), st.integers(0, 2**31))
+@settings(max_examples=60, deadline=None)
+def test_shard_pieces_cover_each_shard_once(layout, seed):
+    """Every contiguous range of w_1 (empty ones too) gives the tiles of those tile rows, in order."""
+    rng = np.random.default_rng(seed)
+    epoch = rng.integers(1, 200, (layout.epoch_rows,) + layout.shape[1:]).astype(layout.dtype)
+    tps_1 = layout.tiles_per_shard[1] if layout.rank > 1 else 1
+    for shard in range(layout.inner_shard_count):
+        whole = layout.shard_tiles(epoch, shard)
+        mask = layout.slot_mask[shard].reshape(tps_1, -1)
+        for a in range(tps_1 + 1):
+            for b in range(a, tps_1 + 2):
+                first = int(mask[:a].sum()) if layout.rank > 1 else 0
+                count = int(mask[a:b].sum()) if layout.rank > 1 else len(whole)
+                np.testing.assert_array_equal(layout.shard_tiles(epoch, shard, slice(a, b)),
+                                              whole[first:first + count])
+
+
+def test_scatter_refuses_a_batch_of_partial_epochs_and_pieces_with_gaps():
+    layout = Layout([Dim("t", 0, 2, 1), Dim("x", 9, 4, 2)], "uint8")
+    with pytest.raises(ValueError, match="contiguous"):
+        layout.shard_bounds(0, slice(0, 2, 2))
+    with pytest.raises(ValueError, match="whole tile epochs"):
+        layout.lifted_strides().scatter(np.zeros((3, 9), np.uint8))
+    with pytest.raises(ValueError, match="whole tile epochs"):
+        layout.lifted_strides().scatter(np.zeros((2, 8), np.uint8))
 
 
 def test_derived_figures_of_the_readme_layout():

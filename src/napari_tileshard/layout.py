@@ -3,6 +3,12 @@
 Pure functions of the layout, no I/O.  Every other module (the NumPy backend, the
 CUDA kernels, the shard accumulator, the metadata) takes its geometry from here.
 
+The lift of a batch into tiles lives here once, as numbers: :func:`lifted_strides`
+(:class:`LiftedStrides`).  The CPU tile stage evaluates them with NumPy
+(:meth:`LiftedStrides.scatter`, through :meth:`Layout.shard_tiles`) and the GPU tile stage
+bakes them into its generated CUDA kernel (``backends/stages/tile.py``); both are tested
+against :meth:`Layout.tile_pool_reference`, which is written independently (reshape/transpose).
+
 Vocabulary (``sharding-layer.md``), for an array of rank ``D`` with dims ``0..D-1``
 (slowest to fastest):
 
@@ -117,6 +123,101 @@ class Dim:
     def axis_kind(self) -> str:
         """OME-NGFF axis type: ``kind``, or the default for the name."""
         return self.kind or _DEFAULT_KINDS.get(self.name.lower(), "other")
+
+
+@dataclass(frozen=True)
+class LiftedStrides:
+    """The lift ``(t_0, n_0, ..., t_{D-1}, n_{D-1})`` of a batch into a tile-major pool, as numbers.
+
+    A batch holds whole tile epochs: shape ``(k * tile_shape[0], *shape[1:])``, row-major.  Its
+    element at ``(c_0, ..., c_{D-1})`` is lifted to ``(t_d, n_d) = divmod(c_d, tile_shape[d])``
+    and lands at pool element ``sum_d t_d * tile_stride[d] + n_d * element_stride[d]``.  The pool
+    holds one tile after the other in row-major tile order ``(t_0, ..., t_{D-1})``, each
+    ``tile_elements_stride`` elements apart and row-major inside; elements of a tile that
+    overhang the array (``t_d * tile_shape[d] + n_d >= shape[d]``) and the slot padding past
+    ``tile_elements`` are the fill value 0.
+
+    Every implementation of the lift takes its numbers from here: :meth:`scatter` (NumPy, the
+    CPU tile stage through :meth:`Layout.shard_tiles`) and the GPU tile kernel's generated source
+    (``backends/stages/tile.py``), which walks the same map backwards, one thread per pool element.
+    """
+
+    #: array extents ``size[d]`` (dim 0: the layout's, 0 when unbounded; a batch is cut at whole tiles)
+    shape: tuple[int, ...]
+    #: extents of ``n_d``
+    tile_shape: tuple[int, ...]
+    #: extents of ``t_d`` (dim 0: tiles of the array; a batch has as many as it has tile epochs)
+    tile_count: tuple[int, ...]
+    #: row-major element strides of a batch: where the element at ``(c_0, ..., c_{D-1})`` is read
+    input_stride: tuple[int, ...]
+    #: pool strides of ``n_d``
+    element_stride: tuple[int, ...]
+    #: pool strides of ``t_d`` (dim 0: one tile epoch)
+    tile_stride: tuple[int, ...]
+    #: elements from one tile to the next in the pool
+    tile_elements_stride: int
+
+    @property
+    def rank(self) -> int:
+        return len(self.tile_shape)
+
+    @property
+    def tile_elements(self) -> int:
+        return math.prod(self.tile_shape)
+
+    def scatter(self, batch: np.ndarray) -> np.ndarray:
+        """The lift evaluated with NumPy: the 1-D tile-major pool of ``batch``.
+
+        ``batch`` has shape ``(k * tile_shape[0], *shape[1:])``; the pool has
+        ``k * tile_stride[0]`` elements.  One copy into a view of the pool whose strides are
+        exactly ``tile_stride``/``element_stride``; the batch is padded to whole tiles first only
+        when a tile overhangs it.
+        """
+        n = self.tile_shape
+        if batch.ndim != self.rank or tuple(batch.shape[1:]) != tuple(self.shape[1:]) or batch.shape[0] % n[0]:
+            raise ValueError(f"a batch of whole tile epochs has shape (k * {n[0]}, *{self.shape[1:]}), "
+                             f"got {batch.shape}")
+        counts = (batch.shape[0] // n[0],) + self.tile_count[1:]
+        whole = tuple(c * k for c, k in zip(counts, n))
+        if batch.shape != whole:
+            padded = np.zeros(whole, dtype=batch.dtype)
+            padded[tuple(slice(0, s) for s in batch.shape)] = batch
+            batch = padded
+        size = counts[0] * self.tile_stride[0]
+        # Slot padding is never a target of the copy below, so only then does the pool need zeros.
+        pool = (np.empty if self.tile_elements_stride == self.tile_elements else np.zeros)(size, dtype=batch.dtype)
+        lifted_shape = [x for pair in zip(counts, n) for x in pair]
+        strides = [s * pool.itemsize for pair in zip(self.tile_stride, self.element_stride) for s in pair]
+        view = np.lib.stride_tricks.as_strided(pool, shape=lifted_shape, strides=strides, writeable=True)
+        view[...] = batch.reshape(lifted_shape)
+        return pool
+
+
+def lifted_strides(shape, tile_shape, tile_stride: int | None = None) -> LiftedStrides:
+    """The lift of batches of an array of ``shape`` cut into tiles of ``tile_shape``.
+
+    ``tile_stride``: elements from one tile to the next in the pool (default: the tile's
+    elements).  ``shape[0]`` only sets ``tile_count[0]``: a batch's tile epochs are counted by
+    whoever holds the batch.  This is the one definition of the lift's numbers.
+    """
+    shape, tile_shape = tuple(int(s) for s in shape), tuple(int(n) for n in tile_shape)
+    rank = len(tile_shape)
+    tile_count = tuple(_ceil_div(s, n) for s, n in zip(shape, tile_shape))
+    tile_stride = tile_stride or math.prod(tile_shape)
+    input_stride = [1] * rank
+    element_stride = [1] * rank
+    for d in range(rank - 2, -1, -1):
+        input_stride[d] = input_stride[d + 1] * shape[d + 1]
+        element_stride[d] = element_stride[d + 1] * tile_shape[d + 1]
+    pool_tile_stride = [0] * rank
+    step = tile_stride
+    for d in range(rank - 1, 0, -1):
+        pool_tile_stride[d] = step
+        step *= tile_count[d]
+    pool_tile_stride[0] = step  # one tile epoch: tiles_per_epoch tiles
+    return LiftedStrides(shape=shape, tile_shape=tile_shape, tile_count=tile_count, input_stride=tuple(input_stride),
+                         element_stride=tuple(element_stride), tile_stride=tuple(pool_tile_stride),
+                         tile_elements_stride=tile_stride)
 
 
 class Layout:
@@ -318,29 +419,14 @@ class Layout:
         """Inverse of :meth:`inner_shard_coords`."""
         return int(np.ravel_multi_index(tuple(coords), self.shard_count[1:])) if self.rank > 1 else 0
 
-    # -- lifted strides (what the GPU tiling kernel evaluates per element) ------------------
-    def lifted_strides(self, tile_stride: int | None = None) -> dict:
-        """Strides of the lift ``(t_0, n_0, ..., t_{D-1}, n_{D-1})`` into the tile-major pool.
+    # -- lifted strides (the one definition of the lift; see LiftedStrides) -----------------
+    def lifted_strides(self, tile_stride: int | None = None) -> LiftedStrides:
+        """The lift of a batch of this layout's tile epochs into its tile-major pool.
 
-        The pool holds, for a batch of tile epochs, one tile after the other in row-major tile
-        order ``(e, t_1, ..., t_{D-1})`` (``e = t_0`` the epoch), each tile ``tile_stride``
-        elements apart (default ``tile_elements``; the GPU rounds it up for alignment) and
-        row-major inside.  An element at ``(r, c_1, ..., c_{D-1})`` of a batch goes to
-        ``sum_d (c_d // n_d) * tile_stride[d] + (c_d % n_d) * element_stride[d]`` with ``c_0 = r``.
+        ``tile_stride``: elements from one tile to the next in the pool (default
+        ``tile_elements``; the GPU rounds it up for alignment).  See :class:`LiftedStrides`.
         """
-        tile_stride = tile_stride or self.tile_elements
-        rank = self.rank
-        element_stride = [1] * rank
-        for d in range(rank - 2, -1, -1):
-            element_stride[d] = element_stride[d + 1] * self.tile_shape[d + 1]
-        pool_tile_stride = [0] * rank
-        step = tile_stride
-        for d in range(rank - 1, 0, -1):
-            pool_tile_stride[d] = step
-            step *= self.tile_count[d]
-        pool_tile_stride[0] = step  # one tile epoch: tiles_per_epoch tiles
-        return {"element_stride": tuple(element_stride), "tile_stride": tuple(pool_tile_stride),
-                "tile_elements_stride": tile_stride}
+        return lifted_strides(self.shape, self.tile_shape, tile_stride)
 
     def tile_pool_reference(self, batch: np.ndarray) -> np.ndarray:
         """NumPy reference of lift + transpose for a batch of whole tile epochs.
@@ -348,7 +434,8 @@ class Layout:
         ``batch`` has shape ``(k * tile_size[0], *size[1:])``.  Returns the tile-major pool of
         shape ``(k, tiles_per_epoch, *tile_shape)``, edge tiles padded with 0: pad to whole
         tiles, reshape to ``(t_0, n_0, ..., t_{D-1}, n_{D-1})``, transpose to
-        ``(t_0, ..., t_{D-1}, n_0, ..., n_{D-1})``.
+        ``(t_0, ..., t_{D-1}, n_0, ..., n_{D-1})``.  Written without :class:`LiftedStrides` on
+        purpose: both implementations of the lift are tested against it.
         """
         epochs = batch.shape[0] // self.epoch_rows
         padded_shape = (epochs * self.epoch_rows,) + tuple(
@@ -363,35 +450,37 @@ class Layout:
         return np.ascontiguousarray(pool).reshape((epochs, self.tiles_per_epoch) + self.tile_shape)
 
     # -- whole shards of one epoch (what the CPU backend compresses) ------------------------
+    def shard_bounds(self, shard: int, within_1: slice = slice(None)) -> tuple[slice, ...]:
+        """Element ranges along dims 1.. of inner shard ``shard`` (clipped to the array).
+
+        ``within_1`` restricts the shard's tile rows ``w_1`` (pieces of a shard for parallel
+        work); ranges past the array are empty.
+        """
+        coords = self.inner_shard_coords(shard)
+        full = self.shard_shape[1:]
+        bounds = [slice(c * n, min(size, (c + 1) * n)) for c, n, size in zip(coords, full, self.shape[1:])]
+        if self.rank > 1:
+            first, stop, step = within_1.indices(self.tiles_per_shard[1])
+            if step != 1:
+                raise ValueError(f"within_1 must be a contiguous range of tile rows, got {within_1}")
+            start = min(bounds[0].stop, bounds[0].start + first * self.tile_shape[1])
+            bounds[0] = slice(start, max(start, min(bounds[0].stop, bounds[0].start + stop * self.tile_shape[1])))
+        return tuple(bounds)
+
     def shard_tiles(self, epoch_rows: np.ndarray, shard: int, within_1: slice = slice(None)) -> np.ndarray:
         """The tiles that exist in inner shard ``shard`` of one tile epoch, contiguous.
 
         ``epoch_rows`` has shape ``(tile_size[0], *size[1:])``.  Returns ``(tiles, tile_elements)``
         for the slots where ``slot_mask[shard]`` is True, in within-shard row-major order; edge
-        tiles are padded with 0.  The same lift as :meth:`tile_pool_reference`, restricted to one
-        shard: pad the shard's block to whole tiles, reshape to ``(n_0, w_1, n_1, ...,
-        w_{D-1}, n_{D-1})``, transpose the ``w`` axes to the front.  In an edge shard the tiles
-        that exist are those with every ``w_d`` below the shard's tile count along ``d``, so this
-        is the row-major subset the mask selects.  ``within_1`` restricts ``w_1`` (pieces of a
-        shard for parallel work).
+        tiles are padded with 0.  This is the lift of the shard's block of the epoch on its own
+        (:func:`lifted_strides` of the block's extents): its tile-major pool holds the shard's
+        tiles in ``(w_1, ..., w_{D-1})`` order, and in an edge shard the tiles that exist are
+        those with every ``w_d`` below the block's tile count along ``d``, the row-major subset
+        the mask selects.  ``within_1`` restricts ``w_1`` (:meth:`shard_bounds`).
         """
-        coords = self.inner_shard_coords(shard)
-        full = self.shard_shape[1:]
-        bounds = tuple(slice(c * n, min(size, (c + 1) * n)) for c, n, size in zip(coords, full, self.shape[1:]))
-        block = epoch_rows[(slice(None),) + bounds]
-        counts = [-(-(b.stop - b.start) // n) for b, n in zip(bounds, self.tile_shape[1:])]
-        whole = tuple(c * n for c, n in zip(counts, self.tile_shape[1:]))
-        if tuple(block.shape[1:]) != whole:  # edge tiles: pad to whole tiles with the fill value
-            padded = np.zeros((self.epoch_rows,) + whole, dtype=block.dtype)
-            padded[(slice(None),) + tuple(slice(0, n) for n in block.shape[1:])] = block
-            block = padded
-        lifted_shape = [self.epoch_rows]
-        for count, n in zip(counts, self.tile_shape[1:]):
-            lifted_shape += [count, n]
-        axes = [2 * d - 1 for d in range(1, self.rank)] + [0] + [2 * d for d in range(1, self.rank)]
-        lifted = block.reshape(lifted_shape).transpose(axes)
-        tiles = np.ascontiguousarray(lifted[within_1] if self.rank > 1 else lifted)
-        return tiles.reshape(-1, self.tile_elements)
+        block = epoch_rows[(slice(None),) + self.shard_bounds(shard, within_1)]
+        lift = lifted_strides(block.shape, self.tile_shape)
+        return lift.scatter(block).reshape(-1, self.tile_elements)
 
     # -- memory ---------------------------------------------------------------------------
     def compressed_tile_bound(self, codec=None) -> int:

@@ -1,54 +1,141 @@
 """Backends turn batches of whole tile epochs into compressed tiles grouped by shard.
 
-One small interface (:class:`Backend`), two implementations:
+One small interface (:class:`Backend`), the stages it runs (``stages/``: tile, reduce,
+compress, aggregate, each with a CPU and a GPU implementation), and two backends that compose
+them and only schedule the work:
 
-* :mod:`.cpu` - NumPy tiling + multi-threaded compression (every codec; GIL released).
-* :mod:`.gpu` - CuPy scatter/aggregate kernels + nvCOMP batched zstd, pipelined on streams
-  (the codecs whose ``gpu`` is not None).
+* ``cpu`` (:mod:`.cpu`) - tasks per (epoch, shard) on a thread pool (every codec).
+* ``gpu`` (:mod:`.gpu`) - CUDA streams, a ring of device slots, nvCOMP (the codecs whose ``gpu``
+  is not None).
 
-The GPU module is imported only when asked for, so the package works without CUDA.
+:data:`REGISTRY` lists them in the order ``backend="auto"`` tries them.  A backend's module is
+imported only when one is made, and its availability probe answers without importing CuPy
+where the reason is cheap to find, so the package works without CUDA.
 """
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 
-from ..codecs import gpu_support
+from .. import codecs
 from .base import Backend, Ticket
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "cpu", "gpu")
+
+@dataclass(frozen=True)
+class BackendEntry:
+    """A backend by name: where its class lives, and how to ask whether it runs here."""
+
+    name: str
+    #: ``module:Class``, imported by :meth:`load` only
+    target: str
+    #: None when the backend can run on this machine, else why not (cached by the probe)
+    probe: Callable[[], str | None]
+    #: None when the backend encodes the codec, else why not (no machine needed to answer)
+    refuses: Callable[[codecs.Codec], str | None]
+    description: str = ""
+
+    def is_available(self) -> str | None:
+        """None when the backend can run here, else the reason it can't."""
+        return self.probe()
+
+    def load(self) -> type[Backend]:
+        module, cls = self.target.split(":")
+        return getattr(importlib.import_module(module), cls)
 
 
-def gpu_unavailable_reason() -> str | None:
-    """Why the GPU backend can't run here, or None when it can."""
+def _always() -> str | None:
+    return None
+
+
+def _any_codec(codec) -> str | None:
+    return None
+
+
+def _gpu_probe() -> str | None:
     from . import gpu_probe
 
     return gpu_probe.unavailable_reason()
 
 
+REGISTRY: dict[str, BackendEntry] = {
+    entry.name: entry for entry in (
+        BackendEntry("gpu", f"{__name__}.gpu:GpuBackend", _gpu_probe, codecs.gpu_support,
+                     "CuPy kernels + nvCOMP on CUDA streams"),
+        BackendEntry("cpu", f"{__name__}.cpu:CpuBackend", _always, _any_codec,
+                     "NumPy + the codecs' encoders on a thread pool"),
+    )
+}
+BACKENDS = ("auto", *sorted(REGISTRY))  # what select_backend accepts
+
+
+def is_available(name: str, codec=None) -> str | None:
+    """None when backend ``name`` can run here (and encode ``codec``, if given), else why not."""
+    entry = _entry(name)
+    return (entry.refuses(codecs.get(codec)) if codec is not None else None) or entry.is_available()
+
+
+def available_backends(codec=None) -> dict[str, str | None]:
+    """Every registered backend, in ``auto``'s order, with None or the reason it can't be used here
+    (for ``codec``, if given): what a UI lists."""
+    return {name: is_available(name, codec) for name in REGISTRY}
+
+
+def gpu_unavailable_reason() -> str | None:
+    """Why the GPU backend can't run here, or None when it can."""
+    return REGISTRY["gpu"].is_available()
+
+
 def select_backend(name: str, layout, codec, level: int, **options) -> Backend:
-    """Instantiate backend ``name`` (``auto`` picks the GPU when it is usable and encodes ``codec``,
-    and says so)."""
+    """Instantiate backend ``name``; ``auto`` takes the first in :data:`REGISTRY` that runs here
+    and encodes ``codec``, and says so.  ``options`` go to the backend's constructor, which names
+    an option it does not take (``TypeError``)."""
     if name not in BACKENDS:
         raise ValueError(f"backend {name!r} is not one of {', '.join(BACKENDS)}")
-    if name in ("auto", "gpu"):
-        refusal = gpu_support(codec)  # asked first: the same answer with or without a GPU
-        if refusal and name == "gpu":
+    if name != "auto":
+        entry = REGISTRY[name]
+        refusal = entry.refuses(codecs.get(codec))  # asked first: the same answer on any machine
+        if refusal:
             raise ValueError(refusal)
-        reason = refusal or gpu_unavailable_reason()
+        reason = entry.is_available()
+        if reason:
+            raise RuntimeError(f"backend={name!r} was requested but the {name.upper()} backend is not usable: {reason}")
+        log.info("backend=%s: using the %s backend", name, name.upper())
+        return _make(entry, layout, codec, level, options)
+    reasons: list[str] = []
+    for entry in REGISTRY.values():
+        reason = entry.refuses(codecs.get(codec)) or entry.is_available()
         if reason is None:
-            from .gpu import GpuBackend
-
-            log.info("backend=%s: using the GPU backend", name)
-            return GpuBackend(layout, codec, level, **options)
-        if name == "gpu":
-            raise RuntimeError(f"backend='gpu' was requested but the GPU backend is not usable: {reason}")
-        log.info("backend=auto: using the CPU backend (%s)", reason)
-    from .cpu import CpuBackend
-
-    return CpuBackend(layout, codec, level, **options)
+            if reasons:
+                log.info("backend=auto: using the %s backend (%s)", entry.name.upper(), "; ".join(reasons))
+            else:
+                log.info("backend=auto: using the %s backend", entry.name.upper())
+            return _make(entry, layout, codec, level, options)
+        reasons.append(reason)
+    raise RuntimeError(f"no backend is usable here: {'; '.join(reasons)}")
 
 
-__all__ = ["Backend", "Ticket", "BACKENDS", "select_backend", "gpu_unavailable_reason"]
+def _make(entry: BackendEntry, layout, codec, level, options) -> Backend:
+    cls = entry.load()
+    parameters = inspect.signature(cls.__init__).parameters
+    unknown = [key for key in options if key not in parameters or key in ("self", "layout", "codec", "level")]
+    if unknown:
+        taken = [p for p in parameters if p not in ("self", "layout", "codec", "level")]
+        raise TypeError(f"the {entry.name} backend takes no option {unknown[0]!r} (its options: {', '.join(taken)})")
+    return cls(layout, codec, level, **options)
+
+
+def _entry(name: str) -> BackendEntry:
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"backend {name!r} is not one of {', '.join(REGISTRY)}") from None
+
+
+__all__ = ["Backend", "Ticket", "BACKENDS", "REGISTRY", "BackendEntry", "select_backend", "is_available",
+           "available_backends", "gpu_unavailable_reason"]

@@ -14,7 +14,7 @@ from ..shard import EncodedEpoch
 
 CODECS = codecs.names()  # the Writer validates names against these until it asks codecs.get()
 
-Ticket = Any  # what submit() returns; opaque to the Writer
+Ticket = Any  # what submit() returns (CpuTicket, GpuTicket: each backend's own dataclass); opaque to the Writer
 
 
 class Backend(ABC):
@@ -28,6 +28,10 @@ class Backend(ABC):
     With a :class:`Pyramid` of several levels, the backend also computes every reduced level of
     each batch and encodes its tiles with level 0's; :meth:`result` returns one list of epochs per
     level.
+
+    A backend composes the stages of ``backends/stages/`` (tile, reduce, compress, aggregate) and
+    owns only their scheduling: threads or streams, buffers, tickets.  Its constructor takes
+    ``(layout, codec, level)`` and keyword-only options, and names an option it does not know.
     """
 
     name = "?"

@@ -1,14 +1,15 @@
-"""GPU backend: CuPy kernels + nvCOMP batched zstd + on-GPU shard aggregation.
+"""GPU backend: the stages as CuPy kernels + nvCOMP, scheduled on CUDA streams.
 
 Codecs whose bitstream nvCOMP cannot produce (``codec.gpu`` is None) are refused at construction.
 
-Per batch of tile epochs (see ``docs/design.md``), all enqueued without a host sync:
+Per batch of tile epochs (see ``docs/design.md``), all enqueued without a host sync (the stage
+of each step in brackets; what it computes lives in ``stages/``, this module only schedules):
 
-    pinned staging --H2D (copy stream)--> input --tile kernel--> tile-major pool
-      [input --reduce kernel--> level 1 --reduce--> level 2 ... each --tile kernel--> same pool]
-      --nvCOMP zstd (one call for every tile of the batch, all levels)--> compressed slots + sizes
-      --permute sizes by P, exclusive scan, gather--> packed shard-major bytes + offsets
-      --D2H offsets + statuses--> host
+    pinned staging --H2D (copy stream)--> input --tile kernel [tile_gpu]--> tile-major pool
+      [input --[reduce_gpu]--> level 1 --[reduce_gpu]--> level 2 ... each --[tile_gpu]--> same pool]
+      --nvCOMP (one call for every tile of the batch, all levels) [compress_gpu]--> slots + sizes
+      --permute sizes by P, exclusive scan, gather [aggregate_gpu]--> packed shard-major bytes
+      --D2H offsets + statuses--> host --[split_packed]--> per-shard views
 
 Events are created with blocking sync, so waiting threads sleep instead of spinning a core.
 The collector thread then waits for the offsets, copies only the used packed bytes back and
@@ -23,13 +24,27 @@ import threading
 import warnings
 import weakref
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from .. import codecs
-from ..shard import EncodedEpoch
-from . import _kernels, _nvcomp
+from . import _nvcomp
 from .base import Backend
+from .stages.aggregate import (
+    aggregate_geometry,
+    aggregate_gpu,
+    aggregate_kernels,
+    split_packed,
+)
+from .stages.compress import (
+    check_gpu_statuses,
+    compress_gpu,
+    gpu_output_stride,
+    gpu_temp_bytes,
+)
+from .stages.reduce import reduce_gpu, reduce_kernel
+from .stages.tile import tile_gpu, tile_kernel
 
 _ALIGN = 16
 
@@ -93,26 +108,28 @@ class _PinnedRecycler:
 
 @dataclass
 class _Slot:
-    d_pool: object
-    d_compressed: object
-    d_sizes: object
-    d_status: object
-    d_permuted: object
-    d_offsets: object
-    d_packed: object
-    input_ptrs: object
-    output_ptrs: object
+    d_pool: Any
+    d_compressed: Any
+    d_sizes: Any
+    d_status: Any
+    d_permuted: Any
+    d_offsets: Any
+    d_packed: Any
+    input_ptrs: Any
+    output_ptrs: Any
     h_offsets: np.ndarray
     h_status: np.ndarray
-    ready: object  # event: offsets and statuses are on the host
-    copied: object  # event: the packed bytes are on the host
+    ready: Any  # event: offsets and statuses are on the host
+    copied: Any  # event: the packed bytes are on the host
 
 
 @dataclass
-class _Ticket:
+class GpuTicket:
+    """What :meth:`GpuBackend.submit` returns."""
+
     slot: _Slot
     epochs: int
-    consumed: object  # event: the tile kernel has read the staging buffer's device mirror
+    consumed: Any  # event: the tile kernel has read the staging buffer's device mirror
 
 
 class GpuBackend(Backend):
@@ -121,12 +138,15 @@ class GpuBackend(Backend):
     #: overrides the batch size heuristic (tests set it small so each Writer stays cheap)
     default_batch_bytes: int | None = None
 
-    def __init__(self, layout, codec="zstd", level=1, slots: int = 3, batch_bytes: int | None = None,
-                 pyramid=None, **_):
+    def __init__(self, layout, codec="zstd", level=1, *, slots: int = 3, batch_bytes: int | None = None,
+                 pyramid=None, threads: int | None = None):
+        # ``threads`` is the CPU backend's option, taken here so that one set of Writer options
+        # works with either backend; the GPU runs no encode threads of its own.
         refusal = codecs.gpu_support(codec)  # before CuPy: the refusal does not depend on the machine
         if refusal:
             raise ValueError(refusal)
         support = codecs.get(codec).gpu
+        assert support is not None  # gpu_support() refuses exactly the codecs without it
         if support.nvcomp not in (None, *_nvcomp.ALGORITHMS):  # else _nvcomp would write zstd under its name
             raise ValueError(f"nvCOMP's {support.nvcomp} is not bound in backends/_nvcomp.py")
         import cupy
@@ -157,8 +177,7 @@ class GpuBackend(Backend):
         self.compute_stream = cupy.cuda.Stream(non_blocking=True)
         self.d2h_stream = cupy.cuda.Stream(non_blocking=True)
         self.tile_stride_bytes = _round_up(layout.tile_bytes, _ALIGN)
-        self.output_stride = (_round_up(_nvcomp.max_output_chunk_bytes(layout.tile_bytes), _ALIGN)
-                              if self.nvcomp else self.tile_stride_bytes)
+        self.output_stride = gpu_output_stride(self.nvcomp, layout.tile_bytes, self.tile_stride_bytes, _ALIGN)
 
     def describe(self) -> str:
         return f"gpu ({self.device_name}, nvCOMP {self.nvcomp})" if self.nvcomp else f"gpu ({self.device_name})"
@@ -196,9 +215,7 @@ class GpuBackend(Backend):
                              self._temp_bytes(epochs * self.pyramid.tiles_per_epoch), self.pyramid.layouts)
 
     def _temp_bytes(self, chunks: int) -> int:
-        if not self.nvcomp:
-            return 0
-        return _nvcomp.temp_bytes(chunks, self.layout.tile_bytes, self.compute_stream.ptr)
+        return gpu_temp_bytes(self.nvcomp, chunks, self.layout.tile_bytes, self.compute_stream.ptr)
 
     def allocate_staging(self, nbytes: int) -> np.ndarray:
         """A pinned host buffer plus its device mirror (the batch's input on the GPU).
@@ -271,32 +288,19 @@ class GpuBackend(Backend):
         self._packed.reserve(self._slot_count + 2)  # in flight: slots + batches waiting on storage
         self.device.synchronize()  # allocations and fills above ran on the default stream
         # Every level's tiles use level 0's (largest) tile stride, so one pointer ramp serves the pool.
-        self._tiles = [_kernels.tile_kernel(lay, self.tile_stride_bytes // layout.itemsize) for lay in levels]
-        self._reduces = [None] + [_kernels.reduce_kernel(levels[k - 1], levels[k], self.pyramid.step_axes(k),
-                                                         self.pyramid.method) for k in range(1, len(levels))]
-        self._permute, self._gather = _kernels.aggregate_kernels()
+        self._tiles = [tile_kernel(lay, self.tile_stride_bytes // layout.itemsize) for lay in levels]
+        self._reduces = [None] + [reduce_kernel(levels[k - 1], levels[k], self.pyramid.step_axes(k),
+                                                self.pyramid.method) for k in range(1, len(levels))]
+        self._aggregate = aggregate_kernels()
 
     def _geometry(self, epochs: int):
-        """(shard-major position, uncompressed bytes) of every tile of a batch of ``epochs``, all levels.
-
-        Level k's tiles follow level k-1's in the pool; its position is its level's entry base +
-        e * slots_per_epoch + P[i] (pass 1's map).  Cached per batch size, built on the compute stream.
-        """
+        """:func:`~.stages.aggregate.aggregate_geometry` of a batch of ``epochs``, cached per batch size."""
         if epochs not in self._geometries:
-            cupy = self._cupy
-            positions, chunk_bytes, base = [], [], 0
-            with self.compute_stream:
-                for lay in self.pyramid.layouts:
-                    perm = cupy.asarray(lay.shard_permutation, dtype=cupy.int64)
-                    positions.append((base + cupy.arange(epochs, dtype=cupy.int64)[:, None] * lay.slots_per_epoch
-                                      + perm[None, :]).reshape(-1))
-                    chunk_bytes.append(cupy.full(epochs * lay.tiles_per_epoch, lay.tile_bytes, dtype=cupy.uint64))
-                    base += epochs * lay.slots_per_epoch
-                self._geometries[epochs] = (cupy.concatenate(positions), cupy.concatenate(chunk_bytes))
+            self._geometries[epochs] = aggregate_geometry(self.pyramid, epochs, self.compute_stream)
         return self._geometries[epochs]
 
     # -- pipeline ----------------------------------------------------------------------
-    def submit(self, staging, epochs, host_ranges=None, rows=None):
+    def submit(self, staging, epochs, host_ranges=None, rows=None) -> GpuTicket:
         cupy = self._cupy
         layout = self.layout
         runtime = cupy.cuda.runtime
@@ -317,47 +321,32 @@ class GpuBackend(Backend):
         uploaded.record(self.copy_stream)
         stream = self.compute_stream
         stream.wait_event(uploaded)
-        block = 256
         rows = epochs * layout.epoch_rows if rows is None else rows
         source, first_chunk = mirror, 0
         for k, lay in enumerate(self.pyramid.layouts):
             if k:  # level k from level k-1, on the device: no second upload
                 target = self._d_levels[k]
-                elements = epochs * lay.epoch_elements
-                self._reduces[k]((-(-elements // block),), (block,),
-                                 (source, target, np.int64(elements), np.int64(self.pyramid.level_rows(k - 1, rows))),
-                                 stream=stream)
+                reduce_gpu(self._reduces[k], source, target, epochs * lay.epoch_elements,
+                           self.pyramid.level_rows(k - 1, rows), stream)
                 source = target
             level_chunks = epochs * lay.tiles_per_epoch
             pool_elements = level_chunks * self.tile_stride_bytes // layout.itemsize
             pool = slot.d_pool[first_chunk * self.tile_stride_bytes:]
-            self._tiles[k]((-(-pool_elements // block),), (block,), (source, pool, np.int64(pool_elements)),
-                           stream=stream)
+            tile_gpu(self._tiles[k], source, pool, pool_elements, stream)
             first_chunk += level_chunks
         # The staging buffer and its mirror may be refilled once the kernels have read them.
         consumed = cupy.cuda.Event(block=True, disable_timing=True)
         consumed.record(stream)
-        with stream:
-            if self.nvcomp:
-                _nvcomp.compress_async(slot.input_ptrs.data.ptr, chunk_bytes.data.ptr, layout.tile_bytes,
-                                       chunks, self._d_temp.data.ptr, self._temp_size, slot.output_ptrs.data.ptr,
-                                       slot.d_sizes.data.ptr, slot.d_status.data.ptr, stream.ptr)
-            else:
-                slot.d_sizes[:chunks] = chunk_bytes
-            slot.d_permuted[:entries] = 0
-            self._permute((-(-chunks // block),), (block,),
-                          (slot.d_sizes, positions, slot.d_permuted, np.int64(chunks)))
-            cupy.cumsum(slot.d_permuted[:entries], out=slot.d_offsets[1:entries + 1])
-            self._gather((chunks,), (128,), (slot.d_compressed, np.int64(self.output_stride), slot.d_sizes,
-                                             positions, slot.d_offsets, slot.d_packed))
+        compress_gpu(self.nvcomp, slot, chunk_bytes, layout.tile_bytes, chunks, self._d_temp, self._temp_size, stream)
+        aggregate_gpu(self._aggregate, slot, positions, chunks, entries, self.output_stride, stream)
         runtime.memcpyAsync(slot.h_offsets.ctypes.data, slot.d_offsets.data.ptr, (entries + 1) * 8,
                             runtime.memcpyDeviceToHost, stream.ptr)
         runtime.memcpyAsync(slot.h_status.ctypes.data, slot.d_status.data.ptr, chunks * 4,
                             runtime.memcpyDeviceToHost, stream.ptr)
         slot.ready.record(stream)
-        return _Ticket(slot, epochs, consumed)
+        return GpuTicket(slot, epochs, consumed)
 
-    def result(self, ticket):
+    def result(self, ticket: GpuTicket):
         cupy = self._cupy
         runtime = cupy.cuda.runtime
         slot = ticket.slot
@@ -365,12 +354,7 @@ class GpuBackend(Backend):
             self._wait_ready(slot)
             chunks = ticket.epochs * self.pyramid.tiles_per_epoch
             entries = ticket.epochs * self.pyramid.slots_per_epoch
-            if self.nvcomp:
-                failed = np.flatnonzero(slot.h_status[:chunks])
-                if failed.size:
-                    raise _nvcomp.NvcompError(
-                        f"nvCOMP could not compress {failed.size} tiles (first: tile {int(failed[0])}, "
-                        f"status {int(slot.h_status[failed[0]])})")
+            check_gpu_statuses(self.nvcomp, slot.h_status[:chunks])
             offsets = slot.h_offsets[: entries + 1].copy()
             total = int(offsets[-1])
             # The shards keep views into this pinned buffer until they are on disk, then it is
@@ -380,21 +364,7 @@ class GpuBackend(Backend):
                                 runtime.memcpyDeviceToHost, self.d2h_stream.ptr)
             slot.copied.record(self.d2h_stream)
             slot.copied.synchronize()
-            levels, base = [], 0
-            for lay in self.pyramid.layouts:
-                per_epoch = lay.slots_per_epoch
-                level_offsets = offsets[base: base + ticket.epochs * per_epoch + 1]
-                shard_starts = np.arange(0, per_epoch + 1, lay.tiles_per_shard_inner)
-                sizes = np.diff(level_offsets).reshape(ticket.epochs, lay.inner_shard_count,
-                                                       lay.tiles_per_shard_inner)
-                epochs = []
-                for e in range(ticket.epochs):
-                    bounds = level_offsets[e * per_epoch + shard_starts]
-                    data = [packed[int(a):int(b)] for a, b in zip(bounds[:-1], bounds[1:])]
-                    epochs.append(EncodedEpoch(data, sizes[e]))
-                levels.append(epochs)
-                base += ticket.epochs * per_epoch
-            return levels
+            return split_packed(self.pyramid, ticket.epochs, offsets, packed)
         finally:
             self._free_slots.release()
 
@@ -402,7 +372,7 @@ class GpuBackend(Backend):
     def _wait_ready(slot) -> None:
         slot.ready.synchronize()
 
-    def staging_free(self, ticket, block=True):
+    def staging_free(self, ticket: GpuTicket, block=True):
         if block:
             ticket.consumed.synchronize()
             return True

@@ -1,7 +1,8 @@
 """Hardware ceilings for the benchmark, measured on the same tiles as the writer.
 
-* ``nvcomp-ceiling``: nvCOMP batched zstd of device-resident tiles only (the same tile pool
-  and batch size the GPU backend compresses), timed with CUDA events.
+* ``nvcomp-ceiling``: nvCOMP batched zstd of device-resident tiles only (the same tile pool,
+  batch size and compress stage, ``stages.compress.compress_gpu``, the GPU backend runs), timed
+  with CUDA events.
 * ``pcie-h2d``: pinned host-to-device copy of one batch.
 """
 
@@ -13,8 +14,8 @@ import numpy as np
 def measure(camera, frames, layout, level, repeats: int = 5):
     import cupy
 
-    from . import _nvcomp
     from .gpu import GpuBackend
+    from .stages.compress import compress_gpu
 
     backend = GpuBackend(layout, "zstd", level)
     batch_bytes = backend.preferred_batch_bytes
@@ -46,9 +47,9 @@ def measure(camera, frames, layout, level, repeats: int = 5):
                                             runtime.memcpyHostToDevice, stream.ptr))
     ticket = backend.submit(staging, epochs)  # tiles the batch into slot 0's pool
     backend.result(ticket)
-    compress = timed(lambda: _nvcomp.compress_async(
-        slot.input_ptrs.data.ptr, backend._geometry(epochs)[1].data.ptr, layout.tile_bytes, chunks, backend._d_temp.data.ptr,
-        backend._temp_size, slot.output_ptrs.data.ptr, slot.d_sizes.data.ptr, slot.d_status.data.ptr, stream.ptr))
+    chunk_bytes = backend._geometry(epochs)[1]
+    compress = timed(lambda: compress_gpu(backend.nvcomp, slot, chunk_bytes, layout.tile_bytes, chunks,
+                                          backend._d_temp, backend._temp_size, stream))
     compressed = int(slot.d_sizes[:chunks].sum())
     backend.close()
     nbytes = epochs * layout.epoch_bytes

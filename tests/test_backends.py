@@ -1,0 +1,150 @@
+"""The backend registry, the constructors' options and the typed tickets (no GPU needed)."""
+
+import importlib.util
+import inspect
+import logging
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from napari_tileshard import Dim, Layout, Writer, codecs
+from napari_tileshard.backends import (
+    BACKENDS,
+    REGISTRY,
+    available_backends,
+    gpu_probe,
+    gpu_unavailable_reason,
+    is_available,
+    select_backend,
+)
+from napari_tileshard.backends.cpu import CpuBackend, CpuTicket
+from napari_tileshard.backends.gpu import GpuBackend
+from napari_tileshard.pyramid import plan_pyramid
+
+LAYOUT = Layout([Dim("t", 0, 2, 1), Dim("y", 10, 4, 2), Dim("x", 9, 4, 2)], "uint16")
+
+
+def _run(code: str) -> str:
+    return subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
+
+
+def test_importing_the_backends_and_stages_needs_no_cupy():
+    # CuPy made unimportable (zarr itself imports it where it is installed, so its mere presence
+    # in sys.modules proves nothing): every backend module must still import.
+    out = _run("import sys\n"
+               "sys.modules['cupy'] = None\n"
+               "import napari_tileshard.backends, napari_tileshard.backends.cpu, napari_tileshard.backends.gpu\n"
+               "from napari_tileshard.backends.stages import tile, reduce, compress, aggregate\n"
+               "import napari_tileshard.backends.gpu_ceiling, napari_tileshard.writer\n"
+               "print(napari_tileshard.writer.estimate_memory(napari_tileshard.Layout(\n"
+               "    [napari_tileshard.Dim('t', 0, 2), napari_tileshard.Dim('x', 8, 4)]))['gpu_device'] > 0)")
+    assert out.strip() == "True"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("cupy") is not None, reason="CuPy is installed here")
+def test_without_cupy_the_probe_answers_without_importing_anything():
+    out = _run("import sys\n"
+               "from napari_tileshard.backends import available_backends\n"
+               "print(available_backends()['gpu']); print('cupy' in sys.modules)")
+    reason, imported = out.strip().splitlines()
+    assert reason.startswith("CuPy is not installed") and imported == "False"
+
+
+def test_cheap_reasons(monkeypatch):
+    if importlib.util.find_spec("cupy") is None:
+        assert gpu_probe._cheap_reason().startswith("CuPy is not installed")
+    monkeypatch.setattr(gpu_probe.importlib.util, "find_spec", lambda name: object())
+    for hidden in ("", "-1", " "):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", hidden)
+        assert gpu_probe._cheap_reason() == f"no CUDA device is visible (CUDA_VISIBLE_DEVICES={hidden!r})"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assert gpu_probe._cheap_reason() is None  # the rest needs CuPy
+
+
+def test_registry_lists_every_backend_with_a_reason():
+    assert BACKENDS == ("auto", "cpu", "gpu")
+    assert list(REGISTRY) == ["gpu", "cpu"]  # auto's order
+    listed = available_backends()
+    assert list(listed) == ["gpu", "cpu"] and listed["cpu"] is None
+    assert listed["gpu"] == gpu_unavailable_reason() == is_available("gpu")
+    # A codec the GPU cannot encode is a reason on any machine, given before the machine's own.
+    assert available_backends("blosc-lz4")["gpu"] == codecs.gpu_support("blosc-lz4")
+    assert is_available("cpu", "blosc-lz4") is None
+    with pytest.raises(ValueError, match="not one of"):
+        is_available("tpu")
+    with pytest.raises(ValueError, match=r"backend 'tpu' is not one of auto, cpu, gpu"):
+        select_backend("tpu", LAYOUT, "zstd", 1)
+    assert REGISTRY["cpu"].load() is CpuBackend and REGISTRY["gpu"].load() is GpuBackend
+
+
+def test_auto_takes_the_first_usable_backend_and_says_why(caplog):
+    with caplog.at_level(logging.INFO, logger="napari_tileshard.backends"):
+        backend = select_backend("auto", LAYOUT, "blosc-lz4", 1)
+    try:
+        assert backend.name == "cpu"
+        assert codecs.gpu_support("blosc-lz4") in caplog.text and "using the CPU backend" in caplog.text
+    finally:
+        backend.close()
+    if gpu_unavailable_reason() is not None:
+        with pytest.raises(RuntimeError, match="backend='gpu' was requested but the GPU backend is not usable: "):
+            select_backend("gpu", LAYOUT, "zstd", 1)
+    with pytest.raises(ValueError, match="is not supported by the GPU backend"):  # the codec first, anywhere
+        select_backend("gpu", LAYOUT, "blosc-lz4", 1)
+
+
+def test_constructors_name_an_unknown_option():
+    with pytest.raises(TypeError, match="unexpected keyword argument 'slots'"):
+        CpuBackend(LAYOUT, "zstd", 1, slots=3)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'bogus'"):
+        GpuBackend(LAYOUT, "zstd", 1, bogus=3)  # before any CUDA work: no GPU needed
+    with pytest.raises(TypeError, match=r"the cpu backend takes no option 'slots' \(its options: threads, pyramid\)"):
+        select_backend("cpu", LAYOUT, "zstd", 1, slots=3)
+    with pytest.raises(TypeError, match="the cpu backend takes no option 'bogus'"):
+        select_backend("auto", LAYOUT, "blosc-lz4", 1, bogus=1)
+    with pytest.raises(TypeError, match="positional"):
+        CpuBackend(LAYOUT, "zstd", 1, 4)  # options are keywords only
+    backend = select_backend("cpu", LAYOUT, "zstd", 1, threads=3)
+    try:
+        assert backend.threads == 3
+    finally:
+        backend.close()
+
+
+def test_options_are_explicit_keywords():
+    # The Writer passes threads= whatever the backend, so the GPU takes it too.
+    for cls, options in ((CpuBackend, {"threads", "pyramid"}), (GpuBackend, {"slots", "batch_bytes", "pyramid", "threads"})):
+        parameters = inspect.signature(cls).parameters
+        assert {name for name, p in parameters.items() if p.kind is p.KEYWORD_ONLY} == options
+        assert not any(p.kind is p.VAR_KEYWORD for p in parameters.values())
+
+
+@pytest.mark.parametrize("ome", [False, True])
+def test_cpu_tickets_are_typed_and_results_are_per_level(ome):
+    layout = Layout([Dim("t", 0, 2, 1), Dim("y", 10, 4, 2), Dim("x", 9, 4, 2)], "uint16")
+    pyramid = plan_pyramid(layout, "mean") if ome else None
+    backend = CpuBackend(layout, "zstd", 1, threads=2, pyramid=pyramid)
+    try:
+        staging = backend.allocate_staging(3 * layout.epoch_bytes)
+        staging[:] = np.random.default_rng(1).integers(0, 9, staging.nbytes, dtype=np.uint8)
+        ticket = backend.submit(staging, 3, rows=5)
+        assert isinstance(ticket, CpuTicket)
+        assert len(ticket.level0) == 3 and len(ticket.level0[0]) == layout.inner_shard_count
+        assert (ticket.reduce is not None) == ome
+        assert backend.staging_free(ticket) is True
+        levels = backend.result(ticket)
+    finally:
+        backend.close()
+    assert len(levels) == (pyramid.levels if ome else 1)
+    for lay, epochs in zip((pyramid or plan_pyramid(layout, max_levels=1)).layouts, levels):
+        assert len(epochs) == 3
+        for epoch in epochs:
+            assert epoch.chunk_sizes.shape == (lay.inner_shard_count, lay.tiles_per_shard_inner)
+            assert ((epoch.chunk_sizes > 0) == lay.slot_mask).all()
+
+
+def test_writer_rejects_an_unknown_backend_before_touching_the_store(tmp_path):
+    with pytest.raises(ValueError, match="is not one of auto, cpu, gpu"):
+        Writer(tmp_path / "x.zarr", LAYOUT, backend="fast")
+    assert not (tmp_path / "x.zarr").exists()
