@@ -1,23 +1,48 @@
-"""Command line: ``napari-tileshard record ...`` and ``napari-tileshard verify PATH``."""
+"""Command line: napari-tileshard gui | record | verify."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+import shutil
+import signal
 import sys
 import time
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 
 from tqdm import tqdm
 
 from . import codecs
 from .camera import SyntheticCamera
-from .layout import Dim, Layout
+from .layout import SUPPORTED_DTYPES, Dim, Layout
 from .pyramid import DOWNSAMPLE
 from .store import _OVERWRITE_HINT, StoreExistsError
 from .verify import verify
 from .writer import Writer
 
 _SPATIAL_NAMES = ("c", "z", "y", "x")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
 
 
 def _int_list(text: str) -> list[int]:
@@ -63,70 +88,176 @@ def build_layout(shape, tile, tiles_per_shard, dtype, names=None, scale=None, un
                    for n, s, t, p in zip(names, shape, tile, tiles_per_shard)], dtype=dtype)
 
 
+class _Interrupted(Exception):
+    """SIGTERM while recording (Ctrl-C arrives as KeyboardInterrupt)."""
+
+
+def _package_version() -> str:
+    try:
+        return version("napari-tileshard")
+    except PackageNotFoundError:  # running from a source tree
+        return "unknown"
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="napari-tileshard", description=__doc__)
+    formatter = argparse.ArgumentDefaultsHelpFormatter
+    # -v works before and after the subcommand: each subparser knows it too, without a default of
+    # its own so that it never resets a -v given before the subcommand.
+    verbose = argparse.ArgumentParser(add_help=False)
+    verbose.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                         help="log what the writer decides")
+    parser = argparse.ArgumentParser(
+        prog="napari-tileshard", formatter_class=formatter,
+        description="Record camera streams into sharded Zarr v3 arrays (GPU or CPU), check them, "
+                    "or start napari with the recorder docked.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log what the writer decides")
-    sub = parser.add_subparsers(dest="command", required=True)
-    record = sub.add_parser("record", help="record a (synthetic) camera stream to a sharded Zarr v3 array")
-    record.add_argument("output", help="output store path, e.g. demo.zarr")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_package_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{gui,record,verify}")
+    gui = sub.add_parser("gui", parents=[verbose], formatter_class=formatter,
+                         help="start napari with the Tile/Shard Recorder docked (synthetic camera selected)")
+    gui.add_argument("--output", default=None, help="where recordings go (default: ./recording.zarr)")
+    record = sub.add_parser(
+        "record", parents=[verbose], formatter_class=formatter,
+        help="record a (synthetic) camera stream to a sharded Zarr v3 array",
+        description="Record the synthetic camera into a sharded Zarr v3 array. An unbounded array (shape "
+                    "starting with 0) records until Ctrl-C, --frames, --duration or --max-bytes; Ctrl-C or "
+                    "SIGTERM finish the store and print the summary.")
+    record.add_argument("output", help="output store path or URL, e.g. demo.zarr")
     record.add_argument("--shape", type=_int_list, default=[0, 2048, 2048],
-                        help="array shape, slowest first; 0 first = unbounded append dim (default 0,2048,2048)")
+                        help="array shape, slowest first; 0 first = unbounded append dim")
     record.add_argument("--tile", type=_int_list, default=[32, 256, 256], help="tile (chunk) shape")
     record.add_argument("--tiles-per-shard", type=_int_list, default=[1, 4, 4], help="tiles per shard per dim")
-    record.add_argument("--names", type=lambda s: s.split(","), default=None, help="dimension names")
-    record.add_argument("--dtype", default="uint16")
-    record.add_argument("--frames", type=int, default=256, help="camera frames to record")
-    record.add_argument("--codec", choices=codecs.names(), default="zstd")
+    record.add_argument("--names", type=lambda s: s.split(","), default=None,
+                        help="dimension names (default: t then c,z,y,x as many as needed)")
+    record.add_argument("--dtype", choices=SUPPORTED_DTYPES, default="uint16", help="pixel type")
+    record.add_argument("--frames", type=_positive_int, default=None,
+                        help="frames to record (default: fill a bounded shape; unbounded: until Ctrl-C)")
+    record.add_argument("--duration", type=_positive_float, default=None, metavar="SECONDS",
+                        help="stop after this many seconds")
+    record.add_argument("--max-bytes", type=_positive_int, default=None,
+                        help="stop before the frames given exceed this many (uncompressed) bytes")
+    record.add_argument("--codec", choices=codecs.names(), default="zstd", help="chunk codec")
     record.add_argument("--level", type=int, default=1, help="compression level (" + ", ".join(
         f"{c.name} {c.level_range[0]}..{c.level_range[1]}" for c in codecs.CODECS.values() if c.level_range) + ")")
-    record.add_argument("--backend", choices=("auto", "cpu", "gpu"), default="auto")
-    record.add_argument("--source", choices=("synthetic",), default="synthetic")
-    record.add_argument("--seed", type=int, default=0)
-    record.add_argument("--fps", type=float, default=None, help="pace the camera (default: as fast as possible)")
+    record.add_argument("--backend", choices=("auto", "cpu", "gpu"), default="auto",
+                        help="auto: the GPU when CuPy, nvCOMP and a device are usable")
+    record.add_argument("--source", choices=("synthetic",), default="synthetic", help="frame source")
+    record.add_argument("--seed", type=int, default=0, help="seed of the synthetic camera")
+    record.add_argument("--fps", type=_positive_float, default=None,
+                        help="pace the camera (default: as fast as possible)")
     record.add_argument("--ome", action="store_true",
                         help="write an OME-Zarr 0.5 group with a multiscale pyramid computed while recording")
     record.add_argument("--downsample", choices=DOWNSAMPLE, default="mean", help="pyramid reduction (with --ome)")
     record.add_argument("--downsample-dims", type=lambda s: s.split(","), default=None,
                         help="dims the pyramid halves (with --ome; default: the last two, e.g. y,x; t,y,x adds time)")
-    record.add_argument("--max-levels", type=int, default=None,
+    record.add_argument("--max-levels", type=_positive_int, default=None,
                         help="pyramid levels including full resolution (default: until a level fits one tile)")
     record.add_argument("--scale", type=lambda s: _axis_values(s, float), default=None,
-                        help="physical size per dim for OME-Zarr axes, e.g. t=0.02,y=0.65,x=0.65")
+                        help="physical size per dim for OME-Zarr axes (with --ome), e.g. t=0.02,y=0.65,x=0.65")
     record.add_argument("--unit", type=lambda s: _axis_values(s, str), default=None,
-                        help="unit per dim, e.g. t=second,y=micrometer,x=micrometer")
-    record.add_argument("--overwrite", action="store_true")
-    record.add_argument("--no-progress", action="store_true")
-    gui = sub.add_parser("gui", help="start napari with the Tile/Shard Recorder docked (synthetic camera selected)")
-    gui.add_argument("--output", default=None, help="where recordings go (default: ./recording.zarr)")
-    check = sub.add_parser("verify", help="check every shard's index, CRC32C and chunks")
-    check.add_argument("path")
+                        help="unit per dim (with --ome), e.g. t=second,y=micrometer,x=micrometer")
+    record.add_argument("--overwrite", action="store_true",
+                        help="replace an existing recording (only an array or OME group this tool writes)")
+    record.add_argument("--no-progress", action="store_true", help="no progress bar")
+    check = sub.add_parser("verify", parents=[verbose], formatter_class=formatter,
+                           help="check every shard's index, CRC32C and chunks")
+    check.add_argument("path", help="store path or URL")
     return parser
+
+
+def _free_bytes(output: str) -> int | None:
+    """Free bytes on the file system that will hold ``output`` (None for URLs)."""
+    if "://" in output and not output.startswith("file://"):
+        return None
+    path = Path(output.removeprefix("file://")).expanduser().absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
 
 
 def record(args) -> int:
     layout = build_layout(args.shape, args.tile, args.tiles_per_shard, args.dtype, args.names, args.scale, args.unit)
+    if (args.scale or args.unit) and not args.ome:
+        raise ValueError("--scale and --unit describe OME-Zarr axes: add --ome")
+    frame_bytes = layout.frame_elements * layout.itemsize
     frames_possible = None if layout.unbounded else layout.total_elements // layout.frame_elements
-    frames = args.frames if frames_possible is None else min(args.frames, frames_possible)
+    if frames_possible is not None and args.frames is not None and args.frames > frames_possible:
+        raise ValueError(f"--frames {args.frames} is more than the {frames_possible} frames --shape "
+                         f"{','.join(map(str, layout.shape))} holds")
+    frames = args.frames if args.frames is not None else frames_possible  # None: until stopped
+    if args.max_bytes is not None:
+        by_bytes = args.max_bytes // frame_bytes
+        if by_bytes < 1:
+            raise ValueError(f"--max-bytes {args.max_bytes} is less than one frame ({frame_bytes} bytes)")
+        frames = by_bytes if frames is None else min(frames, by_bytes)
+    # Refuse to start what cannot even finish one shard epoch (worst case) on this disk; pyramid
+    # levels add at most a third.
+    needed = int(layout.tiles_per_shard[0] * layout.tiles_per_epoch * layout.compressed_tile_bound(args.codec)
+                 * (4 / 3 if args.ome else 1)) + (1 << 16)
+    free = _free_bytes(args.output)
+    if free is not None and free < needed:
+        raise OSError(28, f"{args.output}: only {free} bytes free, but one shard epoch with its metadata can "
+                          f"take {needed} bytes")
     camera = SyntheticCamera(layout.frame_shape or (1,), layout.dtype, seed=args.seed, fps=args.fps)
     camera.prepare()  # render the frame bank before the clock starts
     pyramid = {"ome": True, "downsample": args.downsample, "downsample_dims": args.downsample_dims,
                "max_levels": args.max_levels} if args.ome else {}
-    with Writer(args.output, layout, codec=args.codec, level=args.level, backend=args.backend,
-                overwrite=args.overwrite, **pyramid) as writer:
-        bar = tqdm(total=frames, unit="frame", disable=args.no_progress, file=sys.stderr,
-                   desc=f"recording ({writer.stats.backend})")
-        start = time.perf_counter()
-        for frame in camera.frames(frames):
-            writer.append(frame.reshape(layout.frame_shape))
-            bar.update(1)
-        bar.close()
+    stops = [f"{frames} frames" if frames is not None else None,
+             f"{args.duration:g} s" if args.duration else None]
+    until = " or ".join(filter(None, stops)) or "Ctrl-C"
+    interrupted = None
+    previous = signal.signal(signal.SIGTERM, _raise_interrupted) if _main_thread() else None
+    try:
+        with Writer(args.output, layout, codec=args.codec, level=args.level, backend=args.backend,
+                    overwrite=args.overwrite, **pyramid) as writer:
+            print(f"recording to {writer.location} ({writer.stats.backend}) until {until}"
+                  + ("" if until == "Ctrl-C" else " (Ctrl-C stops earlier)"), file=sys.stderr, flush=True)
+            bar = tqdm(total=frames, unit="frame", disable=args.no_progress, file=sys.stderr, desc="recording")
+            start = time.perf_counter()
+            deadline = None if args.duration is None else time.monotonic() + args.duration
+            try:
+                for frame in camera.frames(frames):
+                    writer.append(frame.reshape(layout.frame_shape))
+                    bar.update(1)
+                    if deadline is not None and time.monotonic() >= deadline:
+                        break
+            except KeyboardInterrupt:
+                interrupted = signal.SIGINT
+            except _Interrupted:
+                interrupted = signal.SIGTERM
+            finally:
+                bar.close()
+                # The store is finished below (close): a second Ctrl-C or SIGTERM must not cut that short.
+                if _main_thread():
+                    signal.signal(signal.SIGINT, signal.SIG_IGN)
+                    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    finally:
+        if _main_thread():
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
     stats = writer.stats
     elapsed = time.perf_counter() - start
     print(f"recorded {stats.frames} frames ({stats.bytes_in / 1e9:.2f} GB) to {writer.location} in {elapsed:.2f} s: "
           f"{stats.bytes_in / elapsed / 1e9:.2f} GB/s, compression ratio {stats.compression_ratio:.2f}, "
           f"{stats.shards_written} shards, backend {stats.backend}"
-          + (f", {writer.pyramid.levels} pyramid levels" if args.ome else ""))
+          + (f", {writer.pyramid.levels} pyramid levels" if args.ome else "")
+          + (" (interrupted)" if interrupted else ""))
+    if interrupted:
+        return 128 + int(interrupted)
     return 0
+
+
+def _main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def _raise_interrupted(signum, frame):
+    raise _Interrupted(signum)
 
 
 def gui(args) -> int:
@@ -146,21 +277,27 @@ def gui(args) -> int:
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
+                        format="%(message)s")
     try:
         if args.command == "record":
             return record(args)
         if args.command == "gui":
             return gui(args)
-        bar = tqdm(unit="shard", desc="verifying", file=sys.stderr)
+        bars: list = []  # made at the first shard, so a store without shards shows no empty bar
 
         def progress(done, total):
-            bar.total = total
-            bar.n = done
-            bar.refresh()
+            if not total:
+                return
+            if not bars:
+                bars.append(tqdm(total=total, unit="shard", desc="verifying", file=sys.stderr))
+            bars[0].total = total
+            bars[0].n = done
+            bars[0].refresh()
 
         report = verify(args.path, progress)
-        bar.close()
+        for bar in bars:
+            bar.close()
         print(report)
         return 0 if report.ok else 1
     except StoreExistsError as exc:  # the Python API's hint names overwrite=True; here it is a flag

@@ -59,7 +59,7 @@ class VerifyReport:
         return not self.problems
 
     def __str__(self):
-        head = f"{self.path}: {self.shards} shards, {self.chunks} chunks checked, {len(self.problems)} problems"
+        head = f"{self.path}: {self.shards} shards, {self.chunks} chunks checked, {len(self.problems)} problem{'' if len(self.problems) == 1 else 's'}"
         if self.unpublished:
             head += f" ({len(self.unpublished)} shards past shape[0] ignored: written after the last published epoch)"
         return "\n".join([head] + [f"  {p}" for p in self.problems] + [f"  note: {n}" for n in self.notes])

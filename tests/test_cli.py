@@ -1,0 +1,135 @@
+"""The command line behaves like one: signals finish the store, options are checked, help is plain."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import zarr
+
+from napari_tileshard import SyntheticCamera
+from napari_tileshard.cli import main
+
+SMALL = ["--shape", "0,32,32", "--tile", "2,16,16", "--tiles-per-shard", "1,1,1", "--backend", "cpu"]
+
+
+def cli(*args):
+    return [sys.executable, "-m", "napari_tileshard.cli", *args]
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_signal_finishes_the_store_and_says_interrupted(tmp_path, signum, code):
+    out = tmp_path / "sig.zarr"
+    proc = subprocess.Popen(cli("record", str(out), *SMALL, "--fps", "200", "--no-progress"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            time.sleep(0.1)
+            try:
+                if zarr.open_array(out, mode="r").shape[0] >= 10:
+                    break
+            except Exception:  # noqa: BLE001 - not created yet
+                pass
+        proc.send_signal(signum)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == code, stderr
+    assert "Traceback" not in stderr
+    assert "until Ctrl-C" in stderr  # the first line says how it stops
+    assert "recorded" in stdout and "(interrupted)" in stdout
+    array = zarr.open_array(out, mode="r")
+    assert array.attrs["tileshard"]["state"] == "complete"
+    frames = int(stdout.split("recorded ")[1].split(" frames")[0])
+    assert array.shape[0] == frames  # every frame it counted is in the store
+    np.testing.assert_array_equal(array[:], SyntheticCamera((32, 32), "uint16", seed=0).stack(frames))
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--frames", "0"], "must be at least 1, got 0"),
+    (["--frames", "-5"], "must be at least 1, got -5"),
+    (["--dtype", "uint61"], "invalid choice: 'uint61' (choose from 'uint8', 'uint16'"),
+    (["--duration", "0"], "must be positive"),
+])
+def test_bad_options_are_refused_by_the_parser(tmp_path, capsys, args, message):
+    with pytest.raises(SystemExit) as info:
+        main(["record", str(tmp_path / "x.zarr"), *SMALL, *args])
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "x.zarr").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--shape", "4,32,32", "--frames", "5"], "--frames 5 is more than the 4 frames --shape 4,32,32 holds"),
+    (["--scale", "y=0.5"], "--scale and --unit describe OME-Zarr axes: add --ome"),
+    (["--max-bytes", "100"], "--max-bytes 100 is less than one frame (2048 bytes)"),
+])
+def test_inconsistent_options_are_errors_not_silently_changed(tmp_path, capsys, args, message):
+    assert main(["record", str(tmp_path / "x.zarr"), *SMALL, "--no-progress", *args]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "x.zarr").exists()
+
+
+def test_duration_and_max_bytes_stop_an_unbounded_recording(tmp_path, capsys):
+    out = tmp_path / "d.zarr"
+    start = time.monotonic()
+    assert main(["record", str(out), *SMALL, "--fps", "100", "--duration", "0.5", "--no-progress"]) == 0
+    assert time.monotonic() - start < 10
+    assert 10 <= zarr.open_array(out, mode="r").shape[0] <= 80
+    assert main(["record", str(tmp_path / "m.zarr"), *SMALL, "--max-bytes", str(7 * 2048), "--no-progress"]) == 0
+    assert zarr.open_array(tmp_path / "m.zarr", mode="r").shape[0] == 7
+
+
+def test_verbose_after_the_subcommand_version_and_plain_help(tmp_path, capsys):
+    assert main(["verify", str(tmp_path / "none.zarr"), "-v"]) == 1  # -v accepted after the subcommand
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert "napari-tileshard" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = capsys.readouterr().out
+    assert "{gui,record,verify}" in text and "``" not in text
+    with pytest.raises(SystemExit):
+        main(["record", "--help"])
+    text = capsys.readouterr().out
+    assert "Ctrl-C" in text and "(default: 1)" in text  # defaults are shown
+
+
+def test_verify_counts_problems_in_words_and_shows_no_empty_bar(tmp_path, capsys):
+    out = tmp_path / "empty.zarr"
+    assert main(["record", str(out), *SMALL, "--frames", "1", "--no-progress"]) == 0
+    capsys.readouterr()
+    assert main(["verify", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert "0 problems" in captured.out and "verifying" in captured.err
+    (out / "c" / "0" / "0" / "0").write_bytes(b"garbage")
+    assert main(["verify", str(out)]) == 1
+    assert "1 problem\n" in capsys.readouterr().out + "\n"
+    bare = tmp_path / "bare.zarr"
+    assert main(["record", str(bare), *SMALL, "--max-bytes", "2048", "--frames", "1", "--no-progress"]) == 0
+    for shard in (bare / "c").rglob("*"):
+        if shard.is_file():
+            shard.unlink()
+    capsys.readouterr()
+    main(["verify", str(bare)])
+    assert "verifying" not in capsys.readouterr().err  # no shards: no progress bar
+
+
+def test_refuses_to_start_without_room_for_one_shard_epoch(tmp_path, capsys):
+    mount_point = tmp_path / "small"
+    mount_point.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount_point)],
+                            capture_output=True, text=True)
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a size-limited tmpfs here: {result.stderr.strip() or result.returncode}")
+    try:  # the default layout: one shard epoch of 2048x2048x32 uint16 tiles needs ~256 MiB
+        assert main(["record", str(mount_point / "big.zarr"), "--backend", "cpu", "--no-progress"]) == 2
+        assert "bytes free, but one shard epoch" in capsys.readouterr().err
+        assert not (mount_point / "big.zarr").exists()
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=False)
