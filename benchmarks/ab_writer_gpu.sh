@@ -13,7 +13,7 @@ for round in 1 2; do
   for code in old new; do
     src=$PWD/.ab/new/src; [ $code = old ] && src=$PWD/.ab/old/src
     PYTHONPATH=/tmp/site:$src timeout 100 python3 $src/../benchmarks/bench_write.py --gib 4 --frame 2048x2048 --tiles 256k,1m \
-      --engines tileshard-gpu --out /dev/shm/ab-$code --json $OUT/ab_${code}_$round.json 2>&1 | grep -v "^\s*$" | tail -8 | sed "s/^/[$code $round] /" | tee -a $OUT/ab.log
+      --engines tileshard-gpu,tileshard-cpu --out /dev/shm/ab-$code --json $OUT/ab_${code}_$round.json 2>&1 | grep -v "^\s*$" | tail -14 | sed "s/^/[$code $round] /" | tee -a $OUT/ab.log
     rm -rf /dev/shm/ab-$code
   done
 done
