@@ -221,7 +221,7 @@ def test_cuda_error_mid_recording_keeps_what_reached_the_host(tmp_path, monkeypa
     from napari_tileshard.backends.gpu import GpuBackend
 
     calls = {"n": 0}
-    original = GpuBackend._wait_ready
+    original = GpuBackend.wait_ready
 
     def failing_wait(slot):
         calls["n"] += 1
@@ -229,7 +229,7 @@ def test_cuda_error_mid_recording_keeps_what_reached_the_host(tmp_path, monkeypa
             raise cupy.cuda.runtime.CUDARuntimeError(700)  # cudaErrorIllegalAddress
         return original(slot)
 
-    monkeypatch.setattr(GpuBackend, "_wait_ready", staticmethod(failing_wait))
+    monkeypatch.setattr(GpuBackend, "wait_ready", staticmethod(failing_wait))
     layout = Layout([Dim("t", 0, 2, 1), Dim("y", 32, 16, 2), Dim("x", 32, 16, 2)], "uint16")
     path = tmp_path / "cuda-error.zarr"
     frames = SyntheticCamera((32, 32), "uint16", seed=2).stack(20)

@@ -25,6 +25,19 @@ from .store import Sink
 _PENDING_BATCHES = 2  # compressed batches that may wait on storage before the collector waits
 
 
+def pending_shard_epochs(layout, batch_epochs: int) -> int:
+    """Shard epochs that may wait on storage before the collector (and so the producer) waits."""
+    return max(2, _PENDING_BATCHES * -(-batch_epochs // layout.tiles_per_shard[0]))
+
+
+def in_flight_bytes(pyramid: Pyramid, codec, batch_epochs: int) -> int:
+    """Worst case of compressed shard bytes held: the open shard epoch plus those waiting on storage."""
+    layout = pyramid.layouts[0]
+    shard_epoch = layout.tiles_per_shard[0] * sum(
+        lay.tiles_per_epoch * lay.compressed_tile_bound(codec) for lay in pyramid.layouts)
+    return (1 + pending_shard_epochs(layout, batch_epochs)) * shard_epoch
+
+
 class Collector:
     def __init__(self, backend: Backend, pyramid: Pyramid, sink: Sink, prefixes: Sequence[str],
                  publisher: Publisher, *, io_threads: int, pipeline_limit: int, batch_epochs: int,
@@ -41,8 +54,7 @@ class Collector:
         layout = pyramid.layouts[0]
         self._row_bytes = layout.row_elements * layout.itemsize
         self._accumulators = [ShardAccumulator(lay) for lay in pyramid.layouts]
-        shard_epochs_per_batch = -(-batch_epochs // layout.tiles_per_shard[0])
-        self.max_pending_shard_epochs = max(2, _PENDING_BATCHES * shard_epochs_per_batch)
+        self.max_pending_shard_epochs = pending_shard_epochs(layout, batch_epochs)
         self._pipeline_limit = pipeline_limit
         self._in_pipeline = 0
         self._room = threading.Condition()

@@ -29,7 +29,7 @@ import numpy as np
 
 from .backends import select_backend
 from . import codecs
-from .collector import Collector
+from .collector import Collector, in_flight_bytes
 from .layout import Layout
 from .ome import group_metadata
 from .publish import Publisher, check_attributes
@@ -72,22 +72,25 @@ class WriterStats:
                 "throughput_gbps": self.throughput_gbps}
 
 
-def estimate_memory(layout: Layout, batch_bytes: int | None = None, pyramid: Pyramid | None = None) -> dict[str, int]:
+def estimate_memory(layout: Layout, batch_bytes: int | None = None, pyramid: Pyramid | None = None,
+                    codec: str = "zstd") -> dict[str, int]:
     """Host bytes with the CPU backend and host/device bytes with the GPU backend, by default batching.
 
-    Pure arithmetic (no device is touched): what the widget shows before recording starts.
+    Pure arithmetic (no device is touched): what the widget shows before recording starts.  The
+    same terms as :meth:`Writer.memory_estimate` of an open Writer.
     """
     from .backends.cpu import CpuBackend
     from .backends.gpu import GpuBackend
 
     pyramid = pyramid or Pyramid.single(layout)
-    cpu_batch = max(1, (batch_bytes or CpuBackend.preferred_batch_bytes) // layout.epoch_bytes) * layout.epoch_bytes
-    gpu = GpuBackend.estimate(layout, batch_bytes or GpuBackend.default_batch_bytes_for(layout),
-                              layouts=pyramid.layouts)
-    compressed_epoch = sum(lay.tiles_per_epoch * lay.compressed_tile_bound() for lay in pyramid.layouts)
-    in_flight = (1 + 2 * max(1, cpu_batch // layout.epoch_bytes)) * compressed_epoch
-    cpu_levels = int(cpu_batch * (level_fraction(pyramid) - 1) * (8 if pyramid.method == "mean" else 2) / 4)
-    return {"cpu_host": 2 * cpu_batch + in_flight + cpu_levels, "gpu_host": gpu["host"] + in_flight,
+    cpu_epochs = max(1, (batch_bytes or CpuBackend.preferred_batch_bytes) // layout.epoch_bytes)
+    gpu_batch = batch_bytes or GpuBackend.default_batch_bytes_for(layout)
+    gpu = GpuBackend.estimate(layout, gpu_batch, layouts=pyramid.layouts)
+    cpu_levels = int(cpu_epochs * layout.epoch_bytes * (level_fraction(pyramid) - 1)
+                     * (8 if pyramid.method == "mean" else 2) / 4)
+    return {"cpu_host": CpuBackend.preferred_staging_buffers * cpu_epochs * layout.epoch_bytes + cpu_levels
+            + in_flight_bytes(pyramid, codec, cpu_epochs),
+            "gpu_host": gpu["host"] + in_flight_bytes(pyramid, codec, max(1, gpu_batch // layout.epoch_bytes)),
             "gpu_device": gpu["device"]}
 
 
@@ -238,12 +241,8 @@ class Writer:
 
     def memory_estimate(self) -> dict[str, int]:
         """Upper bound of the bytes the Writer holds: staging, compressed shards in flight, device."""
-        layout = self.layout
         estimate = self._backend.memory_estimate(self.batch_bytes, self._staging.count)
-        # The open shard epoch plus those waiting on storage, at the worst-case compressed size.
-        shard_epoch_bound = layout.tiles_per_shard[0] * sum(
-            lay.tiles_per_epoch * lay.compressed_tile_bound(self.codec) for lay in self.pyramid.layouts)
-        estimate["host"] += (1 + self._collector.max_pending_shard_epochs) * shard_epoch_bound
+        estimate["host"] += in_flight_bytes(self.pyramid, self.codec, self.batch_epochs)
         return estimate
 
     def append(self, array) -> None:

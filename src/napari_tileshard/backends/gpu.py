@@ -351,7 +351,7 @@ class GpuBackend(Backend):
         runtime = cupy.cuda.runtime
         slot = ticket.slot
         try:
-            self._wait_ready(slot)
+            self.wait_ready(slot)
             chunks = ticket.epochs * self.pyramid.tiles_per_epoch
             entries = ticket.epochs * self.pyramid.slots_per_epoch
             check_gpu_statuses(self.nvcomp, slot.h_status[:chunks])
@@ -369,7 +369,9 @@ class GpuBackend(Backend):
             self._free_slots.release()
 
     @staticmethod
-    def _wait_ready(slot) -> None:
+    def wait_ready(slot) -> None:
+        """Wait until a batch's device work is done: the one place CUDA errors of a batch surface,
+        and the hook reliability tests use to inject one."""
         slot.ready.synchronize()
 
     def staging_free(self, ticket: GpuTicket, block=True):
