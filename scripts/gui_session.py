@@ -23,7 +23,9 @@ def main():
     parser.add_argument("--backend", default="auto")
     parser.add_argument("--screenshot", default=None)
     parser.add_argument("--ome", action="store_true", help="record an OME-Zarr pyramid (multiscale preview)")
-    parser.add_argument("--inspector-screenshot", default=None, help="after stopping, open the shard inspector and shoot")
+    parser.add_argument(
+        "--inspector-screenshot", default=None, help="after stopping, open the shard inspector and shoot"
+    )
     args = parser.parse_args()
 
     import napari
@@ -39,8 +41,9 @@ def main():
     _, widget = viewer.window.add_plugin_dock_widget("napari-tileshard", "Tile/Shard Recorder")
     out = Path(tempfile.mkdtemp()) / "recording.zarr"
     layout = Layout([Dim("t", 0, 16, 1), Dim("y", h, 256, 2), Dim("x", w, 256, 2)], "uint16")
-    widget.settings = RecorderSettings(output=str(out), layout=layout, backend=args.backend, fps=args.fps,
-                                       policy="drop", ome=args.ome)
+    widget.settings = RecorderSettings(
+        output=str(out), layout=layout, backend=args.backend, fps=args.fps, policy="drop", ome=args.ome
+    )
     ticks = []
     timer = QTimer()
     timer.setInterval(5)
@@ -79,9 +82,11 @@ def main():
             time.sleep(0.05)
         viewer.window.screenshot(args.inspector_screenshot, canvas_only=False)
     stats = widget.stats
-    print(f"GUI under recording: {stats.frames} frames of {h}x{w} uint16 at {args.fps:g} fps, backend {stats.backend}, "
-          f"dropped {stats.dropped}; event-loop ticks {len(gaps)}, worst gap {max(gaps) * 1e3:.0f} ms, "
-          f"99th percentile {sorted(gaps)[int(0.99 * len(gaps))] * 1e3:.0f} ms")
+    print(
+        f"GUI under recording: {stats.frames} frames of {h}x{w} uint16 at {args.fps:g} fps, backend {stats.backend}, "
+        f"dropped {stats.dropped}; event-loop ticks {len(gaps)}, worst gap {max(gaps) * 1e3:.0f} ms, "
+        f"99th percentile {sorted(gaps)[int(0.99 * len(gaps))] * 1e3:.0f} ms"
+    )
     viewer.close()
 
 

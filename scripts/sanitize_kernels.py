@@ -34,8 +34,11 @@ for layout in LAYOUTS:
         assert len(epochs) == 2
 PYRAMIDS = [
     plan_pyramid(Layout([Dim("t", 0, 2, 1), Dim("y", 37, 8, 2), Dim("x", 29, 8, 2)], "uint16"), "mean"),
-    plan_pyramid(Layout([Dim("t", 0, 4, 1), Dim("z", 5, 2, 2), Dim("y", 12, 4, 1), Dim("x", 10, 4, 2)], "float16"),
-                 "max", ("t", "z", "y", "x")),
+    plan_pyramid(
+        Layout([Dim("t", 0, 4, 1), Dim("z", 5, 2, 2), Dim("y", 12, 4, 1), Dim("x", 10, 4, 2)], "float16"),
+        "max",
+        ("t", "z", "y", "x"),
+    ),
     plan_pyramid(Layout([Dim("t", 0, 2, 1), Dim("y", 33, 8, 1), Dim("x", 17, 8, 1)], "int32"), "min"),
 ]
 for pyramid in PYRAMIDS:

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 import zarr
-
 from conftest import read_back
+
 from napari_tileshard import Dim, Layout, Writer, WriterError, verify
 from napari_tileshard.testing import FaultInjectingSink
 

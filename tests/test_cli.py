@@ -24,8 +24,12 @@ def cli(*args):
 @pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_signal_finishes_the_store_and_says_interrupted(tmp_path, signum, code):
     out = tmp_path / "sig.zarr"
-    proc = subprocess.Popen(cli("record", str(out), *SMALL, "--fps", "200", "--no-progress"),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        cli("record", str(out), *SMALL, "--fps", "200", "--no-progress"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -50,12 +54,15 @@ def test_signal_finishes_the_store_and_says_interrupted(tmp_path, signum, code):
     np.testing.assert_array_equal(array[:], SyntheticCamera((32, 32), "uint16", seed=0).stack(frames))
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--frames", "0"], "must be at least 1, got 0"),
-    (["--frames", "-5"], "must be at least 1, got -5"),
-    (["--dtype", "uint61"], "invalid choice: 'uint61' (choose from 'uint8', 'uint16'"),
-    (["--duration", "0"], "must be positive"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--frames", "0"], "must be at least 1, got 0"),
+        (["--frames", "-5"], "must be at least 1, got -5"),
+        (["--dtype", "uint61"], "invalid choice: 'uint61' (choose from 'uint8', 'uint16'"),
+        (["--duration", "0"], "must be positive"),
+    ],
+)
 def test_bad_options_are_refused_by_the_parser(tmp_path, capsys, args, message):
     with pytest.raises(SystemExit) as info:
         main(["record", str(tmp_path / "x.zarr"), *SMALL, *args])
@@ -64,11 +71,14 @@ def test_bad_options_are_refused_by_the_parser(tmp_path, capsys, args, message):
     assert not (tmp_path / "x.zarr").exists()
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--shape", "4,32,32", "--frames", "5"], "--frames 5 is more than the 4 frames --shape 4,32,32 holds"),
-    (["--scale", "y=0.5"], "--scale and --unit describe OME-Zarr axes: add --ome"),
-    (["--max-bytes", "100"], "--max-bytes 100 is less than one frame (2048 bytes)"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--shape", "4,32,32", "--frames", "5"], "--frames 5 is more than the 4 frames --shape 4,32,32 holds"),
+        (["--scale", "y=0.5"], "--scale and --unit describe OME-Zarr axes: add --ome"),
+        (["--max-bytes", "100"], "--max-bytes 100 is less than one frame (2048 bytes)"),
+    ],
+)
 def test_inconsistent_options_are_errors_not_silently_changed(tmp_path, capsys, args, message):
     assert main(["record", str(tmp_path / "x.zarr"), *SMALL, "--no-progress", *args]) == 2
     assert message in capsys.readouterr().err
@@ -123,8 +133,9 @@ def test_verify_counts_problems_in_words_and_shows_no_empty_bar(tmp_path, capsys
 def test_refuses_to_start_without_room_for_one_shard_epoch(tmp_path, capsys):
     mount_point = tmp_path / "small"
     mount_point.mkdir()
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount_point)],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount_point)], capture_output=True, text=True
+    )
     if result.returncode != 0:
         pytest.skip(f"cannot mount a size-limited tmpfs here: {result.stderr.strip() or result.returncode}")
     try:  # the default layout: one shard epoch of 2048x2048x32 uint16 tiles needs ~256 MiB

@@ -12,6 +12,7 @@ import crc32c
 import numpy as np
 import pytest
 import zarr
+from conftest import read_back, read_tensorstore
 from zarr.codecs import BloscCodec, ZstdCodec
 
 from napari_tileshard import Dim, Layout, SyntheticCamera, Writer, codecs, verify
@@ -19,14 +20,13 @@ from napari_tileshard.backends import select_backend
 from napari_tileshard.cli import main
 from napari_tileshard.store import array_metadata
 
-from conftest import read_back, read_tensorstore
-
 #: the inner compressors zarr-python is given for each codec at ``level`` and ``itemsize``
 ZARR_CHAIN = {
     "zstd": lambda level, itemsize: [ZstdCodec(level=level, checksum=False)],
     "none": lambda level, itemsize: [],
-    "blosc-lz4": lambda level, itemsize: [BloscCodec(cname="lz4", clevel=level, shuffle="shuffle",
-                                                     typesize=itemsize, blocksize=0)],
+    "blosc-lz4": lambda level, itemsize: [
+        BloscCodec(cname="lz4", clevel=level, shuffle="shuffle", typesize=itemsize, blocksize=0)
+    ],
 }
 NAMES = codecs.names()
 
@@ -78,24 +78,35 @@ def test_metadata_is_what_zarr_writes_for_the_same_chain(tmp_path, name, dtype):
     layout = Layout([Dim("t", 0, 2, 2), Dim("y", 21, 8, 2), Dim("x", 19, 5, 3)], dtype)
     level = _level(name)
     ours = array_metadata(layout, name, level, 7, {})
-    reference = zarr.create_array(tmp_path / "ref.zarr", shape=(7, 21, 19), dtype=dtype, chunks=layout.tile_shape,
-                                  shards=layout.shard_shape, fill_value=0, dimension_names=layout.names,
-                                  compressors=ZARR_CHAIN[name](level, layout.itemsize))
+    reference = zarr.create_array(
+        tmp_path / "ref.zarr",
+        shape=(7, 21, 19),
+        dtype=dtype,
+        chunks=layout.tile_shape,
+        shards=layout.shard_shape,
+        fill_value=0,
+        dimension_names=layout.names,
+        compressors=ZARR_CHAIN[name](level, layout.itemsize),
+    )
     theirs = json.loads((tmp_path / "ref.zarr" / "zarr.json").read_text())
     for meta in (ours, theirs):
         meta.pop("attributes", None)
         meta.pop("storage_transformers", None)
     assert ours == theirs
     assert array_metadata(layout, codecs.get(name), level, 7, {})["codecs"] == ours["codecs"]  # name or Codec
-    assert codecs.from_zarr_codecs(reference.metadata.to_dict()["codecs"][0]["configuration"]["codecs"], dtype) \
-        == codecs.get(name).configure(level, dtype)
+    assert codecs.from_zarr_codecs(
+        reference.metadata.to_dict()["codecs"][0]["configuration"]["codecs"], dtype
+    ) == codecs.get(name).configure(level, dtype)
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_encode_decode_and_bounds(name):
     codec = codecs.get(name).configure(_level(name), "uint16")
-    for tile in (np.random.default_rng(2).integers(0, 256, 5000, dtype=np.uint8),  # incompressible
-                 np.zeros(4096, np.uint8), np.arange(3, dtype=np.uint8)):
+    for tile in (
+        np.random.default_rng(2).integers(0, 256, 5000, dtype=np.uint8),  # incompressible
+        np.zeros(4096, np.uint8),
+        np.arange(3, dtype=np.uint8),
+    ):
         encoded = codec.encode(tile)
         assert codec.min_encoded_bytes(tile.nbytes) <= len(encoded) <= codec.max_encoded_bytes(tile.nbytes)
         assert codec.decode(bytes(encoded), tile.nbytes) == tile.tobytes()
@@ -121,13 +132,16 @@ def test_codecs_are_frozen_and_serialisable(name):
         codec.level = 2
 
 
-@pytest.mark.parametrize("name, level, error, message", [
-    ("zstd", 40, ValueError, "zstd level must be in -7..22, got 40"),
-    ("zstd", -8, ValueError, "zstd level must be in -7..22, got -8"),
-    ("blosc-lz4", 10, ValueError, "blosc-lz4 level must be in 0..9, got 10"),
-    ("blosc-lz4", 2.0, TypeError, "level must be an integer, got 2.0"),
-    ("none", True, TypeError, "level must be an integer, got True"),
-])
+@pytest.mark.parametrize(
+    "name, level, error, message",
+    [
+        ("zstd", 40, ValueError, "zstd level must be in -7..22, got 40"),
+        ("zstd", -8, ValueError, "zstd level must be in -7..22, got -8"),
+        ("blosc-lz4", 10, ValueError, "blosc-lz4 level must be in 0..9, got 10"),
+        ("blosc-lz4", 2.0, TypeError, "level must be an integer, got 2.0"),
+        ("none", True, TypeError, "level must be an integer, got True"),
+    ],
+)
 def test_validate_level_names_the_value_and_range(tmp_path, name, level, error, message):
     with pytest.raises(error, match=message):
         codecs.get(name).validate_level(level)
@@ -159,8 +173,10 @@ def test_unknown_codec_lists_the_registry(tmp_path, capsys):
 def test_gpu_support_refuses_blosc_and_names_the_supported_codecs():
     assert codecs.gpu_support("zstd") is None and codecs.gpu_support("none") is None
     reason = codecs.gpu_support("blosc-lz4")
-    assert reason == ("codec 'blosc-lz4' is not supported by the GPU backend: nvCOMP cannot produce a Blosc "
-                      "bitstream (the GPU backend supports zstd, none); use backend='cpu' or 'auto'")
+    assert reason == (
+        "codec 'blosc-lz4' is not supported by the GPU backend: nvCOMP cannot produce a Blosc "
+        "bitstream (the GPU backend supports zstd, none); use backend='cpu' or 'auto'"
+    )
     assert codecs.gpu_support(codecs.get("blosc-lz4").configure(3, "uint16")) == reason
 
 
@@ -204,18 +220,29 @@ def _blosc_store(path):
 
 def _chunk(shard, chunk, chunks=4):
     raw = bytearray(shard.read_bytes())
-    offset, nbytes = np.frombuffer(bytes(raw[-(chunks * 16 + 4):-4]), "<u8").reshape(chunks, 2)[chunk]
+    offset, nbytes = np.frombuffer(bytes(raw[-(chunks * 16 + 4) : -4]), "<u8").reshape(chunks, 2)[chunk]
     return raw, int(offset), int(nbytes)
 
 
-@pytest.mark.parametrize("corrupt, message", [
-    (lambda raw, offset, nbytes: raw.__setitem__(slice(offset + 4, offset + 8), (1 << 20).to_bytes(4, "little")),
-     "blosc header declares 1048576 bytes, expected 8192"),
-    (lambda raw, offset, nbytes: raw.__setitem__(slice(offset + 16, offset + nbytes), bytes(nbytes - 16)),
-     "blosc decode failed"),
-    (lambda raw, offset, nbytes: raw.__setitem__(slice(offset + 12, offset + 16), (nbytes + 9).to_bytes(4, "little")),
-     "compressed bytes, the chunk holds"),
-])
+@pytest.mark.parametrize(
+    "corrupt, message",
+    [
+        (
+            lambda raw, offset, nbytes: raw.__setitem__(slice(offset + 4, offset + 8), (1 << 20).to_bytes(4, "little")),
+            "blosc header declares 1048576 bytes, expected 8192",
+        ),
+        (
+            lambda raw, offset, nbytes: raw.__setitem__(slice(offset + 16, offset + nbytes), bytes(nbytes - 16)),
+            "blosc decode failed",
+        ),
+        (
+            lambda raw, offset, nbytes: raw.__setitem__(
+                slice(offset + 12, offset + 16), (nbytes + 9).to_bytes(4, "little")
+            ),
+            "compressed bytes, the chunk holds",
+        ),
+    ],
+)
 def test_verify_finds_a_corrupted_blosc_chunk(tmp_path, corrupt, message):
     path = _blosc_store(tmp_path / "b.zarr")
     assert verify(path).ok
@@ -233,11 +260,11 @@ def test_verify_bounds_a_blosc_chunk_by_the_codec(tmp_path):
     path = _blosc_store(tmp_path / "b.zarr")
     shard = path / "c/0/0/0"
     raw, offset, nbytes = _chunk(shard, 0)
-    index = np.frombuffer(bytes(raw[-(4 * 16 + 4):-4]), "<u8").reshape(4, 2).copy()
+    index = np.frombuffer(bytes(raw[-(4 * 16 + 4) : -4]), "<u8").reshape(4, 2).copy()
     index[0, 1] = 8192 + 17  # one byte more than blosc makes of one 8 KiB tile
     index[1, 1] = 15  # shorter than a blosc header
     body = index.astype("<u8").tobytes()
-    shard.write_bytes(bytes(raw[:-(4 * 16 + 4)]) + body + crc32c.crc32c(body).to_bytes(4, "little"))
+    shard.write_bytes(bytes(raw[: -(4 * 16 + 4)]) + body + crc32c.crc32c(body).to_bytes(4, "little"))
     problems = {p.chunk: p.message for p in verify(path).problems}
     assert set(problems) == {0, 1}
     assert "more than blosc-lz4 makes of one tile of 8192 bytes (at most 8208)" in problems[0]
@@ -246,8 +273,30 @@ def test_verify_bounds_a_blosc_chunk_by_the_codec(tmp_path):
 
 def test_cli_records_and_verifies_blosc(tmp_path, capsys):
     out = tmp_path / "cli.zarr"
-    assert main(["record", str(out), "--shape", "0,48,40", "--tile", "2,16,16", "--tiles-per-shard", "2,2,2",
-                 "--frames", "9", "--codec", "blosc-lz4", "--level", "4", "--backend", "cpu", "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "record",
+                str(out),
+                "--shape",
+                "0,48,40",
+                "--tile",
+                "2,16,16",
+                "--tiles-per-shard",
+                "2,2,2",
+                "--frames",
+                "9",
+                "--codec",
+                "blosc-lz4",
+                "--level",
+                "4",
+                "--backend",
+                "cpu",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     assert zarr.open_array(out, mode="r").shape == (9, 48, 40)
     assert main(["verify", str(out)]) == 0
     assert main(["record", str(tmp_path / "bad.zarr"), "--codec", "blosc-lz4", "--level", "12"]) == 2

@@ -8,11 +8,22 @@ from hypothesis import strategies as st
 
 from napari_tileshard import Dim, Layout, Writer, verify
 
-junk = st.one_of(st.integers(-3, 40), st.floats(allow_nan=True, allow_infinity=True), st.none(),
-                 st.text(max_size=3), st.booleans(), st.integers(2**40, 2**70))
+junk = st.one_of(
+    st.integers(-3, 40),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.none(),
+    st.text(max_size=3),
+    st.booleans(),
+    st.integers(2**40, 2**70),
+)
 
 
-@given(size=junk, tile=junk, tiles_per_shard=junk, name=st.one_of(st.text(max_size=6), st.sampled_from(["../x", "/x", "a/b", "x"])))
+@given(
+    size=junk,
+    tile=junk,
+    tiles_per_shard=junk,
+    name=st.one_of(st.text(max_size=6), st.sampled_from(["../x", "/x", "a/b", "x"])),
+)
 @settings(max_examples=300, deadline=None)
 def test_nonsense_dimensions(size, tile, tiles_per_shard, name):
     try:
@@ -51,7 +62,7 @@ def test_nonsense_frames(tmp_path_factory, items):
                 writer.append(array)
             except (ValueError, TypeError) as exc:
                 message = str(exc)
-                assert (array.dtype.str in message or str(array.shape) in message), message
+                assert array.dtype.str in message or str(array.shape) in message, message
                 continue
             assert array.dtype == np.dtype("<u2") and array.shape[-2:] == (4, 5)
             accepted.append(array.reshape(-1, 4, 5))

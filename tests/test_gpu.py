@@ -4,13 +4,12 @@ import time
 
 import numpy as np
 import pytest
+from conftest import read_back
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from napari_tileshard import Dim, Layout, SyntheticCamera, Writer
 from napari_tileshard.backends import gpu_unavailable_reason, select_backend
-
-from conftest import read_back
 
 REASON = gpu_unavailable_reason()
 needs_gpu = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=f"GPU backend not usable: {REASON}")]
@@ -42,8 +41,9 @@ def test_gpu_backend_request_without_gpu_names_the_reason():
 @st.composite
 def gpu_layouts(draw):
     rank = draw(st.integers(1, 4))
-    dims = [Dim(f"d{d}", draw(st.integers(1, 20)), draw(st.integers(1, 7)), draw(st.integers(1, 3)))
-            for d in range(rank)]
+    dims = [
+        Dim(f"d{d}", draw(st.integers(1, 20)), draw(st.integers(1, 7)), draw(st.integers(1, 3))) for d in range(rank)
+    ]
     return Layout(dims, draw(st.sampled_from(["uint8", "uint16", "float32", "float64"])))
 
 
@@ -69,15 +69,22 @@ def test_tile_kernel_matches_numpy_reference(layout, epochs, seed):
     got = pool.get().view(layout.dtype)
     np.testing.assert_array_equal(got, layout.lifted_strides(stride).scatter(batch))
     got = got.reshape(epochs, layout.tiles_per_epoch, stride)
-    assert not got[:, :, layout.tile_elements:].any()  # alignment padding written too
+    assert not got[:, :, layout.tile_elements :].any()  # alignment padding written too
     expected = layout.tile_pool_reference(batch).reshape(epochs, layout.tiles_per_epoch, -1)
-    np.testing.assert_array_equal(got[:, :, :layout.tile_elements], expected)
+    np.testing.assert_array_equal(got[:, :, : layout.tile_elements], expected)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(REASON is not None, reason=f"GPU backend not usable: {REASON}")
-@pytest.mark.parametrize("method, dims, dtype", [("mean", None, "uint16"), ("max", ("t", "z", "y", "x"), "float16"),
-                                                 ("mean", ("t", "y", "x"), "float32"), ("min", None, "int32")])
+@pytest.mark.parametrize(
+    "method, dims, dtype",
+    [
+        ("mean", None, "uint16"),
+        ("max", ("t", "z", "y", "x"), "float16"),
+        ("mean", ("t", "y", "x"), "float32"),
+        ("min", None, "int32"),
+    ],
+)
 def test_reduce_stage_on_the_gpu_equals_reduce_cpu(method, dims, dtype):
     import cupy
 
@@ -88,8 +95,9 @@ def test_reduce_stage_on_the_gpu_equals_reduce_cpu(method, dims, dtype):
     )
     from napari_tileshard.pyramid import plan_pyramid
 
-    pyramid = plan_pyramid(Layout([Dim("t", 0, 4, 1), Dim("z", 5, 2, 2), Dim("y", 37, 8, 2), Dim("x", 29, 8, 2)],
-                                  dtype), method, dims)
+    pyramid = plan_pyramid(
+        Layout([Dim("t", 0, 4, 1), Dim("z", 5, 2, 2), Dim("y", 37, 8, 2), Dim("x", 29, 8, 2)], dtype), method, dims
+    )
     layout, epochs = pyramid.layouts[0], 3
     rows = epochs * layout.epoch_rows - 1  # a partial last epoch: its padding stays out
     rng = np.random.default_rng(5)
@@ -138,7 +146,7 @@ def test_aggregation_matches_numpy_reference(layout, epochs):
         for i, slot in enumerate(layout.shard_permutation):
             shard, within = divmod(int(slot), layout.tiles_per_shard_inner)
             start = int(epoch.chunk_sizes[shard, :within].sum())
-            blob = epoch.shard_data[shard][start:start + int(epoch.chunk_sizes[shard, within])]
+            blob = epoch.shard_data[shard][start : start + int(epoch.chunk_sizes[shard, within])]
             assert decompressor.decompress(blob, max_output_size=layout.tile_bytes) == pool[e, i].tobytes()
 
 
@@ -151,7 +159,7 @@ def test_gpu_output_equals_cpu_output(tmp_path, dtype):
     for backend in ("cpu", "gpu"):
         with Writer(tmp_path / f"{backend}.zarr", layout, backend=backend, batch_bytes=3 * layout.epoch_bytes) as w:
             for i in range(0, 23, 5):
-                w.append(frames[i:i + 5])
+                w.append(frames[i : i + 5])
     np.testing.assert_array_equal(read_back(tmp_path / "gpu.zarr"), read_back(tmp_path / "cpu.zarr"))
     np.testing.assert_array_equal(read_back(tmp_path / "gpu.zarr"), frames)
 

@@ -41,7 +41,7 @@ def edit_metadata(path, change):
 
 def read_index(shard, chunks):
     raw = shard.read_bytes()
-    return raw, np.frombuffer(raw[-(chunks * 16 + 4):-4], "<u8").reshape(chunks, 2).copy()
+    return raw, np.frombuffer(raw[-(chunks * 16 + 4) : -4], "<u8").reshape(chunks, 2).copy()
 
 
 def write_index(shard, raw, index):
@@ -97,8 +97,12 @@ _CHILD = textwrap.dedent("""
 def probe(path, calls=("verify", "napari_get_reader", "inspect_array"), deadline_s=5.0, memory=3 << 30):
     """Run each call on ``path`` in a child limited to ``memory`` bytes of address space; per
     call: finished (within ``deadline_s``), seconds, result or error, tracemalloc peak."""
-    proc = subprocess.run([sys.executable, "-c", _CHILD, str(path), str(memory), str(deadline_s), ",".join(calls)],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(path), str(memory), str(deadline_s), ",".join(calls)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     assert lines, f"child failed (rc {proc.returncode}): {proc.stderr[-3000:]}"
     return json.loads(lines[-1])
@@ -317,7 +321,8 @@ def test_shard_symlinked_outside_is_reported_not_read(tmp_path):
     shard.symlink_to(outside)
     report = verify(path)
     assert [(p.key, p.chunk, p.message) for p in report.problems] == [
-        ("c/0/0/0", None, "symlink to outside the store, not read")]
+        ("c/0/0/0", None, "symlink to outside the store, not read")
+    ]
     assert report.shards == 7
     result = inspect_array(path)
     assert "c/0/0/0" not in [s.key for s in result.shards] and len(result.shards) == 7
@@ -381,7 +386,8 @@ def test_bounded_array_with_unwritten_rows(tmp_path):
     recorded(path, 4, "failed")  # as after a crash: the shape is the declared size from the start
     report = verify(path)
     assert [(p.key, p.message) for p in report.problems] == [
-        ("zarr.json", "rows 4..9 of 10 were never written (recording state: failed)")]
+        ("zarr.json", "rows 4..9 of 10 were never written (recording state: failed)")
+    ]
     [(data, meta, kind)] = napari_get_reader(str(path))(str(path))
     assert data.shape == (4, 8, 8) and kind == "image"
     assert "rows 4..9 were never written" in meta["metadata"]["unwritten_rows"]

@@ -18,8 +18,8 @@ import time
 import numpy as np
 import pytest
 import zarr
-
 from conftest import read_back
+
 from napari_tileshard import Dim, Layout, Writer, WriterError, verify
 from napari_tileshard.testing import FaultInjectingSink
 
@@ -115,8 +115,13 @@ def test_failed_level_shard_stops_publishing_every_level(tmp_path, backend):
     writer = Writer(path, layout, backend=backend, ome=True, batch_bytes=layout.epoch_bytes, max_levels=2)
     layouts = {f"{k}/": lay for k, lay in enumerate(writer.pyramid.layouts)}
     writer.close()
-    sink = ClaimChecker(path, layouts, overwrite=True, fail={"1/c/3/*": OSError(errno.EIO, "Input/output error")},
-                        delay={"*/c/3/*": 0.2})
+    sink = ClaimChecker(
+        path,
+        layouts,
+        overwrite=True,
+        fail={"1/c/3/*": OSError(errno.EIO, "Input/output error")},
+        delay={"*/c/3/*": 0.2},
+    )
     writer = Writer(sink, layout, backend=backend, ome=True, batch_bytes=layout.epoch_bytes, max_levels=2)
     frames = frames_for(16)
     feed_until_error(writer, frames)
@@ -287,8 +292,9 @@ def full_filesystem(tmp_path):
     """A real 256 KiB tmpfs, filled to the last byte (needs root and mount)."""
     mount_point = tmp_path / "full"
     mount_point.mkdir()
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount_point)],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount_point)], capture_output=True, text=True
+    )
     if result.returncode != 0:
         pytest.skip(f"cannot mount a size-limited tmpfs here: {result.stderr.strip() or result.returncode}")
     try:
@@ -311,26 +317,35 @@ def test_real_full_disk_at_start_gives_the_storage_error(full_filesystem):
 
 
 # -- case 11: options validated before the first byte ---------------------------------------------
-@pytest.mark.parametrize("make, error, message", [
-    (lambda: Layout([Dim("t", 0, 1, 2**30), Dim("x", 8, 8, 1)]), ValueError, "chunks in a shard"),
-    (lambda: Layout([Dim("t", 0, 1, 1), Dim("y", 8, 1, 2**11), Dim("x", 8, 1, 2**11)]), ValueError,
-     "4194304 chunks in a shard"),
-    (lambda: Dim("x", 2**63, 1), ValueError, "size 9223372036854775808 is larger than"),
-])
+@pytest.mark.parametrize(
+    "make, error, message",
+    [
+        (lambda: Layout([Dim("t", 0, 1, 2**30), Dim("x", 8, 8, 1)]), ValueError, "chunks in a shard"),
+        (
+            lambda: Layout([Dim("t", 0, 1, 1), Dim("y", 8, 1, 2**11), Dim("x", 8, 1, 2**11)]),
+            ValueError,
+            "4194304 chunks in a shard",
+        ),
+        (lambda: Dim("x", 2**63, 1), ValueError, "size 9223372036854775808 is larger than"),
+    ],
+)
 def test_layouts_beyond_the_limits_are_refused(make, error, message):
     with pytest.raises(error, match=message):
         make()
 
 
-@pytest.mark.parametrize("option, value, error, message", [
-    ("attributes", {"x": float("nan")}, ValueError, "without NaN"),
-    ("attributes", {"tileshard": 1}, ValueError, "may not contain 'tileshard'"),
-    ("io_threads", 0, ValueError, "io_threads must be a positive integer, got 0"),
-    ("threads", -1, ValueError, "threads must be a positive integer, got -1"),
-    ("batch_bytes", 0, ValueError, "batch_bytes must be a positive integer, got 0"),
-    ("staging_buffers", 1, ValueError, "staging_buffers must be an integer >= 2"),
-    ("overwrite", "yes", TypeError, "overwrite must be True or False"),
-])
+@pytest.mark.parametrize(
+    "option, value, error, message",
+    [
+        ("attributes", {"x": float("nan")}, ValueError, "without NaN"),
+        ("attributes", {"tileshard": 1}, ValueError, "may not contain 'tileshard'"),
+        ("io_threads", 0, ValueError, "io_threads must be a positive integer, got 0"),
+        ("threads", -1, ValueError, "threads must be a positive integer, got -1"),
+        ("batch_bytes", 0, ValueError, "batch_bytes must be a positive integer, got 0"),
+        ("staging_buffers", 1, ValueError, "staging_buffers must be an integer >= 2"),
+        ("overwrite", "yes", TypeError, "overwrite must be True or False"),
+    ],
+)
 def test_bad_options_are_refused_before_the_store_is_touched(tmp_path, option, value, error, message):
     path = tmp_path / "opt.zarr"
     with pytest.raises(error, match=message):
@@ -383,7 +398,7 @@ def test_two_writers_created_at_the_same_instant_never_both_win(tmp_path, overwr
         path = tmp_path / f"both{trial}.zarr"
         barrier, results = threading.Barrier(2), []
 
-        def create(value):
+        def create(value, barrier=barrier, path=path, results=results):  # bound now, not late
             barrier.wait()
             try:
                 writer = Writer(path, layout, backend="cpu", overwrite=overwrite)
@@ -413,15 +428,28 @@ def test_record_overwrite_while_another_record_runs_is_refused(tmp_path):
     import sys
 
     path = tmp_path / "busy.zarr"
-    record = [sys.executable, "-m", "napari_tileshard.cli", "record", str(path), "--shape", "0,64,64",
-              "--tile", "2,32,32", "--tiles-per-shard", "1,1,1", "--backend", "cpu", "--no-progress"]
+    record = [
+        sys.executable,
+        "-m",
+        "napari_tileshard.cli",
+        "record",
+        str(path),
+        "--shape",
+        "0,64,64",
+        "--tile",
+        "2,32,32",
+        "--tiles-per-shard",
+        "1,1,1",
+        "--backend",
+        "cpu",
+        "--no-progress",
+    ]
     first = subprocess.Popen(record + ["--frames", "100000", "--fps", "200"], stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 30
         while not (path / "c").exists() and time.monotonic() < deadline:
             time.sleep(0.05)
-        second = subprocess.run(record + ["--frames", "10", "--overwrite"], capture_output=True, text=True,
-                                timeout=60)
+        second = subprocess.run(record + ["--frames", "10", "--overwrite"], capture_output=True, text=True, timeout=60)
         assert second.returncode != 0
         assert f"pid {first.pid}" in second.stderr, second.stderr
         assert first.poll() is None  # the first recording is untouched and still going
@@ -439,8 +467,9 @@ def test_record_overwrite_while_another_record_runs_is_refused(tmp_path):
 def tiny_tmpfs(tmp_path):
     mount_point = tmp_path / "tiny"
     mount_point.mkdir()
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount_point)],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount_point)], capture_output=True, text=True
+    )
     if result.returncode != 0:
         pytest.skip(f"cannot mount a size-limited tmpfs here: {result.stderr.strip() or result.returncode}")
     yield mount_point
@@ -459,8 +488,15 @@ def test_real_disk_full_never_claims_a_missing_shard_in_30_trials(tiny_tmpfs, om
         path = tiny_tmpfs / f"t{trial}.zarr"
         rng = np.random.default_rng(trial)
         frames = rng.integers(0, 65535, size=(400, 64, 64), dtype=np.uint16)
-        writer = Writer(path, layout, backend="cpu", batch_bytes=layout.epoch_bytes * int(rng.integers(1, 4)),
-                        io_threads=int(rng.integers(1, 5)), ome=ome, max_levels=2)
+        writer = Writer(
+            path,
+            layout,
+            backend="cpu",
+            batch_bytes=layout.epoch_bytes * int(rng.integers(1, 4)),
+            io_threads=int(rng.integers(1, 5)),
+            ome=ome,
+            max_levels=2,
+        )
         feed_until_error(writer, frames, flush_every=int(rng.integers(0, 3)) * 7)
         array = zarr.open_array(path / "0" if ome else path, mode="r")
         rows = array.shape[0]
@@ -480,7 +516,7 @@ def test_flush_race_with_slow_shards_in_30_trials(tmp_path):
         frames = frames_for(9, seed=trial)
         with Writer(sink, layout, backend="cpu", batch_bytes=layout.epoch_bytes, io_threads=3) as writer:
             for start in range(0, 9, 3):
-                writer.append(frames[start:start + 3])
+                writer.append(frames[start : start + 3])
                 writer.flush()
         assert not sink.violations, (trial, sink.violations)
         np.testing.assert_array_equal(read_back(path), frames)

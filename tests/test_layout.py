@@ -62,7 +62,7 @@ def scatter_with_lifted_strides(layout, batch, tile_stride=None):
         offset += (coords[d] // lift.tile_shape[d]) * lift.tile_stride[d]
         offset += (coords[d] % lift.tile_shape[d]) * lift.element_stride[d]
     pool[offset] = batch.reshape(-1)
-    pool = pool.reshape(epochs, layout.tiles_per_epoch, stride)[:, :, :layout.tile_elements]
+    pool = pool.reshape(epochs, layout.tiles_per_epoch, stride)[:, :, : layout.tile_elements]
     return pool.reshape((epochs, layout.tiles_per_epoch) + layout.tile_shape)
 
 
@@ -77,13 +77,15 @@ def test_lifted_strides_equal_reshape_transpose(layout, epochs, seed, extra_stri
     # The NumPy path of the lift (the CPU's): the same strides, one strided copy, padding included.
     stride = layout.tile_elements + extra_stride
     pool = layout.lifted_strides(stride).scatter(batch).reshape(epochs, layout.tiles_per_epoch, stride)
-    assert not pool[:, :, layout.tile_elements:].any()
-    np.testing.assert_array_equal(pool[:, :, :layout.tile_elements].reshape(expected.shape), expected)
+    assert not pool[:, :, layout.tile_elements :].any()
+    np.testing.assert_array_equal(pool[:, :, : layout.tile_elements].reshape(expected.shape), expected)
     # The pool is tile-major: tile (e, i) is the block of the array it came from, padded with 0.
     tile_coords = np.unravel_index(np.arange(layout.tiles_per_epoch), layout.tile_count[1:]) if layout.rank > 1 else ()
     for e in range(epochs):
         for i in range(min(layout.tiles_per_epoch, 6)):
-            region = tuple(slice(int(t[i]) * n, (int(t[i]) + 1) * n) for t, n in zip(tile_coords, layout.tile_shape[1:]))
+            region = tuple(
+                slice(int(t[i]) * n, (int(t[i]) + 1) * n) for t, n in zip(tile_coords, layout.tile_shape[1:])
+            )
             block = batch[(slice(e * layout.epoch_rows, (e + 1) * layout.epoch_rows),) + region]
             tile = expected[e, i]
             np.testing.assert_array_equal(tile[tuple(slice(0, n) for n in block.shape)], block)
@@ -121,13 +123,15 @@ def test_lifted_strides_are_the_row_major_pool_the_gpu_kernel_unravels(layout, e
     t = [rng.integers(0, n, 50) for n in tile_extents]
     n = [rng.integers(0, k, 50) for k in layout.tile_shape]
     offset = sum(t[d] * lift.tile_stride[d] + n[d] * lift.element_stride[d] for d in range(layout.rank))
-    expected = (np.ravel_multi_index(t, tile_extents) * lift.tile_elements_stride
-                + np.ravel_multi_index(n, layout.tile_shape))
+    expected = np.ravel_multi_index(t, tile_extents) * lift.tile_elements_stride + np.ravel_multi_index(
+        n, layout.tile_shape
+    )
     np.testing.assert_array_equal(offset, expected)
     batch_shape = (epochs * layout.epoch_rows,) + layout.shape[1:]
     c = [rng.integers(0, s, 50) for s in batch_shape]
-    np.testing.assert_array_equal(sum(c[d] * lift.input_stride[d] for d in range(layout.rank)),
-                                  np.ravel_multi_index(c, batch_shape))
+    np.testing.assert_array_equal(
+        sum(c[d] * lift.input_stride[d] for d in range(layout.rank)), np.ravel_multi_index(c, batch_shape)
+    )
 
 
 @given(layouts(), st.integers(0, 2**31))
@@ -144,8 +148,9 @@ def test_shard_pieces_cover_each_shard_once(layout, seed):
             for b in range(a, tps_1 + 2):
                 first = int(mask[:a].sum()) if layout.rank > 1 else 0
                 count = int(mask[a:b].sum()) if layout.rank > 1 else len(whole)
-                np.testing.assert_array_equal(layout.shard_tiles(epoch, shard, slice(a, b)),
-                                              whole[first:first + count])
+                np.testing.assert_array_equal(
+                    layout.shard_tiles(epoch, shard, slice(a, b)), whole[first : first + count]
+                )
 
 
 def test_scatter_refuses_a_batch_of_partial_epochs_and_pieces_with_gaps():

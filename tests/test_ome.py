@@ -49,8 +49,9 @@ def test_reduction_along_time_and_z(tmp_path, backend, method):
     """The append dim halves too (tile 4 -> 2 -> 1), z as well; 11 frames leave partial blocks along t."""
     layout = Layout([Dim("t", 0, 4, 1), Dim("z", 5, 2, 2), Dim("y", 12, 4, 1), Dim("x", 10, 4, 2)], "uint8")
     frames = np.random.default_rng(1).integers(0, 255, (11, 5, 12, 10), dtype=np.uint8)
-    writer = record(tmp_path / "tz.zarr", layout, frames, backend, downsample=method,
-                    downsample_dims=("t", "z", "y", "x"))
+    writer = record(
+        tmp_path / "tz.zarr", layout, frames, backend, downsample=method, downsample_dims=("t", "z", "y", "x")
+    )
     assert writer.pyramid.factors[1] == (2, 2, 2, 2) and writer.pyramid.factors[2] == (4, 4, 4, 4)
     group = zarr.open_group(tmp_path / "tz.zarr", mode="r")
     assert [group[str(k)].shape[0] for k in range(writer.pyramid.levels)] == [11, 6, 3][: writer.pyramid.levels]
@@ -66,9 +67,15 @@ def test_mean_of_other_dtypes(tmp_path, backend, dtype):
 
 
 def test_metadata_axes_scales_units_and_attributes(tmp_path, backend):
-    layout = Layout([Dim("t", 0, 2, 1, unit="second", scale=0.1), Dim("c", 2, 1, 1),
-                     Dim("y", 32, 8, 2, unit="micrometer", scale=0.65),
-                     Dim("x", 24, 8, 2, unit="micrometer", scale=0.65)], "uint16")
+    layout = Layout(
+        [
+            Dim("t", 0, 2, 1, unit="second", scale=0.1),
+            Dim("c", 2, 1, 1),
+            Dim("y", 32, 8, 2, unit="micrometer", scale=0.65),
+            Dim("x", 24, 8, 2, unit="micrometer", scale=0.65),
+        ],
+        "uint16",
+    )
     frames = np.random.default_rng(0).integers(0, 4000, (4, 2, 32, 24), dtype=np.uint16)
     path = tmp_path / "meta.zarr"
     writer = record(path, layout, frames, backend, attributes={"sample": "beads", "objective": {"na": 1.4}})
@@ -79,9 +86,12 @@ def test_metadata_axes_scales_units_and_attributes(tmp_path, backend):
     ome = attrs["ome"]
     assert ome["version"] == "0.5"
     multiscale = ome["multiscales"][0]
-    assert multiscale["axes"] == [{"name": "t", "type": "time", "unit": "second"}, {"name": "c", "type": "channel"},
-                                  {"name": "y", "type": "space", "unit": "micrometer"},
-                                  {"name": "x", "type": "space", "unit": "micrometer"}]
+    assert multiscale["axes"] == [
+        {"name": "t", "type": "time", "unit": "second"},
+        {"name": "c", "type": "channel"},
+        {"name": "y", "type": "space", "unit": "micrometer"},
+        {"name": "x", "type": "space", "unit": "micrometer"},
+    ]
     for k, dataset in enumerate(multiscale["datasets"]):
         transform = dataset["coordinateTransformations"]
         assert transform == [{"type": "scale", "scale": pytest.approx([0.1, 1.0, 0.65 * 2**k, 0.65 * 2**k])}]
@@ -117,8 +127,14 @@ def test_ome_zarr_py_reads_the_pyramid(tmp_path):
     from ome_zarr.io import parse_url
     from ome_zarr.reader import Multiscales, Reader
 
-    layout = Layout([Dim("t", 0, 2, 1), Dim("y", 40, 16, 2, unit="micrometer", scale=0.5),
-                     Dim("x", 36, 16, 2, unit="micrometer", scale=0.5)], "uint16")
+    layout = Layout(
+        [
+            Dim("t", 0, 2, 1),
+            Dim("y", 40, 16, 2, unit="micrometer", scale=0.5),
+            Dim("x", 36, 16, 2, unit="micrometer", scale=0.5),
+        ],
+        "uint16",
+    )
     frames = SyntheticCamera((40, 36), "uint16", seed=1).stack(6)
     path = tmp_path / "ome-py.zarr"
     writer = record(path, layout, frames, "cpu")
@@ -215,7 +231,7 @@ def test_bad_options(tmp_path):
 def pyramid_cases(draw):
     """Random small layouts, dtypes, reduced dims (t too when its tile is even), methods, frame counts."""
     rank = draw(st.integers(3, 4))
-    names = ["t", "z", "y", "x"][4 - rank:] if rank == 4 else ["t", "y", "x"]
+    names = ["t", "z", "y", "x"][4 - rank :] if rank == 4 else ["t", "y", "x"]
     t_tile = draw(st.sampled_from([1, 2, 4]))
     dims = [Dim("t", 0, t_tile, draw(st.integers(1, 2)))]
     for name in names[1:]:

@@ -9,8 +9,8 @@ import time
 import numpy as np
 import pytest
 import zarr
-
 from conftest import read_tensorstore
+
 from napari_tileshard import SyntheticCamera, verify
 
 
@@ -18,10 +18,31 @@ from napari_tileshard import SyntheticCamera, verify
 def test_sigkill_mid_recording_leaves_completed_epochs(tmp_path):
     out = tmp_path / "killed.zarr"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "napari_tileshard.cli", "record", str(out), "--shape", "0,64,48",
-         "--tile", "4,32,16", "--tiles-per-shard", "2,1,2", "--frames", "100000", "--fps", "400",
-         "--backend", "cpu", "--seed", "7", "--no-progress"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        [
+            sys.executable,
+            "-m",
+            "napari_tileshard.cli",
+            "record",
+            str(out),
+            "--shape",
+            "0,64,48",
+            "--tile",
+            "4,32,16",
+            "--tiles-per-shard",
+            "2,1,2",
+            "--frames",
+            "100000",
+            "--fps",
+            "400",
+            "--backend",
+            "cpu",
+            "--seed",
+            "7",
+            "--no-progress",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.time() + 60
         while time.time() < deadline:  # wait until several shard epochs are complete
@@ -77,8 +98,9 @@ def tiny_filesystem(tmp_path):
     """A real 512 KiB tmpfs (needs root and mount; skipped with the reason otherwise)."""
     mount_point = tmp_path / "tiny"
     mount_point.mkdir()
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(mount_point)],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(mount_point)], capture_output=True, text=True
+    )
     if result.returncode != 0:
         pytest.skip(f"cannot mount a size-limited tmpfs here: {result.stderr.strip() or result.returncode}")
     yield mount_point
@@ -131,4 +153,5 @@ def test_huge_declared_shape_is_refused_without_allocating(tmp_path):
     tracemalloc.stop()
     assert peak < 50 << 20
     assert report.shards == 4 and [p.message for p in report.problems] == [  # the edit claims rows never written
-        "rows 2..999999999999 of 1000000000000 were never written (recording state: complete)"]
+        "rows 2..999999999999 of 1000000000000 were never written (recording state: complete)"
+    ]

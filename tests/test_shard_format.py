@@ -15,10 +15,12 @@ EMPTY = 2**64 - 1
 
 def parse_shard(raw: bytes, chunks: int):
     """Index at the end: chunks x (offset, nbytes) uint64 LE, then CRC32C (LE) of those bytes."""
-    index_raw, crc = raw[-(chunks * 16 + 4):-4], raw[-4:]
+    index_raw, crc = raw[-(chunks * 16 + 4) : -4], raw[-4:]
     assert int.from_bytes(crc, "little") == google_crc32c.value(index_raw)
-    pairs = [(int.from_bytes(index_raw[i:i + 8], "little"), int.from_bytes(index_raw[i + 8:i + 16], "little"))
-             for i in range(0, len(index_raw), 16)]
+    pairs = [
+        (int.from_bytes(index_raw[i : i + 8], "little"), int.from_bytes(index_raw[i + 8 : i + 16], "little"))
+        for i in range(0, len(index_raw), 16)
+    ]
     return pairs, len(raw) - (chunks * 16 + 4)
 
 
@@ -54,7 +56,7 @@ def test_shard_bytes_follow_the_spec(tmp_path, backend, codec):
                 assert (offset, nbytes) == (EMPTY, EMPTY), (name, chunk)
                 continue
             assert offset + nbytes <= data_end
-            blob = raw[offset:offset + nbytes]
+            blob = raw[offset : offset + nbytes]
             if codec == "zstd":
                 assert blob[:4] == ZSTD_MAGIC
                 stream = zstandard.ZstdDecompressor().decompressobj()
@@ -67,6 +69,6 @@ def test_shard_bytes_follow_the_spec(tmp_path, backend, codec):
             rows = slice(2 * (2 * t + wt), 2 * (2 * t + wt) + 2)
             ys = slice(8 * (2 * y + wy), 8 * (2 * y + wy) + 8)
             expected = np.zeros((2, 8, 8), np.uint16)
-            block = frames[rows, ys, 8 * x:8 * x + 8]
+            block = frames[rows, ys, 8 * x : 8 * x + 8]
             expected[: block.shape[0], : block.shape[1], : block.shape[2]] = block
             np.testing.assert_array_equal(tile, expected)  # edge tiles padded with the fill value 0

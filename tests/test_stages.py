@@ -14,13 +14,12 @@ import pytest
 import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_layout import layouts
 
 from napari_tileshard import Dim, Layout, codecs
 from napari_tileshard.backends.gpu import _ALIGN, _round_up
 from napari_tileshard.backends.stages import aggregate, compress, reduce, tile
 from napari_tileshard.pyramid import plan_pyramid
-
-from test_layout import layouts
 
 LAYOUTS = [  # scripts/sanitize_kernels.py's, plus the README's
     Layout([Dim("t", 0, 3, 2), Dim("y", 37, 8, 3), Dim("x", 29, 16, 1)], "uint16"),
@@ -31,8 +30,11 @@ LAYOUTS = [  # scripts/sanitize_kernels.py's, plus the README's
 ]
 PYRAMIDS = [
     plan_pyramid(Layout([Dim("t", 0, 2, 1), Dim("y", 37, 8, 2), Dim("x", 29, 8, 2)], "uint16"), "mean"),
-    plan_pyramid(Layout([Dim("t", 0, 4, 1), Dim("z", 5, 2, 2), Dim("y", 12, 4, 1), Dim("x", 10, 4, 2)], "float16"),
-                 "max", ("t", "z", "y", "x")),
+    plan_pyramid(
+        Layout([Dim("t", 0, 4, 1), Dim("z", 5, 2, 2), Dim("y", 12, 4, 1), Dim("x", 10, 4, 2)], "float16"),
+        "max",
+        ("t", "z", "y", "x"),
+    ),
     plan_pyramid(Layout([Dim("t", 0, 2, 1), Dim("y", 33, 8, 1), Dim("x", 17, 8, 1)], "int32"), "min"),
 ]
 
@@ -130,8 +132,9 @@ def test_pyramid_kernel_sources_are_unchanged():
         for k, lay in enumerate(pyramid.layouts):
             assert sha256(tile.tile_source(lay, stride)) == PYRAMID_TILE_SHA256[p, k], (p, k)
         for k in range(1, pyramid.levels):
-            source = reduce.reduce_source(pyramid.layouts[k - 1], pyramid.layouts[k], pyramid.step_axes(k),
-                                          pyramid.method)
+            source = reduce.reduce_source(
+                pyramid.layouts[k - 1], pyramid.layouts[k], pyramid.step_axes(k), pyramid.method
+            )
             assert sha256(source) == REDUCE_SOURCE_SHA256[p, k], (p, k)
     assert sha256(aggregate.AGGREGATE_SOURCE) == AGGREGATE_SOURCE_SHA256
 
@@ -145,8 +148,11 @@ def test_kernel_sources_take_their_numbers_from_lifted_strides(monkeypatch):
     def skewed(self, tile_stride=None):
         calls.append((self, tile_stride))
         lift = real(self, tile_stride)
-        return dataclasses.replace(lift, input_stride=tuple(s * 1000003 for s in lift.input_stride),
-                                   tile_count=tuple(t + 100 for t in lift.tile_count))
+        return dataclasses.replace(
+            lift,
+            input_stride=tuple(s * 1000003 for s in lift.input_stride),
+            tile_count=tuple(t + 100 for t in lift.tile_count),
+        )
 
     monkeypatch.setattr(Layout, "lifted_strides", skewed)
     source = tile.tile_source(layout, 384)
@@ -176,7 +182,8 @@ def run_tile_source(source: str, batch: np.ndarray, pool_elements: int) -> np.nd
         target, op, expr = re.fullmatch(r"(\w+) (/=|\+=|\|=|=) (.+)", re.sub(r"(\d+)LL", r"\1", statement)).groups()
         value = eval(expr, {}, env)  # only +, *, %, >= between names and integers
         env[target] = {"=": lambda a, b: b, "/=": np.floor_divide, "+=": np.add, "|=": np.logical_or}[op](
-            env.get(target), value)
+            env.get(target), value
+        )
     keep = ~(env["outside"] | slot_padding)
     pool = np.zeros(pool_elements, dtype=batch.dtype)
     pool[keep] = batch.reshape(-1)[env["in"][keep]]
@@ -193,9 +200,9 @@ def test_tile_source_evaluated_equals_reference_and_numpy_path(layout, epochs, s
     got = run_tile_source(tile.tile_source(layout, stride), batch, pool_elements)
     np.testing.assert_array_equal(got, layout.lifted_strides(stride).scatter(batch))  # the CPU's evaluation
     got = got.reshape(epochs, layout.tiles_per_epoch, stride)
-    assert not got[:, :, layout.tile_elements:].any()
+    assert not got[:, :, layout.tile_elements :].any()
     expected = layout.tile_pool_reference(batch).reshape(epochs, layout.tiles_per_epoch, -1)
-    np.testing.assert_array_equal(got[:, :, :layout.tile_elements], expected)
+    np.testing.assert_array_equal(got[:, :, : layout.tile_elements], expected)
 
 
 # -- the CPU stages, end to end, against the reference ----------------------------------------
@@ -212,7 +219,7 @@ def test_cpu_stages_group_every_tile_into_its_shard(layout, seed, codec_name, sp
     cuts = list(range(tps_1 + 1)) if split else [0, tps_1]
     results = []
     for e in range(epochs):
-        rows = batch[e * layout.epoch_rows:(e + 1) * layout.epoch_rows]
+        rows = batch[e * layout.epoch_rows : (e + 1) * layout.epoch_rows]
         per_shard = []
         for shard in range(layout.inner_shard_count):
             pieces = []
@@ -230,7 +237,7 @@ def test_cpu_stages_group_every_tile_into_its_shard(layout, seed, codec_name, sp
             shard, within = divmod(int(slot), layout.tiles_per_shard_inner)
             blob = b"".join(bytes(memoryview(c).cast("B")) for c in epoch.shard_data[shard])
             start = int(epoch.chunk_sizes[shard, :within].sum())
-            chunk = blob[start:start + int(epoch.chunk_sizes[shard, within])]
+            chunk = blob[start : start + int(epoch.chunk_sizes[shard, within])]
             assert codec.decode(chunk, layout.tile_bytes) == pool[e, i].tobytes()
 
 
@@ -269,7 +276,7 @@ def test_split_packed_cuts_shards_at_the_offsets():
     base = 0
     for lay in pyramid.layouts:  # empty slots of edge shards have size 0
         count = epochs * lay.slots_per_epoch
-        sizes[base:base + count] *= np.tile(lay.slot_mask.reshape(-1), epochs).astype(np.uint64)
+        sizes[base : base + count] *= np.tile(lay.slot_mask.reshape(-1), epochs).astype(np.uint64)
         base += count
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.uint64)
     packed = rng.integers(0, 255, int(offsets[-1]), dtype=np.uint8)
@@ -279,4 +286,4 @@ def test_split_packed_cuts_shards_at_the_offsets():
     assert b"".join(joined) == packed.tobytes()
     first = levels[0][0]
     assert first.chunk_sizes.shape == (pyramid.layouts[0].inner_shard_count, pyramid.layouts[0].tiles_per_shard_inner)
-    np.testing.assert_array_equal(first.chunk_sizes.reshape(-1), sizes[:pyramid.layouts[0].slots_per_epoch])
+    np.testing.assert_array_equal(first.chunk_sizes.reshape(-1), sizes[: pyramid.layouts[0].slots_per_epoch])

@@ -51,8 +51,11 @@ def user_dir(tmp_path):
 
 # -- 1. overwrite deletes only what is ours ------------------------------------------------
 
-@pytest.mark.parametrize("metadata", [b"", b"garbage", b'{"zarr_format": 2}', "dir",
-                                      b'{"zarr_format": 3, "node_type": "group", "attributes": {}}'])
+
+@pytest.mark.parametrize(
+    "metadata",
+    [b"", b"garbage", b'{"zarr_format": 2}', "dir", b'{"zarr_format": 3, "node_type": "group", "attributes": {}}'],
+)
 def test_overwrite_refuses_user_files_next_to_a_zarr_json(tmp_path, metadata):
     d = user_dir(tmp_path)
     if metadata == "dir":
@@ -177,6 +180,7 @@ def test_zarr_store_overwrite_deletes_only_recognised_keys():
 
 # -- 2. one writer per store ---------------------------------------------------------------
 
+
 def dead_pid():
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()
@@ -195,7 +199,7 @@ def test_racing_writers_exactly_one_wins(tmp_path, existing):
         barrier = threading.Barrier(2)
         results = [None, None]
 
-        def open_(i):
+        def open_(i, barrier=barrier, path=path, results=results):  # bound now, not late
             barrier.wait()
             try:
                 results[i] = DirectorySink(path, overwrite=existing != "none")
@@ -216,8 +220,11 @@ def test_racing_writers_exactly_one_wins(tmp_path, existing):
 
 def write_lock(path, **fields):
     path.mkdir(exist_ok=True)
-    (path / LOCK_NAME).write_text(json.dumps({"host": socket.gethostname(), "started": "2026-01-01T00:00:00",
-                                              "tool": "napari-tileshard", **fields}))
+    (path / LOCK_NAME).write_text(
+        json.dumps(
+            {"host": socket.gethostname(), "started": "2026-01-01T00:00:00", "tool": "napari-tileshard", **fields}
+        )
+    )
 
 
 def test_a_live_lock_is_refused_and_nothing_is_touched(tmp_path):
@@ -275,6 +282,7 @@ def test_readers_ignore_the_lock(tmp_path):
 
 # -- 3. a vanished store is an error -------------------------------------------------------
 
+
 @pytest.mark.parametrize("recreate", [False, True])
 def test_a_deleted_store_directory_is_not_recreated(tmp_path, recreate):
     path = tmp_path / "v.zarr"
@@ -293,6 +301,7 @@ def test_a_deleted_store_directory_is_not_recreated(tmp_path, recreate):
 
 
 # -- 4. a failed setup leaves nothing behind -----------------------------------------------
+
 
 def test_discard_removes_what_the_sink_made(tmp_path):
     path = tmp_path / "new" / "d.zarr"
@@ -313,9 +322,26 @@ def test_discard_removes_what_the_sink_made(tmp_path):
 
 # -- 6. the command line -------------------------------------------------------------------
 
+
 def cli_record(path, *extra):
-    return main(["record", str(path), "--shape", "0,8,8", "--tile", "2,4,4", "--tiles-per-shard", "1,1,1",
-                 "--frames", "2", "--backend", "cpu", "--no-progress", *extra])
+    return main(
+        [
+            "record",
+            str(path),
+            "--shape",
+            "0,8,8",
+            "--tile",
+            "2,4,4",
+            "--tiles-per-shard",
+            "1,1,1",
+            "--frames",
+            "2",
+            "--backend",
+            "cpu",
+            "--no-progress",
+            *extra,
+        ]
+    )
 
 
 def test_cli_overwrite_refuses_user_files(tmp_path, capsys):

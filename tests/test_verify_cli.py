@@ -46,7 +46,7 @@ def test_flipped_index_byte_is_a_crc_mismatch(store):
 def test_flipped_chunk_byte_names_the_chunk(store):
     shard = store / "c/0/0/1"
     raw = bytearray(shard.read_bytes())
-    index = np.frombuffer(bytes(raw[-(4 * 16 + 4):-4]), "<u8").reshape(4, 2)
+    index = np.frombuffer(bytes(raw[-(4 * 16 + 4) : -4]), "<u8").reshape(4, 2)
     offset, nbytes = index[2]
     raw[int(offset) + 5] ^= 0xFF  # inside the zstd frame header/data of chunk 2
     raw[int(offset) + int(nbytes) // 2] ^= 0xFF
@@ -70,10 +70,30 @@ def test_verify_not_a_store(tmp_path):
 def test_record_cli(tmp_path):
     out = tmp_path / "demo.zarr"
     result = subprocess.run(
-        [sys.executable, "-m", "napari_tileshard.cli", "record", str(out), "--shape", "0,96,80",
-         "--tile", "4,32,32", "--tiles-per-shard", "2,2,2", "--frames", "21", "--backend", "cpu",
-         "--level", "3", "--seed", "5"],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "napari_tileshard.cli",
+            "record",
+            str(out),
+            "--shape",
+            "0,96,80",
+            "--tile",
+            "4,32,32",
+            "--tiles-per-shard",
+            "2,2,2",
+            "--frames",
+            "21",
+            "--backend",
+            "cpu",
+            "--level",
+            "3",
+            "--seed",
+            "5",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 0, result.stderr
     assert "recorded 21 frames" in result.stdout and "GB/s" in result.stdout and "ratio" in result.stdout
@@ -82,8 +102,12 @@ def test_record_cli(tmp_path):
     assert array.shape == (21, 96, 80)
     assert array.metadata.dimension_names == ("t", "y", "x")
     np.testing.assert_array_equal(array[:], SyntheticCamera((96, 80), "uint16", seed=5).stack(21))
-    again = subprocess.run([sys.executable, "-m", "napari_tileshard.cli", "record", str(out), "--frames", "1",
-                            "--backend", "cpu"], capture_output=True, text=True, timeout=60)
+    again = subprocess.run(
+        [sys.executable, "-m", "napari_tileshard.cli", "record", str(out), "--frames", "1", "--backend", "cpu"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert again.returncode == 2 and "overwrite" in again.stderr
     assert main(["verify", str(out)]) == 0
 
@@ -95,9 +119,33 @@ def test_record_cli_rejects_mismatched_lists(tmp_path, capsys):
 
 def test_record_cli_ome_pyramid_with_units(tmp_path, capsys):
     out = tmp_path / "ome.zarr"
-    assert main(["record", str(out), "--shape", "0,96,80", "--tile", "2,32,32", "--tiles-per-shard", "1,2,2",
-                 "--frames", "5", "--backend", "cpu", "--ome", "--downsample", "min", "--no-progress",
-                 "--scale", "t=0.5,y=0.65,x=0.65", "--unit", "t=second,y=micrometer,x=micrometer"]) == 0
+    assert (
+        main(
+            [
+                "record",
+                str(out),
+                "--shape",
+                "0,96,80",
+                "--tile",
+                "2,32,32",
+                "--tiles-per-shard",
+                "1,2,2",
+                "--frames",
+                "5",
+                "--backend",
+                "cpu",
+                "--ome",
+                "--downsample",
+                "min",
+                "--no-progress",
+                "--scale",
+                "t=0.5,y=0.65,x=0.65",
+                "--unit",
+                "t=second,y=micrometer,x=micrometer",
+            ]
+        )
+        == 0
+    )
     assert "3 pyramid levels" in capsys.readouterr().out  # 96x80 -> 48x40 -> 24x20 fits one 32x32 tile
     multiscale = zarr.open_group(out, mode="r").attrs["ome"]["multiscales"][0]
     assert [a.get("unit") for a in multiscale["axes"]] == ["second", "micrometer", "micrometer"]

@@ -5,10 +5,10 @@ import warnings
 import numpy as np
 import pytest
 import zarr
+from conftest import read_back, read_tensorstore
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import read_back, read_tensorstore
 from napari_tileshard import SUPPORTED_DTYPES, Dim, Layout, Writer, verify
 
 _SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -29,8 +29,9 @@ def cases(draw):
     dims = []
     for d in range(rank):
         size = draw(st.integers(1, 12 if rank > 2 else 40))
-        dims.append(Dim(f"d{d}", 0 if (d == 0 and unbounded) else size,
-                        draw(st.integers(1, 7)), draw(st.integers(1, 3))))
+        dims.append(
+            Dim(f"d{d}", 0 if (d == 0 and unbounded) else size, draw(st.integers(1, 7)), draw(st.integers(1, 3)))
+        )
     dtype = draw(st.sampled_from(SUPPORTED_DTYPES))
     layout = Layout(dims, dtype)
     rows = draw(st.integers(0, 25)) if unbounded else dims[0].size
@@ -54,7 +55,7 @@ def feed(writer, data, feeding, pieces):
             piece = raw[: pieces[i % len(pieces)]]
             i += 1
             rest = writer.write(piece)
-            raw = raw[piece.nbytes - rest.nbytes:]
+            raw = raw[piece.nbytes - rest.nbytes :]
 
 
 @given(cases())

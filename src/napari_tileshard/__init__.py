@@ -9,6 +9,18 @@ from .writer import Writer, WriterError, WriterStats
 __version__ = "0.1.0"
 
 __all__ = [
-    "Dim", "Layout", "Writer", "WriterError", "WriterStats", "SyntheticCamera", "verify", "VerifyReport",
-    "MAX_RANK", "SUPPORTED_DTYPES", "Sink", "StoreExistsError", "StoreLockedError", "StoreVanishedError",
+    "Dim",
+    "Layout",
+    "Writer",
+    "WriterError",
+    "WriterStats",
+    "SyntheticCamera",
+    "verify",
+    "VerifyReport",
+    "MAX_RANK",
+    "SUPPORTED_DTYPES",
+    "Sink",
+    "StoreExistsError",
+    "StoreLockedError",
+    "StoreVanishedError",
 ]

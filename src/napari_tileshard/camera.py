@@ -19,8 +19,14 @@ _MAX_BANK_FRAMES = 64
 
 
 class SyntheticCamera:
-    def __init__(self, shape=(2048, 2048), dtype="uint16", seed: int = 0, fps: float | None = None,
-                 bank_frames: int | None = None):
+    def __init__(
+        self,
+        shape=(2048, 2048),
+        dtype="uint16",
+        seed: int = 0,
+        fps: float | None = None,
+        bank_frames: int | None = None,
+    ):
         shape = tuple(int(s) for s in np.atleast_1d(shape)) if np.ndim(shape) else (int(shape),)
         if not shape or any(s < 1 for s in shape):
             raise ValueError(f"camera frame shape must have positive sizes, got {shape}")
@@ -105,7 +111,7 @@ class SyntheticCamera:
                 continue
             spot = np.float32(brightness)
             for axis, (c, r) in enumerate(zip(centre, region)):
-                profile = kernel_1d[r.start - (c - 4): r.stop - (c - 4)]
+                profile = kernel_1d[r.start - (c - 4) : r.stop - (c - 4)]
                 spot = spot * profile.reshape([-1 if a == axis else 1 for a in range(len(self.shape))])
             signal[region] += spot
         # Shot noise (variance = signal) and read noise (sigma 2) in one Gaussian draw.

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import shutil
 import signal
 import sys
@@ -72,20 +71,30 @@ def build_layout(shape, tile, tiles_per_shard, dtype, names=None, scale=None, un
     ``scale`` and ``unit`` map dim names to pixel size / frame interval and unit (OME-Zarr axes)."""
     rank = len(shape)
     if len(tile) != rank or len(tiles_per_shard) != rank:
-        raise ValueError(f"--shape has {rank} values but --tile has {len(tile)} and --tiles-per-shard "
-                         f"{len(tiles_per_shard)}: give one per dimension")
+        raise ValueError(
+            f"--shape has {rank} values but --tile has {len(tile)} and --tiles-per-shard "
+            f"{len(tiles_per_shard)}: give one per dimension"
+        )
     if names is None:
         inner = rank - 1
-        names = ["t"] + (list(_SPATIAL_NAMES[len(_SPATIAL_NAMES) - inner:]) if inner <= len(_SPATIAL_NAMES)
-                         else [f"d{i}" for i in range(1, rank)])
+        names = ["t"] + (
+            list(_SPATIAL_NAMES[len(_SPATIAL_NAMES) - inner :])
+            if inner <= len(_SPATIAL_NAMES)
+            else [f"d{i}" for i in range(1, rank)]
+        )
     if len(names) != rank:
         raise ValueError(f"{len(names)} names for {rank} dimensions")
     scale, unit = dict(scale or {}), dict(unit or {})
     unknown = sorted((set(scale) | set(unit)) - set(names))
     if unknown:
         raise ValueError(f"--scale/--unit name {unknown[0]!r}, which is not one of the dims {list(names)}")
-    return Layout([Dim(n, s, t, p, unit=unit.get(n), scale=scale.get(n, 1.0))
-                   for n, s, t, p in zip(names, shape, tile, tiles_per_shard)], dtype=dtype)
+    return Layout(
+        [
+            Dim(n, s, t, p, unit=unit.get(n), scale=scale.get(n, 1.0))
+            for n, s, t, p in zip(names, shape, tile, tiles_per_shard)
+        ],
+        dtype=dtype,
+    )
 
 
 class _Interrupted(Exception):
@@ -104,63 +113,124 @@ def _parser() -> argparse.ArgumentParser:
     # -v works before and after the subcommand: each subparser knows it too, without a default of
     # its own so that it never resets a -v given before the subcommand.
     verbose = argparse.ArgumentParser(add_help=False)
-    verbose.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
-                         help="log what the writer decides")
+    verbose.add_argument(
+        "-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="log what the writer decides"
+    )
     parser = argparse.ArgumentParser(
-        prog="napari-tileshard", formatter_class=formatter,
+        prog="napari-tileshard",
+        formatter_class=formatter,
         description="Record camera streams into sharded Zarr v3 arrays (GPU or CPU), check them, "
-                    "or start napari with the recorder docked.")
+        "or start napari with the recorder docked.",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="log what the writer decides")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_package_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{gui,record,verify}")
-    gui = sub.add_parser("gui", parents=[verbose], formatter_class=formatter,
-                         help="start napari with the Tile/Shard Recorder docked (synthetic camera selected)")
+    gui = sub.add_parser(
+        "gui",
+        parents=[verbose],
+        formatter_class=formatter,
+        help="start napari with the Tile/Shard Recorder docked (synthetic camera selected)",
+    )
     gui.add_argument("--output", default=None, help="where recordings go (default: ./recording.zarr)")
     record = sub.add_parser(
-        "record", parents=[verbose], formatter_class=formatter,
+        "record",
+        parents=[verbose],
+        formatter_class=formatter,
         help="record a (synthetic) camera stream to a sharded Zarr v3 array",
         description="Record the synthetic camera into a sharded Zarr v3 array. An unbounded array (shape "
-                    "starting with 0) records until Ctrl-C, --frames, --duration or --max-bytes; Ctrl-C or "
-                    "SIGTERM finish the store and print the summary.")
+        "starting with 0) records until Ctrl-C, --frames, --duration or --max-bytes; Ctrl-C or "
+        "SIGTERM finish the store and print the summary.",
+    )
     record.add_argument("output", help="output store path or URL, e.g. demo.zarr")
-    record.add_argument("--shape", type=_int_list, default=[0, 2048, 2048],
-                        help="array shape, slowest first; 0 first = unbounded append dim")
+    record.add_argument(
+        "--shape",
+        type=_int_list,
+        default=[0, 2048, 2048],
+        help="array shape, slowest first; 0 first = unbounded append dim",
+    )
     record.add_argument("--tile", type=_int_list, default=[32, 256, 256], help="tile (chunk) shape")
     record.add_argument("--tiles-per-shard", type=_int_list, default=[1, 4, 4], help="tiles per shard per dim")
-    record.add_argument("--names", type=lambda s: s.split(","), default=None,
-                        help="dimension names (default: t then c,z,y,x as many as needed)")
+    record.add_argument(
+        "--names",
+        type=lambda s: s.split(","),
+        default=None,
+        help="dimension names (default: t then c,z,y,x as many as needed)",
+    )
     record.add_argument("--dtype", choices=SUPPORTED_DTYPES, default="uint16", help="pixel type")
-    record.add_argument("--frames", type=_positive_int, default=None,
-                        help="frames to record (default: fill a bounded shape; unbounded: until Ctrl-C)")
-    record.add_argument("--duration", type=_positive_float, default=None, metavar="SECONDS",
-                        help="stop after this many seconds")
-    record.add_argument("--max-bytes", type=_positive_int, default=None,
-                        help="stop before the frames given exceed this many (uncompressed) bytes")
+    record.add_argument(
+        "--frames",
+        type=_positive_int,
+        default=None,
+        help="frames to record (default: fill a bounded shape; unbounded: until Ctrl-C)",
+    )
+    record.add_argument(
+        "--duration", type=_positive_float, default=None, metavar="SECONDS", help="stop after this many seconds"
+    )
+    record.add_argument(
+        "--max-bytes",
+        type=_positive_int,
+        default=None,
+        help="stop before the frames given exceed this many (uncompressed) bytes",
+    )
     record.add_argument("--codec", choices=codecs.names(), default="zstd", help="chunk codec")
-    record.add_argument("--level", type=int, default=1, help="compression level (" + ", ".join(
-        f"{c.name} {c.level_range[0]}..{c.level_range[1]}" for c in codecs.CODECS.values() if c.level_range) + ")")
-    record.add_argument("--backend", choices=("auto", "cpu", "gpu"), default="auto",
-                        help="auto: the GPU when CuPy, nvCOMP and a device are usable")
+    record.add_argument(
+        "--level",
+        type=int,
+        default=1,
+        help="compression level ("
+        + ", ".join(f"{c.name} {c.level_range[0]}..{c.level_range[1]}" for c in codecs.CODECS.values() if c.level_range)
+        + ")",
+    )
+    record.add_argument(
+        "--backend",
+        choices=("auto", "cpu", "gpu"),
+        default="auto",
+        help="auto: the GPU when CuPy, nvCOMP and a device are usable",
+    )
     record.add_argument("--source", choices=("synthetic",), default="synthetic", help="frame source")
     record.add_argument("--seed", type=int, default=0, help="seed of the synthetic camera")
-    record.add_argument("--fps", type=_positive_float, default=None,
-                        help="pace the camera (default: as fast as possible)")
-    record.add_argument("--ome", action="store_true",
-                        help="write an OME-Zarr 0.5 group with a multiscale pyramid computed while recording")
+    record.add_argument(
+        "--fps", type=_positive_float, default=None, help="pace the camera (default: as fast as possible)"
+    )
+    record.add_argument(
+        "--ome",
+        action="store_true",
+        help="write an OME-Zarr 0.5 group with a multiscale pyramid computed while recording",
+    )
     record.add_argument("--downsample", choices=DOWNSAMPLE, default="mean", help="pyramid reduction (with --ome)")
-    record.add_argument("--downsample-dims", type=lambda s: s.split(","), default=None,
-                        help="dims the pyramid halves (with --ome; default: the last two, e.g. y,x; t,y,x adds time)")
-    record.add_argument("--max-levels", type=_positive_int, default=None,
-                        help="pyramid levels including full resolution (default: until a level fits one tile)")
-    record.add_argument("--scale", type=lambda s: _axis_values(s, float), default=None,
-                        help="physical size per dim for OME-Zarr axes (with --ome), e.g. t=0.02,y=0.65,x=0.65")
-    record.add_argument("--unit", type=lambda s: _axis_values(s, str), default=None,
-                        help="unit per dim (with --ome), e.g. t=second,y=micrometer,x=micrometer")
-    record.add_argument("--overwrite", action="store_true",
-                        help="replace an existing recording (only an array or OME group this tool writes)")
+    record.add_argument(
+        "--downsample-dims",
+        type=lambda s: s.split(","),
+        default=None,
+        help="dims the pyramid halves (with --ome; default: the last two, e.g. y,x; t,y,x adds time)",
+    )
+    record.add_argument(
+        "--max-levels",
+        type=_positive_int,
+        default=None,
+        help="pyramid levels including full resolution (default: until a level fits one tile)",
+    )
+    record.add_argument(
+        "--scale",
+        type=lambda s: _axis_values(s, float),
+        default=None,
+        help="physical size per dim for OME-Zarr axes (with --ome), e.g. t=0.02,y=0.65,x=0.65",
+    )
+    record.add_argument(
+        "--unit",
+        type=lambda s: _axis_values(s, str),
+        default=None,
+        help="unit per dim (with --ome), e.g. t=second,y=micrometer,x=micrometer",
+    )
+    record.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing recording (only an array or OME group this tool writes)",
+    )
     record.add_argument("--no-progress", action="store_true", help="no progress bar")
-    check = sub.add_parser("verify", parents=[verbose], formatter_class=formatter,
-                           help="check every shard's index, CRC32C and chunks")
+    check = sub.add_parser(
+        "verify", parents=[verbose], formatter_class=formatter, help="check every shard's index, CRC32C and chunks"
+    )
     check.add_argument("path", help="store path or URL")
     return parser
 
@@ -183,10 +253,12 @@ def record(args) -> int:
     if (args.scale or args.unit) and not args.ome:
         raise ValueError("--scale and --unit describe OME-Zarr axes: add --ome")
     frame_bytes = layout.frame_elements * layout.itemsize
-    frames_possible = None if layout.unbounded else layout.total_elements // layout.frame_elements
+    frames_possible = None if layout.total_elements is None else layout.total_elements // layout.frame_elements
     if frames_possible is not None and args.frames is not None and args.frames > frames_possible:
-        raise ValueError(f"--frames {args.frames} is more than the {frames_possible} frames --shape "
-                         f"{','.join(map(str, layout.shape))} holds")
+        raise ValueError(
+            f"--frames {args.frames} is more than the {frames_possible} frames --shape "
+            f"{','.join(map(str, layout.shape))} holds"
+        )
     frames = args.frames if args.frames is not None else frames_possible  # None: until stopped
     if args.max_bytes is not None:
         by_bytes = args.max_bytes // frame_bytes
@@ -195,26 +267,49 @@ def record(args) -> int:
         frames = by_bytes if frames is None else min(frames, by_bytes)
     # Refuse to start what cannot even finish one shard epoch (worst case) on this disk; pyramid
     # levels add at most a third.
-    needed = int(layout.tiles_per_shard[0] * layout.tiles_per_epoch * layout.compressed_tile_bound(args.codec)
-                 * (4 / 3 if args.ome else 1)) + (1 << 16)
+    needed = int(
+        layout.tiles_per_shard[0]
+        * layout.tiles_per_epoch
+        * layout.compressed_tile_bound(args.codec)
+        * (4 / 3 if args.ome else 1)
+    ) + (1 << 16)
     free = _free_bytes(args.output)
     if free is not None and free < needed:
-        raise OSError(28, f"{args.output}: only {free} bytes free, but one shard epoch with its metadata can "
-                          f"take {needed} bytes")
+        raise OSError(
+            28, f"{args.output}: only {free} bytes free, but one shard epoch with its metadata can take {needed} bytes"
+        )
     camera = SyntheticCamera(layout.frame_shape or (1,), layout.dtype, seed=args.seed, fps=args.fps)
     camera.prepare()  # render the frame bank before the clock starts
-    pyramid = {"ome": True, "downsample": args.downsample, "downsample_dims": args.downsample_dims,
-               "max_levels": args.max_levels} if args.ome else {}
-    stops = [f"{frames} frames" if frames is not None else None,
-             f"{args.duration:g} s" if args.duration else None]
+    pyramid = (
+        {
+            "ome": True,
+            "downsample": args.downsample,
+            "downsample_dims": args.downsample_dims,
+            "max_levels": args.max_levels,
+        }
+        if args.ome
+        else {}
+    )
+    stops = [f"{frames} frames" if frames is not None else None, f"{args.duration:g} s" if args.duration else None]
     until = " or ".join(filter(None, stops)) or "Ctrl-C"
     interrupted = None
     previous = signal.signal(signal.SIGTERM, _raise_interrupted) if _main_thread() else None
     try:
-        with Writer(args.output, layout, codec=args.codec, level=args.level, backend=args.backend,
-                    overwrite=args.overwrite, **pyramid) as writer:
-            print(f"recording to {writer.location} ({writer.stats.backend}) until {until}"
-                  + ("" if until == "Ctrl-C" else " (Ctrl-C stops earlier)"), file=sys.stderr, flush=True)
+        with Writer(
+            args.output,
+            layout,
+            codec=args.codec,
+            level=args.level,
+            backend=args.backend,
+            overwrite=args.overwrite,
+            **pyramid,
+        ) as writer:
+            print(
+                f"recording to {writer.location} ({writer.stats.backend}) until {until}"
+                + ("" if until == "Ctrl-C" else " (Ctrl-C stops earlier)"),
+                file=sys.stderr,
+                flush=True,
+            )
             bar = tqdm(total=frames, unit="frame", disable=args.no_progress, file=sys.stderr, desc="recording")
             start = time.perf_counter()
             deadline = None if args.duration is None else time.monotonic() + args.duration
@@ -240,11 +335,13 @@ def record(args) -> int:
             signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
     stats = writer.stats
     elapsed = time.perf_counter() - start
-    print(f"recorded {stats.frames} frames ({stats.bytes_in / 1e9:.2f} GB) to {writer.location} in {elapsed:.2f} s: "
-          f"{stats.bytes_in / elapsed / 1e9:.2f} GB/s, compression ratio {stats.compression_ratio:.2f}, "
-          f"{stats.shards_written} shards, backend {stats.backend}"
-          + (f", {writer.pyramid.levels} pyramid levels" if args.ome else "")
-          + (" (interrupted)" if interrupted else ""))
+    print(
+        f"recorded {stats.frames} frames ({stats.bytes_in / 1e9:.2f} GB) to {writer.location} in {elapsed:.2f} s: "
+        f"{stats.bytes_in / elapsed / 1e9:.2f} GB/s, compression ratio {stats.compression_ratio:.2f}, "
+        f"{stats.shards_written} shards, backend {stats.backend}"
+        + (f", {writer.pyramid.levels} pyramid levels" if args.ome else "")
+        + (" (interrupted)" if interrupted else "")
+    )
     if interrupted:
         return 128 + int(interrupted)
     return 0
@@ -264,8 +361,9 @@ def gui(args) -> int:
     try:
         import napari
     except ImportError:
-        print("napari-tileshard: the GUI needs the napari extra: pip install 'napari-tileshard[napari]'",
-              file=sys.stderr)
+        print(
+            "napari-tileshard: the GUI needs the napari extra: pip install 'napari-tileshard[napari]'", file=sys.stderr
+        )
         return 2
     viewer = napari.Viewer(title="napari-tileshard")
     _, widget = viewer.window.add_plugin_dock_widget("napari-tileshard", "Tile/Shard Recorder")
@@ -277,8 +375,9 @@ def gui(args) -> int:
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
-                        format="%(message)s")
+    logging.basicConfig(
+        level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING, format="%(message)s"
+    )
     try:
         if args.command == "record":
             return record(args)

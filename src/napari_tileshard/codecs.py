@@ -119,8 +119,9 @@ class Codec:
     @staticmethod
     def from_dict(data: dict) -> Codec:
         codec, config = get(data["name"]), data.get("configuration", {})
-        return replace(codec, level=codec.validate_level(config.get("level", codec.level)),
-                       typesize=int(config.get("typesize", 1)))
+        return replace(
+            codec, level=codec.validate_level(config.get("level", codec.level)), typesize=int(config.get("typesize", 1))
+        )
 
 
 @dataclass(frozen=True)
@@ -277,5 +278,7 @@ def gpu_support(codec) -> str | None:
     if codec.gpu is not None:
         return None
     supported = ", ".join(c.name for c in CODECS.values() if c.gpu is not None)
-    return (f"codec {codec.name!r} is not supported by the GPU backend: {codec.gpu_unsupported_reason} "
-            f"(the GPU backend supports {supported}); use backend='cpu' or 'auto'")
+    return (
+        f"codec {codec.name!r} is not supported by the GPU backend: {codec.gpu_unsupported_reason} "
+        f"(the GPU backend supports {supported}); use backend='cpu' or 'auto'"
+    )

@@ -34,15 +34,27 @@ def in_flight_bytes(pyramid: Pyramid, codec, batch_epochs: int) -> int:
     """Worst case of compressed shard bytes held: the open shard epoch plus those waiting on storage."""
     layout = pyramid.layouts[0]
     shard_epoch = layout.tiles_per_shard[0] * sum(
-        lay.tiles_per_epoch * lay.compressed_tile_bound(codec) for lay in pyramid.layouts)
+        lay.tiles_per_epoch * lay.compressed_tile_bound(codec) for lay in pyramid.layouts
+    )
     return (1 + pending_shard_epochs(layout, batch_epochs)) * shard_epoch
 
 
 class Collector:
-    def __init__(self, backend: Backend, pyramid: Pyramid, sink: Sink, prefixes: Sequence[str],
-                 publisher: Publisher, *, io_threads: int, pipeline_limit: int, batch_epochs: int,
-                 failed: Callable[[], BaseException | None], on_error: Callable[[BaseException], None],
-                 on_shard: Callable[[int], None]):
+    def __init__(
+        self,
+        backend: Backend,
+        pyramid: Pyramid,
+        sink: Sink,
+        prefixes: Sequence[str],
+        publisher: Publisher,
+        *,
+        io_threads: int,
+        pipeline_limit: int,
+        batch_epochs: int,
+        failed: Callable[[], BaseException | None],
+        on_error: Callable[[BaseException], None],
+        on_shard: Callable[[int], None],
+    ):
         self._backend = backend
         self._pyramid = pyramid
         self._sink = sink
@@ -98,8 +110,11 @@ class Collector:
     def flush(self, provisional: list[list[EncodedEpoch]], rows: int) -> None:
         """Write every open shard as if the stream ended after ``provisional`` (per level) and
         publish ``rows``; call after :meth:`drain`, from the producer's thread."""
-        shards = [(k, shard) for k, accumulator in enumerate(self._accumulators)
-                  for shard in accumulator.flush(provisional[k])]
+        shards = [
+            (k, shard)
+            for k, accumulator in enumerate(self._accumulators)
+            for shard in accumulator.flush(provisional[k])
+        ]
         self._store(shards, rows)
         self._publisher.wait()
 
@@ -108,8 +123,14 @@ class Collector:
         self._queue.put(None)
         self._thread.join()
         if self._failed() is None:
-            self._store([(k, shard) for k, accumulator in enumerate(self._accumulators)
-                         for shard in accumulator.take_pending()], self.rows_collected)
+            self._store(
+                [
+                    (k, shard)
+                    for k, accumulator in enumerate(self._accumulators)
+                    for shard in accumulator.take_pending()
+                ],
+                self.rows_collected,
+            )
             self._publisher.finish(self.rows_collected)
 
     def shutdown(self) -> None:
@@ -140,8 +161,11 @@ class Collector:
         shard_epoch_rows = self._pyramid.layouts[0].shard_epoch_rows
         for offset in range(len(levels[0])):
             # Level k's tile epoch e lies in level 0's: their shard epochs complete together.
-            shards = [(k, shard) for k, accumulator in enumerate(self._accumulators)
-                      for shard in accumulator.add(first_epoch + offset, levels[k][offset])]
+            shards = [
+                (k, shard)
+                for k, accumulator in enumerate(self._accumulators)
+                for shard in accumulator.add(first_epoch + offset, levels[k][offset])
+            ]
             if shards:
                 shard_epoch = shards[0][1].coords[0]
                 self._store(shards, min((shard_epoch + 1) * shard_epoch_rows, rows_received))

@@ -86,15 +86,23 @@ def inspect_array(path) -> Inspection:
     chunks = math.prod(per_shard)
     index_bytes = chunks * 16 + 4
     if index_bytes > MAX_INDEX_BYTES:
-        raise ValueError(f"{path}: {chunks} chunks per shard make an index of {index_bytes} bytes, more than the "
-                         f"inspector reads (MAX_INDEX_BYTES = {MAX_INDEX_BYTES})")
+        raise ValueError(
+            f"{path}: {chunks} chunks per shard make an index of {index_bytes} bytes, more than the "
+            f"inspector reads (MAX_INDEX_BYTES = {MAX_INDEX_BYTES})"
+        )
     grid = tuple(math.ceil(s / c) for s, c in zip(shape, chunk_shape))
     prefix = array.store_path.path
     base = f"{prefix}/" if prefix else ""
     shards, notes = _shard_keys(access, base, len(shape))
     chunk_bytes, note = _chunk_map(grid, per_shard, [coords for _, coords in shards], path)
-    result = Inspection(shape, shard_shape, chunk_shape, chunk_bytes,
-                        math.prod(chunk_shape) * np.dtype(array.dtype).itemsize, notes=notes + note)
+    result = Inspection(
+        shape,
+        shard_shape,
+        chunk_shape,
+        chunk_bytes,
+        math.prod(chunk_shape) * np.dtype(array.dtype).itemsize,
+        notes=notes + note,
+    )
     for key, coords in shards:
         try:
             with access.open_object(base + key) as obj:
@@ -129,11 +137,11 @@ def _shard_keys(access, base: str, ndim: int, chunk_dir: str = "c", separator: s
     """``[(key, coords)]`` of the objects under ``chunk_dir`` whose names are chunk coordinates,
     sorted, and notes on entries not read."""
     listing = access.list_keys(base + chunk_dir) if chunk_dir else access.list_keys(base.rstrip("/"))
-    notes = [f"{key[len(base):]}: {reason}" for key, reason in listing.refused]
+    notes = [f"{key[len(base) :]}: {reason}" for key, reason in listing.refused]
     found = []
     for full in listing.keys:
-        key = full[len(base):]
-        name = key[len(chunk_dir) + 1:] if chunk_dir else key
+        key = full[len(base) :]
+        name = key[len(chunk_dir) + 1 :] if chunk_dir else key
         if not chunk_dir and name.startswith("c" + separator):
             name = name[2:]
         parts = name.split(separator)
@@ -154,11 +162,15 @@ def _chunk_map(grid, per_shard, coords, path) -> tuple[np.ndarray, list[str]]:
     row = math.prod(extent[1:])
     if extent and math.prod(extent) > MAX_MAP_CHUNKS:
         if row > MAX_MAP_CHUNKS:
-            raise ValueError(f"{path}: one row of the chunk map holds {row} chunks, more than the inspector "
-                             f"shows (MAX_MAP_CHUNKS = {MAX_MAP_CHUNKS})")
+            raise ValueError(
+                f"{path}: one row of the chunk map holds {row} chunks, more than the inspector "
+                f"shows (MAX_MAP_CHUNKS = {MAX_MAP_CHUNKS})"
+            )
         rows = MAX_MAP_CHUNKS // row
-        notes.append(f"the chunk map shows the first {rows} of {extent[0]} chunk rows along dim 0 "
-                     f"(MAX_MAP_CHUNKS = {MAX_MAP_CHUNKS}); the shard table lists every shard")
+        notes.append(
+            f"the chunk map shows the first {rows} of {extent[0]} chunk rows along dim 0 "
+            f"(MAX_MAP_CHUNKS = {MAX_MAP_CHUNKS}); the shard table lists every shard"
+        )
         extent[0] = rows
     return np.full(tuple(extent), EMPTY_CHUNK, dtype=np.int64), notes
 
@@ -177,8 +189,14 @@ def _inspect_unsharded(access, array, meta) -> Inspection:
     objects, notes = _shard_keys(access, base, len(shape), chunk_dir="", separator=separator)
     objects = [(k, c) for k, c in objects if all(ci < g for ci, g in zip(c, grid))]
     chunk_bytes, note = _chunk_map(grid, (1,) * len(shape), [c for _, c in objects], access.location)
-    result = Inspection(shape, chunk_shape, chunk_shape, chunk_bytes,
-                        math.prod(chunk_shape) * np.dtype(array.dtype).itemsize, notes=notes + note)
+    result = Inspection(
+        shape,
+        chunk_shape,
+        chunk_shape,
+        chunk_bytes,
+        math.prod(chunk_shape) * np.dtype(array.dtype).itemsize,
+        notes=notes + note,
+    )
     for key, coords in objects:
         try:
             with access.open_object(base + key) as obj:
@@ -190,6 +208,9 @@ def _inspect_unsharded(access, array, meta) -> Inspection:
             continue
         if all(c < m for c, m in zip(coords, chunk_bytes.shape)):
             chunk_bytes[coords] = size
-        result.shards.append(ShardInfo(key, coords, size, 1, 1, size,
-                                       result.uncompressed_chunk_bytes / size if size else float("nan"), True))
+        result.shards.append(
+            ShardInfo(
+                key, coords, size, 1, 1, size, result.uncompressed_chunk_bytes / size if size else float("nan"), True
+            )
+        )
     return result

@@ -35,9 +35,17 @@ import numpy as np
 
 MAX_RANK = 8
 SUPPORTED_DTYPES = (
-    "uint8", "uint16", "uint32", "uint64",
-    "int8", "int16", "int32", "int64",
-    "float16", "float32", "float64",
+    "uint8",
+    "uint16",
+    "uint32",
+    "uint64",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "float16",
+    "float32",
+    "float64",
 )
 _MAX_TILES_PER_EPOCH = 1 << 24
 #: largest dimension size: tensorstore's largest finite index + 1 (larger arrays it cannot open)
@@ -47,8 +55,16 @@ MAX_DIM_SIZE = (1 << 62) - 1
 MAX_CHUNKS_PER_SHARD = 1 << 16
 _MAX_EPOCH_BYTES = 1 << 40
 AXIS_KINDS = ("time", "channel", "space", "other")
-_DEFAULT_KINDS = {"t": "time", "time": "time", "c": "channel", "ch": "channel", "channel": "channel",
-                  "z": "space", "y": "space", "x": "space"}
+_DEFAULT_KINDS = {
+    "t": "time",
+    "time": "time",
+    "c": "channel",
+    "ch": "channel",
+    "channel": "channel",
+    "z": "space",
+    "y": "space",
+    "x": "space",
+}
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]{0,63}$")
 
 
@@ -97,21 +113,25 @@ class Dim:
             raise ValueError(f"dimension {self.name!r}: size must be >= 0 (0 = unbounded), got {self.size}")
         for field in ("size", "tile_size", "tiles_per_shard"):
             if getattr(self, field) > MAX_DIM_SIZE:
-                raise ValueError(f"dimension {self.name!r}: {field} {getattr(self, field)} is larger than "
-                                 f"{MAX_DIM_SIZE} (2^62 - 1), the largest that Zarr readers such as tensorstore open")
+                raise ValueError(
+                    f"dimension {self.name!r}: {field} {getattr(self, field)} is larger than "
+                    f"{MAX_DIM_SIZE} (2^62 - 1), the largest that Zarr readers such as tensorstore open"
+                )
         if self.tile_size < 1:
             raise ValueError(f"dimension {self.name!r}: tile_size must be >= 1, got {self.tile_size}")
         if self.tiles_per_shard < 1:
-            raise ValueError(
-                f"dimension {self.name!r}: tiles_per_shard must be >= 1, got {self.tiles_per_shard}"
-            )
+            raise ValueError(f"dimension {self.name!r}: tiles_per_shard must be >= 1, got {self.tiles_per_shard}")
 
         if self.kind is not None and self.kind not in AXIS_KINDS:
             raise ValueError(f"dimension {self.name!r}: kind {self.kind!r} is not one of {', '.join(AXIS_KINDS)}")
         if self.unit is not None and (not isinstance(self.unit, str) or not self.unit.strip()):
             raise TypeError(f"dimension {self.name!r}: unit must be a non-empty string, got {self.unit!r}")
-        if (not isinstance(self.scale, (int, float, np.integer, np.floating)) or isinstance(self.scale, bool)
-                or not math.isfinite(self.scale) or self.scale <= 0):
+        if (
+            not isinstance(self.scale, (int, float, np.integer, np.floating))
+            or isinstance(self.scale, bool)
+            or not math.isfinite(self.scale)
+            or self.scale <= 0
+        ):
             raise ValueError(f"dimension {self.name!r}: scale must be a positive finite number, got {self.scale!r}")
         object.__setattr__(self, "scale", float(self.scale))
 
@@ -175,8 +195,9 @@ class LiftedStrides:
         """
         n = self.tile_shape
         if batch.ndim != self.rank or tuple(batch.shape[1:]) != tuple(self.shape[1:]) or batch.shape[0] % n[0]:
-            raise ValueError(f"a batch of whole tile epochs has shape (k * {n[0]}, *{self.shape[1:]}), "
-                             f"got {batch.shape}")
+            raise ValueError(
+                f"a batch of whole tile epochs has shape (k * {n[0]}, *{self.shape[1:]}), got {batch.shape}"
+            )
         counts = (batch.shape[0] // n[0],) + self.tile_count[1:]
         whole = tuple(c * k for c, k in zip(counts, n))
         if batch.shape != whole:
@@ -215,9 +236,15 @@ def lifted_strides(shape, tile_shape, tile_stride: int | None = None) -> LiftedS
         pool_tile_stride[d] = step
         step *= tile_count[d]
     pool_tile_stride[0] = step  # one tile epoch: tiles_per_epoch tiles
-    return LiftedStrides(shape=shape, tile_shape=tile_shape, tile_count=tile_count, input_stride=tuple(input_stride),
-                         element_stride=tuple(element_stride), tile_stride=tuple(pool_tile_stride),
-                         tile_elements_stride=tile_stride)
+    return LiftedStrides(
+        shape=shape,
+        tile_shape=tile_shape,
+        tile_count=tile_count,
+        input_stride=tuple(input_stride),
+        element_stride=tuple(element_stride),
+        tile_stride=tuple(pool_tile_stride),
+        tile_elements_stride=tile_stride,
+    )
 
 
 class Layout:
@@ -234,8 +261,7 @@ class Layout:
                 raise TypeError(f"dimension {d} must be a Dim, got {type(dim).__name__}")
             if d > 0 and dim.unbounded:
                 raise ValueError(
-                    f"dimension {dim.name!r} (position {d}) has size 0: only the first dimension may be "
-                    "unbounded"
+                    f"dimension {dim.name!r} (position {d}) has size 0: only the first dimension may be unbounded"
                 )
         names = [dim.name for dim in dims]
         if len(set(names)) != len(names):
@@ -249,18 +275,26 @@ class Layout:
         self.dims = tuple(dims)
         self.dtype = np_dtype.newbyteorder("<") if np_dtype.itemsize > 1 else np_dtype
         if self.tile_bytes > 2**31 - 1:
-            raise ValueError(f"tile shape {self.tile_shape} of {self.dtype.name} is {self.tile_bytes} bytes: too large, "
-                             "a chunk must stay below 2 GiB")
+            raise ValueError(
+                f"tile shape {self.tile_shape} of {self.dtype.name} is {self.tile_bytes} bytes: too large, "
+                "a chunk must stay below 2 GiB"
+            )
         if self.chunks_per_shard > MAX_CHUNKS_PER_SHARD:
-            raise ValueError(f"tiles_per_shard {self.tiles_per_shard} put {self.chunks_per_shard} chunks in a shard "
-                             f"(at most {MAX_CHUNKS_PER_SHARD}, each shard stores a 16-byte index entry per chunk): "
-                             "use fewer tiles per shard")
+            raise ValueError(
+                f"tiles_per_shard {self.tiles_per_shard} put {self.chunks_per_shard} chunks in a shard "
+                f"(at most {MAX_CHUNKS_PER_SHARD}, each shard stores a 16-byte index entry per chunk): "
+                "use fewer tiles per shard"
+            )
         if self.tiles_per_epoch > _MAX_TILES_PER_EPOCH:
-            raise ValueError(f"sizes {self.shape[1:]} with tiles {self.tile_shape[1:]} give {self.tiles_per_epoch} tiles "
-                             f"per tile epoch (at most {_MAX_TILES_PER_EPOCH}): use larger tiles")
+            raise ValueError(
+                f"sizes {self.shape[1:]} with tiles {self.tile_shape[1:]} give {self.tiles_per_epoch} tiles "
+                f"per tile epoch (at most {_MAX_TILES_PER_EPOCH}): use larger tiles"
+            )
         if self.epoch_bytes > _MAX_EPOCH_BYTES:
-            raise ValueError(f"one tile epoch ({self.tile_shape[0]} x {self.shape[1:]}) would hold {self.epoch_bytes} "
-                             f"bytes (at most {_MAX_EPOCH_BYTES}): use a smaller tile_size along {self.names[0]!r}")
+            raise ValueError(
+                f"one tile epoch ({self.tile_shape[0]} x {self.shape[1:]}) would hold {self.epoch_bytes} "
+                f"bytes (at most {_MAX_EPOCH_BYTES}): use a smaller tile_size along {self.names[0]!r}"
+            )
 
     # -- basic shapes -----------------------------------------------------------------
     def __repr__(self):
@@ -439,7 +473,8 @@ class Layout:
         """
         epochs = batch.shape[0] // self.epoch_rows
         padded_shape = (epochs * self.epoch_rows,) + tuple(
-            t * n for t, n in zip(self.tile_count[1:], self.tile_shape[1:]))
+            t * n for t, n in zip(self.tile_count[1:], self.tile_shape[1:])
+        )
         padded = np.zeros(padded_shape, dtype=batch.dtype)
         padded[tuple(slice(0, n) for n in batch.shape)] = batch
         lifted_shape = [epochs, self.epoch_rows]

@@ -33,11 +33,20 @@ def group_metadata(pyramid: Pyramid, name: str, attributes: dict | None = None) 
         raise ValueError("attributes may not contain 'ome': the Writer writes the OME-NGFF metadata itself")
     json.dumps(attributes)  # JSON-serialisable, or a TypeError naming the offending value
     base = [dim.scale for dim in pyramid.layouts[0].dims]
-    datasets = [{"path": str(k), "coordinateTransformations": [
-        {"type": "scale", "scale": [b * f for b, f in zip(base, factors)]}]}
-        for k, factors in enumerate(pyramid.factors)]
-    multiscale = {"name": name, "axes": axes(pyramid), "datasets": datasets,
-                  "type": pyramid.method, "metadata": {"method": f"napari_tileshard 2x {pyramid.method}"}}
+    datasets = [
+        {
+            "path": str(k),
+            "coordinateTransformations": [{"type": "scale", "scale": [b * f for b, f in zip(base, factors)]}],
+        }
+        for k, factors in enumerate(pyramid.factors)
+    ]
+    multiscale = {
+        "name": name,
+        "axes": axes(pyramid),
+        "datasets": datasets,
+        "type": pyramid.method,
+        "metadata": {"method": f"napari_tileshard 2x {pyramid.method}"},
+    }
     ome = {"version": OME_VERSION, "multiscales": [multiscale]}
     return {"zarr_format": 3, "node_type": "group", "attributes": {**attributes, "ome": ome}}
 

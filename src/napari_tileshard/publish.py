@@ -47,9 +47,17 @@ class Publisher:
     ``on_error`` is called once with the first storage error (a failed shard or metadata write).
     """
 
-    def __init__(self, sink: Sink, pyramid: Pyramid, codec: str, level: int, attributes: dict,
-                 prefixes: Sequence[str], on_error: Callable[[BaseException], None],
-                 on_publish: Callable[[int], None] | None = None):
+    def __init__(
+        self,
+        sink: Sink,
+        pyramid: Pyramid,
+        codec: str,
+        level: int,
+        attributes: dict,
+        prefixes: Sequence[str],
+        on_error: Callable[[BaseException], None],
+        on_publish: Callable[[int], None] | None = None,
+    ):
         self._sink = sink
         self._pyramid = pyramid
         self._codec = codec
@@ -172,8 +180,7 @@ def check_attributes(attributes) -> dict:
     if not isinstance(attributes, dict):
         raise TypeError(f"attributes must be a dict, got {type(attributes).__name__}")
     if STATE_KEY in attributes:
-        raise ValueError(f"attributes may not contain {STATE_KEY!r}: the Writer records the recording's "
-                         "state there")
+        raise ValueError(f"attributes may not contain {STATE_KEY!r}: the Writer records the recording's state there")
     try:
         json.dumps(attributes, allow_nan=False)
     except TypeError as exc:

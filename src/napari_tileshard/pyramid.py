@@ -48,7 +48,7 @@ class Pyramid:
     method: str = "mean"
 
     @classmethod
-    def single(cls, layout: Layout) -> "Pyramid":
+    def single(cls, layout: Layout) -> Pyramid:
         """No pyramid: level 0 only."""
         return cls((layout,), ((1,) * layout.rank,))
 
@@ -82,18 +82,20 @@ class Pyramid:
         return levels
 
 
-def plan_pyramid(layout: Layout, downsample: str = "mean", downsample_dims=None,
-                 max_levels: int | None = None) -> Pyramid:
+def plan_pyramid(
+    layout: Layout, downsample: str = "mean", downsample_dims=None, max_levels: int | None = None
+) -> Pyramid:
     """The levels of ``layout``: see the module docstring for the rules."""
     _check_method(downsample)
-    if max_levels is not None and (not isinstance(max_levels, int) or isinstance(max_levels, bool)
-                                   or max_levels < 1):
+    if max_levels is not None and (not isinstance(max_levels, int) or isinstance(max_levels, bool) or max_levels < 1):
         raise ValueError(f"max_levels must be a positive integer or None, got {max_levels!r}")
     names = layout.names
     if downsample_dims is None:
         if layout.rank < 3:
-            raise ValueError(f"a pyramid over the two spatial dims needs at least 3 dims (append dim + y, x); "
-                             f"the layout has {layout.rank}: pass downsample_dims")
+            raise ValueError(
+                f"a pyramid over the two spatial dims needs at least 3 dims (append dim + y, x); "
+                f"the layout has {layout.rank}: pass downsample_dims"
+            )
         downsample_dims = names[-2:]
     if isinstance(downsample_dims, str):
         downsample_dims = [downsample_dims]
@@ -105,8 +107,10 @@ def plan_pyramid(layout: Layout, downsample: str = "mean", downsample_dims=None,
     if not axes:
         raise ValueError("downsample_dims is empty: name at least one dim to reduce")
     if 0 in axes and layout.tile_shape[0] % 2:
-        raise ValueError(f"reducing the append dim {names[0]!r} needs an even tile size along it (it halves per "
-                         f"level), got {layout.tile_shape[0]}")
+        raise ValueError(
+            f"reducing the append dim {names[0]!r} needs an even tile size along it (it halves per "
+            f"level), got {layout.tile_shape[0]}"
+        )
     inner = [d for d in axes if d > 0]
     layouts, factors = [layout], [(1,) * layout.rank]
     while max_levels is None or len(layouts) < max_levels:
@@ -145,8 +149,10 @@ def reduce2(array: np.ndarray, axes, method: str, valid_rows: int | None = None)
     if valid_rows is not None and 0 in axes:
         extent[0] = max(0, min(valid_rows, array.shape[0]))
     out_shape = tuple(-(-s // 2) if d in axes else s for d, s in enumerate(array.shape))
-    views = [array[tuple(slice(o, extent[d], 2) if d in axes else slice(None) for d, o in enumerate(offset))]
-             for offset in block_offsets(array.ndim, axes)]  # strided views, no copies
+    views = [
+        array[tuple(slice(o, extent[d], 2) if d in axes else slice(None) for d, o in enumerate(offset))]
+        for offset in block_offsets(array.ndim, axes)
+    ]  # strided views, no copies
     if method == "decimate":
         result = np.zeros(out_shape, dtype=array.dtype)
         result[tuple(slice(0, n) for n in views[0].shape)] = views[0]
@@ -182,6 +188,7 @@ def _pairwise(array: np.ndarray, axes, extent, combine, dtype) -> np.ndarray:
     inside stay 0."""
     result = array
     for d in axes:
+
         def along(start, a=result, d=d):
             return a[tuple(slice(start, extent[d], 2) if i == d else slice(None) for i in range(a.ndim))]
 

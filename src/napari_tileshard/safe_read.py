@@ -28,6 +28,7 @@ import os
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, cast
 
 from zarr.storage import LocalStore
 
@@ -79,9 +80,14 @@ def _depth(value) -> int:
 
 # -- local files --------------------------------------------------------------------------
 def _kind(mode: int) -> str:
-    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"),
-                       (stat.S_ISDIR, "a directory"), (stat.S_ISLNK, "a symlink")):
+    for test, name in (
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISLNK, "a symlink"),
+    ):
         if test(mode):
             return name
     return "not a regular file"
@@ -167,8 +173,9 @@ def read_local_metadata(root, key: str = "zarr.json"):
     try:
         size = os.fstat(fd).st_size
         if size > MAX_METADATA_BYTES:
-            raise UnsafeStoreError(f"{where}: {size} bytes, larger than the {MAX_METADATA_BYTES >> 20} MiB "
-                                   "accepted for metadata: not read")
+            raise UnsafeStoreError(
+                f"{where}: {size} bytes, larger than the {MAX_METADATA_BYTES >> 20} MiB accepted for metadata: not read"
+            )
         # The size just stat'ed, plus one byte to notice growth: a read buffer of the cap itself
         # would cost 16 MiB for every small zarr.json.
         data = _pread_all(fd, 0, size + 1)
@@ -292,8 +299,10 @@ class SafeLocalStore(LocalStore):
             size = os.fstat(fd).st_size
             start, stop = _byte_range(byte_range, size)
             if byte_range is None and key.rsplit("/", 1)[-1] in METADATA_NAMES and size > MAX_METADATA_BYTES:
-                raise UnsafeStoreError(f"{self.root / key}: {size} bytes, larger than the "
-                                       f"{MAX_METADATA_BYTES >> 20} MiB accepted for metadata: not read")
+                raise UnsafeStoreError(
+                    f"{self.root / key}: {size} bytes, larger than the "
+                    f"{MAX_METADATA_BYTES >> 20} MiB accepted for metadata: not read"
+                )
             return _pread_all(fd, start, stop - start)
         finally:
             os.close(fd)
@@ -337,7 +346,7 @@ class StoreObject:
             stop = max(start + length, min(self.size, start + self.READ_AHEAD))
             self._window_start, self._window = start, self._get(RangeByteRequest(start, stop))
             offset = 0
-        return self._window[offset: offset + length]
+        return self._window[offset : offset + length]
 
     def read_suffix(self, length: int) -> bytes:
         if self._fd is not None:
@@ -413,8 +422,9 @@ class StoreAccess:
 
         where = f"{self.location}/{key}"
         # One byte past the cap tells "too large" apart from "exactly the cap" without reading more.
-        buffer = sync(self.store.get(key, default_buffer_prototype(),
-                                     byte_range=RangeByteRequest(0, MAX_METADATA_BYTES + 1)))
+        buffer = sync(
+            self.store.get(key, default_buffer_prototype(), byte_range=RangeByteRequest(0, MAX_METADATA_BYTES + 1))
+        )
         if buffer is None:
             raise FileNotFoundError(f"{where}: not found")
         if len(buffer) > MAX_METADATA_BYTES:
@@ -446,7 +456,8 @@ class StoreAccess:
             raise UnsafeStoreError(f"{self.location}/{key}: not Zarr v3 metadata")
         node_type = meta.get("node_type")
         if node_type == "array":
-            return zarr.Array(zarr.AsyncArray(metadata=meta, store_path=store_path))
+            # meta was checked above; zarr's typed-dict overloads cannot know that
+            return zarr.Array(zarr.AsyncArray(metadata=cast(Any, meta), store_path=store_path))
         if node_type == "group":
             return zarr.Group(zarr.AsyncGroup.from_dict(store_path, meta))
         raise UnsafeStoreError(f"{self.location}/{key}: node_type {node_type!r} is neither array nor group")
@@ -476,8 +487,7 @@ class StoreAccess:
         base = os.path.join(os.path.realpath(self.root), *[p for p in path.split("/") if p])
         try:
             with os.scandir(base) as entries:
-                return sorted(e.name for e in entries if not e.name.startswith(".")
-                              and e.is_dir(follow_symlinks=False))
+                return sorted(e.name for e in entries if not e.name.startswith(".") and e.is_dir(follow_symlinks=False))
         except OSError:
             return []
 

@@ -31,8 +31,11 @@ class StagingRing:
         self.fill_started = 0.0  # when the current buffer got its first byte (time.monotonic)
         self.host_ranges: list[list[int]] = []  # byte ranges of the current buffer filled from the host
         self._copy_threads = min(3, (os.cpu_count() or 1) - 1)
-        self._copy_pool = (ThreadPoolExecutor(self._copy_threads, thread_name_prefix="tileshard-copy")
-                           if self._copy_threads > 0 else None)
+        self._copy_pool = (
+            ThreadPoolExecutor(self._copy_threads, thread_name_prefix="tileshard-copy")
+            if self._copy_threads > 0
+            else None
+        )
 
     @property
     def count(self) -> int:
@@ -89,8 +92,9 @@ class StagingRing:
             return
         parts = self._copy_threads + 1
         bounds = [n * i // parts for i in range(parts + 1)]
-        futures = [self._copy_pool.submit(np.copyto, destination[a:b], source[a:b])
-                   for a, b in zip(bounds[1:-1], bounds[2:])]
+        futures = [
+            self._copy_pool.submit(np.copyto, destination[a:b], source[a:b]) for a, b in zip(bounds[1:-1], bounds[2:])
+        ]
         try:
             destination[: bounds[1]] = source[: bounds[1]]
         finally:  # even when interrupted: no copy may land in staging after we return
@@ -101,8 +105,11 @@ class StagingRing:
     def pad(self, epoch_bytes: int, itemsize: int) -> int:
         """Zero the unfilled part of the current buffer's last epoch; returns its epoch count."""
         if self.fill % itemsize:
-            warnings.warn(f"the stream ends inside an element ({self.fill % itemsize} stray bytes); "
-                          "they are padded with zeros and not published", stacklevel=4)
+            warnings.warn(
+                f"the stream ends inside an element ({self.fill % itemsize} stray bytes); "
+                "they are padded with zeros and not published",
+                stacklevel=4,
+            )
         epochs = math.ceil(self.fill / epoch_bytes)
         self._current[0][self.fill : epochs * epoch_bytes] = 0
         self.note_host_range(self.fill, epochs * epoch_bytes)

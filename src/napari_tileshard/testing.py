@@ -27,9 +27,16 @@ class FaultInjectingSink(Sink):
     ``writes`` lists the keys written (in completion order), ``attempts`` every key tried.
     """
 
-    def __init__(self, inner, overwrite: bool = False, *, fail: dict | None = None,
-                 delay: dict | None = None, hold: dict | None = None,
-                 before_write: Callable[[str], None] | None = None):
+    def __init__(
+        self,
+        inner,
+        overwrite: bool = False,
+        *,
+        fail: dict | None = None,
+        delay: dict | None = None,
+        hold: dict | None = None,
+        before_write: Callable[[str], None] | None = None,
+    ):
         self.inner = open_sink(inner, overwrite)
         self.fail = dict(fail or {})
         self.delay = dict(delay or {})

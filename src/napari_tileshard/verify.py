@@ -18,7 +18,9 @@ checked too: rows inside the published shape that were never written are a probl
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import crc32c
 import numpy as np
@@ -59,7 +61,8 @@ class VerifyReport:
         return not self.problems
 
     def __str__(self):
-        head = f"{self.path}: {self.shards} shards, {self.chunks} chunks checked, {len(self.problems)} problem{'' if len(self.problems) == 1 else 's'}"
+        count = len(self.problems)
+        head = f"{self.path}: {self.shards} shards, {self.chunks} chunks checked, {count} problem{'s' * (count != 1)}"
         if self.unpublished:
             head += f" ({len(self.unpublished)} shards past shape[0] ignored: written after the last published epoch)"
         return "\n".join([head] + [f"  {p}" for p in self.problems] + [f"  note: {n}" for n in self.notes])
@@ -85,6 +88,7 @@ def verify(path, progress=None) -> VerifyReport:
         return report
     done_before = 0  # shards of earlier levels, so progress keeps counting up across levels
     for label, array in arrays:
+
         def level_progress(done, total, base=done_before):
             if progress:
                 progress(base + done, base + total)
@@ -116,11 +120,18 @@ def _check_recording_state(report: VerifyReport, meta: dict, label: str) -> None
     rows, state = record
     shape0 = meta["shape"][0] if meta.get("shape") else 0
     if rows < shape0:
-        report.problems.append(Problem("zarr.json", None, f"rows {rows}..{shape0 - 1} of {shape0} were never "
-                                                          f"written (recording state: {state})"))
+        report.problems.append(
+            Problem(
+                "zarr.json",
+                None,
+                f"rows {rows}..{shape0 - 1} of {shape0} were never written (recording state: {state})",
+            )
+        )
     elif state != "complete":
-        report.notes.append(f"{label}zarr.json: recording state {state!r}, {rows} rows written "
-                            "(a recording in progress, or one that stopped before it finished)")
+        report.notes.append(
+            f"{label}zarr.json: recording state {state!r}, {rows} rows written "
+            "(a recording in progress, or one that stopped before it finished)"
+        )
 
 
 def _check_array(report: VerifyReport, access: StoreAccess, array, label: str, progress) -> None:
@@ -132,8 +143,11 @@ def _check_array(report: VerifyReport, access: StoreAccess, array, label: str, p
         return
     config = sharding[0]["configuration"]
     codec = codecs.from_zarr_codecs(list(config["codecs"]), array.dtype)
-    if config.get("index_location", "end") != "end" or [c["name"] for c in config["index_codecs"]] != [
-        "bytes", "crc32c"] or codec is None:
+    if (
+        config.get("index_location", "end") != "end"
+        or [c["name"] for c in config["index_codecs"]] != ["bytes", "crc32c"]
+        or codec is None
+    ):
         report.problems.append(Problem("zarr.json", None, f"unsupported sharding configuration {config}"))
         return
     shape = meta["shape"]
@@ -144,15 +158,21 @@ def _check_array(report: VerifyReport, access: StoreAccess, array, label: str, p
     grid = [math.ceil(s / n) for s, n in zip(shape, shard_shape)]
     decode = codec.checks_content and tile_bytes <= MAX_DECODED_TILE_BYTES
     if codec.checks_content and not decode:
-        report.problems.append(Problem("zarr.json", None, f"tiles of {tile_bytes} bytes are larger than verify "
-                                                          f"decodes ({MAX_DECODED_TILE_BYTES} bytes): chunks "
-                                                          "checked for placement and size only"))
+        report.problems.append(
+            Problem(
+                "zarr.json",
+                None,
+                f"tiles of {tile_bytes} bytes are larger than verify "
+                f"decodes ({MAX_DECODED_TILE_BYTES} bytes): chunks "
+                "checked for placement and size only",
+            )
+        )
     prefix = array.store_path.path
     base = f"{prefix}/" if prefix else ""
     listing = access.list_keys(base + "c")
     for key, reason in listing.refused:
-        report.problems.append(Problem(key[len(base):], None, reason))
-    keys = sorted(k[len(base):] for k in listing.keys)
+        report.problems.append(Problem(key[len(base) :], None, reason))
+    keys = sorted(k[len(base) :] for k in listing.keys)
     checker = _ShardChecker(report, chunks_per_shard, tile_bytes, codec, decode)
     for done, key in enumerate(keys):
         if progress:
@@ -195,19 +215,25 @@ class _ShardChecker:
     def check(self, key: str, shard) -> None:
         report, size = self.report, shard.size
         if size < self.index_bytes:
-            report.problems.append(Problem(key, None, f"shard of {size} bytes is shorter than its index "
-                                                      f"({self.index_bytes} bytes): truncated"))
+            report.problems.append(
+                Problem(
+                    key, None, f"shard of {size} bytes is shorter than its index ({self.index_bytes} bytes): truncated"
+                )
+            )
             return
         data_end = size - self.index_bytes
         found: list[Problem] = []
         crc = 0
         if self.chunks <= _INDEX_BLOCK_ENTRIES:  # the usual case: the whole index in one suffix read
             tail = shard.read_suffix(self.index_bytes)
-            blocks, stored_crc = [(0, self.chunks, tail[:-4])], tail[-4:]
+            blocks: Iterable[tuple[int, int, Any]] = [(0, self.chunks, tail[:-4])]
+            stored_crc = tail[-4:]
         else:  # a huge index is streamed, so memory stays bounded whatever the shard declares
-            blocks = ((first, n, shard.read(data_end + first * 16, n * 16))
-                      for first in range(0, self.chunks, _INDEX_BLOCK_ENTRIES)
-                      for n in [min(_INDEX_BLOCK_ENTRIES, self.chunks - first)])
+            blocks = (
+                (first, n, shard.read(data_end + first * 16, n * 16))
+                for first in range(0, self.chunks, _INDEX_BLOCK_ENTRIES)
+                for n in [min(_INDEX_BLOCK_ENTRIES, self.chunks - first)]
+            )
             stored_crc = None
         for first, n, raw in blocks:
             if len(raw) != n * 16:
@@ -228,16 +254,32 @@ class _ShardChecker:
             return
         self.report.chunks += 1
         if offset == _EMPTY or nbytes == _EMPTY or offset + nbytes > data_end:
-            found.append(Problem(key, chunk, f"chunk (offset {offset}, {nbytes} bytes) lies outside the shard "
-                                             f"data ({data_end} bytes)"))
+            found.append(
+                Problem(
+                    key,
+                    chunk,
+                    f"chunk (offset {offset}, {nbytes} bytes) lies outside the shard data ({data_end} bytes)",
+                )
+            )
         elif self.min_chunk == self.max_chunk != nbytes:
             found.append(Problem(key, chunk, f"holds {nbytes} bytes, a tile is {self.tile_bytes}"))
         elif nbytes > self.max_chunk:
-            found.append(Problem(key, chunk, f"holds {nbytes} bytes, more than {self.codec.name} makes of one tile "
-                                             f"of {self.tile_bytes} bytes (at most {self.max_chunk})"))
+            found.append(
+                Problem(
+                    key,
+                    chunk,
+                    f"holds {nbytes} bytes, more than {self.codec.name} makes of one tile "
+                    f"of {self.tile_bytes} bytes (at most {self.max_chunk})",
+                )
+            )
         elif nbytes < self.min_chunk:
-            found.append(Problem(key, chunk, f"holds {nbytes} bytes, fewer than {self.codec.name} makes of one tile "
-                                             f"(at least {self.min_chunk})"))
+            found.append(
+                Problem(
+                    key,
+                    chunk,
+                    f"holds {nbytes} bytes, fewer than {self.codec.name} makes of one tile (at least {self.min_chunk})",
+                )
+            )
         elif self.decode:
             try:  # the codec's decoder never allocates more than one tile
                 self.codec.decode(shard.read(offset, nbytes), self.tile_bytes)

@@ -27,15 +27,15 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from .backends import select_backend
 from . import codecs
+from .backends import select_backend
 from .collector import Collector, in_flight_bytes
 from .layout import Layout
 from .ome import group_metadata
 from .publish import Publisher, check_attributes
 from .pyramid import Pyramid, level_fraction, plan_pyramid
-from .staging import StagingRing
 from .shard import EncodedEpoch
+from .staging import StagingRing
 from .store import METADATA_KEY, Sink, metadata_bytes, open_sink
 
 log = logging.getLogger(__name__)
@@ -68,12 +68,12 @@ class WriterStats:
         return self.bytes_in / self.elapsed_s / 1e9 if self.elapsed_s > 0 else 0.0
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "compression_ratio": self.compression_ratio,
-                "throughput_gbps": self.throughput_gbps}
+        return {**asdict(self), "compression_ratio": self.compression_ratio, "throughput_gbps": self.throughput_gbps}
 
 
-def estimate_memory(layout: Layout, batch_bytes: int | None = None, pyramid: Pyramid | None = None,
-                    codec: str = "zstd") -> dict[str, int]:
+def estimate_memory(
+    layout: Layout, batch_bytes: int | None = None, pyramid: Pyramid | None = None, codec: str = "zstd"
+) -> dict[str, int]:
     """Host bytes with the CPU backend and host/device bytes with the GPU backend, by default batching.
 
     Pure arithmetic (no device is touched): what the widget shows before recording starts.  The
@@ -86,12 +86,16 @@ def estimate_memory(layout: Layout, batch_bytes: int | None = None, pyramid: Pyr
     cpu_epochs = max(1, (batch_bytes or CpuBackend.preferred_batch_bytes) // layout.epoch_bytes)
     gpu_batch = batch_bytes or GpuBackend.default_batch_bytes_for(layout)
     gpu = GpuBackend.estimate(layout, gpu_batch, layouts=pyramid.layouts)
-    cpu_levels = int(cpu_epochs * layout.epoch_bytes * (level_fraction(pyramid) - 1)
-                     * (8 if pyramid.method == "mean" else 2) / 4)
-    return {"cpu_host": CpuBackend.preferred_staging_buffers * cpu_epochs * layout.epoch_bytes + cpu_levels
-            + in_flight_bytes(pyramid, codec, cpu_epochs),
-            "gpu_host": gpu["host"] + in_flight_bytes(pyramid, codec, max(1, gpu_batch // layout.epoch_bytes)),
-            "gpu_device": gpu["device"]}
+    cpu_levels = int(
+        cpu_epochs * layout.epoch_bytes * (level_fraction(pyramid) - 1) * (8 if pyramid.method == "mean" else 2) / 4
+    )
+    return {
+        "cpu_host": CpuBackend.preferred_staging_buffers * cpu_epochs * layout.epoch_bytes
+        + cpu_levels
+        + in_flight_bytes(pyramid, codec, cpu_epochs),
+        "gpu_host": gpu["host"] + in_flight_bytes(pyramid, codec, max(1, gpu_batch // layout.epoch_bytes)),
+        "gpu_device": gpu["device"],
+    }
 
 
 def _positive_int(name: str, value, allow_none: bool = False):
@@ -133,15 +137,34 @@ class Writer:
 
     _sink: Sink
 
-    def __init__(self, store, layout: Layout, *, codec: str = "zstd", level: int = 1,
-                 backend: str = "auto", overwrite: bool = False, batch_bytes: int | None = None,
-                 staging_buffers: int | None = None, io_threads: int = 4, threads: int | None = None,
-                 attributes: dict | None = None, max_latency_s: float = 1.0, ome: bool = False,
-                 downsample: str = "mean", downsample_dims=None, max_levels: int | None = None):
+    def __init__(
+        self,
+        store,
+        layout: Layout,
+        *,
+        codec: str = "zstd",
+        level: int = 1,
+        backend: str = "auto",
+        overwrite: bool = False,
+        batch_bytes: int | None = None,
+        staging_buffers: int | None = None,
+        io_threads: int = 4,
+        threads: int | None = None,
+        attributes: dict | None = None,
+        max_latency_s: float = 1.0,
+        ome: bool = False,
+        downsample: str = "mean",
+        downsample_dims=None,
+        max_levels: int | None = None,
+    ):
         if not isinstance(layout, Layout):
             raise TypeError(f"layout must be a Layout, got {type(layout).__name__}")
-        if (not isinstance(max_latency_s, (int, float)) or isinstance(max_latency_s, bool)
-                or not max_latency_s > 0 or not math.isfinite(max_latency_s)):
+        if (
+            not isinstance(max_latency_s, (int, float))
+            or isinstance(max_latency_s, bool)
+            or not max_latency_s > 0
+            or not math.isfinite(max_latency_s)
+        ):
             raise ValueError(f"max_latency_s must be a positive number of seconds, got {max_latency_s!r}")
         if not isinstance(overwrite, bool):
             raise TypeError(f"overwrite must be True or False, got {overwrite!r}")
@@ -156,8 +179,7 @@ class Writer:
         batch_bytes = _positive_int("batch_bytes", batch_bytes, allow_none=True)
         attributes = check_attributes(attributes)
         self.ome = bool(ome)
-        self.pyramid = (plan_pyramid(layout, downsample, downsample_dims, max_levels) if ome
-                        else Pyramid.single(layout))
+        self.pyramid = plan_pyramid(layout, downsample, downsample_dims, max_levels) if ome else Pyramid.single(layout)
         self._group = group_metadata(self.pyramid, "", attributes) if ome else None  # validates attributes
         self._check_shard_epoch_fits_memory()
         options = {"threads": threads} if threads else {}
@@ -186,7 +208,8 @@ class Writer:
                 f"one shard epoch ({layout.tiles_per_shard[0]} tiles of {layout.tile_shape[0]} along "
                 f"{layout.names[0]!r}) holds {shard_epoch_bytes} bytes before compression, which stay in memory "
                 f"until its shards are written: more than half of this machine's {memory} bytes; use fewer "
-                f"tiles_per_shard along {layout.names[0]!r}")
+                f"tiles_per_shard along {layout.names[0]!r}"
+            )
 
     def _setup(self, store, overwrite, batch_bytes, staging_buffers, io_threads, attributes):
         layout = self.layout
@@ -208,9 +231,16 @@ class Writer:
             self._sink = open_sink(store, overwrite)
             self.stats = WriterStats(backend=self._backend.describe())
             self._prefixes = [f"{k}/" for k in range(self.pyramid.levels)] if self.ome else [""]
-            self._publisher = Publisher(self._sink, self.pyramid, self.codec, self.level,
-                                        {} if self.ome else attributes, self._prefixes, on_error=self._fail,
-                                        on_publish=self._published)
+            self._publisher = Publisher(
+                self._sink,
+                self.pyramid,
+                self.codec,
+                self.level,
+                {} if self.ome else attributes,
+                self._prefixes,
+                on_error=self._fail,
+                on_publish=self._published,
+            )
             self._publisher.begin()
             if self.ome:  # after the level arrays exist, so the group never names a missing dataset
                 name = getattr(self._sink, "root", None)
@@ -220,10 +250,19 @@ class Writer:
             self._staging.close()
             raise
         self._stats_lock = threading.Lock()
-        self._collector = Collector(self._backend, self.pyramid, self._sink, self._prefixes, self._publisher,
-                                    io_threads=io_threads, pipeline_limit=staging_buffers,
-                                    batch_epochs=self.batch_epochs, failed=lambda: self._error,
-                                    on_error=self._fail, on_shard=self._shard_written)
+        self._collector = Collector(
+            self._backend,
+            self.pyramid,
+            self._sink,
+            self._prefixes,
+            self._publisher,
+            io_threads=io_threads,
+            pipeline_limit=staging_buffers,
+            batch_epochs=self.batch_epochs,
+            failed=lambda: self._error,
+            on_error=self._fail,
+            on_shard=self._shard_written,
+        )
         self._start = time.perf_counter()
 
     # -- public API ---------------------------------------------------------------------
@@ -296,8 +335,9 @@ class Writer:
         self._drain()
         provisional: list[list[EncodedEpoch]] = [[] for _ in self.pyramid.layouts]
         if self._staging.fill:
-            ticket = self._staging.submit_provisional(self.layout.epoch_bytes, self.layout.itemsize,
-                                                      rows=self._rows_in_current())
+            ticket = self._staging.submit_provisional(
+                self.layout.epoch_bytes, self.layout.itemsize, rows=self._rows_in_current()
+            )
             provisional = self._backend.result(ticket)
         self._collector.flush(provisional, self.stats.bytes_in // self._row_bytes)
         self._raise_if_failed()
@@ -309,8 +349,9 @@ class Writer:
         self._closed = True
         try:
             if self._error is None and self._staging.fill:
-                self._submit_current(self._staging.pad(self.layout.epoch_bytes, self.layout.itemsize),
-                                     self._rows_in_current())
+                self._submit_current(
+                    self._staging.pad(self.layout.epoch_bytes, self.layout.itemsize), self._rows_in_current()
+                )
             self._collector.finish()
         except BaseException as exc:  # noqa: BLE001 - recorded and re-raised below
             self._fail(exc)
@@ -341,8 +382,9 @@ class Writer:
         if not isinstance(array, np.ndarray):
             raise TypeError(f"append() needs a NumPy or CuPy array, got {type(array).__name__}")
         if isinstance(array, np.ma.MaskedArray):
-            raise TypeError("append() got a masked array: its mask cannot be stored; pass "
-                            "array.filled(value) or np.asarray(array)")
+            raise TypeError(
+                "append() got a masked array: its mask cannot be stored; pass array.filled(value) or np.asarray(array)"
+            )
         self._check_frames(array)
         return array.reshape(-1).view(np.uint8).data
 
@@ -350,21 +392,27 @@ class Writer:
         """dtype, trailing frame shape and contiguity, for NumPy and CuPy arrays alike."""
         layout = self.layout
         if array.dtype != layout.dtype:
-            raise TypeError(f"append() got dtype {array.dtype.str} ({array.dtype.name}), the layout holds "
-                            f"{layout.dtype.name}")
+            raise TypeError(
+                f"append() got dtype {array.dtype.str} ({array.dtype.name}), the layout holds {layout.dtype.name}"
+            )
         frame = layout.frame_shape
-        if array.ndim < len(frame) or tuple(array.shape[array.ndim - len(frame):]) != frame:
-            raise ValueError(f"append() got shape {array.shape}: its trailing dimensions must equal the "
-                             f"frame shape {frame}")
+        if array.ndim < len(frame) or tuple(array.shape[array.ndim - len(frame) :]) != frame:
+            raise ValueError(
+                f"append() got shape {array.shape}: its trailing dimensions must equal the frame shape {frame}"
+            )
         if not array.flags.c_contiguous:
-            raise ValueError(f"append() got a non-contiguous array of shape {array.shape}; pass a contiguous "
-                             "copy (np.ascontiguousarray)")
+            raise ValueError(
+                f"append() got a non-contiguous array of shape {array.shape}; pass a contiguous "
+                "copy (np.ascontiguousarray)"
+            )
 
     def _check_capacity(self, nbytes: int) -> None:
         if self._capacity is not None and self.stats.bytes_in + nbytes > self._capacity:
             left = self._capacity - self.stats.bytes_in
-            raise ValueError(f"{nbytes} more bytes exceed the declared array shape {self.layout.shape}: "
-                             f"only {left} bytes ({left // self.layout.itemsize} elements) are left")
+            raise ValueError(
+                f"{nbytes} more bytes exceed the declared array shape {self.layout.shape}: "
+                f"only {left} bytes ({left // self.layout.itemsize} elements) are left"
+            )
 
     def _write(self, data, block: bool, device: bool = False):
         """Copy ``data`` (bytes: a memoryview, or a 1-D uint8 CuPy array with ``device``) into staging."""
@@ -379,8 +427,11 @@ class Writer:
             self.stats.bytes_in += n
             self.stats.frames = self.stats.bytes_in // self._frame_bytes
             data = data[n:]
-            if (staging.fill % self.layout.epoch_bytes == 0 and not staging.full
-                    and time.monotonic() - staging.fill_started > self.max_latency_s):
+            if (
+                staging.fill % self.layout.epoch_bytes == 0
+                and not staging.full
+                and time.monotonic() - staging.fill_started > self.max_latency_s
+            ):
                 # slow stream: don't wait for a full batch (only if the pipeline has room now)
                 self._submit_current(staging.fill // self.layout.epoch_bytes, block=False)
         if staging.full:

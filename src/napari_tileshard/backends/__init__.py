@@ -64,11 +64,14 @@ def _gpu_probe() -> str | None:
 
 
 REGISTRY: dict[str, BackendEntry] = {
-    entry.name: entry for entry in (
-        BackendEntry("gpu", f"{__name__}.gpu:GpuBackend", _gpu_probe, codecs.gpu_support,
-                     "CuPy kernels + nvCOMP on CUDA streams"),
-        BackendEntry("cpu", f"{__name__}.cpu:CpuBackend", _always, _any_codec,
-                     "NumPy + the codecs' encoders on a thread pool"),
+    entry.name: entry
+    for entry in (
+        BackendEntry(
+            "gpu", f"{__name__}.gpu:GpuBackend", _gpu_probe, codecs.gpu_support, "CuPy kernels + nvCOMP on CUDA streams"
+        ),
+        BackendEntry(
+            "cpu", f"{__name__}.cpu:CpuBackend", _always, _any_codec, "NumPy + the codecs' encoders on a thread pool"
+        ),
     )
 }
 BACKENDS = ("auto", *sorted(REGISTRY))  # what select_backend accepts
@@ -137,5 +140,14 @@ def _entry(name: str) -> BackendEntry:
         raise ValueError(f"backend {name!r} is not one of {', '.join(REGISTRY)}") from None
 
 
-__all__ = ["Backend", "Ticket", "BACKENDS", "REGISTRY", "BackendEntry", "select_backend", "is_available",
-           "available_backends", "gpu_unavailable_reason"]
+__all__ = [
+    "Backend",
+    "Ticket",
+    "BACKENDS",
+    "REGISTRY",
+    "BackendEntry",
+    "select_backend",
+    "is_available",
+    "available_backends",
+    "gpu_unavailable_reason",
+]

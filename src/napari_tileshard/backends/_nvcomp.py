@@ -47,8 +47,17 @@ def load():
     size_p = ctypes.POINTER(ctypes.c_size_t)
     lib.nvcompBatchedZstdCompressGetMaxOutputChunkSize.argtypes = [ctypes.c_size_t, CompressOpts, size_p]
     lib.nvcompBatchedZstdCompressAsync.argtypes = [
-        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
-        ctypes.c_void_p, ctypes.c_void_p, CompressOpts, ctypes.c_void_p, ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_size_t,
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        CompressOpts,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
     ]
     for fn in (lib.nvcompBatchedZstdCompressGetMaxOutputChunkSize, lib.nvcompBatchedZstdCompressAsync):
         fn.restype = ctypes.c_int
@@ -62,8 +71,10 @@ def _check(status: int, what: str) -> None:
 
 def max_output_chunk_bytes(chunk_bytes: int) -> int:
     out = ctypes.c_size_t()
-    _check(load().nvcompBatchedZstdCompressGetMaxOutputChunkSize(chunk_bytes, CompressOpts(), ctypes.byref(out)),
-           "nvcompBatchedZstdCompressGetMaxOutputChunkSize")
+    _check(
+        load().nvcompBatchedZstdCompressGetMaxOutputChunkSize(chunk_bytes, CompressOpts(), ctypes.byref(out)),
+        "nvcompBatchedZstdCompressGetMaxOutputChunkSize",
+    )
     return out.value
 
 
@@ -85,10 +96,32 @@ def temp_bytes(num_chunks: int, chunk_bytes: int, stream_ptr: int) -> int:
     return out.value
 
 
-def compress_async(input_ptrs: int, input_sizes: int, chunk_bytes: int, num_chunks: int, temp_ptr: int,
-                   temp_size: int, output_ptrs: int, output_sizes: int, statuses: int, stream_ptr: int) -> None:
+def compress_async(
+    input_ptrs: int,
+    input_sizes: int,
+    chunk_bytes: int,
+    num_chunks: int,
+    temp_ptr: int,
+    temp_size: int,
+    output_ptrs: int,
+    output_sizes: int,
+    statuses: int,
+    stream_ptr: int,
+) -> None:
     """Enqueue the batched compression on ``stream_ptr``; all pointers are device addresses."""
-    _check(load().nvcompBatchedZstdCompressAsync(input_ptrs, input_sizes, chunk_bytes, num_chunks, temp_ptr,
-                                                 temp_size, output_ptrs, output_sizes, CompressOpts(), statuses,
-                                                 stream_ptr),
-           "nvcompBatchedZstdCompressAsync")
+    _check(
+        load().nvcompBatchedZstdCompressAsync(
+            input_ptrs,
+            input_sizes,
+            chunk_bytes,
+            num_chunks,
+            temp_ptr,
+            temp_size,
+            output_ptrs,
+            output_sizes,
+            CompressOpts(),
+            statuses,
+            stream_ptr,
+        ),
+        "nvcompBatchedZstdCompressAsync",
+    )

@@ -40,13 +40,16 @@ class Backend(ABC):
     #: staging buffers the Writer allocates by default
     preferred_staging_buffers = 2
 
-    def __init__(self, layout: Layout, codec: str | codecs.Codec = "zstd", level: int = 1,
-                 pyramid: Pyramid | None = None):
+    def __init__(
+        self, layout: Layout, codec: str | codecs.Codec = "zstd", level: int = 1, pyramid: Pyramid | None = None
+    ):
         #: the configured :class:`~napari_tileshard.codecs.Codec` (level and element size applied)
         self.codec = codecs.get(codec).configure(level, layout.dtype)
         if layout.tile_bytes > self.codec.max_chunk_bytes:
-            raise ValueError(f"tile of {layout.tile_bytes} bytes exceeds codec {self.codec.name!r}'s limit of "
-                             f"{self.codec.max_chunk_bytes} bytes per chunk; use smaller tiles")
+            raise ValueError(
+                f"tile of {layout.tile_bytes} bytes exceeds codec {self.codec.name!r}'s limit of "
+                f"{self.codec.max_chunk_bytes} bytes per chunk; use smaller tiles"
+            )
         if pyramid is not None and pyramid.layouts[0] != layout:
             raise ValueError("the pyramid's level 0 must be the layout")
         self.layout = layout

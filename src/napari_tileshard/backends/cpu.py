@@ -48,11 +48,14 @@ class CpuBackend(Backend):
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="tileshard-cpu")
         # Reductions run on their own thread: an encode task never waits on a reduction queued
         # behind it in the same pool.
-        self._reducer = ThreadPoolExecutor(1, thread_name_prefix="tileshard-reduce") if self.pyramid.levels > 1 else None
+        self._reducer = (
+            ThreadPoolExecutor(1, thread_name_prefix="tileshard-reduce") if self.pyramid.levels > 1 else None
+        )
         # Tasks per (epoch, shard [piece]): a few epochs per batch so every thread has work.
         epochs = -(-2 * self.threads // layout.inner_shard_count)
-        self.preferred_batch_bytes = max(self.preferred_batch_bytes,
-                                         min(self._MAX_BATCH_BYTES, epochs * layout.epoch_bytes))
+        self.preferred_batch_bytes = max(
+            self.preferred_batch_bytes, min(self._MAX_BATCH_BYTES, epochs * layout.epoch_bytes)
+        )
 
     def describe(self) -> str:
         return f"cpu ({self.threads} threads)"
@@ -79,10 +82,16 @@ class CpuBackend(Backend):
         tps_1 = layout.tiles_per_shard[1] if layout.rank > 1 else 1
         pieces = max(1, min(tps_1, -(-2 * self.threads // tasks)))
         bounds = np.linspace(0, tps_1, pieces + 1).astype(int)
-        return [[[self._pool.submit(self._encode_piece, layout, batch[e], shard, slice(a, b))
-                  for a, b in zip(bounds[:-1], bounds[1:])]
-                 for shard in range(layout.inner_shard_count)]
-                for e in range(epochs)]
+        return [
+            [
+                [
+                    self._pool.submit(self._encode_piece, layout, batch[e], shard, slice(a, b))
+                    for a, b in zip(bounds[:-1], bounds[1:])
+                ]
+                for shard in range(layout.inner_shard_count)
+            ]
+            for e in range(epochs)
+        ]
 
     def _encode_piece(self, layout, epoch_rows: np.ndarray, shard: int, within_1: slice):
         tiles = tile_cpu(layout, epoch_rows, shard, within_1)
@@ -93,9 +102,10 @@ class CpuBackend(Backend):
         levels = [ticket.level0]
         if ticket.reduce is not None:
             levels += ticket.reduce.result()
-        return [aggregate_cpu([[[future.result() for future in pieces] for pieces in per_shard]
-                               for per_shard in tasks])
-                for tasks in levels]
+        return [
+            aggregate_cpu([[[future.result() for future in pieces] for pieces in per_shard] for per_shard in tasks])
+            for tasks in levels
+        ]
 
     def staging_free(self, ticket: CpuTicket, block=True):
         # Level 0's encode tasks and the reduction chain read the staging buffer.

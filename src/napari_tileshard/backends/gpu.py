@@ -138,8 +138,17 @@ class GpuBackend(Backend):
     #: overrides the batch size heuristic (tests set it small so each Writer stays cheap)
     default_batch_bytes: int | None = None
 
-    def __init__(self, layout, codec="zstd", level=1, *, slots: int = 3, batch_bytes: int | None = None,
-                 pyramid=None, threads: int | None = None):
+    def __init__(
+        self,
+        layout,
+        codec="zstd",
+        level=1,
+        *,
+        slots: int = 3,
+        batch_bytes: int | None = None,
+        pyramid=None,
+        threads: int | None = None,
+    ):
         # ``threads`` is the CPU backend's option, taken here so that one set of Writer options
         # works with either backend; the GPU runs no encode threads of its own.
         refusal = codecs.gpu_support(codec)  # before CuPy: the refusal does not depend on the machine
@@ -155,12 +164,18 @@ class GpuBackend(Backend):
         #: nvCOMP's algorithm for this codec; None: tiles are stored as they are
         self.nvcomp = support.nvcomp
         if layout.tile_bytes > support.max_chunk_bytes:
-            raise ValueError(f"tile of {layout.tile_bytes} bytes exceeds nvCOMP {self.nvcomp}'s "
-                             f"{support.max_chunk_bytes >> 20} MiB chunk limit; use smaller tiles or backend='cpu'")
+            raise ValueError(
+                f"tile of {layout.tile_bytes} bytes exceeds nvCOMP {self.nvcomp}'s "
+                f"{support.max_chunk_bytes >> 20} MiB chunk limit; use smaller tiles or backend='cpu'"
+            )
         if self.nvcomp and not support.levels and level != 1:
-            warnings.warn(f"nvCOMP's {self.nvcomp} has no compression level: level={level} is recorded in the "
-                          "metadata but the GPU compresses at its own fixed setting (use backend='cpu' for other "
-                          "levels)", UserWarning, stacklevel=4)
+            warnings.warn(
+                f"nvCOMP's {self.nvcomp} has no compression level: level={level} is recorded in the "
+                "metadata but the GPU compresses at its own fixed setting (use backend='cpu' for other "
+                "levels)",
+                UserWarning,
+                stacklevel=4,
+            )
         self._cupy = cupy
         self.device = cupy.cuda.Device()
         props = cupy.cuda.runtime.getDeviceProperties(self.device.id)
@@ -189,8 +204,15 @@ class GpuBackend(Backend):
         return max(512 << 20, min(1 << 30, 1024 * layout.tile_bytes))
 
     @staticmethod
-    def estimate(layout, batch_bytes: int, staging_buffers: int = 3, slots: int = 3, output_stride=None,
-                 temp_bytes: int = 0, layouts=None) -> dict[str, int]:
+    def estimate(
+        layout,
+        batch_bytes: int,
+        staging_buffers: int = 3,
+        slots: int = 3,
+        output_stride=None,
+        temp_bytes: int = 0,
+        layouts=None,
+    ) -> dict[str, int]:
         """Host and device bytes for a batching, without touching the GPU (the widget shows it).
 
         ``layouts``: every pyramid level (level 0 first) when the batch carries a pyramid.
@@ -211,8 +233,15 @@ class GpuBackend(Backend):
 
     def memory_estimate(self, batch_bytes: int, staging_buffers: int) -> dict[str, int]:
         epochs = max(1, batch_bytes // self.layout.epoch_bytes)
-        return self.estimate(self.layout, batch_bytes, staging_buffers, self._slot_count, self.output_stride,
-                             self._temp_bytes(epochs * self.pyramid.tiles_per_epoch), self.pyramid.layouts)
+        return self.estimate(
+            self.layout,
+            batch_bytes,
+            staging_buffers,
+            self._slot_count,
+            self.output_stride,
+            self._temp_bytes(epochs * self.pyramid.tiles_per_epoch),
+            self.pyramid.layouts,
+        )
 
     def _temp_bytes(self, chunks: int) -> int:
         return gpu_temp_bytes(self.nvcomp, chunks, self.layout.tile_bytes, self.compute_stream.ptr)
@@ -236,8 +265,13 @@ class GpuBackend(Backend):
         produced.record(cupy.cuda.get_current_stream())  # after whatever wrote the frame
         self.copy_stream.wait_event(produced)
         mirror = self._mirrors[staging.ctypes.data]
-        cupy.cuda.runtime.memcpyAsync(mirror.data.ptr + offset, data.data.ptr, data.nbytes,
-                                      cupy.cuda.runtime.memcpyDeviceToDevice, self.copy_stream.ptr)
+        cupy.cuda.runtime.memcpyAsync(
+            mirror.data.ptr + offset,
+            data.data.ptr,
+            data.nbytes,
+            cupy.cuda.runtime.memcpyDeviceToDevice,
+            self.copy_stream.ptr,
+        )
         copied = cupy.cuda.Event(block=True, disable_timing=True)
         copied.record(self.copy_stream)
         # Keep the source alive until the copy ran: CuPy's pool could otherwise hand it out again.
@@ -257,7 +291,8 @@ class GpuBackend(Backend):
             raise MemoryError(
                 f"the GPU backend needs about {estimate / 2**30:.2f} GiB of device memory for this layout "
                 f"(batches of {epochs} tile epochs, {self._slot_count} in flight) but {self.device_name} has "
-                f"{free / 2**30:.2f} GiB free of {total / 2**30:.2f} GiB; use smaller batch_bytes or tiles")
+                f"{free / 2**30:.2f} GiB free of {total / 2**30:.2f} GiB; use smaller batch_bytes or tiles"
+            )
         self._temp_size = self._temp_bytes(chunks)
         self._d_temp = cupy.empty(max(1, self._temp_size), dtype=cupy.uint8)
         self._geometries: dict = {}
@@ -266,31 +301,34 @@ class GpuBackend(Backend):
         self._d_levels = [None] + [cupy.empty(epochs * lay.epoch_bytes, dtype=cupy.uint8) for lay in levels[1:]]
         for _ in range(self._slot_count):
             d_pool = cupy.empty(chunks * self.tile_stride_bytes, dtype=cupy.uint8)
-            d_compressed = (cupy.empty(chunks * self.output_stride, dtype=cupy.uint8)
-                            if self.nvcomp else d_pool)
+            d_compressed = cupy.empty(chunks * self.output_stride, dtype=cupy.uint8) if self.nvcomp else d_pool
             index = cupy.arange(chunks, dtype=cupy.uint64)
-            self._slots.append(_Slot(
-                d_pool=d_pool,
-                d_compressed=d_compressed,
-                d_sizes=cupy.empty(chunks, dtype=cupy.uint64),
-                d_status=cupy.zeros(chunks, dtype=cupy.int32),
-                d_permuted=cupy.zeros(entries, dtype=cupy.uint64),
-                d_offsets=cupy.zeros(entries + 1, dtype=cupy.uint64),
-                d_packed=cupy.empty(chunks * self.output_stride, dtype=cupy.uint8),
-                input_ptrs=cupy.uint64(d_pool.data.ptr) + index * cupy.uint64(self.tile_stride_bytes),
-                output_ptrs=cupy.uint64(d_compressed.data.ptr) + index * cupy.uint64(self.output_stride),
-                h_offsets=_pinned((entries + 1) * 8).view(np.uint64),
-                h_status=_pinned(chunks * 4).view(np.int32),
-                ready=cupy.cuda.Event(block=True, disable_timing=True),
-                copied=cupy.cuda.Event(block=True, disable_timing=True),
-            ))
+            self._slots.append(
+                _Slot(
+                    d_pool=d_pool,
+                    d_compressed=d_compressed,
+                    d_sizes=cupy.empty(chunks, dtype=cupy.uint64),
+                    d_status=cupy.zeros(chunks, dtype=cupy.int32),
+                    d_permuted=cupy.zeros(entries, dtype=cupy.uint64),
+                    d_offsets=cupy.zeros(entries + 1, dtype=cupy.uint64),
+                    d_packed=cupy.empty(chunks * self.output_stride, dtype=cupy.uint8),
+                    input_ptrs=cupy.uint64(d_pool.data.ptr) + index * cupy.uint64(self.tile_stride_bytes),
+                    output_ptrs=cupy.uint64(d_compressed.data.ptr) + index * cupy.uint64(self.output_stride),
+                    h_offsets=_pinned((entries + 1) * 8).view(np.uint64),
+                    h_status=_pinned(chunks * 4).view(np.int32),
+                    ready=cupy.cuda.Event(block=True, disable_timing=True),
+                    copied=cupy.cuda.Event(block=True, disable_timing=True),
+                )
+            )
         self._packed = _PinnedRecycler(chunks * self.output_stride)
         self._packed.reserve(self._slot_count + 2)  # in flight: slots + batches waiting on storage
         self.device.synchronize()  # allocations and fills above ran on the default stream
         # Every level's tiles use level 0's (largest) tile stride, so one pointer ramp serves the pool.
         self._tiles = [tile_kernel(lay, self.tile_stride_bytes // layout.itemsize) for lay in levels]
-        self._reduces = [None] + [reduce_kernel(levels[k - 1], levels[k], self.pyramid.step_axes(k),
-                                                self.pyramid.method) for k in range(1, len(levels))]
+        self._reduces = [None] + [
+            reduce_kernel(levels[k - 1], levels[k], self.pyramid.step_axes(k), self.pyramid.method)
+            for k in range(1, len(levels))
+        ]
         self._aggregate = aggregate_kernels()
 
     def _geometry(self, epochs: int):
@@ -312,11 +350,16 @@ class GpuBackend(Backend):
         entries = epochs * self.pyramid.slots_per_epoch
         positions, chunk_bytes = self._geometry(epochs)
         mirror = self._mirrors[staging.ctypes.data]
-        for start, stop in (host_ranges if host_ranges is not None else [(0, nbytes)]):
+        for start, stop in host_ranges if host_ranges is not None else [(0, nbytes)]:
             stop = min(stop, nbytes)
             if stop > start:  # only what came from the host (device frames are already there)
-                runtime.memcpyAsync(mirror.data.ptr + start, staging.ctypes.data + start, stop - start,
-                                    runtime.memcpyHostToDevice, self.copy_stream.ptr)
+                runtime.memcpyAsync(
+                    mirror.data.ptr + start,
+                    staging.ctypes.data + start,
+                    stop - start,
+                    runtime.memcpyHostToDevice,
+                    self.copy_stream.ptr,
+                )
         uploaded = cupy.cuda.Event(block=True, disable_timing=True)
         uploaded.record(self.copy_stream)
         stream = self.compute_stream
@@ -326,12 +369,18 @@ class GpuBackend(Backend):
         for k, lay in enumerate(self.pyramid.layouts):
             if k:  # level k from level k-1, on the device: no second upload
                 target = self._d_levels[k]
-                reduce_gpu(self._reduces[k], source, target, epochs * lay.epoch_elements,
-                           self.pyramid.level_rows(k - 1, rows), stream)
+                reduce_gpu(
+                    self._reduces[k],
+                    source,
+                    target,
+                    epochs * lay.epoch_elements,
+                    self.pyramid.level_rows(k - 1, rows),
+                    stream,
+                )
                 source = target
             level_chunks = epochs * lay.tiles_per_epoch
             pool_elements = level_chunks * self.tile_stride_bytes // layout.itemsize
-            pool = slot.d_pool[first_chunk * self.tile_stride_bytes:]
+            pool = slot.d_pool[first_chunk * self.tile_stride_bytes :]
             tile_gpu(self._tiles[k], source, pool, pool_elements, stream)
             first_chunk += level_chunks
         # The staging buffer and its mirror may be refilled once the kernels have read them.
@@ -339,10 +388,16 @@ class GpuBackend(Backend):
         consumed.record(stream)
         compress_gpu(self.nvcomp, slot, chunk_bytes, layout.tile_bytes, chunks, self._d_temp, self._temp_size, stream)
         aggregate_gpu(self._aggregate, slot, positions, chunks, entries, self.output_stride, stream)
-        runtime.memcpyAsync(slot.h_offsets.ctypes.data, slot.d_offsets.data.ptr, (entries + 1) * 8,
-                            runtime.memcpyDeviceToHost, stream.ptr)
-        runtime.memcpyAsync(slot.h_status.ctypes.data, slot.d_status.data.ptr, chunks * 4,
-                            runtime.memcpyDeviceToHost, stream.ptr)
+        runtime.memcpyAsync(
+            slot.h_offsets.ctypes.data,
+            slot.d_offsets.data.ptr,
+            (entries + 1) * 8,
+            runtime.memcpyDeviceToHost,
+            stream.ptr,
+        )
+        runtime.memcpyAsync(
+            slot.h_status.ctypes.data, slot.d_status.data.ptr, chunks * 4, runtime.memcpyDeviceToHost, stream.ptr
+        )
         slot.ready.record(stream)
         return GpuTicket(slot, epochs, consumed)
 
@@ -360,8 +415,9 @@ class GpuBackend(Backend):
             # The shards keep views into this pinned buffer until they are on disk, then it is
             # recycled: no copy out, and no device slot held while shards wait for storage.
             packed = self._packed.take()
-            runtime.memcpyAsync(packed.ctypes.data, slot.d_packed.data.ptr, total,
-                                runtime.memcpyDeviceToHost, self.d2h_stream.ptr)
+            runtime.memcpyAsync(
+                packed.ctypes.data, slot.d_packed.data.ptr, total, runtime.memcpyDeviceToHost, self.d2h_stream.ptr
+            )
             slot.copied.record(self.d2h_stream)
             slot.copied.synchronize()
             return split_packed(self.pyramid, ticket.epochs, offsets, packed)

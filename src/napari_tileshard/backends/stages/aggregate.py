@@ -101,8 +101,11 @@ def aggregate_geometry(pyramid, epochs: int, stream):
     with stream:
         for lay in pyramid.layouts:
             perm = cupy.asarray(lay.shard_permutation, dtype=cupy.int64)
-            positions.append((base + cupy.arange(epochs, dtype=cupy.int64)[:, None] * lay.slots_per_epoch
-                              + perm[None, :]).reshape(-1))
+            positions.append(
+                (base + cupy.arange(epochs, dtype=cupy.int64)[:, None] * lay.slots_per_epoch + perm[None, :]).reshape(
+                    -1
+                )
+            )
             chunk_bytes.append(cupy.full(epochs * lay.tiles_per_epoch, lay.tile_bytes, dtype=cupy.uint64))
             base += epochs * lay.slots_per_epoch
         return cupy.concatenate(positions), cupy.concatenate(chunk_bytes)
@@ -117,9 +120,12 @@ def aggregate_gpu(kernels, slot, positions, chunks: int, entries: int, output_st
     with stream:
         slot.d_permuted[:entries] = 0
         permute((-(-chunks // BLOCK),), (BLOCK,), (slot.d_sizes, positions, slot.d_permuted, np.int64(chunks)))
-        cupy.cumsum(slot.d_permuted[:entries], out=slot.d_offsets[1:entries + 1])
-        gather((chunks,), (_GATHER_THREADS,), (slot.d_compressed, np.int64(output_stride), slot.d_sizes,
-                                                positions, slot.d_offsets, slot.d_packed))
+        cupy.cumsum(slot.d_permuted[:entries], out=slot.d_offsets[1 : entries + 1])
+        gather(
+            (chunks,),
+            (_GATHER_THREADS,),
+            (slot.d_compressed, np.int64(output_stride), slot.d_sizes, positions, slot.d_offsets, slot.d_packed),
+        )
 
 
 def split_packed(pyramid, epochs: int, offsets: np.ndarray, packed: np.ndarray) -> list[list[EncodedEpoch]]:
@@ -128,13 +134,13 @@ def split_packed(pyramid, epochs: int, offsets: np.ndarray, packed: np.ndarray) 
     levels, base = [], 0
     for lay in pyramid.layouts:
         per_epoch = lay.slots_per_epoch
-        level_offsets = offsets[base: base + epochs * per_epoch + 1]
+        level_offsets = offsets[base : base + epochs * per_epoch + 1]
         shard_starts = np.arange(0, per_epoch + 1, lay.tiles_per_shard_inner)
         sizes = np.diff(level_offsets).reshape(epochs, lay.inner_shard_count, lay.tiles_per_shard_inner)
         encoded = []
         for e in range(epochs):
             bounds = level_offsets[e * per_epoch + shard_starts]
-            data = [packed[int(a):int(b)] for a, b in zip(bounds[:-1], bounds[1:])]
+            data = [packed[int(a) : int(b)] for a, b in zip(bounds[:-1], bounds[1:])]
             encoded.append(EncodedEpoch(data, sizes[e]))
         levels.append(encoded)
         base += epochs * per_epoch

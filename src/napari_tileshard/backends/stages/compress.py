@@ -35,8 +35,9 @@ def gpu_temp_bytes(algorithm: str | None, chunks: int, tile_bytes: int, stream_p
     return _nvcomp.temp_bytes(chunks, tile_bytes, stream_ptr)
 
 
-def compress_gpu(algorithm: str | None, slot, chunk_bytes, tile_bytes: int, chunks: int, temp, temp_size: int,
-                 stream) -> None:
+def compress_gpu(
+    algorithm: str | None, slot, chunk_bytes, tile_bytes: int, chunks: int, temp, temp_size: int, stream
+) -> None:
     """Enqueue the compression of the first ``chunks`` tiles of ``slot``'s pool on ``stream``.
 
     ``chunk_bytes``: device array of each tile's uncompressed bytes.  Writes ``slot.d_sizes`` and
@@ -45,9 +46,18 @@ def compress_gpu(algorithm: str | None, slot, chunk_bytes, tile_bytes: int, chun
     """
     with stream:
         if algorithm:
-            _nvcomp.compress_async(slot.input_ptrs.data.ptr, chunk_bytes.data.ptr, tile_bytes, chunks,
-                                   temp.data.ptr, temp_size, slot.output_ptrs.data.ptr, slot.d_sizes.data.ptr,
-                                   slot.d_status.data.ptr, stream.ptr)
+            _nvcomp.compress_async(
+                slot.input_ptrs.data.ptr,
+                chunk_bytes.data.ptr,
+                tile_bytes,
+                chunks,
+                temp.data.ptr,
+                temp_size,
+                slot.output_ptrs.data.ptr,
+                slot.d_sizes.data.ptr,
+                slot.d_status.data.ptr,
+                stream.ptr,
+            )
         else:
             slot.d_sizes[:chunks] = chunk_bytes
 
@@ -58,5 +68,7 @@ def check_gpu_statuses(algorithm: str | None, statuses: np.ndarray) -> None:
         return
     failed = np.flatnonzero(statuses)
     if failed.size:
-        raise _nvcomp.NvcompError(f"nvCOMP could not compress {failed.size} tiles (first: tile {int(failed[0])}, "
-                                  f"status {int(statuses[failed[0]])})")
+        raise _nvcomp.NvcompError(
+            f"nvCOMP could not compress {failed.size} tiles (first: tile {int(failed[0])}, "
+            f"status {int(statuses[failed[0]])})"
+        )
