@@ -31,11 +31,19 @@ def main():
     args = parser.parse_args()
     h, w = (int(v) for v in args.frame.split("x"))
     t, ty, tx = (int(v) for v in args.tile.split(","))
-    layout = Layout([Dim("t", 0, t, 1), Dim("y", h, ty, max(1, 1024 // ty)), Dim("x", w, tx, max(1, 1024 // tx))],
-                    "uint16")
+    layout = Layout(
+        [Dim("t", 0, t, 1), Dim("y", h, ty, max(1, 1024 // ty)), Dim("x", w, tx, max(1, 1024 // tx))], "uint16"
+    )
     frames = int(args.fps * args.seconds)
-    settings = RecorderSettings(output=args.out, layout=layout, backend=args.backend, fps=args.fps,
-                                policy=args.policy, overwrite=True, queue_frames=64)
+    settings = RecorderSettings(
+        output=args.out,
+        layout=layout,
+        backend=args.backend,
+        fps=args.fps,
+        policy=args.policy,
+        overwrite=True,
+        queue_frames=64,
+    )
     recorder = Recorder(settings)
     deepest = [0]
     done = threading.Event()
@@ -52,11 +60,13 @@ def main():
     done.set()
     frame_bytes = h * w * 2
     report = verify(args.out)
-    print(f"recorder headless, backend {stats.backend}: {stats.frames} frames of {h}x{w} uint16 at {args.fps:g} fps "
-          f"requested ({frame_bytes * args.fps / 1e9:.2f} GB/s), policy {args.policy}: dropped {stats.dropped}, "
-          f"recorded {stats.frames * frame_bytes / wall / 1e9:.2f} GB/s over {wall:.1f} s (incl. camera warm-up), "
-          f"deepest queue {deepest[0]}/64, ratio {stats.compression_ratio:.2f}, verify {'ok' if report.ok else 'FAILED'}, "
-          f"error {stats.error}")
+    print(
+        f"recorder headless, backend {stats.backend}: {stats.frames} frames of {h}x{w} uint16 at {args.fps:g} fps "
+        f"requested ({frame_bytes * args.fps / 1e9:.2f} GB/s), policy {args.policy}: dropped {stats.dropped}, "
+        f"recorded {stats.frames * frame_bytes / wall / 1e9:.2f} GB/s over {wall:.1f} s (incl. camera warm-up), "
+        f"deepest queue {deepest[0]}/64, ratio {stats.compression_ratio:.2f}, "
+        f"verify {'ok' if report.ok else 'FAILED'}, error {stats.error}"
+    )
 
 
 if __name__ == "__main__":

@@ -45,9 +45,14 @@ def tile_cases(names):
 
 def layout_for(frame_shape, tile, unbounded=True, frames=None):
     ty, tx = tile[1], tile[2]
-    return Layout([Dim("t", 0 if unbounded else frames, tile[0], 1),
-                   Dim("y", frame_shape[0], ty, max(1, 1024 // ty)),
-                   Dim("x", frame_shape[1], tx, max(1, 1024 // tx))], "uint16")
+    return Layout(
+        [
+            Dim("t", 0 if unbounded else frames, tile[0], 1),
+            Dim("y", frame_shape[0], ty, max(1, 1024 // ty)),
+            Dim("x", frame_shape[1], tx, max(1, 1024 // tx)),
+        ],
+        "uint16",
+    )
 
 
 def dir_bytes(path: Path) -> int:
@@ -60,8 +65,7 @@ def dir_bytes(path: Path) -> int:
 # store is closed.
 def setup_tileshard(backend, camera, frames, tile, out, level, ome=False):
     layout = layout_for(camera.shape, tile)
-    writer = Writer(out, layout, codec="zstd", level=level, backend=backend, overwrite=True, ome=ome,
-                    downsample="mean")
+    writer = Writer(out, layout, codec="zstd", level=level, backend=backend, overwrite=True, ome=ome, downsample="mean")
 
     def run():
         with writer:
@@ -97,12 +101,19 @@ def setup_tensorstore(camera, frames, tile, out, level):
             "shape": [frames, *camera.shape],
             "data_type": "uint16",
             "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(layout.shard_shape)}},
-            "codecs": [{"name": "sharding_indexed", "configuration": {
-                "chunk_shape": list(tile),
-                "codecs": [{"name": "bytes", "configuration": {"endian": "little"}},
-                           {"name": "zstd", "configuration": {"level": level}}],
-                "index_codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}],
-            }}],
+            "codecs": [
+                {
+                    "name": "sharding_indexed",
+                    "configuration": {
+                        "chunk_shape": list(tile),
+                        "codecs": [
+                            {"name": "bytes", "configuration": {"endian": "little"}},
+                            {"name": "zstd", "configuration": {"level": level}},
+                        ],
+                        "index_codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}],
+                    },
+                }
+            ],
         },
         "create": True,
         "delete_existing": True,
@@ -112,7 +123,7 @@ def setup_tensorstore(camera, frames, tile, out, level):
     def run():
         pending = None
         for start, slab in slabs(camera, frames, layout.shard_epoch_rows):
-            future = store[start:start + len(slab)].write(slab)
+            future = store[start : start + len(slab)].write(slab)
             if pending is not None:
                 pending.result()
             pending = future
@@ -127,12 +138,21 @@ def setup_zarr_python(camera, frames, tile, out, level):
     import zarr
 
     layout = layout_for(camera.shape, tile, unbounded=False, frames=frames)
-    array = zarr.create_array(out, shape=(frames, *camera.shape), chunks=tile, shards=layout.shard_shape,
-                              dtype="uint16", compressors=zarr.codecs.ZstdCodec(level=level), fill_value=0,
-                              overwrite=True, dimension_names=["t", "y", "x"])
+    array = zarr.create_array(
+        out,
+        shape=(frames, *camera.shape),
+        chunks=tile,
+        shards=layout.shard_shape,
+        dtype="uint16",
+        compressors=zarr.codecs.ZstdCodec(level=level),
+        fill_value=0,
+        overwrite=True,
+        dimension_names=["t", "y", "x"],
+    )
+
     def run():
         for start, slab in slabs(camera, frames, layout.shard_epoch_rows):
-            array[start:start + len(slab)] = slab
+            array[start : start + len(slab)] = slab
         return f"zarr-python {zarr.__version__}"
 
     return run
@@ -143,14 +163,23 @@ def setup_acquire_zarr(camera, frames, tile, out, level, ome=False):
 
     layout = layout_for(camera.shape, tile)
     settings = az.StreamSettings(store_path=str(out), overwrite=True, max_threads=os.cpu_count())
-    dims = [az.Dimension(name=d.name, kind=kind, array_size_px=d.size, chunk_size_px=d.tile_size,
-                         shard_size_chunks=d.tiles_per_shard)
-            for d, kind in zip(layout.dims, (az.DimensionType.TIME, az.DimensionType.SPACE, az.DimensionType.SPACE))]
-    settings.arrays = [az.ArraySettings(
-        output_key="0", data_type=az.DataType.UINT16, dimensions=dims,
-        compression=az.CompressionSettings(compressor=az.Compressor.ZSTD, codec=az.CompressionCodec.ZSTD,
-                                           level=level, shuffle=0),
-        **({"downsampling_method": az.DownsamplingMethod.MEAN} if ome else {}))]
+    dims = [
+        az.Dimension(
+            name=d.name, kind=kind, array_size_px=d.size, chunk_size_px=d.tile_size, shard_size_chunks=d.tiles_per_shard
+        )
+        for d, kind in zip(layout.dims, (az.DimensionType.TIME, az.DimensionType.SPACE, az.DimensionType.SPACE))
+    ]
+    settings.arrays = [
+        az.ArraySettings(
+            output_key="0",
+            data_type=az.DataType.UINT16,
+            dimensions=dims,
+            compression=az.CompressionSettings(
+                compressor=az.Compressor.ZSTD, codec=az.CompressionCodec.ZSTD, level=level, shuffle=0
+            ),
+            **({"downsampling_method": az.DownsamplingMethod.MEAN} if ome else {}),
+        )
+    ]
     stream = az.ZarrStream(settings)
 
     def run():
@@ -168,8 +197,9 @@ def setup_engine(engine, camera, frames, tile, out, level):
         return setup_tileshard(engine.split("-")[1], camera, frames, tile, out, level, ome)
     if engine == "acquire-zarr-ome":
         return setup_acquire_zarr(camera, frames, tile, out, level, ome=True)
-    return {"tensorstore": setup_tensorstore, "zarr-python": setup_zarr_python,
-            "acquire-zarr": setup_acquire_zarr}[engine](camera, frames, tile, out, level)
+    return {"tensorstore": setup_tensorstore, "zarr-python": setup_zarr_python, "acquire-zarr": setup_acquire_zarr}[
+        engine
+    ](camera, frames, tile, out, level)
 
 
 def measure(engine, camera, frames, tile, out_root, level):
@@ -182,13 +212,20 @@ def measure(engine, camera, frames, tile, out_root, level):
     bytes_in = frames * camera.frame_bytes
     bytes_out = dir_bytes(out)
     shutil.rmtree(out, ignore_errors=True)
-    return {"engine": engine, "label": label, "seconds": wall, "gbps": bytes_in / wall / 1e9,
-            "ratio": bytes_in / bytes_out, "cpu_s_per_gb": cpu / (bytes_in / 1e9), "bytes_in": bytes_in}
+    return {
+        "engine": engine,
+        "label": label,
+        "seconds": wall,
+        "gbps": bytes_in / wall / 1e9,
+        "ratio": bytes_in / bytes_out,
+        "cpu_s_per_gb": cpu / (bytes_in / 1e9),
+        "bytes_in": bytes_in,
+    }
 
 
 def gpu_ceilings(camera, frames, tile, level):
     """nvCOMP batched zstd of device-resident tiles, and pinned H2D bandwidth, on this GPU."""
-    from napari_tileshard.backends import gpu_ceiling
+    import gpu_ceiling  # benchmarks/, beside this script (sys.path[0] when run as a script)
 
     return gpu_ceiling.measure(camera, frames, layout_for(camera.shape, tile), level)
 
@@ -223,10 +260,15 @@ def main(argv=None):
         camera = SyntheticCamera(frame_shape, "uint16", seed=0)
         camera.prepare()
         frames = max(1, int(args.gib * 2**30 // camera.frame_bytes))
-        for tile_name, tile in tile_cases(args.tiles.split(",")):
+        for _, tile in tile_cases(args.tiles.split(",")):
             frames_case = math.ceil(frames / tile[0]) * tile[0]
-            case = {"frame": list(frame_shape), "tile": list(tile), "tile_kib": math.prod(tile) * 2 // 1024,
-                    "frames": frames_case, "sink": str(out_root)}
+            case = {
+                "frame": list(frame_shape),
+                "tile": list(tile),
+                "tile_kib": math.prod(tile) * 2 // 1024,
+                "frames": frames_case,
+                "sink": str(out_root),
+            }
             rows = []
             if "tileshard-gpu" in engines:
                 try:
@@ -249,22 +291,29 @@ def main(argv=None):
                 if r["engine"].endswith("-ome") and r["engine"][:-4] in plain:
                     r["vs_no_pyramid"] = r["gbps"] / plain[r["engine"][:-4]]
             ours = next((r for r in rows if r["engine"] == "tileshard-gpu"), None) or next(
-                (r for r in rows if r["engine"] == "tileshard-cpu"), None)
+                (r for r in rows if r["engine"] == "tileshard-cpu"), None
+            )
             ceiling = next((r for r in rows if r["engine"] == "nvcomp-ceiling"), None)
             for r in rows:
                 r.update(case)
                 r["vs_tileshard"] = r["gbps"] / ours["gbps"] if ours else float("nan")
                 r["of_ceiling"] = r["gbps"] / ceiling["gbps"] if ceiling else float("nan")
                 results.append(r)
-            print(f"\n## frame {frame_shape[0]}x{frame_shape[1]}, tile {tile} ({case['tile_kib']} KiB), "
-                  f"{frames_case} frames ({frames_case * camera.frame_bytes / 2**30:.1f} GiB)")
-            print(f"{'engine':18s} {'GB/s':>7s} {'x ours':>7s} {'of ceil':>8s} {'ratio':>6s} {'CPU s/GB':>9s} "
-                  f"{'vs no pyramid':>13s}")
+            print(
+                f"\n## frame {frame_shape[0]}x{frame_shape[1]}, tile {tile} ({case['tile_kib']} KiB), "
+                f"{frames_case} frames ({frames_case * camera.frame_bytes / 2**30:.1f} GiB)"
+            )
+            print(
+                f"{'engine':18s} {'GB/s':>7s} {'x ours':>7s} {'of ceil':>8s} {'ratio':>6s} {'CPU s/GB':>9s} "
+                f"{'vs no pyramid':>13s}"
+            )
             for r in rows:
                 cpu = r.get("cpu_s_per_gb", float("nan"))
-                print(f"{r['engine']:18s} {r['gbps']:7.2f} {r['vs_tileshard']:7.2f} {r['of_ceiling']:8.2f} "
-                      f"{r.get('ratio', float('nan')):6.2f} {cpu:9.2f} {r.get('vs_no_pyramid', float('nan')):13.2f}",
-                      flush=True)
+                print(
+                    f"{r['engine']:18s} {r['gbps']:7.2f} {r['vs_tileshard']:7.2f} {r['of_ceiling']:8.2f} "
+                    f"{r.get('ratio', float('nan')):6.2f} {cpu:9.2f} {r.get('vs_no_pyramid', float('nan')):13.2f}",
+                    flush=True,
+                )
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"machine": machine, "argv": sys.argv, "results": results}, indent=1))

@@ -1,6 +1,6 @@
 """Plot a bench_write.py JSON: GB/s per engine and tile size, one panel per frame size.
 
-    python benchmarks/plot_results.py benchmarks/results/2026-11-21-h200-shm.json docs/benchmarks.png
+python benchmarks/plot_results.py benchmarks/results/2026-11-21-h200-shm.json docs/benchmarks.png
 """
 
 import json
@@ -28,9 +28,15 @@ def main(source, target):
         tiles = sorted({k for s in series.values() for k in s})
         width = 0.8 / len(series)
         for i, engine in enumerate(e for e in ORDER if e in series):
-            ax.bar([t + i * width for t in range(len(tiles))], [series[engine].get(k, 0) for k in tiles], width,
-                   label=engine, hatch="//" if engine == "nvcomp-ceiling" else None,
-                   color=None if engine != "nvcomp-ceiling" else "white", edgecolor="black" if engine == "nvcomp-ceiling" else None)
+            ax.bar(
+                [t + i * width for t in range(len(tiles))],
+                [series[engine].get(k, 0) for k in tiles],
+                width,
+                label=engine,
+                hatch="//" if engine == "nvcomp-ceiling" else None,
+                color=None if engine != "nvcomp-ceiling" else "white",
+                edgecolor="black" if engine == "nvcomp-ceiling" else None,
+            )
         ax.set_xticks([t + 0.4 - width / 2 for t in range(len(tiles))], [f"{k} KiB" for k in tiles])
         ax.set_title(f"{frame[0]}x{frame[1]} uint16 frames, 4 GiB, zstd 1")
         ax.set_xlabel("tile size")

@@ -66,7 +66,8 @@ class TimingSink(Sink):
         finally:
             with LOCK:
                 TOTALS["sink.write zarr.json" if key.endswith("zarr.json") else "sink.write shard"] += (
-                    time.perf_counter() - start)
+                    time.perf_counter() - start
+                )
 
     def release(self):
         self.inner.release()
@@ -91,12 +92,19 @@ def main():
     frames = int(args.gib * 2**30 // camera.frame_bytes)
     layout = layout_for(shape, tile)
     # Time the stages by class (public methods of each pipeline piece), and storage through a Sink.
-    for owner, names in ((StagingRing, ("copy_in", "acquire", "submit")), (Collector, ("reserve", "drain")),
-                         (ShardAccumulator, ("add",)), (Publisher, ("track", "wait"))):
+    for owner, names in (
+        (StagingRing, ("copy_in", "acquire", "submit")),
+        (Collector, ("reserve", "drain")),
+        (ShardAccumulator, ("add",)),
+        (Publisher, ("track", "wait")),
+    ):
         for name in names:
             timed(owner, name, f"{owner.__name__}.{name}")
-    backend_class = CpuBackend if args.backend == "cpu" else __import__(
-        "napari_tileshard.backends.gpu", fromlist=["GpuBackend"]).GpuBackend
+    backend_class = (
+        CpuBackend
+        if args.backend == "cpu"
+        else __import__("napari_tileshard.backends.gpu", fromlist=["GpuBackend"]).GpuBackend
+    )
     for name in ("submit", "result", "staging_free"):
         timed(backend_class, name, f"backend.{name}")
     batch = args.batch_mib << 20 if args.batch_mib else None
@@ -107,8 +115,11 @@ def main():
     fed = time.perf_counter() - start
     writer.close()
     wall = time.perf_counter() - start
-    print(f"{args.backend} {layout.tile_shape} batch {writer.batch_bytes >> 20} MiB: {frames * camera.frame_bytes / wall / 1e9:.2f} GB/s "
-          f"(wall {wall:.2f} s, feeding {fed:.2f} s, close {wall - fed:.2f} s)")
+    print(
+        f"{args.backend} {layout.tile_shape} batch {writer.batch_bytes >> 20} MiB: "
+        f"{frames * camera.frame_bytes / wall / 1e9:.2f} GB/s "
+        f"(wall {wall:.2f} s, feeding {fed:.2f} s, close {wall - fed:.2f} s)"
+    )
     for name, seconds in sorted(TOTALS.items(), key=lambda kv: -kv[1]):
         print(f"  {name:28s} {seconds:7.2f} s  {seconds / wall:6.1%}")
 

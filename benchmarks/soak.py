@@ -55,8 +55,9 @@ def main():
     args = parser.parse_args()
     h, w = (int(v) for v in args.frame.split("x"))
     layout = Layout([Dim("t", 0, 16, 1), Dim("y", h, 256, 4), Dim("x", w, 256, 4)], "uint16")
-    settings = RecorderSettings(output=args.out, layout=layout, backend=args.backend, fps=args.fps,
-                                policy="drop", overwrite=True)
+    settings = RecorderSettings(
+        output=args.out, layout=layout, backend=args.backend, fps=args.fps, policy="drop", overwrite=True
+    )
     gpu_mib = gpu_sampler()
     recorder = Recorder(settings)
     samples = []
@@ -68,8 +69,11 @@ def main():
             samples.append((time.perf_counter() - start, rss_mib(), gpu_mib(), recorder.stats.frames))
             if len(samples) % 60 == 0:  # a line a minute: progress of a long run
                 t, rss, gpu, frames = samples[-1]
-                print(f"{t:6.0f} s: {frames} frames, dropped {recorder.stats.dropped}, RSS {rss:.0f} MiB, "
-                      f"GPU pool {gpu if gpu is None else round(gpu)} MiB", flush=True)
+                print(
+                    f"{t:6.0f} s: {frames} frames, dropped {recorder.stats.dropped}, RSS {rss:.0f} MiB, "
+                    f"GPU pool {gpu if gpu is None else round(gpu)} MiB",
+                    flush=True,
+                )
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
@@ -80,8 +84,10 @@ def main():
     rss = [s[1] for s in warm]
     gpu = [s[2] for s in warm if s[2] is not None]
     report = verify(args.out)
-    print(f"soak {args.minutes:g} min, {h}x{w} uint16 at {args.fps:g} fps, backend {stats.backend}: "
-          f"{stats.frames} frames, dropped {stats.dropped}, error {stats.error}")
+    print(
+        f"soak {args.minutes:g} min, {h}x{w} uint16 at {args.fps:g} fps, backend {stats.backend}: "
+        f"{stats.frames} frames, dropped {stats.dropped}, error {stats.error}"
+    )
     print(f"RSS after 30 s warm-up: min {min(rss):.0f} MiB, max {max(rss):.0f} MiB, at end {rss[-1]:.0f} MiB")
     if gpu:
         print(f"GPU memory held (CuPy pool) after warm-up: min {min(gpu):.0f} MiB, max {max(gpu):.0f} MiB")

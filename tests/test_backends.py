@@ -33,21 +33,25 @@ def _run(code: str) -> str:
 def test_importing_the_backends_and_stages_needs_no_cupy():
     # CuPy made unimportable (zarr itself imports it where it is installed, so its mere presence
     # in sys.modules proves nothing): every backend module must still import.
-    out = _run("import sys\n"
-               "sys.modules['cupy'] = None\n"
-               "import napari_tileshard.backends, napari_tileshard.backends.cpu, napari_tileshard.backends.gpu\n"
-               "from napari_tileshard.backends.stages import tile, reduce, compress, aggregate\n"
-               "import napari_tileshard.backends.gpu_ceiling, napari_tileshard.writer\n"
-               "print(napari_tileshard.writer.estimate_memory(napari_tileshard.Layout(\n"
-               "    [napari_tileshard.Dim('t', 0, 2), napari_tileshard.Dim('x', 8, 4)]))['gpu_device'] > 0)")
+    out = _run(
+        "import sys\n"
+        "sys.modules['cupy'] = None\n"
+        "import napari_tileshard.backends, napari_tileshard.backends.cpu, napari_tileshard.backends.gpu\n"
+        "from napari_tileshard.backends.stages import tile, reduce, compress, aggregate\n"
+        "import napari_tileshard.writer\n"
+        "print(napari_tileshard.writer.estimate_memory(napari_tileshard.Layout(\n"
+        "    [napari_tileshard.Dim('t', 0, 2), napari_tileshard.Dim('x', 8, 4)]))['gpu_device'] > 0)"
+    )
     assert out.strip() == "True"
 
 
 @pytest.mark.skipif(importlib.util.find_spec("cupy") is not None, reason="CuPy is installed here")
 def test_without_cupy_the_probe_answers_without_importing_anything():
-    out = _run("import sys\n"
-               "from napari_tileshard.backends import available_backends\n"
-               "print(available_backends()['gpu']); print('cupy' in sys.modules)")
+    out = _run(
+        "import sys\n"
+        "from napari_tileshard.backends import available_backends\n"
+        "print(available_backends()['gpu']); print('cupy' in sys.modules)"
+    )
     reason, imported = out.strip().splitlines()
     assert reason.startswith("CuPy is not installed") and imported == "False"
 
@@ -114,7 +118,10 @@ def test_constructors_name_an_unknown_option():
 
 def test_options_are_explicit_keywords():
     # The Writer passes threads= whatever the backend, so the GPU takes it too.
-    for cls, options in ((CpuBackend, {"threads", "pyramid"}), (GpuBackend, {"slots", "batch_bytes", "pyramid", "threads"})):
+    for cls, options in (
+        (CpuBackend, {"threads", "pyramid"}),
+        (GpuBackend, {"slots", "batch_bytes", "pyramid", "threads"}),
+    ):
         parameters = inspect.signature(cls).parameters
         assert {name for name, p in parameters.items() if p.kind is p.KEYWORD_ONLY} == options
         assert not any(p.kind is p.VAR_KEYWORD for p in parameters.values())

@@ -36,7 +36,7 @@ def test_chunk_map_equals_full_parse_and_reads_only_indexes(tmp_path):
             continue
         t, y, x = map(int, shard.relative_to(path / "c").parts)
         raw = shard.read_bytes()
-        index = np.frombuffer(raw[-(8 * 16 + 4):-4], "<u8").reshape(2, 2, 2, 2)
+        index = np.frombuffer(raw[-(8 * 16 + 4) : -4], "<u8").reshape(2, 2, 2, 2)
         for wt in range(2):
             for wy in range(2):
                 for wx in range(2):
@@ -50,7 +50,8 @@ def test_chunk_map_equals_full_parse_and_reads_only_indexes(tmp_path):
     assert CountingStore.shard_bytes == n_shards * (8 * 16 + 4)  # index bytes only, never chunk data
     assert all(s.crc_ok for s in result.shards)
     edge = next(s for s in result.shards if s.coords == (0, 1, 1))
-    assert edge.chunks_possible == 8 and edge.chunks_present == 2 * 1 * 1  # one chunk row (y 32..40) x one column (x 16..24)
+    # one chunk row (y 32..40) x one column (x 16..24)
+    assert edge.chunks_possible == 8 and edge.chunks_present == 2 * 1 * 1
     assert np.nanmin(result.chunk_ratio) > 1
 
 
@@ -113,25 +114,48 @@ def test_inspector_widget_overlays_and_table(make_napari_viewer, qtbot, tmp_path
 
 def test_unsharded_and_foreign_arrays(tmp_path):
     # unsharded zarr-python array: chunk grid and per-chunk object sizes
-    plain = zarr.create_array(tmp_path / "plain.zarr", shape=(5, 9), chunks=(2, 4), dtype="uint16",
-                              compressors=zarr.codecs.ZstdCodec(level=1), fill_value=0)
+    plain = zarr.create_array(
+        tmp_path / "plain.zarr",
+        shape=(5, 9),
+        chunks=(2, 4),
+        dtype="uint16",
+        compressors=zarr.codecs.ZstdCodec(level=1),
+        fill_value=0,
+    )
     plain[:] = np.arange(45, dtype=np.uint16).reshape(5, 9)
     result = inspect_array(tmp_path / "plain.zarr")
     assert result.chunk_bytes.shape == (3, 3) and (result.chunk_bytes > 0).all()
-    sizes = {p.relative_to(tmp_path / "plain.zarr" / "c").as_posix(): p.stat().st_size
-             for p in (tmp_path / "plain.zarr" / "c").rglob("*") if p.is_file()}
+    sizes = {
+        p.relative_to(tmp_path / "plain.zarr" / "c").as_posix(): p.stat().st_size
+        for p in (tmp_path / "plain.zarr" / "c").rglob("*")
+        if p.is_file()
+    }
     assert result.chunk_bytes[2, 1] == sizes["2/1"]
     # sharded array written by tensorstore
     ts = __import__("pytest").importorskip("tensorstore")
-    spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(tmp_path / "ts.zarr")},
-            "metadata": {"shape": [6, 10], "data_type": "uint16",
-                         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [4, 8]}},
-                         "codecs": [{"name": "sharding_indexed", "configuration": {
-                             "chunk_shape": [2, 4], "codecs": [{"name": "bytes", "configuration": {"endian": "little"}},
-                                                              {"name": "zstd", "configuration": {"level": 1}}],
-                             "index_codecs": [{"name": "bytes", "configuration": {"endian": "little"}},
-                                              {"name": "crc32c"}]}}]},
-            "create": True}
+    spec = {
+        "driver": "zarr3",
+        "kvstore": {"driver": "file", "path": str(tmp_path / "ts.zarr")},
+        "metadata": {
+            "shape": [6, 10],
+            "data_type": "uint16",
+            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [4, 8]}},
+            "codecs": [
+                {
+                    "name": "sharding_indexed",
+                    "configuration": {
+                        "chunk_shape": [2, 4],
+                        "codecs": [
+                            {"name": "bytes", "configuration": {"endian": "little"}},
+                            {"name": "zstd", "configuration": {"level": 1}},
+                        ],
+                        "index_codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}],
+                    },
+                }
+            ],
+        },
+        "create": True,
+    }
     store = ts.open(spec).result()
     store[...].write(np.arange(60, dtype=np.uint16).reshape(6, 10)).result()
     foreign = inspect_array(tmp_path / "ts.zarr")
@@ -167,8 +191,9 @@ def test_new_shards_appear_on_refresh_and_other_writers(tmp_path):
     assert len(inspect_array(path).shards) == first + 4  # two more shard epochs x two shards
     writer.close()
     # zarr-python's own sharded writer
-    sharded = zarr.create_array(tmp_path / "zp.zarr", shape=(4, 16), chunks=(2, 8), shards=(2, 16),
-                                dtype="uint16", fill_value=0)
+    sharded = zarr.create_array(
+        tmp_path / "zp.zarr", shape=(4, 16), chunks=(2, 8), shards=(2, 16), dtype="uint16", fill_value=0
+    )
     sharded[:] = np.arange(64, dtype=np.uint16).reshape(4, 16)
     zp = inspect_array(tmp_path / "zp.zarr")
     assert len(zp.shards) == 2 and (zp.chunk_bytes > 0).all() and all(s.crc_ok for s in zp.shards)
@@ -177,15 +202,24 @@ def test_new_shards_appear_on_refresh_and_other_writers(tmp_path):
 def test_acquire_zarr_output(tmp_path):
     az = __import__("pytest").importorskip("acquire_zarr")
     settings = az.StreamSettings(store_path=str(tmp_path / "az.zarr"), overwrite=True)
-    settings.arrays = [az.ArraySettings(
-        output_key="0", data_type=az.DataType.UINT16,
-        compression=az.CompressionSettings(compressor=az.Compressor.ZSTD, codec=az.CompressionCodec.ZSTD, level=1),
-        dimensions=[az.Dimension(name="t", kind=az.DimensionType.TIME, array_size_px=0, chunk_size_px=2,
-                                 shard_size_chunks=1),
-                    az.Dimension(name="y", kind=az.DimensionType.SPACE, array_size_px=32, chunk_size_px=16,
-                                 shard_size_chunks=2),
-                    az.Dimension(name="x", kind=az.DimensionType.SPACE, array_size_px=32, chunk_size_px=16,
-                                 shard_size_chunks=1)])]
+    settings.arrays = [
+        az.ArraySettings(
+            output_key="0",
+            data_type=az.DataType.UINT16,
+            compression=az.CompressionSettings(compressor=az.Compressor.ZSTD, codec=az.CompressionCodec.ZSTD, level=1),
+            dimensions=[
+                az.Dimension(
+                    name="t", kind=az.DimensionType.TIME, array_size_px=0, chunk_size_px=2, shard_size_chunks=1
+                ),
+                az.Dimension(
+                    name="y", kind=az.DimensionType.SPACE, array_size_px=32, chunk_size_px=16, shard_size_chunks=2
+                ),
+                az.Dimension(
+                    name="x", kind=az.DimensionType.SPACE, array_size_px=32, chunk_size_px=16, shard_size_chunks=1
+                ),
+            ],
+        )
+    ]
     stream = az.ZarrStream(settings)
     for i in range(4):
         stream.append(np.full((32, 32), i, np.uint16))

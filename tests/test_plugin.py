@@ -1,6 +1,5 @@
 """The napari plugin under Xvfb: widget, recording on a QThread, preview, reader/writer/sample."""
 
-
 import numpy as np
 import pytest
 import zarr
@@ -42,8 +41,8 @@ def test_record_synthetic_and_preview_grows(widget, qtbot, tmp_path):
     extents = []
 
     def grown():
-        layer = widget._preview
-        if layer is not None and not widget._preview_placeholder:  # zeros until the first shard epoch
+        layer = widget.preview.layer
+        if layer is not None and not widget.preview.placeholder:  # zeros until the first shard epoch
             extents.append(layer.data.shape[0])
         return len(set(extents)) >= 3
 
@@ -55,7 +54,7 @@ def test_record_synthetic_and_preview_grows(widget, qtbot, tmp_path):
     assert stats.error is None and stats.frames > 8 and stats.dropped == 0
     data = zarr.open_array(out)[:]
     np.testing.assert_array_equal(data, SyntheticCamera((64, 48), "uint16", seed=0).stack(stats.frames))
-    assert widget._preview.data.shape == data.shape  # the final array opens in place
+    assert widget.preview.layer.data.shape == data.shape  # the final array opens in place
     assert verify(out).ok
     assert "frames" in widget.stats_label.text()
     inspector = widget.inspect()  # reachable from the recorder after a recording
@@ -66,8 +65,9 @@ def test_record_from_an_image_layer_frame_for_frame(widget, qtbot, tmp_path):
     viewer = widget.viewer
     camera_layer = viewer.add_image(np.zeros((64, 48), np.uint16), name="camera")
     out = tmp_path / "layer.zarr"
-    widget.settings = RecorderSettings(output=str(out), layout=small_layout(), backend="cpu", source="camera",
-                                       policy="block")
+    widget.settings = RecorderSettings(
+        output=str(out), layout=small_layout(), backend="cpu", source="camera", policy="block"
+    )
     widget.start()
     frames = [np.full((64, 48), i, np.uint16) + np.arange(48, dtype=np.uint16) for i in range(11)]
     for frame in frames:
@@ -79,25 +79,26 @@ def test_record_from_an_image_layer_frame_for_frame(widget, qtbot, tmp_path):
 
 def test_invalid_settings_disable_start_and_explain(widget, tmp_path):
     widget.settings = RecorderSettings(output=str(tmp_path / "v.zarr"), layout=small_layout(), backend="cpu")
-    assert widget.start_button.isEnabled() and "tile" in widget.figures.text()
-    widget.table.item(1, 2).setText("0")  # tile size 0
+    assert widget.start_button.isEnabled() and "tile" in widget.form.figures.text()
+    form = widget.form
+    form.table.item(1, 2).setText("0")  # tile size 0
     assert not widget.start_button.isEnabled()
-    assert "tile_size must be >= 1, got 0" in widget.message.text()
-    widget.table.item(1, 2).setText("abc")
-    assert "must be integers" in widget.message.text()
-    widget.table.item(1, 2).setText("32")
+    assert "tile_size must be >= 1, got 0" in form.message.text()
+    form.table.item(1, 2).setText("abc")
+    assert "must be integers" in form.message.text()
+    form.table.item(1, 2).setText("32")
     assert widget.start_button.isEnabled()
-    widget.table.item(1, 4).setText("-0.5")  # a negative pixel size
-    assert not widget.start_button.isEnabled() and "scale must be a positive" in widget.message.text()
-    widget.table.item(1, 4).setText("0.65")
+    form.table.item(1, 4).setText("-0.5")  # a negative pixel size
+    assert not widget.start_button.isEnabled() and "scale must be a positive" in form.message.text()
+    form.table.item(1, 4).setText("0.65")
     assert widget.start_button.isEnabled() and widget.settings.layout.dims[1].scale == 0.65
     (tmp_path / "v.zarr").mkdir()
     (tmp_path / "v.zarr" / "zarr.json").write_text("{}")
-    widget.output.setText("")
-    assert "output path is empty" in widget.message.text()
-    widget.output.setText(str(tmp_path / "v.zarr"))
-    assert not widget.start_button.isEnabled() and "already exists" in widget.message.text()
-    widget.overwrite.setChecked(True)
+    form.output.setText("")
+    assert "output path is empty" in form.message.text()
+    form.output.setText(str(tmp_path / "v.zarr"))
+    assert not widget.start_button.isEnabled() and "already exists" in form.message.text()
+    form.overwrite.setChecked(True)
     assert widget.start_button.isEnabled()
 
 
@@ -114,8 +115,10 @@ def test_writer_error_is_notified_and_store_stays_readable(widget, qtbot, tmp_pa
     camera_layer.data = np.zeros((10, 10), np.uint16)  # the camera changes frame size mid-recording
     wait_until(qtbot, lambda: not widget.is_recording)
     assert errors and "frame shape" in errors[0]
-    assert "frame shape" in widget.message.text()
-    np.testing.assert_array_equal(zarr.open_array(out)[:], np.stack([np.full((64, 48), i, np.uint16) for i in range(5)]))
+    assert "frame shape" in widget.form.message.text()
+    np.testing.assert_array_equal(
+        zarr.open_array(out)[:], np.stack([np.full((64, 48), i, np.uint16) for i in range(5)])
+    )
 
 
 @pytest.mark.parametrize("closing", ["widget", "viewer"])
@@ -170,16 +173,17 @@ def test_reader_declines_what_it_cannot_read(tmp_path):
 def test_ome_recording_previews_the_pyramid(widget, qtbot, tmp_path):
     """OME-Zarr switch: the store is a pyramid group and the preview a multiscale layer that grows."""
     out = tmp_path / "ome.zarr"
-    widget.settings = RecorderSettings(output=str(out), layout=small_layout((128, 96)), backend="cpu", fps=200.0,
-                                       ome=True, downsample="max")
+    widget.settings = RecorderSettings(
+        output=str(out), layout=small_layout((128, 96)), backend="cpu", fps=200.0, ome=True, downsample="max"
+    )
     for row, (scale, unit) in enumerate([("0.05", "second"), ("0.65", "micrometer"), ("0.65", "micrometer")]):
-        widget.table.item(row, 4).setText(scale)
-        widget.table.item(row, 5).setText(unit)
-    assert widget.downsample.isEnabled() and "pyramid levels" in widget.figures.text()
+        widget.form.table.item(row, 4).setText(scale)
+        widget.form.table.item(row, 5).setText(unit)
+    assert widget.form.downsample.isEnabled() and "pyramid levels" in widget.form.figures.text()
     widget.start()
 
     def multiscale_grew():
-        layer = widget._preview
+        layer = widget.preview.layer
         return layer is not None and layer.multiscale and layer.data[0].shape[0] >= 8
 
     wait_until(qtbot, multiscale_grew)
@@ -187,10 +191,10 @@ def test_ome_recording_previews_the_pyramid(widget, qtbot, tmp_path):
     wait_until(qtbot, lambda: not widget.is_recording)
     stats = widget.stats
     assert stats.error is None
-    layer = widget._preview
+    layer = widget.preview.layer
     assert layer.multiscale and len(layer.data) == 4  # 128x96 -> 64x48 -> 32x24 -> 16x12 fits a 32x16 tile
     frames = SyntheticCamera((128, 96), "uint16", seed=0).stack(stats.frames)
-    pyramid = widget._pyramid()
+    pyramid = widget.preview.pyramid
     for level, expected in zip(layer.data, pyramid.reference(frames)):
         np.testing.assert_array_equal(np.asarray(level), expected)
     assert verify(out).ok
@@ -202,8 +206,14 @@ def test_ome_recording_previews_the_pyramid(widget, qtbot, tmp_path):
 def test_reader_opens_an_ome_group_as_multiscale(make_napari_viewer, tmp_path):
     from napari_tileshard import Writer
 
-    layout = Layout([Dim("t", 0, 2, 1), Dim("y", 64, 16, 2, unit="micrometer", scale=0.5),
-                     Dim("x", 48, 16, 2, unit="micrometer", scale=0.5)], "uint16")
+    layout = Layout(
+        [
+            Dim("t", 0, 2, 1),
+            Dim("y", 64, 16, 2, unit="micrometer", scale=0.5),
+            Dim("x", 48, 16, 2, unit="micrometer", scale=0.5),
+        ],
+        "uint16",
+    )
     out = tmp_path / "group.zarr"
     with Writer(out, layout, backend="cpu", ome=True) as writer:
         writer.append(SyntheticCamera((64, 48), "uint16", seed=1).stack(4))
@@ -217,18 +227,54 @@ def test_preview_survives_a_hostile_zarr_json(widget, tmp_path):
     """A zarr.json replaced mid-recording by one declaring huge frames: a warning, no allocation, no crash."""
     import json
 
-    from napari_tileshard.recorder import Recorder
-
     out = tmp_path / "hostile.zarr"
     out.mkdir()
-    widget._recorder = Recorder(RecorderSettings(output=str(out), layout=small_layout(), backend="cpu"))
-    meta = {"zarr_format": 3, "node_type": "array", "shape": [10, 2**20, 2**20], "data_type": "uint16",
-            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [1, 1024, 1024]}},
-            "chunk_key_encoding": {"name": "default"}, "fill_value": 0,
-            "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}]}
+    widget.preview.begin(RecorderSettings(output=str(out), layout=small_layout(), backend="cpu"), placeholder=False)
+    meta = {
+        "zarr_format": 3,
+        "node_type": "array",
+        "shape": [10, 2**20, 2**20],
+        "data_type": "uint16",
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [1, 1024, 1024]}},
+        "chunk_key_encoding": {"name": "default"},
+        "fill_value": 0,
+        "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}],
+    }
     (out / "zarr.json").write_text(json.dumps(meta))
-    widget._update_preview(5)
-    assert widget._preview is None and "too large to display" in widget._preview_error
+    widget.preview.update(5)
+    assert widget.preview.layer is None and "too large to display" in widget.preview.error
     (out / "zarr.json").write_text("{ not json")
-    widget._update_preview(6)  # unreadable: still no exception
-    assert widget._preview is None
+    widget.preview.update(6)  # unreadable: still no exception
+    assert widget.preview.layer is None
+
+
+def test_save_does_not_follow_the_recorders_settings(widget, qtbot, tmp_path):
+    """File > Save writes the same store before and after a recording with other tiling, codec and level."""
+    import json
+    from pathlib import Path
+
+    viewer = widget.viewer
+    stack = viewer.add_image(
+        SyntheticCamera((64, 48), "uint16", seed=2).stack(6), name="stack", axis_labels=("t", "y", "x")
+    )
+
+    def save(name):
+        out = str(tmp_path / name)
+        viewer.layers.selection = {stack}
+        assert viewer.layers.save(out, selected=True, plugin="napari-tileshard") == [out]
+        files = {p.relative_to(out).as_posix(): p.read_bytes() for p in sorted(Path(out).rglob("*")) if p.is_file()}
+        return json.loads(files.pop("zarr.json")), files
+
+    before = save("before.zarr")
+    assert before[0]["codecs"][0]["configuration"]["chunk_shape"] == [6, 64, 48]  # the default layout
+    layout = Layout([Dim("t", 0, 2, 1), Dim("y", 64, 16, 1), Dim("x", 48, 8, 3)], "uint16")
+    widget.settings = RecorderSettings(
+        output=str(tmp_path / "rec.zarr"), layout=layout, codec="none", level=5, backend="cpu", fps=200.0
+    )
+    widget.start()
+    wait_until(qtbot, lambda: widget.stats.shards_written > 0)
+    widget.stop()
+    wait_until(qtbot, lambda: not widget.is_recording)
+    recorded = zarr.open_array(tmp_path / "rec.zarr")
+    assert (recorded.chunks, recorded.shards) == ((2, 16, 8), (2, 16, 24))  # it did record with its own tiling
+    assert save("after.zarr") == before

@@ -1,10 +1,9 @@
 """The Qt-free recording loop (what the widget's QThread hosts)."""
 
-
 import numpy as np
 import pytest
-
 from conftest import read_back
+
 from napari_tileshard import Dim, Layout, SyntheticCamera, verify
 from napari_tileshard.recorder import Recorder, RecorderSettings
 
@@ -14,8 +13,9 @@ def layout(size=(48, 40)):
 
 
 def test_synthetic_recording_is_frame_exact(tmp_path):
-    settings = RecorderSettings(output=str(tmp_path / "r.zarr"), layout=layout(), fps=None, backend="cpu", seed=3,
-                                batch_bytes=1)
+    settings = RecorderSettings(
+        output=str(tmp_path / "r.zarr"), layout=layout(), fps=None, backend="cpu", seed=3, batch_bytes=1
+    )
     progress = []
     recorder = Recorder(settings, on_progress=lambda s: progress.append(s.rows_complete))
     stats = recorder.start(synthetic_frames=37).join(timeout=60)
@@ -27,8 +27,14 @@ def test_synthetic_recording_is_frame_exact(tmp_path):
 
 
 def test_pushed_frames_block_policy_loses_nothing(tmp_path):
-    settings = RecorderSettings(output=str(tmp_path / "p.zarr"), layout=layout(), source="camera layer",
-                                backend="cpu", queue_frames=2, policy="block")
+    settings = RecorderSettings(
+        output=str(tmp_path / "p.zarr"),
+        layout=layout(),
+        source="camera layer",
+        backend="cpu",
+        queue_frames=2,
+        policy="block",
+    )
     recorder = Recorder(settings).start()
     frames = [np.full((48, 40), i, np.uint16) for i in range(30)]
     assert all(recorder.push(f) for f in frames)
@@ -39,8 +45,14 @@ def test_pushed_frames_block_policy_loses_nothing(tmp_path):
 
 
 def test_drop_policy_counts_exactly(tmp_path):
-    settings = RecorderSettings(output=str(tmp_path / "d.zarr"), layout=layout(), source="camera layer",
-                                backend="cpu", queue_frames=1, policy="drop")
+    settings = RecorderSettings(
+        output=str(tmp_path / "d.zarr"),
+        layout=layout(),
+        source="camera layer",
+        backend="cpu",
+        queue_frames=1,
+        policy="drop",
+    )
     recorder = Recorder(settings)  # not started: nothing drains the queue
     accepted = [recorder.push(np.zeros((48, 40), np.uint16)) for _ in range(5)]
     assert accepted == [True, False, False, False, False]
@@ -52,8 +64,7 @@ def test_drop_policy_counts_exactly(tmp_path):
 
 
 def test_error_in_writer_ends_with_a_readable_store(tmp_path):
-    settings = RecorderSettings(output=str(tmp_path / "e.zarr"), layout=layout(), source="camera layer",
-                                backend="cpu")
+    settings = RecorderSettings(output=str(tmp_path / "e.zarr"), layout=layout(), source="camera layer", backend="cpu")
     recorder = Recorder(settings).start()
     for i in range(8):
         recorder.push(np.full((48, 40), i, np.uint16))
@@ -90,8 +101,15 @@ def test_drop_policy_counts_every_dropped_frame_under_slow_storage(tmp_path, mon
 
     monkeypatch.setattr(DirectorySink, "write", slow_write)
     out = tmp_path / "slow.zarr"
-    settings = RecorderSettings(output=str(out), layout=layout((32, 32)), source="camera layer", backend="cpu",
-                                policy="drop", queue_frames=4, batch_bytes=1)
+    settings = RecorderSettings(
+        output=str(out),
+        layout=layout((32, 32)),
+        source="camera layer",
+        backend="cpu",
+        policy="drop",
+        queue_frames=4,
+        batch_bytes=1,
+    )
     recorder = Recorder(settings).start()
     offered = 300
     accepted = []

@@ -53,8 +53,9 @@ def _open_lazy(path):
     access = StoreAccess(path)
     node = access.open_node("")
     if isinstance(node, zarr.Group):
-        node = next((child for child in map(access.open_node, _array_children(access))
-                     if isinstance(child, zarr.Array)), None)
+        node = next(
+            (child for child in map(access.open_node, _array_children(access)) if isinstance(child, zarr.Array)), None
+        )
         if node is None:
             return None, None, None
     names = node.metadata.dimension_names if node.metadata.zarr_format == 3 else None
@@ -86,8 +87,10 @@ def written_rows(array):
     if record is None or not array.shape or record[0] >= array.shape[0]:
         return array, None
     rows, state = record
-    note = (f"showing rows 0..{rows - 1} of {array.shape[0]}: rows {rows}..{array.shape[0] - 1} were never "
-            f"written (recording state: {state})")
+    note = (
+        f"showing rows 0..{rows - 1} of {array.shape[0]}: rows {rows}..{array.shape[0] - 1} were never "
+        f"written (recording state: {state})"
+    )
     return FirstRows(array, rows), note
 
 
@@ -116,7 +119,7 @@ class FirstRows:
         key = key if isinstance(key, tuple) else (key,)
         if any(k is Ellipsis for k in key):
             at = next(i for i, k in enumerate(key) if k is Ellipsis)
-            key = key[:at] + (slice(None),) * (self.ndim - len(key) + 1) + key[at + 1:]
+            key = key[:at] + (slice(None),) * (self.ndim - len(key) + 1) + key[at + 1 :]
         first, rest = (key[0], key[1:]) if key else (slice(None), ())
         if isinstance(first, slice):
             start, stop, step = first.indices(self.rows)
@@ -209,8 +212,10 @@ def check_displayable(array, path) -> None:
     plane = array.shape[-2:] if array.ndim >= 2 else array.shape
     nbytes = math.prod(plane) * np.dtype(array.dtype).itemsize
     if nbytes > MAX_DISPLAY_SLICE_BYTES:
-        raise ValueError(f"{path}: frames of shape {tuple(plane)} ({nbytes / 2**30:.1f} GiB each) are too large "
-                         f"to display without a multiscale pyramid (limit {MAX_DISPLAY_SLICE_BYTES >> 20} MiB)")
+        raise ValueError(
+            f"{path}: frames of shape {tuple(plane)} ({nbytes / 2**30:.1f} GiB each) are too large "
+            f"to display without a multiscale pyramid (limit {MAX_DISPLAY_SLICE_BYTES >> 20} MiB)"
+        )
 
 
 def _level0_scale(group):

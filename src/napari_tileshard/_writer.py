@@ -1,4 +1,9 @@
-"""napari writer: "Save as sharded Zarr" for image layers, through the same Writer."""
+"""napari writer: "Save as sharded Zarr" for image layers, through the same Writer.
+
+What File > Save writes depends only on the layer: :func:`default_layout` over its shape, zstd
+level 1, backend ``auto``.  It deliberately ignores the recorder dock's settings: a Save whose
+tiling changed with whichever recording was configured last could not be predicted or repeated.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +11,6 @@ import numpy as np
 
 from .layout import Dim, Layout, is_valid_name
 from .writer import Writer
-
-# The recorder widget puts its last valid settings here, so File > Save uses the same tiling.
-last_settings = None
 
 
 def default_layout(shape, dtype, names=None) -> Layout:
@@ -35,18 +37,9 @@ def write_image(path: str, data, meta: dict) -> list[str]:
     if array.dtype == np.bool_:
         array = array.astype(np.uint8)
     names = [_safe_name(n, i) for i, n in enumerate(meta.get("axis_labels") or [])] or None
-    layout = None
-    if last_settings is not None and last_settings.layout is not None:
-        candidate = last_settings.layout
-        if candidate.rank == array.ndim and all(s in (0, a) for s, a in zip(candidate.shape, array.shape)):
-            layout = Layout([Dim(d.name, a, d.tile_size, d.tiles_per_shard) for d, a in zip(candidate.dims, array.shape)],
-                            array.dtype.name)
-    layout = layout or default_layout(array.shape, array.dtype, names)
-    codec = getattr(last_settings, "codec", "zstd")
-    level = getattr(last_settings, "level", 1)
-    backend = getattr(last_settings, "backend", "auto")
-    with Writer(path, layout, codec=codec, level=level, backend=backend, overwrite=True) as writer:
+    layout = default_layout(array.shape, array.dtype, names)
+    with Writer(path, layout, codec="zstd", level=1, backend="auto", overwrite=True) as writer:
         step = max(1, (64 << 20) // max(1, array[0].nbytes if array.ndim else 1))
         for start in range(0, array.shape[0] if array.ndim else 1, step):
-            writer.append(np.ascontiguousarray(array[start:start + step]))
+            writer.append(np.ascontiguousarray(array[start : start + step]))
     return [path]

@@ -1,7 +1,8 @@
 """The recording loop, free of Qt: source -> bounded queue -> Writer, with live statistics.
 
-The napari widget hosts :meth:`Recorder.run` on a QThread and relays its callbacks as signals;
-scripts and the GPU benchmark run it on a plain thread (``Recorder.start()``).
+The napari dock (``_qt/recording_controller.py``) hosts :meth:`Recorder.run` on a QThread and
+relays its callbacks as signals; scripts and the benchmarks run it on a plain thread
+(``Recorder.start()``).
 
 Sources push frames with :meth:`Recorder.push`.  The queue between source and writer is
 bounded; the policy decides what happens when it is full: ``"block"`` makes the source wait
@@ -14,15 +15,15 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
 from .camera import SyntheticCamera
 from .layout import Layout
-from .pyramid import plan_pyramid
+from .pyramid import Pyramid, plan_pyramid
 from .writer import Writer
 
 log = logging.getLogger(__name__)
@@ -56,13 +57,19 @@ class RecorderSettings:
         batches at high rates; one tile epoch when the rate is unknown (a layer source)."""
         if self.batch_bytes:
             return self.batch_bytes
-        frame_bytes = self.layout.frame_elements * self.layout.itemsize
-        return max(self.layout.epoch_bytes, int(frame_bytes * self.fps / 4)) if self.fps else self.layout.epoch_bytes
+        layout = self.checked_layout()
+        frame_bytes = layout.frame_elements * layout.itemsize
+        return max(layout.epoch_bytes, int(frame_bytes * self.fps / 4)) if self.fps else layout.epoch_bytes
+
+    def checked_layout(self) -> Layout:
+        """``layout``, which has a default only because ``output`` comes first; TypeError without one."""
+        if not isinstance(self.layout, Layout):
+            raise TypeError("settings.layout must be a Layout")
+        return self.layout
 
     def validate(self) -> None:
         """Raise ValueError/TypeError naming the first bad setting."""
-        if not isinstance(self.layout, Layout):
-            raise TypeError("settings.layout must be a Layout")
+        layout = self.checked_layout()
         if self.policy not in POLICIES:
             raise ValueError(f"policy {self.policy!r} is not one of {', '.join(POLICIES)}")
         if not isinstance(self.queue_frames, int) or self.queue_frames < 1:
@@ -70,15 +77,18 @@ class RecorderSettings:
         if self.fps is not None and not (self.fps > 0):
             raise ValueError(f"fps must be positive or None, got {self.fps!r}")
         if self.ome:
-            plan_pyramid(self.layout, self.downsample)  # raises naming what a pyramid can't do here
+            plan_pyramid(layout, self.downsample)  # raises naming what a pyramid can't do here
         if not str(self.output).strip():
             raise ValueError("the output path is empty")
         path = Path(self.output).expanduser()
         if path.exists() and any(path.iterdir()) and not self.overwrite:
             raise FileExistsError(f"output {str(path)!r} already exists; choose another path or allow overwrite")
 
-    def with_(self, **changes) -> "RecorderSettings":
-        return replace(self, **changes)
+    def pyramid(self) -> Pyramid:
+        """The levels this recording writes (level 0 only without ``ome``): the Writer plans the
+        same from the same settings, so the preview can follow every level without asking it."""
+        layout = self.checked_layout()
+        return plan_pyramid(layout, self.downsample) if self.ome else Pyramid.single(layout)
 
 
 @dataclass
@@ -148,9 +158,10 @@ class Recorder:
 
     def feed_synthetic(self, frames: int | None = None) -> None:
         """Push SyntheticCamera frames at ``settings.fps`` (runs on its own thread via start())."""
-        layout = self.settings.layout
-        camera = SyntheticCamera(layout.frame_shape or (1,), layout.dtype, seed=self.settings.seed,
-                                 fps=self.settings.fps)
+        layout = self.settings.checked_layout()
+        camera = SyntheticCamera(
+            layout.frame_shape or (1,), layout.dtype, seed=self.settings.seed, fps=self.settings.fps
+        )
         camera.prepare()
         for frame in camera.frames(frames):
             if self._stopping.is_set():
@@ -166,9 +177,17 @@ class Recorder:
         self.stats.recording = True
         self._start = time.perf_counter()
         try:
-            self.writer = Writer(s.output, s.layout, codec=s.codec, level=s.level, backend=s.backend,
-                                 overwrite=s.overwrite, batch_bytes=s.batch(), ome=s.ome,
-                                 downsample=s.downsample)
+            self.writer = Writer(
+                s.output,
+                s.checked_layout(),
+                codec=s.codec,
+                level=s.level,
+                backend=s.backend,
+                overwrite=s.overwrite,
+                batch_bytes=s.batch(),
+                ome=s.ome,
+                downsample=s.downsample,
+            )
             self.stats.backend = self.writer.stats.backend
             while True:
                 try:
@@ -217,13 +236,14 @@ class Recorder:
                     self.on_progress(stats)
 
     # -- control ---------------------------------------------------------------------
-    def start(self, synthetic_frames: int | None = None) -> "Recorder":
+    def start(self, synthetic_frames: int | None = None) -> Recorder:
         """Run headless: the loop on a thread, and the synthetic camera on another if selected."""
         self._thread = threading.Thread(target=self.run, name="tileshard-recorder", daemon=True)
         self._thread.start()
         if self.settings.source == "synthetic":
-            self._feeder = threading.Thread(target=self.feed_synthetic, args=(synthetic_frames,),
-                                            name="tileshard-camera", daemon=True)
+            self._feeder = threading.Thread(
+                target=self.feed_synthetic, args=(synthetic_frames,), name="tileshard-camera", daemon=True
+            )
             self._feeder.start()
         return self
 

@@ -30,6 +30,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 from .layout import Layout
 
@@ -364,7 +365,7 @@ class DirectorySink(Sink):
     def __init__(self, root, overwrite: bool = False):
         self.root = Path(root).expanduser().resolve()
         self._lock_path = self.root / LOCK_NAME
-        self._lock_id = None  # (st_dev, st_ino, content) of the lock file while we hold it
+        self._lock_id: tuple | None = None  # (st_dev, st_ino, content) of the lock file while we hold it
         self._created: list[Path] = []  # root and ancestors this sink made, outermost first
         self._dirs: set[str] = set()
         self._made_dirs: list[str] = []  # directories inside root this sink made
@@ -422,8 +423,9 @@ class DirectorySink(Sink):
             except (FileNotFoundError, _Unreadable):
                 pass  # judged again when locking
         if not overwrite:
-            raise StoreExistsError(f"output {self.location!r} already exists and is not empty; "
-                                   f"{_OVERWRITE_HINT} to replace it")
+            raise StoreExistsError(
+                f"output {self.location!r} already exists and is not empty; {_OVERWRITE_HINT} to replace it"
+            )
         plan = _recognise(_LocalTree(self.root))
         refusal = plan.refusal(self.location)
         if refusal:
@@ -440,18 +442,27 @@ class DirectorySink(Sink):
             if not isinstance(pid, int) or pid <= 0 or not isinstance(host, str):
                 raise TypeError
         except (ValueError, TypeError, KeyError, UnicodeDecodeError):
-            raise StoreLockedError(f"{self.location!r} is locked by another writer (unreadable lock file); "
-                                   f"if no writer is running, delete {str(self._lock_path)!r}") from None
+            raise StoreLockedError(
+                f"{self.location!r} is locked by another writer (unreadable lock file); "
+                f"if no writer is running, delete {str(self._lock_path)!r}"
+            ) from None
         if host == socket.gethostname() and not _alive(pid):
             return holder
-        raise StoreLockedError(f"{self.location!r} is being written by pid {pid} on host {host} since "
-                               f"{holder.get('started', '?')}; if that process is gone, delete "
-                               f"{str(self._lock_path)!r}")
+        raise StoreLockedError(
+            f"{self.location!r} is being written by pid {pid} on host {host} since "
+            f"{holder.get('started', '?')}; if that process is gone, delete "
+            f"{str(self._lock_path)!r}"
+        )
 
     def _lock(self) -> None:
-        content = json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                              "started": datetime.now().astimezone().isoformat(timespec="seconds"),
-                              "tool": "napari-tileshard"}).encode()
+        content = json.dumps(
+            {
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+                "started": datetime.now().astimezone().isoformat(timespec="seconds"),
+                "tool": "napari-tileshard",
+            }
+        ).encode()
         for attempt in range(5):
             try:
                 fd = os.open(self._lock_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
@@ -498,8 +509,9 @@ class DirectorySink(Sink):
         try:
             os.close(os.open(mutex, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644))
         except FileExistsError:
-            raise StoreLockedError(f"another writer is taking over the stale lock of {self.location!r}; "
-                                   f"if none is, delete {str(mutex)!r}") from None
+            raise StoreLockedError(
+                f"another writer is taking over the stale lock of {self.location!r}; if none is, delete {str(mutex)!r}"
+            ) from None
         try:
             try:
                 if _read_capped(self._lock_path, 1 << 16) != seen:
@@ -510,8 +522,12 @@ class DirectorySink(Sink):
             lock_id = self._fill_lock(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), content, tmp)
             os.replace(tmp, self._lock_path)
             self._lock_id = lock_id
-            log.warning("%s: taking over the lock of pid %s (started %s), which is no longer running",
-                        self.location, holder["pid"], holder.get("started", "?"))
+            log.warning(
+                "%s: taking over the lock of pid %s (started %s), which is no longer running",
+                self.location,
+                holder["pid"],
+                holder.get("started", "?"),
+            )
             return True
         finally:
             mutex.unlink(missing_ok=True)
@@ -521,7 +537,7 @@ class DirectorySink(Sink):
             st = os.lstat(self._lock_path)
         except OSError:
             return False
-        return (st.st_dev, st.st_ino) == self._lock_id[:2]
+        return self._lock_id is not None and (st.st_dev, st.st_ino) == self._lock_id[:2]
 
     def release(self) -> None:
         if self._lock_id is None:
@@ -568,8 +584,11 @@ class DirectorySink(Sink):
     def _check_root(self) -> None:
         # The lock's identity too: a directory recreated at the same path may reuse the inode.
         if not self._same_root() or (self._lock_id is not None and not self._lock_in_place()):
-            raise StoreVanishedError(errno.ENOENT, f"the store directory {self.location!r} was deleted or moved "
-                                                   f"during the recording (or its lock file {LOCK_NAME} was removed)")
+            raise StoreVanishedError(
+                errno.ENOENT,
+                f"the store directory {self.location!r} was deleted or moved "
+                f"during the recording (or its lock file {LOCK_NAME} was removed)",
+            )
 
     def write(self, key: str, buffers) -> None:
         self._check_root()
@@ -649,7 +668,7 @@ class _KeyTree:
         self.read = read
 
     def entries(self, rel: str) -> dict:
-        node = self.nodes
+        node: Any = self.nodes
         for part in filter(None, rel.split("/")):
             node = node.get(part)
         return {name: "dir" if isinstance(sub, dict) else "file" for name, sub in sorted(node.items())}
@@ -717,24 +736,65 @@ class ZarrStoreSink(Sink):
             self._sync(self.store.delete(key))
 
 
-def open_sink(store, overwrite: bool = False):
-    """A sink for ``store``: a path, a zarr ``LocalStore`` or any other zarr v3 ``Store``; a
-    :class:`Sink` is returned as it is."""
+def open_sink(store, overwrite: bool = False, storage_options: dict | None = None) -> Sink:
+    """A sink for ``store``: a local path, a ``file://`` URL, ``memory://``, any URL an installed
+    fsspec filesystem handles (``s3://`` with s3fs, ...), a zarr v3 ``Store``, or a :class:`Sink`
+    (returned as it is).  A URL that no installed store handles is an error, never a local
+    directory named after the URL."""
+    from zarr.storage import LocalStore
+
     if isinstance(store, Sink):
         return store
+    if isinstance(store, str) and "://" in store:
+        return _url_sink(store, overwrite, storage_options)
     if isinstance(store, (str, os.PathLike)):
         return DirectorySink(store, overwrite)
-    try:
-        from zarr.storage import LocalStore
-    except ImportError:  # pragma: no cover - zarr is a dependency
-        LocalStore = ()
     if isinstance(store, LocalStore):
         if store.read_only:
             raise PermissionError(f"store {store!r} is read-only")
         return DirectorySink(store.root, overwrite)
     if hasattr(store, "set") and hasattr(store, "get"):
         return ZarrStoreSink(store, overwrite)
-    raise TypeError(f"store must be a path or a zarr v3 Store, got {type(store).__name__}")
+    raise TypeError(f"store must be a path, a store URL or a zarr v3 Store, got {type(store).__name__}")
+
+
+def resolve_store(store, *, read_only: bool = True, storage_options: dict | None = None):
+    """The zarr Store (or local path) that readers use for the same inputs as :func:`open_sink`."""
+    if isinstance(store, str) and "://" in store:
+        scheme = store.split("://", 1)[0].lower()
+        if scheme == "file":
+            return store[len("file://") :]
+        _check_scheme(scheme)
+        from zarr.storage import FsspecStore
+
+        return FsspecStore.from_url(store, storage_options=storage_options, read_only=read_only)
+    return store
+
+
+def _check_scheme(scheme: str) -> None:
+    import fsspec
+
+    try:
+        fsspec.get_filesystem_class(scheme)
+    except (ValueError, ImportError) as exc:
+        from fsspec.registry import known_implementations
+
+        known = known_implementations.get(scheme, {})
+        hint = known.get("err") or ("" if known else "no fsspec filesystem is registered for it")
+        raise ValueError(f"no installed store handles {scheme!r} URLs: {hint or exc}") from None
+
+
+def _url_sink(url: str, overwrite: bool, storage_options: dict | None) -> Sink:
+    scheme = url.split("://", 1)[0].lower()
+    if scheme == "file":  # a local directory: keep the lock, atomic renames and safe overwrite
+        return DirectorySink(url[len("file://") :], overwrite)
+    if scheme == "memory":
+        from zarr.storage import MemoryStore
+
+        return ZarrStoreSink(MemoryStore(), overwrite)
+    # Object stores: each object is one PUT (atomic); there is no rename and no lock, so one
+    # writer per prefix is the caller's responsibility.
+    return ZarrStoreSink(resolve_store(url, read_only=False, storage_options=storage_options), overwrite)
 
 
 def list_shard_keys(store, prefix: str = "") -> list[str]:
@@ -744,6 +804,6 @@ def list_shard_keys(store, prefix: str = "") -> list[str]:
 
     async def collect():
         base = f"{prefix}/c/" if prefix else "c/"
-        return [key[len(prefix) + 1:] if prefix else key async for key in store.list_prefix(base)]
+        return [key[len(prefix) + 1 :] if prefix else key async for key in store.list_prefix(base)]
 
     return [k for k in sync(collect()) if not k.rsplit("/", 1)[-1].startswith(".")]

@@ -13,7 +13,15 @@ from pathlib import Path
 import numpy as np
 from qtpy.QtCore import QTimer
 from qtpy.QtWidgets import (
-    QCheckBox, QHBoxLayout, QLabel, QLineEdit, QPushButton, QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget,
+    QCheckBox,
+    QHBoxLayout,
+    QLabel,
+    QLineEdit,
+    QPushButton,
+    QTableWidget,
+    QTableWidgetItem,
+    QVBoxLayout,
+    QWidget,
 )
 
 from ..inspect_shards import EMPTY_CHUNK, Inspection, inspect_array
@@ -103,12 +111,22 @@ class InspectorWidget(QWidget):
             self.open(self.path)
 
     def _show(self, result: Inspection) -> None:
-        name = Path(self.path).name
+        name = Path(self.path or "").name
         plane = result.shape[-2:]
-        self._replace_shapes("shard grid", grid_rectangles(plane, result.shard_shape[-2:]),
-                             edge_color="yellow", edge_width=max(1, plane[-1] // 300), name=name)
-        self._replace_shapes("tile grid", grid_rectangles(plane, result.chunk_shape[-2:]),
-                             edge_color="cyan", edge_width=max(1, plane[-1] // 1000), name=name)
+        self._replace_shapes(
+            "shard grid",
+            grid_rectangles(plane, result.shard_shape[-2:]),
+            edge_color="yellow",
+            edge_width=max(1, plane[-1] // 300),
+            name=name,
+        )
+        self._replace_shapes(
+            "tile grid",
+            grid_rectangles(plane, result.chunk_shape[-2:]),
+            edge_color="cyan",
+            edge_width=max(1, plane[-1] // 1000),
+            name=name,
+        )
         ratio = result.chunk_ratio.astype(np.float32)
         key = "chunk ratio"
         if key in self._layers and self._layers[key] in self.viewer.layers:
@@ -116,22 +134,36 @@ class InspectorWidget(QWidget):
         else:
             # One map pixel per chunk, scaled and shifted so it covers exactly that chunk's pixels.
             scale = np.array(result.chunk_shape, dtype=float)
-            layer = self.viewer.add_image(ratio, name=f"compression ratio per chunk: {name}",
-                                          scale=scale, translate=(scale - 1) / 2, colormap="viridis",
-                                          opacity=0.5, blending="translucent")
+            layer = self.viewer.add_image(
+                ratio,
+                name=f"compression ratio per chunk: {name}",
+                scale=scale,
+                translate=(scale - 1) / 2,
+                colormap="viridis",
+                opacity=0.5,
+                blending="translucent",
+            )
             layer.colorbar.visible = True
             self._layers[key] = layer
         self.table.setRowCount(len(result.shards))
         for i, shard in enumerate(result.shards):
-            values = (shard.key, f"{shard.file_bytes}", f"{shard.chunks_present} / {shard.chunks_possible}",
-                      f"{shard.mean_ratio:.2f}", "ok" if shard.crc_ok else "mismatch", self._check_text(shard.key))
+            values = (
+                shard.key,
+                f"{shard.file_bytes}",
+                f"{shard.chunks_present} / {shard.chunks_possible}",
+                f"{shard.mean_ratio:.2f}",
+                "ok" if shard.crc_ok else "mismatch",
+                self._check_text(shard.key),
+            )
             for j, value in enumerate(values):
                 self.table.setItem(i, j, QTableWidgetItem(value))
         empty = int((result.chunk_bytes == EMPTY_CHUNK).sum())
         bad = sum(not s.crc_ok for s in result.shards)
-        self.summary.setText(f"{len(result.shards)} shards, {result.chunk_bytes.size - empty} chunks present, "
-                             f"{empty} empty (transparent in the map), {bad} index CRC mismatches; "
-                             f"read {result.bytes_read} index bytes")
+        self.summary.setText(
+            f"{len(result.shards)} shards, {result.chunk_bytes.size - empty} chunks present, "
+            f"{empty} empty (transparent in the map), {bad} index CRC mismatches; "
+            f"read {result.bytes_read} index bytes"
+        )
 
     # -- on-demand decode check ------------------------------------------------------------
     def _check_text(self, key: str) -> str:
@@ -158,7 +190,9 @@ class InspectorWidget(QWidget):
         @thread_worker
         def work():
             updates, result = queue.Queue(), {}
-            runner = threading.Thread(target=lambda: result.setdefault("report", verify(path, lambda d, n: updates.put((d, n)))))
+            runner = threading.Thread(
+                target=lambda: result.setdefault("report", verify(path, lambda d, n: updates.put((d, n))))
+            )
             runner.start()
             while runner.is_alive() or not updates.empty():
                 try:
@@ -192,8 +226,14 @@ class InspectorWidget(QWidget):
         if key in self._layers and self._layers[key] in self.viewer.layers:
             self.viewer.layers.remove(self._layers[key])
         self._layers[key] = self.viewer.add_shapes(
-            rectangles, shape_type="rectangle", edge_color=edge_color, face_color="transparent",
-            edge_width=edge_width, name=f"{key}: {name}", visible=visible)
+            rectangles,
+            shape_type="rectangle",
+            edge_color=edge_color,
+            face_color="transparent",
+            edge_width=edge_width,
+            name=f"{key}: {name}",
+            visible=visible,
+        )
 
     def _set_visible(self, key, on) -> None:
         layer = self._layers.get(key)
@@ -210,6 +250,8 @@ class InspectorWidget(QWidget):
     def jump_to(self, index: int) -> None:
         """Move the viewer to shard ``index`` of the table and outline it."""
         result = self.inspection
+        if result is None:
+            return
         shard = result.shards[index]
         start = [c * s for c, s in zip(shard.coords, result.shard_shape)]
         for axis in range(len(start) - 2):
@@ -222,7 +264,14 @@ class InspectorWidget(QWidget):
         if key in self._layers and self._layers[key] in self.viewer.layers:
             self._layers[key].data = rect
         else:
-            self._layers[key] = self.viewer.add_shapes(rect, shape_type="rectangle", edge_color="red",
-                                                       face_color="transparent", edge_width=4,
-                                                       name="selected shard")
-        self.viewer.camera.center = ((y0 + y1) / 2, (x0 + x1) / 2)
+            self._layers[key] = self.viewer.add_shapes(
+                rect,
+                shape_type="rectangle",
+                edge_color="red",
+                face_color="transparent",
+                edge_width=4,
+                name="selected shard",
+            )
+        # napari 0.9 moved the camera to viewer.scene (viewer.camera warns); older releases lack it.
+        camera = getattr(self.viewer, "scene", self.viewer).camera
+        camera.center = ((y0 + y1) / 2, (x0 + x1) / 2)

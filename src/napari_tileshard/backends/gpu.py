@@ -430,6 +430,37 @@ class GpuBackend(Backend):
         and the hook reliability tests use to inject one."""
         slot.ready.synchronize()
 
+    # -- benchmark hooks (benchmarks/gpu_ceiling.py): one stage alone, on the backend's own buffers --
+    def upload_async(self, staging, stream=None) -> None:
+        """Enqueue the pinned host-to-device copy of ``staging`` into its device mirror, as ``submit``
+        uploads it, on ``stream`` (default: the copy stream)."""
+        runtime = self._cupy.cuda.runtime
+        stream = stream or self.copy_stream
+        mirror = self._mirrors[staging.ctypes.data]
+        runtime.memcpyAsync(
+            mirror.data.ptr, staging.ctypes.data, staging.nbytes, runtime.memcpyHostToDevice, stream.ptr
+        )
+
+    def compress_async(self, ticket: GpuTicket, stream=None) -> None:
+        """Enqueue the compress stage again over the tiles of ``ticket``'s batch (after ``result``,
+        before the next ``submit`` reuses its slot), on ``stream`` (default: the compute stream)."""
+        chunks = ticket.epochs * self.pyramid.tiles_per_epoch
+        _, chunk_bytes = self._geometry(ticket.epochs)
+        compress_gpu(
+            self.nvcomp,
+            ticket.slot,
+            chunk_bytes,
+            self.layout.tile_bytes,
+            chunks,
+            self._d_temp,
+            self._temp_size,
+            stream or self.compute_stream,
+        )
+
+    def compressed_bytes(self, ticket: GpuTicket) -> int:
+        """Compressed bytes of every tile of ``ticket``'s batch (synchronises with the device)."""
+        return int(ticket.slot.d_sizes[: ticket.epochs * self.pyramid.tiles_per_epoch].sum())
+
     def staging_free(self, ticket: GpuTicket, block=True):
         if block:
             ticket.consumed.synchronize()

@@ -1,0 +1,153 @@
+"""Start and stop one recording: the Qt-free :class:`~napari_tileshard.recorder.Recorder` on a
+QThread, frames from an image layer or the synthetic camera, and finalisation of the store
+however the recording ends (Stop, an error, the dock or the whole viewer closing).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+from qtpy.QtCore import QEvent, QObject, QThread, Signal
+
+from ..preview import read_newest
+from ..recorder import Recorder, RecorderSettings, RecorderStats
+
+
+class _RecorderThread(QThread):
+    """Runs :meth:`Recorder.run` and relays its callbacks as signals.
+
+    On progress it also reads the newest complete frame of every level back from the store, here
+    rather than on the GUI thread, so the preview shows it without decoding tiles on the event
+    loop.
+    """
+
+    progress = Signal(object, object)  # stats, [(row, frame) per level] or None
+    finished_recording = Signal(object)  # stats
+
+    def __init__(self, recorder: Recorder, parent=None):
+        super().__init__(parent)
+        self.recorder = recorder
+        self._pyramid = recorder.settings.pyramid()
+        recorder.on_progress = self._progress
+        recorder.on_finished = self.finished_recording.emit
+
+    def _progress(self, stats: RecorderStats) -> None:
+        settings = self.recorder.settings
+        try:
+            newest = read_newest(settings.output, self._pyramid, stats.rows_complete, settings.ome) or None
+        except Exception:  # noqa: BLE001 - the preview is best effort; the recording goes on
+            newest = None
+        self.progress.emit(stats, newest)
+
+    def run(self) -> None:
+        self.recorder.run()
+
+
+class RecordingController(QObject):
+    """Owns the recording in progress; everything it reports arrives on the GUI thread.
+
+    ``starting(settings)`` is emitted synchronously before any frame is taken (the preview
+    creates its layer then, on the click rather than mid-recording), ``progress(stats, newest)``
+    per completed shard epoch, and ``finished(stats)`` once the store is finalized and the thread
+    has ended.
+    """
+
+    starting = Signal(object)
+    progress = Signal(object, object)
+    finished = Signal(object)
+
+    def __init__(self, parent=None):
+        super().__init__(parent)
+        self._recorder: Recorder | None = None
+        self._thread: _RecorderThread | None = None
+        self._source_layer = None
+        self._active = False
+        self._finalizing = None
+        self._last_stats = RecorderStats()
+        self._watched_window = None
+
+    @property
+    def is_recording(self) -> bool:
+        """True from start() until the store is finalized and ``finished`` has been emitted."""
+        return self._active
+
+    @property
+    def stats(self) -> RecorderStats:
+        return self._recorder.stats if self._recorder is not None else self._last_stats
+
+    def start(self, settings: RecorderSettings, source_layer=None) -> None:
+        """Record ``settings`` from ``source_layer`` (None: the synthetic camera).
+
+        Raises ValueError, TypeError or OSError, before anything starts, when the Recorder refuses
+        the settings.
+        """
+        if self._active:
+            return
+        recorder = Recorder(settings)
+        self._recorder = recorder
+        self._thread = _RecorderThread(recorder, self)
+        self._thread.progress.connect(self.progress)
+        self._thread.finished_recording.connect(self._on_finished)
+        self._active = True
+        self.starting.emit(settings)
+        self._thread.start()
+        if source_layer is None:
+            threading.Thread(target=recorder.feed_synthetic, name="tileshard-camera", daemon=True).start()
+        else:
+            self._source_layer = source_layer
+            source_layer.events.data.connect(self._on_layer_data)
+
+    def _on_layer_data(self, event=None) -> None:
+        if self._recorder is not None and self._source_layer is not None:
+            # A copy: the camera plugin may reuse its buffer for the next frame.
+            self._recorder.push(np.array(self._source_layer.data, copy=True))
+
+    def _disconnect_source(self) -> None:
+        if self._source_layer is not None:
+            self._source_layer.events.data.disconnect(self._on_layer_data)
+            self._source_layer = None
+
+    def stop(self, wait: bool = False) -> None:
+        """Ask the recording to finish; with ``wait``, return once the store is finalized."""
+        recorder, thread = self._recorder, self._thread
+        if recorder is None or thread is None or not self._active:
+            return
+        self._disconnect_source()
+        recorder.stop()
+        if self._finalizing is None:
+            from napari.utils import progress
+
+            self._finalizing = progress(total=0, desc="finalizing recording")
+        if wait:
+            thread.wait()
+            from qtpy.QtWidgets import QApplication
+
+            QApplication.processEvents()  # delivers finished_recording -> _on_finished
+            if self._active:  # the signal could not be delivered (e.g. the viewer is closing)
+                self._on_finished(recorder.stats)
+
+    def _on_finished(self, stats: RecorderStats) -> None:
+        if not self._active:
+            return  # already taken by stop(wait=True)
+        self._disconnect_source()
+        if self._thread is not None:
+            self._thread.wait()
+        self._active = False
+        self._last_stats = stats
+        if self._finalizing is not None:
+            self._finalizing.close()
+            self._finalizing = None
+        self.finished.emit(stats)
+
+    # -- the viewer closing ------------------------------------------------------------
+    def watch(self, window) -> None:
+        """Finalize the recording before ``window`` (the viewer's main window) closes."""
+        if window is not None and window is not self._watched_window:
+            window.installEventFilter(self)
+            self._watched_window = window
+
+    def eventFilter(self, obj: QObject | None, event: QEvent | None) -> bool:
+        if event is not None and event.type() == QEvent.Type.Close:
+            self.stop(wait=True)
+        return False
