@@ -32,6 +32,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from .layout import Layout
 
 log = logging.getLogger(__name__)
@@ -720,8 +722,12 @@ class ZarrStoreSink(Sink):
     def write(self, key: str, buffers) -> None:
         from zarr.core.buffer import default_buffer_prototype
 
-        data = b"".join(memoryview(b).cast("B") for b in buffers)
-        self._sync(self.store.set(key, default_buffer_prototype().buffer.from_bytes(data)))
+        # Store.set takes one buffer: joining a shard's pieces (chunks, index) is the one copy it
+        # costs; a single piece is wrapped without copying.
+        views = [memoryview(b).cast("B") for b in buffers]
+        data = views[0] if len(views) == 1 else b"".join(views)
+        array = np.frombuffer(data, dtype=np.uint8)
+        self._sync(self.store.set(key, default_buffer_prototype().buffer.from_array_like(array)))
         self._written.add(key)
 
     def read(self, key: str) -> bytes | None:

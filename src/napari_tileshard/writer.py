@@ -23,7 +23,7 @@ import math
 import os
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -66,9 +66,6 @@ class WriterStats:
     @property
     def throughput_gbps(self) -> float:
         return self.bytes_in / self.elapsed_s / 1e9 if self.elapsed_s > 0 else 0.0
-
-    def as_dict(self) -> dict:
-        return {**asdict(self), "compression_ratio": self.compression_ratio, "throughput_gbps": self.throughput_gbps}
 
 
 def estimate_memory(
