@@ -357,7 +357,8 @@ class StoreObject:
 
     def _get(self, byte_range) -> bytes:
         from zarr.core.buffer import default_buffer_prototype
-        from zarr.core.sync import sync
+
+        from ._zarr_sync import sync
 
         buffer = sync(self._store.get(self._key, default_buffer_prototype(), byte_range=byte_range))
         return b"" if buffer is None else buffer.to_bytes()
@@ -418,7 +419,8 @@ class StoreAccess:
                 return read_local_metadata(self.root, key)
         from zarr.abc.store import RangeByteRequest
         from zarr.core.buffer import default_buffer_prototype
-        from zarr.core.sync import sync
+
+        from ._zarr_sync import sync
 
         where = f"{self.location}/{key}"
         # One byte past the cap tells "too large" apart from "exactly the cap" without reading more.
@@ -468,7 +470,7 @@ class StoreAccess:
         local store; hidden names are skipped."""
         if self.root is not None:
             return list_local_keys(self.root, prefix)
-        from zarr.core.sync import sync
+        from ._zarr_sync import sync
 
         async def collect():
             return [key async for key in self.store.list_prefix(prefix.rstrip("/") + "/")]
@@ -478,7 +480,7 @@ class StoreAccess:
     def list_children(self, path: str = "") -> list[str]:
         """Names of the direct sub-directories (local) or child prefixes (other stores)."""
         if self.root is None:
-            from zarr.core.sync import sync
+            from ._zarr_sync import sync
 
             async def collect():
                 return [name async for name in self.store.list_dir(path)]
@@ -502,7 +504,7 @@ class StoreAccess:
                 return StoreObject(size, fd=fd)
             os.close(fd)
             return StoreObject(size, store=self.store, key=key)
-        from zarr.core.sync import sync
+        from ._zarr_sync import sync
 
         return StoreObject(sync(self.store.getsize(key)), store=self.store, key=key)
 

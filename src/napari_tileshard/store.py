@@ -680,7 +680,7 @@ class ZarrStoreSink(Sink):
     """Objects in any zarr v3 ``Store`` (MemoryStore, FsspecStore, ...), one ``set`` each."""
 
     def __init__(self, store, overwrite: bool = False):
-        from zarr.core.sync import sync
+        from ._zarr_sync import sync
 
         self.store = store
         self._sync = sync
@@ -806,7 +806,7 @@ def _url_sink(url: str, overwrite: bool, storage_options: dict | None) -> Sink:
 def list_shard_keys(store, prefix: str = "") -> list[str]:
     """Keys (relative to ``prefix``) of the shard objects under ``c/`` that exist in a zarr Store,
     skipping hidden temporary files; never walks a declared grid."""
-    from zarr.core.sync import sync
+    from ._zarr_sync import sync
 
     async def collect():
         base = f"{prefix}/c/" if prefix else "c/"
