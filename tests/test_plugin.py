@@ -278,3 +278,16 @@ def test_save_does_not_follow_the_recorders_settings(widget, qtbot, tmp_path):
     recorded = zarr.open_array(tmp_path / "rec.zarr")
     assert (recorded.chunks, recorded.shards) == ((2, 16, 8), (2, 16, 24))  # it did record with its own tiling
     assert save("after.zarr") == before
+
+
+def test_codec_list_and_level_range_come_from_the_registry(widget):
+    from napari_tileshard import codecs
+
+    combo = widget.form.codec
+    assert [combo.itemText(i) for i in range(combo.count())] == list(codecs.names())
+    combo.setCurrentText("blosc-lz4")
+    assert (widget.form.level.minimum(), widget.form.level.maximum()) == codecs.get("blosc-lz4").level_range
+    combo.setCurrentText("none")
+    assert not widget.form.level.isEnabled()
+    combo.setCurrentText("zstd")
+    assert widget.form.level.isEnabled() and widget.form.level.maximum() == 22

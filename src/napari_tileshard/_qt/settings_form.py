@@ -29,6 +29,7 @@ from qtpy.QtWidgets import (
     QWidget,
 )
 
+from .. import codecs
 from ..backends import gpu_unavailable_reason
 from ..layout import SUPPORTED_DTYPES
 from ..pyramid import DOWNSAMPLE
@@ -99,14 +100,14 @@ class SettingsForm(QWidget):
         self.fps.valueChanged.connect(self.validate)
         form.addRow("camera fps", self.fps)
         self.codec = QComboBox()
-        self.codec.addItems(["zstd", "none"])
-        self.codec.currentIndexChanged.connect(self.validate)
+        self.codec.addItems(codecs.names())  # the registry: a new codec shows up here by itself
         form.addRow("codec", self.codec)
         self.level = QSpinBox()
-        self.level.setRange(-7, 22)
         self.level.setValue(1)
         self.level.valueChanged.connect(self.validate)
-        form.addRow("zstd level", self.level)
+        form.addRow("level", self.level)
+        self.codec.currentIndexChanged.connect(self._codec_changed)
+        self._apply_level_range()
         self.backend = QComboBox()
         self.backend.addItems(_BACKENDS)
         model = self.backend.model()
@@ -254,6 +255,17 @@ class SettingsForm(QWidget):
         """While a recording runs its settings are fixed, and its output now exists: checking the
         form then would only report "already exists"."""
         self._frozen = frozen
+
+    def _apply_level_range(self) -> None:
+        """The level's range is the chosen codec's (a codec without levels keeps its spin box off)."""
+        level_range = codecs.get(self.codec.currentText()).level_range
+        self.level.setEnabled(bool(level_range))
+        if level_range:
+            self.level.setRange(*level_range)
+
+    def _codec_changed(self, *_) -> None:
+        self._apply_level_range()
+        self.validate()
 
     def validate(self, *_) -> bool:
         """Recompute the derived figures; explain what is wrong.  False while frozen."""
