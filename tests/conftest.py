@@ -1,3 +1,5 @@
+import subprocess
+
 import numpy as np
 import pytest
 import zarr
@@ -31,3 +33,25 @@ def read_tensorstore(path):
     ts = pytest.importorskip("tensorstore")
     store = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(path)}}).result()
     return np.asarray(store.read().result())
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """``mount(size, name)`` -> a fresh size-limited tmpfs (a real full disk); needs root and
+    mount, and skips with the reason where they are not allowed."""
+    mounted = []
+
+    def mount(size: str, name: str = "tmpfs"):
+        point = tmp_path / name
+        point.mkdir()
+        result = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(point)], capture_output=True, text=True
+        )
+        if result.returncode != 0:
+            pytest.skip(f"cannot mount a size-limited tmpfs here: {result.stderr.strip() or result.returncode}")
+        mounted.append(point)
+        return point
+
+    yield mount
+    for point in mounted:
+        subprocess.run(["umount", "-l", str(point)], check=False)

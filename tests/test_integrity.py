@@ -288,15 +288,9 @@ def test_metadata_that_does_not_fit_at_start_leaves_nothing_behind(tmp_path, ome
 
 
 @pytest.fixture
-def full_filesystem(tmp_path):
-    """A real 256 KiB tmpfs, filled to the last byte (needs root and mount)."""
-    mount_point = tmp_path / "full"
-    mount_point.mkdir()
-    result = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount_point)], capture_output=True, text=True
-    )
-    if result.returncode != 0:
-        pytest.skip(f"cannot mount a size-limited tmpfs here: {result.stderr.strip() or result.returncode}")
+def full_filesystem(tmpfs):
+    """A real 256 KiB tmpfs, filled to the last byte."""
+    mount_point = tmpfs("256k", "full")
     try:
         with open(mount_point / "filler", "wb") as f:
             while True:
@@ -304,8 +298,7 @@ def full_filesystem(tmp_path):
                 f.flush()
     except OSError:
         pass
-    yield mount_point
-    subprocess.run(["umount", "-l", str(mount_point)], check=False)
+    return mount_point
 
 
 def test_real_full_disk_at_start_gives_the_storage_error(full_filesystem):
@@ -464,16 +457,8 @@ def test_record_overwrite_while_another_record_runs_is_refused(tmp_path):
 
 # -- loops of trials (the issue asks for >= 30 where timing decides) -----------------------------
 @pytest.fixture
-def tiny_tmpfs(tmp_path):
-    mount_point = tmp_path / "tiny"
-    mount_point.mkdir()
-    result = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount_point)], capture_output=True, text=True
-    )
-    if result.returncode != 0:
-        pytest.skip(f"cannot mount a size-limited tmpfs here: {result.stderr.strip() or result.returncode}")
-    yield mount_point
-    subprocess.run(["umount", "-l", str(mount_point)], check=False)
+def tiny_tmpfs(tmpfs):
+    return tmpfs("1m", "tiny")
 
 
 @pytest.mark.slow

@@ -94,17 +94,9 @@ def test_slow_storage_applies_backpressure_with_bounded_memory(tmp_path):
 
 
 @pytest.fixture
-def tiny_filesystem(tmp_path):
-    """A real 512 KiB tmpfs (needs root and mount; skipped with the reason otherwise)."""
-    mount_point = tmp_path / "tiny"
-    mount_point.mkdir()
-    result = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(mount_point)], capture_output=True, text=True
-    )
-    if result.returncode != 0:
-        pytest.skip(f"cannot mount a size-limited tmpfs here: {result.stderr.strip() or result.returncode}")
-    yield mount_point
-    subprocess.run(["umount", "-l", str(mount_point)], check=False)
+def tiny_filesystem(tmpfs):
+    """A real 512 KiB tmpfs."""
+    return tmpfs("512k", "tiny")
 
 
 def test_real_disk_full(tiny_filesystem):
