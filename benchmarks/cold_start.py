@@ -1,0 +1,69 @@
+"""Cold start of one recording in a fresh process: arm time, first appends, memory.
+
+Prints one JSON line: time to import, to construct the Writer (arm), per-append latency of the
+first 100 frames (median and max, ms), close time, peak RSS (MiB) and, with the GPU backend, the
+CuPy pool's bytes and pinned bytes held.  Run it once per case in a fresh process, e.g.
+
+    python benchmarks/cold_start.py --backend gpu --frame 2048x2048 --out /dev/shm/cold.zarr
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+start = time.perf_counter()
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+import numpy as np  # noqa: E402
+
+from napari_tileshard import Dim, Layout, SyntheticCamera, Writer  # noqa: E402
+
+imported = time.perf_counter() - start
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--backend", default="gpu")
+    parser.add_argument("--frame", default="2048x2048")
+    parser.add_argument("--tile", default="8,128,128")
+    parser.add_argument("--out", default="/dev/shm/tileshard-cold.zarr")
+    args = parser.parse_args()
+    h, w = (int(v) for v in args.frame.split("x"))
+    tt, ty, tx = (int(v) for v in args.tile.split(","))
+    layout = Layout([Dim("t", 0, tt, 1), Dim("y", h, ty, 4), Dim("x", w, tx, 4)], "uint16")
+    frames = SyntheticCamera((h, w), "uint16", seed=0).stack(8)
+    t0 = time.perf_counter()
+    writer = Writer(args.out, layout, backend=args.backend, overwrite=True)
+    armed = time.perf_counter() - t0
+    latencies = []
+    for i in range(100):
+        t = time.perf_counter()
+        writer.append(frames[i % 8])
+        latencies.append(time.perf_counter() - t)
+    t = time.perf_counter()
+    writer.close()
+    closed = time.perf_counter() - t
+    result = {
+        "backend": writer.stats.backend,
+        "import_s": round(imported, 3),
+        "arm_s": round(armed, 3),
+        "append_p50_ms": round(float(np.median(latencies)) * 1e3, 2),
+        "append_max_ms": round(max(latencies) * 1e3, 1),
+        "close_s": round(closed, 3),
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
+        "estimate": writer.memory_estimate(),
+    }
+    if args.backend == "gpu":
+        import cupy
+
+        result["cupy_pool_mib"] = cupy.get_default_memory_pool().total_bytes() >> 20
+        result["pinned_pool_mib"] = cupy.get_default_pinned_memory_pool().total_bytes() >> 20
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
