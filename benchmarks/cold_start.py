@@ -31,26 +31,45 @@ def main():
     parser.add_argument("--frame", default="2048x2048")
     parser.add_argument("--tile", default="8,128,128")
     parser.add_argument("--out", default="/dev/shm/tileshard-cold.zarr")
+    parser.add_argument("--recordings", type=int, default=1, help="recordings in this process (arm time of each)")
+    parser.add_argument("--profile", type=int, default=0, help="print the N costliest calls of the first arm")
+    parser.add_argument("--batch-mib", type=int, default=None)
     args = parser.parse_args()
     h, w = (int(v) for v in args.frame.split("x"))
     tt, ty, tx = (int(v) for v in args.tile.split(","))
     layout = Layout([Dim("t", 0, tt, 1), Dim("y", h, ty, 4), Dim("x", w, tx, 4)], "uint16")
     frames = SyntheticCamera((h, w), "uint16", seed=0).stack(8)
-    t0 = time.perf_counter()
-    writer = Writer(args.out, layout, backend=args.backend, overwrite=True)
-    armed = time.perf_counter() - t0
-    latencies = []
-    for i in range(100):
+    options = {"batch_bytes": args.batch_mib << 20} if args.batch_mib else {}
+    arms = []
+    for recording in range(args.recordings):
+        profiler = None
+        if args.profile and not recording:
+            import cProfile
+
+            profiler = cProfile.Profile()
+            profiler.enable()
+        t0 = time.perf_counter()
+        writer = Writer(args.out, layout, backend=args.backend, overwrite=True, **options)
+        arms.append(time.perf_counter() - t0)
+        if profiler is not None:
+            import pstats
+
+            profiler.disable()
+            pstats.Stats(profiler, stream=sys.stderr).sort_stats("cumulative").print_stats(args.profile)
+        latencies = []
+        for i in range(100):
+            t = time.perf_counter()
+            writer.append(frames[i % 8])
+            latencies.append(time.perf_counter() - t)
         t = time.perf_counter()
-        writer.append(frames[i % 8])
-        latencies.append(time.perf_counter() - t)
-    t = time.perf_counter()
-    writer.close()
-    closed = time.perf_counter() - t
+        writer.close()
+        closed = time.perf_counter() - t
+    armed = arms[0]
     result = {
         "backend": writer.stats.backend,
         "import_s": round(imported, 3),
         "arm_s": round(armed, 3),
+        "later_arms_s": [round(a, 3) for a in arms[1:]],
         "append_p50_ms": round(float(np.median(latencies)) * 1e3, 2),
         "append_max_ms": round(max(latencies) * 1e3, 1),
         "close_s": round(closed, 3),

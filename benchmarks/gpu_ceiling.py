@@ -14,12 +14,12 @@ from __future__ import annotations
 import numpy as np
 
 
-def measure(camera, frames, layout, level, repeats: int = 5):
+def measure(camera, frames, layout, level, repeats: int = 5, batch_bytes: int | None = None):
     import cupy
 
     from napari_tileshard.backends.gpu import GpuBackend
 
-    backend = GpuBackend(layout, "zstd", level)
+    backend = GpuBackend(layout, "zstd", level, batch_bytes=batch_bytes)
     batch_bytes = backend.preferred_batch_bytes
     staging = backend.allocate_staging(max(layout.epoch_bytes, batch_bytes // layout.epoch_bytes * layout.epoch_bytes))
     frames_per_batch = staging.nbytes // camera.frame_bytes

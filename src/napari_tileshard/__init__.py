@@ -1,5 +1,6 @@
 """napari-tileshard: stream microscope frames into sharded Zarr v3 arrays, on the GPU or the CPU."""
 
+from .backends import release_gpu_memory
 from .camera import SyntheticCamera
 from .layout import MAX_RANK, SUPPORTED_DTYPES, Dim, Layout
 from .store import Sink, StoreExistsError, StoreLockedError, StoreVanishedError
@@ -23,4 +24,5 @@ __all__ = [
     "StoreExistsError",
     "StoreLockedError",
     "StoreVanishedError",
+    "release_gpu_memory",
 ]

@@ -71,11 +71,17 @@ class StagingRing:
             self._backend.write_device(buffer, self.fill, data[:n])
         else:
             self._copy(buffer[self.fill : self.fill + n], np.frombuffer(data[:n], dtype=np.uint8))
+        self.commit(n, host=not device)
+        return n
+
+    def commit(self, n: int, host: bool = True) -> None:
+        """Count the next ``n`` bytes of the current buffer as filled (by :meth:`copy_in`, or in
+        place by the producer through ``Writer.frame_buffer``)."""
+        if host:
             self.note_host_range(self.fill, self.fill + n)
         if not self.fill:
             self.fill_started = time.monotonic()
         self.fill += n
-        return n
 
     def note_host_range(self, start: int, stop: int) -> None:
         """Remember which bytes came from host memory (the GPU uploads only those)."""

@@ -18,17 +18,20 @@ stop the Writer; the next call raises :class:`WriterError`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
 
 from . import codecs
 from .backends import select_backend
+from .backends.base import Backend, MemoryBudget
 from .collector import Collector, in_flight_bytes
 from .layout import Layout
 from .ome import group_metadata
@@ -69,30 +72,116 @@ class WriterStats:
 
 
 def estimate_memory(
-    layout: Layout, batch_bytes: int | None = None, pyramid: Pyramid | None = None, codec: str = "zstd"
+    layout: Layout,
+    batch_bytes: int | None = None,
+    pyramid: Pyramid | None = None,
+    codec: str = "zstd",
+    max_host_bytes: int | None = None,
+    max_device_bytes: int | None = None,
 ) -> dict[str, int]:
-    """Host bytes with the CPU backend and host/device bytes with the GPU backend, by default batching.
+    """Host bytes with the CPU backend and pinned host/device bytes with the GPU backend, by
+    default batching (on the GPU: the batch its default memory budget gives), and that batch.
 
-    Pure arithmetic (no device is touched): what the widget shows before recording starts.  The
-    same terms as :meth:`Writer.memory_estimate` of an open Writer.
+    Pure arithmetic (no device is touched; the GPU's default budget is taken at its cap, as on a
+    GPU with 16 GiB or more free): what the widget shows before recording starts.  The same
+    terms as :meth:`Writer.memory_estimate` of an open Writer.
     """
     from .backends.cpu import CpuBackend
     from .backends.gpu import GpuBackend
 
     pyramid = pyramid or Pyramid.single(layout)
     cpu_epochs = max(1, (batch_bytes or CpuBackend.preferred_batch_bytes) // layout.epoch_bytes)
-    gpu_batch = batch_bytes or GpuBackend.default_batch_bytes_for(layout)
-    gpu = GpuBackend.estimate(layout, gpu_batch, layouts=pyramid.layouts)
     cpu_levels = int(
         cpu_epochs * layout.epoch_bytes * (level_fraction(pyramid) - 1) * (8 if pyramid.method == "mean" else 2) / 4
     )
+    default = GpuBackend.budget_for(None, _physical_memory())
+    budget = MemoryBudget(max_host_bytes or default.host, max_device_bytes or default.device)
+
+    def gpu(epochs: int) -> dict[str, int]:
+        return GpuBackend.estimate(
+            layout, epochs * layout.epoch_bytes, GpuBackend.preferred_staging_buffers, layouts=pyramid.layouts
+        )
+
+    preferred = max(1, (batch_bytes or GpuBackend.default_batch_bytes_for(layout)) // layout.epoch_bytes)
+    gpu_epochs = preferred if batch_bytes else largest_fitting(preferred, lambda e: budget.admits(gpu(e)))
+    estimate = gpu(gpu_epochs or 1)
     return {
         "cpu_host": CpuBackend.preferred_staging_buffers * cpu_epochs * layout.epoch_bytes
         + cpu_levels
         + in_flight_bytes(pyramid, codec, cpu_epochs),
-        "gpu_host": gpu["host"] + in_flight_bytes(pyramid, codec, max(1, gpu_batch // layout.epoch_bytes)),
-        "gpu_device": gpu["device"],
+        "gpu_host": estimate["host"],
+        "gpu_device": estimate["device"],
+        "gpu_batch_bytes": (gpu_epochs or 1) * layout.epoch_bytes,
     }
+
+
+def largest_fitting(preferred: int, fits: Callable[[int], bool]) -> int:
+    """The largest batch of at most ``preferred`` tile epochs that ``fits`` (memory grows with
+    the batch), or 0 if not even one epoch does."""
+    if fits(preferred):
+        return preferred
+    if not fits(1):
+        return 0
+    low, high = 1, preferred  # fits(low), not fits(high)
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
+
+
+def _estimate(backend: Backend, pyramid: Pyramid, codec: str, epochs: int, staging_buffers: int) -> dict[str, int]:
+    estimate = backend.memory_estimate(epochs * pyramid.layouts[0].epoch_bytes, staging_buffers)
+    if not backend.estimate_holds_shards:
+        estimate["host"] += in_flight_bytes(pyramid, codec, epochs)
+    return estimate
+
+
+def plan_batches(
+    backend: Backend,
+    pyramid: Pyramid,
+    codec: str,
+    batch_bytes: int | None,
+    staging_buffers: int | None,
+    budget: MemoryBudget,
+) -> tuple[int, int]:
+    """(tile epochs per batch, staging buffers) for a recording.
+
+    An explicit ``batch_bytes`` is taken as it is (checked against the bounds of ``budget`` that
+    were given); otherwise the backend's preferred batch shrinks until the estimate fits the
+    budget, whose unset bounds come from :meth:`Backend.default_budget`.  A budget that cannot
+    hold one tile epoch is a ValueError naming the minimum.
+    """
+    layout = pyramid.layouts[0]
+    staging = staging_buffers or backend.preferred_staging_buffers
+    cap = layout.epoch_count or math.inf
+    explicit = budget
+    if not batch_bytes:
+        default = backend.default_budget(_physical_memory())
+        budget = MemoryBudget(budget.host or default.host, budget.device or default.device)
+    preferred = int(min(cap, max(1, (batch_bytes or backend.preferred_batch_bytes) // layout.epoch_bytes)))
+
+    def estimate(epochs: int) -> dict[str, int]:
+        return _estimate(backend, pyramid, codec, epochs, staging)
+
+    if batch_bytes:
+        epochs = preferred if budget.admits(estimate(preferred)) else 0
+    else:
+        epochs = largest_fitting(preferred, lambda e: budget.admits(estimate(e)))
+    if epochs:
+        return epochs, staging
+    need = estimate(preferred if batch_bytes else 1)
+    kind = next(k for k, bound in vars(budget).items() if bound is not None and need[k] > bound)
+    bound = getattr(budget, kind)
+    given = getattr(explicit, kind) is not None
+    memory = "pinned host" if kind == "host" and backend.estimate_holds_shards else kind
+    raise ValueError(
+        f"{f'max_{kind}_bytes={bound}' if given else f'the default {kind} memory budget of {bound} bytes'} "
+        f"({bound / 2**30:.2f} GiB) is below the {need[kind]} bytes ({need[kind] / 2**30:.2f} GiB) of {memory} "
+        f"memory the {backend.name} backend needs for "
+        f"{f'batch_bytes={batch_bytes}' if batch_bytes else 'one tile epoch'} of this layout "
+        f"({layout.epoch_bytes} bytes per tile epoch); {'raise' if given else 'pass a larger'} max_{kind}_bytes"
+        f"{'' if batch_bytes else ' or use smaller tiles'}"
+    )
 
 
 def _positive_int(name: str, value, allow_none: bool = False):
@@ -145,6 +234,8 @@ class Writer:
         overwrite: bool = False,
         batch_bytes: int | None = None,
         staging_buffers: int | None = None,
+        max_host_bytes: int | None = None,
+        max_device_bytes: int | None = None,
         io_threads: int = 4,
         threads: int | None = None,
         attributes: dict | None = None,
@@ -174,6 +265,10 @@ class Writer:
         io_threads = _positive_int("io_threads", io_threads)
         threads = _positive_int("threads", threads, allow_none=True)
         batch_bytes = _positive_int("batch_bytes", batch_bytes, allow_none=True)
+        budget = MemoryBudget(
+            host=_positive_int("max_host_bytes", max_host_bytes, allow_none=True),
+            device=_positive_int("max_device_bytes", max_device_bytes, allow_none=True),
+        )
         attributes = check_attributes(attributes)
         self.ome = bool(ome)
         self.pyramid = plan_pyramid(layout, downsample, downsample_dims, max_levels) if ome else Pyramid.single(layout)
@@ -184,7 +279,10 @@ class Writer:
             options["pyramid"] = self.pyramid
         self._backend = select_backend(backend, layout, codec, self.level, **options)
         try:
-            self._setup(store, overwrite, batch_bytes, staging_buffers, io_threads, attributes)
+            self.batch_epochs, staging_buffers = plan_batches(
+                self._backend, self.pyramid, codec, batch_bytes, staging_buffers, budget
+            )
+            self._setup(store, overwrite, staging_buffers, io_threads, attributes)
         except BaseException as exc:
             self._backend.close()
             sink: Sink | None = self.__dict__.get("_sink")
@@ -208,21 +306,15 @@ class Writer:
                 f"tiles_per_shard along {layout.names[0]!r}"
             )
 
-    def _setup(self, store, overwrite, batch_bytes, staging_buffers, io_threads, attributes):
+    def _setup(self, store, overwrite, staging_buffers, io_threads, attributes):
         layout = self.layout
-        target = batch_bytes or self._backend.preferred_batch_bytes
-        epochs = max(1, int(target) // layout.epoch_bytes)
-        if layout.epoch_count is not None:
-            epochs = min(epochs, layout.epoch_count)
-        self.batch_epochs = epochs
-        self.batch_bytes = epochs * layout.epoch_bytes
+        self.batch_bytes = self.batch_epochs * layout.epoch_bytes
         self._row_bytes = layout.row_elements * layout.itemsize
         self._frame_bytes = layout.frame_elements * layout.itemsize
         self._capacity = None if layout.unbounded else layout.total_elements * layout.itemsize
         self._error: BaseException | None = None
         self._closed = False
         # Buffers (and the GPU's memory check) before the store is touched: a refusal leaves no trace.
-        staging_buffers = staging_buffers or self._backend.preferred_staging_buffers
         self._staging = StagingRing(self._backend, self.batch_bytes, staging_buffers)
         try:
             self._sink = open_sink(store, overwrite)
@@ -254,7 +346,7 @@ class Writer:
             self._prefixes,
             self._publisher,
             io_threads=io_threads,
-            pipeline_limit=staging_buffers,
+            pipeline_limit=max(staging_buffers, self._backend.batches_in_flight),
             batch_epochs=self.batch_epochs,
             failed=lambda: self._error,
             on_error=self._fail,
@@ -276,10 +368,23 @@ class Writer:
         return self._closed
 
     def memory_estimate(self) -> dict[str, int]:
-        """Upper bound of the bytes the Writer holds: staging, compressed shards in flight, device."""
-        estimate = self._backend.memory_estimate(self.batch_bytes, self._staging.count)
-        estimate["host"] += in_flight_bytes(self.pyramid, self.codec, self.batch_epochs)
-        return estimate
+        """Upper bound of the bytes the Writer holds: host (staging and compressed shards in
+        flight; pinned memory with the GPU backend) and device; what the memory budget bounds."""
+        return _estimate(self._backend, self.pyramid, self.codec, self.batch_epochs, self._staging.count)
+
+    @classmethod
+    def warm_up(cls, layout: Layout, **options) -> dict[str, int]:
+        """Arm a recording of ``layout`` with ``options`` (as for a Writer) into memory and close it:
+        the GPU backend keeps its buffers, compiled kernels and CUDA context for the next Writer
+        with the same layout and batching, which then arms at once.  The recorder widget calls it
+        when the GPU backend is chosen.  Returns that recording's :meth:`memory_estimate`."""
+        options.pop("overwrite", None)
+        with cls("memory://", layout, **options) as writer:
+            return writer.memory_estimate()
+
+    def memory_held(self) -> dict[str, int]:
+        """Bytes the backend's buffers hold now (GPU: pinned host and device memory it allocated)."""
+        return self._backend.memory_held()
 
     def append(self, array) -> None:
         """Append frames (an array whose trailing shape is the frame shape) to the stream.
@@ -314,6 +419,40 @@ class Writer:
         data = data.cast("B") if data.ndim != 1 or data.format != "B" else data
         self._check_capacity(data.nbytes)
         return self._write(data, block=False)
+
+    @contextlib.contextmanager
+    def frame_buffer(self) -> Iterator[np.ndarray]:
+        """The next frame's place in the staging buffer, to be filled in place: no copy by the Writer.
+
+        With the GPU backend it is pinned host memory, uploaded as it is, so a camera driver
+        that writes (or DMAs) a frame into it saves the pageable-to-pinned copy that
+        :meth:`append` makes.  The frame counts as appended when the ``with`` block ends without
+        an exception (then nothing is counted and the next frame_buffer() is the same place);
+        the array must not be used after the block::
+
+            with writer.frame_buffer() as frame:
+                camera.read_into(frame)
+        """
+        self._check_open()
+        frame_bytes = self._frame_bytes
+        if self.stats.bytes_in % frame_bytes:
+            raise ValueError(
+                f"frame_buffer() needs the stream at a frame boundary, but {self.stats.bytes_in % frame_bytes} "
+                f"bytes of a {frame_bytes}-byte frame were written before"
+            )
+        self._check_capacity(frame_bytes)
+        staging = self._staging
+        if staging.full:
+            self._submit_current(self.batch_epochs)
+        self._raise_if_failed()
+        staging.acquire(block=True)
+        start = staging.fill
+        yield staging.buffer[start : start + frame_bytes].view(self.layout.dtype).reshape(self.layout.frame_shape)
+        self._check_open()
+        staging.commit(frame_bytes)
+        self._filled(frame_bytes)
+        if staging.full:
+            self._submit_current(self.batch_epochs)
 
     def sync(self) -> None:
         """Wait until every batch handed to the backend so far is encoded and its complete shard
@@ -421,19 +560,25 @@ class Writer:
             if not staging.acquire(block):
                 break
             n = staging.copy_in(data, device)
-            self.stats.bytes_in += n
-            self.stats.frames = self.stats.bytes_in // self._frame_bytes
+            self._filled(n)
             data = data[n:]
-            if (
-                staging.fill % self.layout.epoch_bytes == 0
-                and not staging.full
-                and time.monotonic() - staging.fill_started > self.max_latency_s
-            ):
-                # slow stream: don't wait for a full batch (only if the pipeline has room now)
-                self._submit_current(staging.fill // self.layout.epoch_bytes, block=False)
         if staging.full:
             self._submit_current(self.batch_epochs, block=block)
         return data
+
+    def _filled(self, n: int) -> None:
+        """``n`` more bytes are in the current staging buffer: count them; a slow stream's
+        complete epochs go to the backend without waiting for a full batch."""
+        staging = self._staging
+        self.stats.bytes_in += n
+        self.stats.frames = self.stats.bytes_in // self._frame_bytes
+        if (
+            staging.fill % self.layout.epoch_bytes == 0
+            and not staging.full
+            and time.monotonic() - staging.fill_started > self.max_latency_s
+        ):
+            # slow stream: don't wait for a full batch (only if the pipeline has room now)
+            self._submit_current(staging.fill // self.layout.epoch_bytes, block=False)
 
     def _rows_in_current(self) -> int:
         """Rows along dim 0 that the current (partly filled) buffer holds data for."""

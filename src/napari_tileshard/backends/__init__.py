@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import logging
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -133,6 +134,14 @@ def _make(entry: BackendEntry, layout, codec, level, options) -> Backend:
     return cls(layout, codec, level, **options)
 
 
+def release_gpu_memory() -> dict[str, int]:
+    """Give back the GPU buffers kept for the next recording and CuPy's cached blocks; returns
+    the bytes released (``host``: pinned, ``device``).  Never loads CuPy: without a GPU
+    recording in this process there is nothing to release."""
+    gpu = sys.modules.get(f"{__name__}.gpu")
+    return gpu.release_gpu_memory() if gpu is not None else {"host": 0, "device": 0}
+
+
 def _entry(name: str) -> BackendEntry:
     try:
         return REGISTRY[name]
@@ -150,4 +159,5 @@ __all__ = [
     "is_available",
     "available_backends",
     "gpu_unavailable_reason",
+    "release_gpu_memory",
 ]

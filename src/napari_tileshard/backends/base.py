@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -15,6 +16,22 @@ from ..shard import EncodedEpoch
 CODECS = codecs.names()  # the Writer validates names against these until it asks codecs.get()
 
 Ticket = Any  # what submit() returns (CpuTicket, GpuTicket: each backend's own dataclass); opaque to the Writer
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """Upper bounds, in bytes, on the memory a Writer holds (None: no bound).
+
+    ``host``: the backend's host buffers (pinned memory with the GPU backend; staging plus
+    compressed shards waiting for storage with the CPU backend); ``device``: GPU memory.
+    """
+
+    host: int | None = None
+    device: int | None = None
+
+    def admits(self, estimate: dict[str, int]) -> bool:
+        """True when an estimate (``{"host": ..., "device": ...}``) stays within every bound."""
+        return all(bound is None or estimate[kind] <= bound for kind, bound in vars(self).items())
 
 
 class Backend(ABC):
@@ -39,6 +56,9 @@ class Backend(ABC):
     preferred_batch_bytes = 64 << 20
     #: staging buffers the Writer allocates by default
     preferred_staging_buffers = 2
+    #: batches the backend can work on at once (the GPU's device slots); the Writer lets this
+    #: many, or as many as it has staging buffers, into the pipeline
+    batches_in_flight = 0
 
     def __init__(
         self, layout: Layout, codec: str | codecs.Codec = "zstd", level: int = 1, pyramid: Pyramid | None = None
@@ -86,6 +106,18 @@ class Backend(ABC):
     def memory_estimate(self, batch_bytes: int, staging_buffers: int) -> dict[str, int]:
         """Bytes of host and device memory this backend holds for the given batching."""
         return {"host": staging_buffers * batch_bytes, "device": 0}
+
+    #: True when :meth:`memory_estimate`'s host bytes already hold the compressed shards waiting
+    #: for storage (the GPU's pinned output buffers); else the Writer adds them
+    estimate_holds_shards = False
+
+    def default_budget(self, physical_memory: int | None = None) -> MemoryBudget:
+        """The memory budget when the Writer is given none (no bound here; the GPU's is machine-derived)."""
+        return MemoryBudget()
+
+    def memory_held(self) -> dict[str, int]:
+        """Bytes of host and device memory the backend's buffers hold now."""
+        return {"host": 0, "device": 0}
 
     def describe(self) -> str:
         return self.name

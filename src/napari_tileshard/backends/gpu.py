@@ -22,15 +22,16 @@ from __future__ import annotations
 
 import threading
 import warnings
-import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from .. import codecs
+from ..collector import pending_shard_epochs
 from . import _nvcomp
-from .base import Backend
+from .base import Backend, MemoryBudget
+from .pinned import PinnedRecycler, pin
 from .stages.aggregate import (
     aggregate_geometry,
     aggregate_gpu,
@@ -51,59 +52,6 @@ _ALIGN = 16
 
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
-
-
-def _pinned(nbytes: int) -> np.ndarray:
-    import cupy
-
-    memory = cupy.cuda.alloc_pinned_memory(max(1, nbytes))
-    return np.frombuffer(memory, dtype=np.uint8, count=max(1, nbytes))
-
-
-class _PinnedBlock:
-    """Exposes one pinned allocation to NumPy; views of it keep it (not its pool slot) alive."""
-
-    def __init__(self, memory, nbytes: int):
-        self.memory = memory
-        self.__array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (memory.ptr, False), "version": 3}
-
-
-class _PinnedRecycler:
-    """Fixed-size pinned host buffers that come back for reuse when their last view is gone.
-
-    The GPU backend copies each batch's packed shards into one of these and the shards keep
-    views into it until they are on disk; allocating pinned memory per batch would cost more
-    than the copy it saves, and copying out to pageable memory costs a core.
-    """
-
-    def __init__(self, nbytes: int):
-        import cupy
-
-        self._alloc = cupy.cuda.alloc_pinned_memory
-        self.nbytes = max(1, nbytes)
-        self._free: list = []
-        self._lock = threading.Lock()
-        self.allocated = 0
-
-    def reserve(self, count: int) -> None:
-        """Allocate up front (pinning memory is slow: do it before recording starts)."""
-        while self.allocated < count:
-            self._free.append(self._alloc(self.nbytes))
-            self.allocated += 1
-
-    def take(self) -> np.ndarray:
-        with self._lock:
-            memory = self._free.pop() if self._free else None
-        if memory is None:
-            memory = self._alloc(self.nbytes)
-            self.allocated += 1
-        block = _PinnedBlock(memory, self.nbytes)
-        weakref.finalize(block, self._give_back, memory)
-        return np.asarray(block)
-
-    def _give_back(self, memory) -> None:
-        with self._lock:
-            self._free.append(memory)
 
 
 @dataclass
@@ -132,11 +80,81 @@ class GpuTicket:
     consumed: Any  # event: the tile kernel has read the staging buffer's device mirror
 
 
+@dataclass
+class _Resources:
+    """Everything a GpuBackend allocates for one batching: kept for the next recording (see
+    :func:`release_gpu_memory`), because allocating it is most of the time arming takes."""
+
+    key: tuple
+    slots: list[_Slot]
+    staging: list[np.ndarray]  # pinned staging buffers
+    mirrors: dict  # pinned staging address -> its device input buffer
+    packed: PinnedRecycler
+    temp: Any
+    temp_size: int
+    levels: list  # device buffers of the reduced levels of the batch being tiled
+    geometries: dict = field(default_factory=dict)  # batch epochs -> aggregate_geometry
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes held: pinned host and device memory."""
+        device = sum(a.nbytes for slot in self.slots for a in vars(slot).values() if hasattr(a, "data")) + sum(
+            m.nbytes for m in self.mirrors.values()
+        )
+        device += self.temp.nbytes + sum(a.nbytes for a in self.levels if a is not None)
+        device += sum(a.nbytes + b.nbytes for a, b in self.geometries.values())
+        host = sum(b.nbytes for b in self.staging) + self.packed.allocated * self.packed.nbytes
+        host += sum(slot.h_offsets.nbytes + slot.h_status.nbytes for slot in self.slots)
+        return {"host": host, "device": device}
+
+
+#: the resources of the last GpuBackend closed in good health, for the next one with the same key
+_warm: dict[tuple, _Resources] = {}
+_warm_lock = threading.Lock()
+
+
+def release_gpu_memory() -> dict[str, int]:
+    """Give back the buffers kept for the next recording and CuPy's cached device blocks.
+
+    Returns the bytes released (host: pinned, device).  A Writer that is recording is not affected.
+    """
+    with _warm_lock:
+        resources = list(_warm.values())
+        _warm.clear()
+    released = {"host": 0, "device": 0}
+    for r in resources:
+        for kind, n in r.nbytes().items():
+            released[kind] += n
+    del resources
+    import cupy
+
+    cupy.get_default_memory_pool().free_all_blocks()
+    return released
+
+
+def _take_warm(key: tuple) -> _Resources | None:
+    """The kept resources if they fit ``key``; anything else kept is released (a new layout)."""
+    with _warm_lock:
+        resources = _warm.pop(key, None)
+        stale = bool(_warm)
+    if stale:
+        release_gpu_memory()
+    return resources
+
+
 class GpuBackend(Backend):
     name = "gpu"
     accepts_device_arrays = True
+    preferred_staging_buffers = 2  # each has a device mirror: refilled once the tile kernel has read it
+    estimate_holds_shards = True  # shards are views into the pinned output buffers it counts
     #: overrides the batch size heuristic (tests set it small so each Writer stays cheap)
     default_batch_bytes: int | None = None
+    #: defaults of the memory budget (``Writer(max_device_bytes=, max_host_bytes=)``): at most this
+    #: much device memory and this fraction of what is free, at most this much pinned host memory
+    #: and this fraction of the machine's RAM (docs/benchmarks.md has the throughput they give)
+    DEFAULT_MAX_DEVICE_BYTES = 4 << 30
+    DEFAULT_DEVICE_FRACTION = 0.25
+    DEFAULT_MAX_HOST_BYTES = 2 << 30
+    DEFAULT_HOST_FRACTION = 0.125
 
     def __init__(
         self,
@@ -181,10 +199,10 @@ class GpuBackend(Backend):
         props = cupy.cuda.runtime.getDeviceProperties(self.device.id)
         self.device_name = props["name"].decode()
         self.preferred_batch_bytes = batch_bytes or self.default_batch_bytes or self.default_batch_bytes_for(layout)
-        self.preferred_staging_buffers = 3
         self._slot_count = slots
-        self._slots: list[_Slot] = []
-        self._mirrors: dict = {}  # pinned staging address -> device input buffer
+        self.batches_in_flight = slots
+        self._resources: _Resources | None = None
+        self._healthy = True  # no device error seen: the resources may serve the next recording
         self._device_sources: list = []
         self._free_slots = threading.Semaphore(slots)
         self._next = 0
@@ -200,20 +218,47 @@ class GpuBackend(Backend):
     # -- sizing ------------------------------------------------------------------------
     @staticmethod
     def default_batch_bytes_for(layout) -> int:
-        """0.5-1 GiB: nvCOMP's throughput grows with the number of tiles per call (docs/design.md)."""
+        """0.5-1 GiB: nvCOMP's throughput grows with the number of tiles per call (docs/design.md);
+        the memory budget usually caps it lower (:meth:`default_budget`)."""
         return max(512 << 20, min(1 << 30, 1024 * layout.tile_bytes))
+
+    @classmethod
+    def budget_for(cls, device_free: int | None, physical_memory: int | None) -> MemoryBudget:
+        """The default budget on a machine with ``device_free`` bytes free on the GPU and
+        ``physical_memory`` bytes of RAM (None: unknown)."""
+        device = cls.DEFAULT_MAX_DEVICE_BYTES
+        if device_free is not None:
+            device = min(device, int(cls.DEFAULT_DEVICE_FRACTION * device_free))
+        host = cls.DEFAULT_MAX_HOST_BYTES
+        if physical_memory is not None:
+            host = min(host, int(cls.DEFAULT_HOST_FRACTION * physical_memory))
+        return MemoryBudget(host=host, device=device)
+
+    def default_budget(self, physical_memory: int | None = None) -> MemoryBudget:
+        free, _ = self._cupy.cuda.runtime.memGetInfo()
+        with _warm_lock:  # what we keep for the next recording is ours to reuse
+            free += sum(r.nbytes()["device"] for r in _warm.values())
+        return self.budget_for(free, physical_memory)
+
+    @staticmethod
+    def packed_buffers(layout, batch_epochs: int, slots: int) -> int:
+        """Pinned packed-output buffers a recording needs: shards keep views into them until they
+        are written, so the open shard epoch and the shard epochs waiting on storage (the
+        collector's limit) hold theirs, plus the batch being copied back."""
+        held_epochs = (pending_shard_epochs(layout, batch_epochs) + 1) * layout.tiles_per_shard[0]
+        return max(3, -(-held_epochs // batch_epochs) + 2)
 
     @staticmethod
     def estimate(
         layout,
         batch_bytes: int,
-        staging_buffers: int = 3,
+        staging_buffers: int = 2,
         slots: int = 3,
         output_stride=None,
         temp_bytes: int = 0,
         layouts=None,
     ) -> dict[str, int]:
-        """Host and device bytes for a batching, without touching the GPU (the widget shows it).
+        """Pinned host and device bytes for a batching, without touching the GPU (the widget shows it).
 
         ``layouts``: every pyramid level (level 0 first) when the batch carries a pyramid.
         """
@@ -224,8 +269,8 @@ class GpuBackend(Backend):
         tile_stride = _round_up(layout.tile_bytes, _ALIGN)
         output_stride = output_stride or _round_up(layout.compressed_tile_bound() + 64, _ALIGN)
         per_slot = chunks * tile_stride + 2 * chunks * output_stride + chunks * 44 + entries * 16
-        # Staging, plus the pinned packed-output buffers reserved for batches in flight.
-        host = staging_buffers * epochs * layout.epoch_bytes + (slots + 2) * chunks * output_stride
+        packed = GpuBackend.packed_buffers(layout, epochs, slots) * chunks * output_stride
+        host = staging_buffers * epochs * layout.epoch_bytes + packed + slots * (entries * 8 + chunks * 4 + 8)
         mirrors = max(staging_buffers, 1) * epochs * layout.epoch_bytes  # device copy of each staging buffer
         levels = epochs * sum(lay.epoch_bytes for lay in layouts[1:])  # reduced levels of the batch
         geometry = chunks * 16  # shard-major positions and chunk sizes
@@ -243,6 +288,9 @@ class GpuBackend(Backend):
             self.pyramid.layouts,
         )
 
+    def memory_held(self) -> dict[str, int]:
+        return self._resources.nbytes() if self._resources else {"host": 0, "device": 0}
+
     def _temp_bytes(self, chunks: int) -> int:
         return gpu_temp_bytes(self.nvcomp, chunks, self.layout.tile_bytes, self.compute_stream.ptr)
 
@@ -251,11 +299,19 @@ class GpuBackend(Backend):
 
         Host bytes are copied into the pinned buffer and uploaded at submit; CuPy frames are
         copied device-to-device straight into the mirror (write_device), skipping the host.
+        Buffers kept from the previous recording of the same batching are handed out first.
         """
-        if not self._slots:
+        if self._resources is None:
             self._allocate(nbytes)
-        staging = _pinned(nbytes)
-        self._mirrors[staging.ctypes.data] = self._cupy.empty(nbytes, dtype=self._cupy.uint8)
+        resources = self._resources
+        assert resources is not None
+        in_use = getattr(self, "_staging_handed_out", 0)
+        self._staging_handed_out = in_use + 1
+        if in_use < len(resources.staging):
+            return resources.staging[in_use]
+        staging = pin(nbytes)
+        resources.mirrors[staging.ctypes.data] = self._cupy.empty(nbytes, dtype=self._cupy.uint8)
+        resources.staging.append(staging)
         return staging
 
     def write_device(self, staging, offset: int, data) -> None:
@@ -264,7 +320,7 @@ class GpuBackend(Backend):
         produced = cupy.cuda.Event(block=True, disable_timing=True)
         produced.record(cupy.cuda.get_current_stream())  # after whatever wrote the frame
         self.copy_stream.wait_event(produced)
-        mirror = self._mirrors[staging.ctypes.data]
+        mirror = self._mirror(staging)
         cupy.cuda.runtime.memcpyAsync(
             mirror.data.ptr + offset,
             data.data.ptr,
@@ -277,33 +333,62 @@ class GpuBackend(Backend):
         # Keep the source alive until the copy ran: CuPy's pool could otherwise hand it out again.
         self._device_sources = [(e, a) for e, a in self._device_sources if not e.done] + [(copied, data)]
 
-    def _allocate(self, batch_bytes: int) -> None:
-        """Device ring, checked against free device memory before anything is allocated."""
+    def _mirror(self, staging):
+        assert self._resources is not None
+        return self._resources.mirrors[staging.ctypes.data]
+
+    def _check_free_memory(self, estimate: int, epochs: int) -> None:
         cupy = self._cupy
-        layout = self.layout
-        levels = self.pyramid.layouts
-        epochs = batch_bytes // layout.epoch_bytes
-        chunks = epochs * self.pyramid.tiles_per_epoch
-        entries = epochs * self.pyramid.slots_per_epoch
-        estimate = self.memory_estimate(batch_bytes, self.preferred_staging_buffers)["device"]
         free, total = cupy.cuda.runtime.memGetInfo()
-        if estimate > 0.9 * free:
+        pool = cupy.get_default_memory_pool()
+        free += pool.free_bytes()  # cached by CuPy: ours to reuse
+        limit = pool.get_limit()
+        if limit:  # a pool limit (cupy.get_default_memory_pool().set_limit) is a smaller device
+            free = min(free, limit - pool.used_bytes())
+        if estimate > 0.95 * free:
             raise MemoryError(
                 f"the GPU backend needs about {estimate / 2**30:.2f} GiB of device memory for this layout "
                 f"(batches of {epochs} tile epochs, {self._slot_count} in flight) but {self.device_name} has "
-                f"{free / 2**30:.2f} GiB free of {total / 2**30:.2f} GiB; use smaller batch_bytes or tiles"
+                f"{free / 2**30:.2f} GiB free of {total / 2**30:.2f} GiB"
+                f"{f' (pool limit {limit / 2**30:.2f} GiB)' if limit else ''}; "
+                "use a smaller max_device_bytes, batch_bytes or tiles"
             )
-        self._temp_size = self._temp_bytes(chunks)
-        self._d_temp = cupy.empty(max(1, self._temp_size), dtype=cupy.uint8)
-        self._geometries: dict = {}
+
+    def _allocate(self, batch_bytes: int) -> None:
+        """Device ring and pinned buffers, checked against free device memory before anything is
+        allocated, or the ones kept from the previous recording of the same batching."""
+        layout = self.layout
+        levels = self.pyramid.layouts
+        epochs = batch_bytes // layout.epoch_bytes
+        key = (self.device.id, self.pyramid, self.nvcomp, epochs, self._slot_count)
+        resources = _take_warm(key)
+        if resources is None:
+            self._check_free_memory(self.memory_estimate(batch_bytes, self.preferred_staging_buffers)["device"], epochs)
+            resources = self._allocate_new(key, epochs)
+        self._resources = resources
+        # Every level's tiles use level 0's (largest) tile stride, so one pointer ramp serves the pool.
+        # Compiled once per process (lru_cache) and kept on disk by CuPy ($CUPY_CACHE_DIR,
+        # default ~/.cupy/kernel_cache), so a fresh process loads them instead of compiling.
+        self._tiles = [tile_kernel(lay, self.tile_stride_bytes // layout.itemsize) for lay in levels]
+        self._reduces = [None] + [
+            reduce_kernel(levels[k - 1], levels[k], self.pyramid.step_axes(k), self.pyramid.method)
+            for k in range(1, len(levels))
+        ]
+        self._aggregate = aggregate_kernels()
         self._geometry(epochs)
-        # Reduced levels of the batch being tiled (one set: the compute stream runs batches in order).
-        self._d_levels = [None] + [cupy.empty(epochs * lay.epoch_bytes, dtype=cupy.uint8) for lay in levels[1:]]
+
+    def _allocate_new(self, key: tuple, epochs: int) -> _Resources:
+        cupy = self._cupy
+        levels = self.pyramid.layouts
+        chunks = epochs * self.pyramid.tiles_per_epoch
+        entries = epochs * self.pyramid.slots_per_epoch
+        temp_size = self._temp_bytes(chunks)
+        slots = []
+        index = np.arange(chunks, dtype=np.uint64)  # NumPy: cupy.arange's first call imports cupyx (0.4 s)
         for _ in range(self._slot_count):
             d_pool = cupy.empty(chunks * self.tile_stride_bytes, dtype=cupy.uint8)
             d_compressed = cupy.empty(chunks * self.output_stride, dtype=cupy.uint8) if self.nvcomp else d_pool
-            index = cupy.arange(chunks, dtype=cupy.uint64)
-            self._slots.append(
+            slots.append(
                 _Slot(
                     d_pool=d_pool,
                     d_compressed=d_compressed,
@@ -312,30 +397,37 @@ class GpuBackend(Backend):
                     d_permuted=cupy.zeros(entries, dtype=cupy.uint64),
                     d_offsets=cupy.zeros(entries + 1, dtype=cupy.uint64),
                     d_packed=cupy.empty(chunks * self.output_stride, dtype=cupy.uint8),
-                    input_ptrs=cupy.uint64(d_pool.data.ptr) + index * cupy.uint64(self.tile_stride_bytes),
-                    output_ptrs=cupy.uint64(d_compressed.data.ptr) + index * cupy.uint64(self.output_stride),
-                    h_offsets=_pinned((entries + 1) * 8).view(np.uint64),
-                    h_status=_pinned(chunks * 4).view(np.int32),
+                    input_ptrs=cupy.asarray(index * np.uint64(self.tile_stride_bytes) + np.uint64(d_pool.data.ptr)),
+                    output_ptrs=cupy.asarray(index * np.uint64(self.output_stride) + np.uint64(d_compressed.data.ptr)),
+                    h_offsets=pin((entries + 1) * 8).view(np.uint64),
+                    h_status=pin(chunks * 4).view(np.int32),
                     ready=cupy.cuda.Event(block=True, disable_timing=True),
                     copied=cupy.cuda.Event(block=True, disable_timing=True),
                 )
             )
-        self._packed = _PinnedRecycler(chunks * self.output_stride)
-        self._packed.reserve(self._slot_count + 2)  # in flight: slots + batches waiting on storage
+        packed = PinnedRecycler(chunks * self.output_stride, self.packed_buffers(self.layout, epochs, self._slot_count))
+        # Packed buffers are first needed when the first batch comes back: pin them while it fills.
+        threading.Thread(target=packed.reserve, args=(packed.limit,), name="tileshard-pin", daemon=True).start()
+        resources = _Resources(
+            key=key,
+            slots=slots,
+            staging=[],
+            mirrors={},
+            packed=packed,
+            temp=cupy.empty(max(1, temp_size), dtype=cupy.uint8),
+            temp_size=temp_size,
+            # Reduced levels of the batch being tiled (one set: the compute stream runs batches in order).
+            levels=[None] + [cupy.empty(epochs * lay.epoch_bytes, dtype=cupy.uint8) for lay in levels[1:]],
+        )
         self.device.synchronize()  # allocations and fills above ran on the default stream
-        # Every level's tiles use level 0's (largest) tile stride, so one pointer ramp serves the pool.
-        self._tiles = [tile_kernel(lay, self.tile_stride_bytes // layout.itemsize) for lay in levels]
-        self._reduces = [None] + [
-            reduce_kernel(levels[k - 1], levels[k], self.pyramid.step_axes(k), self.pyramid.method)
-            for k in range(1, len(levels))
-        ]
-        self._aggregate = aggregate_kernels()
+        return resources
 
     def _geometry(self, epochs: int):
         """:func:`~.stages.aggregate.aggregate_geometry` of a batch of ``epochs``, cached per batch size."""
-        if epochs not in self._geometries:
-            self._geometries[epochs] = aggregate_geometry(self.pyramid, epochs, self.compute_stream)
-        return self._geometries[epochs]
+        geometries = self._resources.geometries  # type: ignore[union-attr]
+        if epochs not in geometries:
+            geometries[epochs] = aggregate_geometry(self.pyramid, epochs, self.compute_stream)
+        return geometries[epochs]
 
     # -- pipeline ----------------------------------------------------------------------
     def submit(self, staging, epochs, host_ranges=None, rows=None) -> GpuTicket:
@@ -343,13 +435,15 @@ class GpuBackend(Backend):
         layout = self.layout
         runtime = cupy.cuda.runtime
         self._free_slots.acquire()
-        slot = self._slots[self._next % self._slot_count]
+        resources = self._resources
+        assert resources is not None
+        slot = resources.slots[self._next % self._slot_count]
         self._next += 1
         nbytes = epochs * layout.epoch_bytes
         chunks = epochs * self.pyramid.tiles_per_epoch
         entries = epochs * self.pyramid.slots_per_epoch
         positions, chunk_bytes = self._geometry(epochs)
-        mirror = self._mirrors[staging.ctypes.data]
+        mirror = resources.mirrors[staging.ctypes.data]
         for start, stop in host_ranges if host_ranges is not None else [(0, nbytes)]:
             stop = min(stop, nbytes)
             if stop > start:  # only what came from the host (device frames are already there)
@@ -368,7 +462,7 @@ class GpuBackend(Backend):
         source, first_chunk = mirror, 0
         for k, lay in enumerate(self.pyramid.layouts):
             if k:  # level k from level k-1, on the device: no second upload
-                target = self._d_levels[k]
+                target = resources.levels[k]
                 reduce_gpu(
                     self._reduces[k],
                     source,
@@ -386,7 +480,9 @@ class GpuBackend(Backend):
         # The staging buffer and its mirror may be refilled once the kernels have read them.
         consumed = cupy.cuda.Event(block=True, disable_timing=True)
         consumed.record(stream)
-        compress_gpu(self.nvcomp, slot, chunk_bytes, layout.tile_bytes, chunks, self._d_temp, self._temp_size, stream)
+        compress_gpu(
+            self.nvcomp, slot, chunk_bytes, layout.tile_bytes, chunks, resources.temp, resources.temp_size, stream
+        )
         aggregate_gpu(self._aggregate, slot, positions, chunks, entries, self.output_stride, stream)
         runtime.memcpyAsync(
             slot.h_offsets.ctypes.data,
@@ -414,13 +510,16 @@ class GpuBackend(Backend):
             total = int(offsets[-1])
             # The shards keep views into this pinned buffer until they are on disk, then it is
             # recycled: no copy out, and no device slot held while shards wait for storage.
-            packed = self._packed.take()
+            packed = self._resources.packed.take()  # type: ignore[union-attr]
             runtime.memcpyAsync(
                 packed.ctypes.data, slot.d_packed.data.ptr, total, runtime.memcpyDeviceToHost, self.d2h_stream.ptr
             )
             slot.copied.record(self.d2h_stream)
             slot.copied.synchronize()
             return split_packed(self.pyramid, ticket.epochs, offsets, packed)
+        except BaseException:
+            self._healthy = False  # the device may be in any state: nothing of it is kept for later
+            raise
         finally:
             self._free_slots.release()
 
@@ -436,7 +535,7 @@ class GpuBackend(Backend):
         uploads it, on ``stream`` (default: the copy stream)."""
         runtime = self._cupy.cuda.runtime
         stream = stream or self.copy_stream
-        mirror = self._mirrors[staging.ctypes.data]
+        mirror = self._mirror(staging)
         runtime.memcpyAsync(
             mirror.data.ptr, staging.ctypes.data, staging.nbytes, runtime.memcpyHostToDevice, stream.ptr
         )
@@ -452,8 +551,8 @@ class GpuBackend(Backend):
             chunk_bytes,
             self.layout.tile_bytes,
             chunks,
-            self._d_temp,
-            self._temp_size,
+            self._resources.temp,  # type: ignore[union-attr]
+            self._resources.temp_size,  # type: ignore[union-attr]
             stream or self.compute_stream,
         )
 
@@ -468,9 +567,24 @@ class GpuBackend(Backend):
         return ticket.consumed.done
 
     def close(self):
-        for stream in (self.copy_stream, self.compute_stream, self.d2h_stream):
-            stream.synchronize()
-        self._slots.clear()
-        self._mirrors.clear()
-        self._device_sources.clear()
-        self._cupy.get_default_memory_pool().free_all_blocks()
+        """Wait for the streams; the buffers stay allocated for the next recording of the same
+        batching (:func:`release_gpu_memory` gives them back), unless a device error was seen."""
+        try:
+            for stream in (self.copy_stream, self.compute_stream, self.d2h_stream):
+                stream.synchronize()
+        except BaseException:
+            self._healthy = False
+            raise
+        finally:
+            resources, self._resources = self._resources, None
+            self._device_sources.clear()
+            if resources is not None and self._healthy:
+                with _warm_lock:
+                    stale = bool(_warm)
+                if stale:
+                    release_gpu_memory()  # keep one batching: the newest
+                with _warm_lock:
+                    _warm[resources.key] = resources
+            else:
+                del resources
+                self._cupy.get_default_memory_pool().free_all_blocks()

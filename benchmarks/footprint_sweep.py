@@ -1,0 +1,130 @@
+"""GPU throughput against memory footprint: one recording per batch size, each in a fresh process.
+
+For each batch size the GPU Writer records ``--gib`` of 2048x2048 uint16 frames (the same frame
+bank for every case) and reports: arm time, steady-state GB/s (appends after the first two
+batches, before close), total GB/s (first frame to close), the Writer's memory estimate, what
+CuPy's device and pinned pools actually hold, and nvCOMP's batched-compress ceiling for the same
+tiles at that batch size (benchmarks/gpu_ceiling.py).  Budget cases (``--budgets``) record with
+``max_device_bytes``/``max_host_bytes`` instead of a batch size.
+
+    python benchmarks/footprint_sweep.py --batches 64,128,256,512,1024 --tiles 256k,1m --gib 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "src"))
+sys.path.insert(0, str(HERE))
+
+TILES = {"64k": (8, 64, 64), "256k": (8, 128, 128), "1m": (32, 128, 128), "4m": (32, 256, 256)}
+
+
+def one_case(tile_name: str, batch_mib: int | None, budget: str | None, gib: float, out: str) -> dict:
+    import cupy
+    import gpu_ceiling
+    import numpy as np
+    from bench_write import layout_for
+
+    from napari_tileshard import SyntheticCamera, Writer
+
+    tile = TILES[tile_name]
+    camera = SyntheticCamera((2048, 2048), "uint16", seed=0)
+    camera.prepare()
+    frames = max(tile[0], int(gib * 2**30 // camera.frame_bytes) // tile[0] * tile[0])
+    layout = layout_for(camera.shape, tile)
+    options: dict = {}
+    if batch_mib:
+        options["batch_bytes"] = batch_mib << 20
+    if budget:
+        device_gib, host_gib = (float(v) for v in budget.split("/"))
+        options.update(max_device_bytes=int(device_gib * 2**30), max_host_bytes=int(host_gib * 2**30))
+    t0 = time.perf_counter()
+    writer = Writer(out, layout, backend="gpu", overwrite=True, **options)
+    arm = time.perf_counter() - t0
+    device_pool = cupy.get_default_memory_pool().total_bytes()
+    pinned_pool = cupy.get_default_pinned_memory_pool().total_bytes()
+    steady_from = 2 * writer.batch_bytes // camera.frame_bytes + 1
+    latencies = np.empty(frames)
+    t_steady = None
+    t_first = time.perf_counter()
+    for i, frame in enumerate(camera.frames(frames)):
+        if i == steady_from:
+            t_steady = time.perf_counter()
+        t = time.perf_counter()
+        writer.append(frame)
+        latencies[i] = time.perf_counter() - t
+    t_appended = time.perf_counter()
+    writer.close()
+    t_closed = time.perf_counter()
+    device_peak = max(device_pool, cupy.get_default_memory_pool().total_bytes())
+    pinned_peak = max(pinned_pool, cupy.get_default_pinned_memory_pool().total_bytes())
+    frame_bytes = camera.frame_bytes
+    estimate = writer.memory_estimate()
+    row = {
+        "tile": tile_name,
+        "batch_mib": writer.batch_bytes >> 20,
+        "budget": budget,
+        "arm_s": round(arm, 3),
+        "steady_gbps": round((frames - steady_from) * frame_bytes / (t_appended - t_steady) / 1e9, 3)
+        if t_steady
+        else None,
+        "total_gbps": round(frames * frame_bytes / (t_closed - t_first) / 1e9, 3),
+        "first100_max_ms": round(float(latencies[:100].max()) * 1e3, 1),
+        "steady_max_ms": round(float(latencies[steady_from:].max()) * 1e3, 1) if t_steady else None,
+        "estimate_device_mib": estimate["device"] >> 20,
+        "estimate_host_mib": estimate["host"] >> 20,
+        "cupy_device_mib": device_peak >> 20,
+        "cupy_pinned_mib": pinned_peak >> 20,
+    }
+    ceiling = gpu_ceiling.measure(camera, frames, layout, 1, batch_bytes=writer.batch_bytes)
+    row["nvcomp_gbps"] = round(ceiling[0]["gbps"], 3)
+    row["h2d_gbps"] = round(ceiling[1]["gbps"], 3)
+    row["of_ceiling"] = round(row["steady_gbps"] / row["nvcomp_gbps"], 3) if row["steady_gbps"] else None
+    return row
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", default="64,128,256,512,1024", help="batch sizes in MiB")
+    parser.add_argument("--budgets", default="", help="DEVICE_GIB/HOST_GIB pairs, comma-separated (e.g. 4/2,2/1)")
+    parser.add_argument("--defaults", action="store_true", help="also one case with the Writer's default sizing")
+    parser.add_argument("--tiles", default="256k")
+    parser.add_argument("--gib", type=float, default=8.0)
+    parser.add_argument("--out", default="/dev/shm/tileshard-sweep.zarr")
+    parser.add_argument("--case", help=argparse.SUPPRESS)  # internal: run one case, print its JSON
+    parser.add_argument("--json", default=None, help="write all rows here")
+    args = parser.parse_args()
+    if args.case:
+        tile, batch, budget = args.case.split(":")
+        print(json.dumps(one_case(tile, int(batch) or None, budget or None, args.gib, args.out)))
+        return
+    cases = [(t, int(b), "") for t in args.tiles.split(",") for b in args.batches.split(",") if b]
+    cases += [(t, 0, b) for t in args.tiles.split(",") for b in args.budgets.split(",") if b]
+    if args.defaults:
+        cases += [(t, 0, "") for t in args.tiles.split(",")]
+    rows = []
+    for tile, batch, budget in cases:
+        proc = subprocess.run(
+            [sys.executable, __file__, "--case", f"{tile}:{batch}:{budget}", "--gib", str(args.gib), "--out", args.out],
+            capture_output=True,
+            text=True,
+        )
+        if proc.returncode:
+            print(f"# {tile} batch {batch} budget {budget!r} failed: {proc.stderr.strip().splitlines()[-1:]}")
+            continue
+        row = json.loads(proc.stdout.strip().splitlines()[-1])
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

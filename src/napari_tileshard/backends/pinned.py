@@ -1,0 +1,123 @@
+"""Page-locked (pinned) host memory for the GPU backend, and a recycler of fixed-size blocks.
+
+Arming a GPU recording used to be mostly pinning: ``cudaHostAlloc`` pins about 1.5 GiB/s on the
+H100 machine, while anonymous pages with transparent huge pages advised, touched, then
+``cudaHostRegister``'ed pin about 3.3 GiB/s there (``benchmarks/pinning.py``,
+docs/benchmarks.md): the kernel hands out and locks 2 MiB pages instead of 4 KiB ones.  So
+:func:`pin` maps and registers its own memory, and falls back to ``cudaHostAlloc`` where
+registering is refused.  CuPy is imported only when memory is pinned.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import threading
+import weakref
+
+import numpy as np
+
+_PAGE = 4096
+#: the limit is sized so that recording always progresses within it; should it not, pinning one
+#: buffer more beats a recorder that hangs
+_OVER_LIMIT_AFTER_S = 30.0
+log = logging.getLogger(__name__)
+
+
+class _PinnedBlock:
+    """One pinned allocation as NumPy sees it; NumPy views keep it (and so the pages) alive."""
+
+    def __init__(self, address: int, nbytes: int, owner):
+        self.owner = owner  # the mmap or CuPy's PinnedMemoryPointer: freed when the block is
+        self.__array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (address, False), "version": 3}
+
+
+def _unregister(address: int, mapping: mmap.mmap) -> None:
+    import cupy
+
+    try:
+        cupy.cuda.runtime.hostUnregister(address)
+    except Exception:  # noqa: BLE001 - at interpreter exit the context may be gone; the pages go with it
+        pass
+
+
+def pin(nbytes: int) -> np.ndarray:
+    """``nbytes`` of pinned host memory as a uint8 array (zero-filled); unpinned when the last view goes."""
+    import cupy
+
+    nbytes = max(1, int(nbytes))
+    size = -(-nbytes // _PAGE) * _PAGE
+    mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        mapping.madvise(mmap.MADV_HUGEPAGE)
+    pages = np.frombuffer(mapping, dtype=np.uint8)
+    address = pages.ctypes.data
+    del pages  # no export may outlive the mapping
+    try:
+        cupy.cuda.runtime.hostRegister(address, size, cupy.cuda.runtime.hostRegisterPortable)
+    except cupy.cuda.runtime.CUDARuntimeError:
+        mapping.close()
+        memory = cupy.cuda.alloc_pinned_memory(nbytes)
+        block = _PinnedBlock(memory.ptr, nbytes, memory)
+        array = np.asarray(block)
+        array[...] = 0  # as the mapped pages are
+        return array
+    block = _PinnedBlock(address, nbytes, mapping)
+    weakref.finalize(block, _unregister, address, mapping)
+    return np.asarray(block)
+
+
+class PinnedRecycler:
+    """At most ``limit`` pinned buffers of ``nbytes`` that come back for reuse when their last
+    view is gone.
+
+    The GPU backend copies each batch's packed shards into one of these and the shards keep
+    views into it until they are on disk.  Pinning per batch would cost more than the copy it
+    saves; copying out to pageable memory would cost a core.  :meth:`take` waits while all
+    ``limit`` are in use (storage backpressure) instead of pinning beyond the memory budget.
+    """
+
+    def __init__(self, nbytes: int, limit: int):
+        self.nbytes = max(1, nbytes)
+        self.limit = limit
+        self._free: list[np.ndarray] = []
+        self._allocated = 0
+        self._changed = threading.Condition()
+
+    @property
+    def allocated(self) -> int:
+        return self._allocated
+
+    def reserve(self, count: int) -> None:
+        """Pin up to ``count`` buffers now (may run on a background thread while recording starts)."""
+        while True:
+            with self._changed:
+                if self._allocated >= min(count, self.limit):
+                    return
+                self._allocated += 1
+            buffer = pin(self.nbytes)
+            with self._changed:
+                self._free.append(buffer)
+                self._changed.notify_all()
+
+    def take(self) -> np.ndarray:
+        with self._changed:
+            if not self._changed.wait_for(lambda: self._free or self._allocated < self.limit, _OVER_LIMIT_AFTER_S):
+                log.warning(
+                    "all %d pinned output buffers still held after %.0f s; pinning one more (beyond the budget)",
+                    self.limit,
+                    _OVER_LIMIT_AFTER_S,
+                )
+            buffer = self._free.pop() if self._free else None
+            if buffer is None:
+                self._allocated += 1
+        if buffer is None:
+            buffer = pin(self.nbytes)
+        block = _PinnedBlock(buffer.ctypes.data, self.nbytes, buffer)
+        weakref.finalize(block, self._give_back, buffer)
+        return np.asarray(block)
+
+    def _give_back(self, buffer: np.ndarray) -> None:
+        with self._changed:
+            self._free.append(buffer)
+            self._changed.notify_all()

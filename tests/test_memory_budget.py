@@ -1,0 +1,131 @@
+"""Memory budgets (max_host_bytes / max_device_bytes), batch planning and in-place frame buffers.
+
+What runs everywhere: the planning arithmetic and the CPU backend.  The GPU side (estimates
+against real allocations, pool limits, reuse across recordings) is in tests/test_gpu_memory.py.
+"""
+
+import hashlib
+
+import numpy as np
+import pytest
+from conftest import read_back
+from hypothesis import given
+from hypothesis import strategies as st
+
+from napari_tileshard import Dim, Layout, SyntheticCamera, Writer
+from napari_tileshard.backends.gpu import GpuBackend
+from napari_tileshard.writer import estimate_memory, largest_fitting
+
+
+def small_layout(frames=0):
+    return Layout([Dim("t", frames, 2, 2), Dim("y", 64, 32, 2), Dim("x", 64, 32, 2)], "uint16")
+
+
+def store_digest(path):
+    digest = hashlib.sha256()
+    for file in sorted(p for p in path.rglob("*") if p.is_file() and p.name != "zarr.json"):
+        digest.update(file.relative_to(path).as_posix().encode() + file.read_bytes())
+    return digest.hexdigest()
+
+
+@given(st.integers(1, 4000), st.integers(0, 5000))
+def test_largest_fitting_is_the_largest_batch_within_the_bound(preferred, limit):
+    def fits(epochs):
+        return 7 * epochs + 3 <= limit  # grows with the batch, as every estimate does
+
+    expected = max([e for e in range(1, preferred + 1) if fits(e)], default=0)
+    assert largest_fitting(preferred, fits) == expected
+
+
+def test_default_gpu_budget_for_2048_frames_with_256k_tiles_is_within_4_gib_device_2_gib_pinned():
+    layout = Layout([Dim("t", 0, 8, 1), Dim("y", 2048, 128, 8), Dim("x", 2048, 128, 8)], "uint16")
+    estimate = estimate_memory(layout)
+    assert estimate["gpu_device"] <= 4 << 30
+    assert estimate["gpu_host"] <= 2 << 30
+    # and it is the largest batch that fits: one more tile epoch would not
+    bigger = GpuBackend.estimate(layout, estimate["gpu_batch_bytes"] + layout.epoch_bytes)
+    assert bigger["device"] > 4 << 30 or bigger["host"] > 2 << 30
+
+
+def test_gpu_budget_defaults_follow_the_machine():
+    small_gpu = GpuBackend.budget_for(device_free=6 << 30, physical_memory=64 << 30)
+    assert small_gpu.device == int(0.25 * (6 << 30)) and small_gpu.host == 2 << 30
+    laptop = GpuBackend.budget_for(device_free=None, physical_memory=8 << 30)
+    assert laptop.device == 4 << 30 and laptop.host == 1 << 30
+
+
+def test_a_host_budget_shrinks_the_cpu_batch_and_the_estimate_stays_within_it(tmp_path):
+    layout = small_layout()
+    unbounded = Writer(tmp_path / "a.zarr", layout, backend="cpu")
+    unbounded.close()
+    budget = unbounded.memory_estimate()["host"] // 3
+    with Writer(tmp_path / "b.zarr", layout, backend="cpu", max_host_bytes=budget) as writer:
+        assert writer.batch_epochs < unbounded.batch_epochs
+        assert writer.memory_estimate()["host"] <= budget
+        frames = SyntheticCamera((64, 64), "uint16", seed=1).stack(10)
+        writer.append(frames)
+    np.testing.assert_array_equal(read_back(tmp_path / "b.zarr"), frames)
+
+
+def test_a_budget_below_one_tile_epoch_is_refused_naming_the_minimum_before_the_store_exists(tmp_path):
+    layout = small_layout()
+    with pytest.raises(ValueError, match=r"max_host_bytes=1000 .* is below the (\d+) bytes") as info:
+        Writer(tmp_path / "x.zarr", layout, backend="cpu", max_host_bytes=1000)
+    assert "one tile epoch" in str(info.value)
+    assert not (tmp_path / "x.zarr").exists()
+    minimum = int(str(info.value).split("is below the ")[1].split(" bytes")[0])
+    Writer(tmp_path / "x.zarr", layout, backend="cpu", max_host_bytes=minimum).close()  # the named minimum works
+
+
+def test_an_explicit_batch_larger_than_an_explicit_budget_is_refused(tmp_path):
+    layout = small_layout()
+    with pytest.raises(ValueError, match="batch_bytes=67108864"):
+        Writer(tmp_path / "x.zarr", layout, backend="cpu", batch_bytes=64 << 20, max_host_bytes=1 << 20)
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, "1G", True])
+def test_budget_values_must_be_positive_integers(tmp_path, value):
+    with pytest.raises(ValueError, match=f"max_device_bytes must be a positive integer, got {value!r}"):
+        Writer(tmp_path / "x.zarr", small_layout(), backend="cpu", max_device_bytes=value)
+
+
+def test_frame_buffer_fills_in_place_and_stores_what_append_stores(tmp_path, backend):
+    frames = SyntheticCamera((64, 64), "uint16", seed=3).stack(11)
+    with Writer(tmp_path / "append.zarr", small_layout(), backend=backend) as writer:
+        writer.append(frames)
+    with Writer(tmp_path / "inplace.zarr", small_layout(), backend=backend) as writer:
+        for frame in frames:
+            with writer.frame_buffer() as place:
+                assert place.shape == (64, 64) and place.dtype == np.uint16
+                place[...] = frame
+        assert writer.stats.frames == 11
+    np.testing.assert_array_equal(read_back(tmp_path / "inplace.zarr"), frames)
+    assert store_digest(tmp_path / "inplace.zarr") == store_digest(tmp_path / "append.zarr")
+
+
+def test_a_frame_buffer_left_by_an_exception_counts_nothing(tmp_path):
+    frames = SyntheticCamera((64, 64), "uint16", seed=4).stack(3)
+    with Writer(tmp_path / "x.zarr", small_layout(), backend="cpu") as writer:
+        writer.append(frames[0])
+        with pytest.raises(RuntimeError, match="camera timeout"):
+            with writer.frame_buffer() as place:
+                place[...] = 7
+                raise RuntimeError("camera timeout")
+        assert writer.stats.frames == 1
+        writer.append(frames[1:])
+    np.testing.assert_array_equal(read_back(tmp_path / "x.zarr"), frames)
+
+
+def test_frame_buffer_refuses_a_stream_inside_a_frame_and_a_full_array(tmp_path):
+    with Writer(tmp_path / "x.zarr", small_layout(), backend="cpu") as writer:
+        writer.write(b"\0" * 10)
+        with pytest.raises(ValueError, match="frame boundary, but 10 bytes of a 8192-byte frame"):
+            with writer.frame_buffer():
+                pass
+        writer.write(b"\0" * (8192 - 10))
+    with Writer(tmp_path / "y.zarr", small_layout(frames=1), backend="cpu") as writer:
+        with writer.frame_buffer() as place:
+            place[...] = 1
+        with pytest.raises(ValueError, match="exceed the declared array shape"):
+            with writer.frame_buffer():
+                pass
