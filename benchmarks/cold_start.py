@@ -61,6 +61,7 @@ def main():
             t = time.perf_counter()
             writer.append(frames[i % 8])
             latencies.append(time.perf_counter() - t)
+        held = writer.memory_held() if hasattr(writer, "memory_held") else None  # before close hands them on
         t = time.perf_counter()
         writer.close()
         closed = time.perf_counter() - t
@@ -80,7 +81,8 @@ def main():
         import cupy
 
         result["cupy_pool_mib"] = cupy.get_default_memory_pool().total_bytes() >> 20
-        result["pinned_pool_mib"] = cupy.get_default_pinned_memory_pool().total_bytes() >> 20
+        if held:
+            result["held_mib"] = {kind: n >> 20 for kind, n in held.items()}
     print(json.dumps(result))
 
 

@@ -49,7 +49,6 @@ def one_case(tile_name: str, batch_mib: int | None, budget: str | None, gib: flo
     writer = Writer(out, layout, backend="gpu", overwrite=True, **options)
     arm = time.perf_counter() - t0
     device_pool = cupy.get_default_memory_pool().total_bytes()
-    pinned_pool = cupy.get_default_pinned_memory_pool().total_bytes()
     steady_from = 2 * writer.batch_bytes // camera.frame_bytes + 1
     latencies = np.empty(frames)
     t_steady = None
@@ -61,10 +60,10 @@ def one_case(tile_name: str, batch_mib: int | None, budget: str | None, gib: flo
         writer.append(frame)
         latencies[i] = time.perf_counter() - t
     t_appended = time.perf_counter()
+    held = writer.memory_held()
     writer.close()
     t_closed = time.perf_counter()
     device_peak = max(device_pool, cupy.get_default_memory_pool().total_bytes())
-    pinned_peak = max(pinned_pool, cupy.get_default_pinned_memory_pool().total_bytes())
     frame_bytes = camera.frame_bytes
     estimate = writer.memory_estimate()
     row = {
@@ -81,7 +80,8 @@ def one_case(tile_name: str, batch_mib: int | None, budget: str | None, gib: flo
         "estimate_device_mib": estimate["device"] >> 20,
         "estimate_host_mib": estimate["host"] >> 20,
         "cupy_device_mib": device_peak >> 20,
-        "cupy_pinned_mib": pinned_peak >> 20,
+        "held_device_mib": held["device"] >> 20,
+        "held_pinned_mib": held["host"] >> 20,
     }
     ceiling = gpu_ceiling.measure(camera, frames, layout, 1, batch_bytes=writer.batch_bytes)
     row["nvcomp_gbps"] = round(ceiling[0]["gbps"], 3)

@@ -18,6 +18,7 @@ import weakref
 import numpy as np
 
 _PAGE = 4096
+_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable (CuPy names no constant): usable from every GPU's context
 #: the limit is sized so that recording always progresses within it; should it not, pinning one
 #: buffer more beats a recorder that hangs
 _OVER_LIMIT_AFTER_S = 30.0
@@ -54,7 +55,7 @@ def pin(nbytes: int) -> np.ndarray:
     address = pages.ctypes.data
     del pages  # no export may outlive the mapping
     try:
-        cupy.cuda.runtime.hostRegister(address, size, cupy.cuda.runtime.hostRegisterPortable)
+        cupy.cuda.runtime.hostRegister(address, size, _REGISTER_PORTABLE)
     except cupy.cuda.runtime.CUDARuntimeError:
         mapping.close()
         memory = cupy.cuda.alloc_pinned_memory(nbytes)
