@@ -34,6 +34,8 @@ def main():
     parser.add_argument("--recordings", type=int, default=1, help="recordings in this process (arm time of each)")
     parser.add_argument("--profile", type=int, default=0, help="print the N costliest calls of the first arm")
     parser.add_argument("--batch-mib", type=int, default=None)
+    parser.add_argument("--fps", type=float, default=0, help="pace appends like a camera (0: as fast as possible)")
+    parser.add_argument("--appends", type=int, default=100, help="appends per recording (first 100 reported apart)")
     args = parser.parse_args()
     h, w = (int(v) for v in args.frame.split("x"))
     tt, ty, tx = (int(v) for v in args.tile.split(","))
@@ -57,10 +59,16 @@ def main():
             profiler.disable()
             pstats.Stats(profiler, stream=sys.stderr).sort_stats("cumulative").print_stats(args.profile)
         latencies = []
-        for i in range(100):
+        period = 1 / args.fps if args.fps else 0.0
+        start_appends = time.perf_counter()
+        for i in range(args.appends):
+            if period:  # a camera's pace: the next frame arrives at its time, not when the Writer is ready
+                time.sleep(max(0.0, start_appends + i * period - time.perf_counter()))
             t = time.perf_counter()
             writer.append(frames[i % 8])
             latencies.append(time.perf_counter() - t)
+        later = latencies[100:]
+        latencies = latencies[:100]
         held = writer.memory_held() if hasattr(writer, "memory_held") else None  # before close hands them on
         t = time.perf_counter()
         writer.close()
@@ -73,6 +81,8 @@ def main():
         "later_arms_s": [round(a, 3) for a in arms[1:]],
         "append_p50_ms": round(float(np.median(latencies)) * 1e3, 2),
         "append_max_ms": round(max(latencies) * 1e3, 1),
+        "later_append_p99_ms": round(float(np.percentile(later, 99)) * 1e3, 1) if later else None,
+        "later_append_max_ms": round(max(later) * 1e3, 1) if later else None,
         "close_s": round(closed, 3),
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
         "estimate": writer.memory_estimate(),

@@ -26,13 +26,17 @@ sys.path.insert(0, str(HERE))
 TILES = {"64k": (8, 64, 64), "256k": (8, 128, 128), "1m": (32, 128, 128), "4m": (32, 256, 256)}
 
 
-def one_case(tile_name: str, batch_mib: int | None, budget: str | None, gib: float, out: str) -> dict:
+def one_case(tile_name: str, batch_mib: int | None, budget: str | None, gib: float, out: str, slots: int) -> dict:
     import cupy
     import gpu_ceiling
     import numpy as np
     from bench_write import layout_for
 
     from napari_tileshard import SyntheticCamera, Writer
+    from napari_tileshard.backends.gpu import GpuBackend
+
+    if slots:
+        GpuBackend.default_slots = slots
 
     tile = TILES[tile_name]
     camera = SyntheticCamera((2048, 2048), "uint16", seed=0)
@@ -70,6 +74,7 @@ def one_case(tile_name: str, batch_mib: int | None, budget: str | None, gib: flo
         "tile": tile_name,
         "batch_mib": writer.batch_bytes >> 20,
         "budget": budget,
+        "slots": GpuBackend.default_slots,
         "arm_s": round(arm, 3),
         "steady_gbps": round((frames - steady_from) * frame_bytes / (t_appended - t_steady) / 1e9, 3)
         if t_steady
@@ -96,6 +101,7 @@ def main():
     parser.add_argument("--budgets", default="", help="DEVICE_GIB/HOST_GIB pairs, comma-separated (e.g. 4/2,2/1)")
     parser.add_argument("--defaults", action="store_true", help="also one case with the Writer's default sizing")
     parser.add_argument("--tiles", default="256k")
+    parser.add_argument("--slots", type=int, default=0, help="GPU device slots (default: the backend's)")
     parser.add_argument("--gib", type=float, default=8.0)
     parser.add_argument("--out", default="/dev/shm/tileshard-sweep.zarr")
     parser.add_argument("--case", help=argparse.SUPPRESS)  # internal: run one case, print its JSON
@@ -103,7 +109,7 @@ def main():
     args = parser.parse_args()
     if args.case:
         tile, batch, budget = args.case.split(":")
-        print(json.dumps(one_case(tile, int(batch) or None, budget or None, args.gib, args.out)))
+        print(json.dumps(one_case(tile, int(batch) or None, budget or None, args.gib, args.out, args.slots)))
         return
     cases = [(t, int(b), "") for t in args.tiles.split(",") for b in args.batches.split(",") if b]
     cases += [(t, 0, b) for t in args.tiles.split(",") for b in args.budgets.split(",") if b]
@@ -112,7 +118,18 @@ def main():
     rows = []
     for tile, batch, budget in cases:
         proc = subprocess.run(
-            [sys.executable, __file__, "--case", f"{tile}:{batch}:{budget}", "--gib", str(args.gib), "--out", args.out],
+            [
+                sys.executable,
+                __file__,
+                "--case",
+                f"{tile}:{batch}:{budget}",
+                "--gib",
+                str(args.gib),
+                "--out",
+                args.out,
+                "--slots",
+                str(args.slots),
+            ],
             capture_output=True,
             text=True,
         )

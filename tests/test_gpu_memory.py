@@ -109,7 +109,6 @@ def test_warm_up_prepares_the_next_recording(tmp_path, frames):
 
 def test_a_new_layout_releases_the_kept_buffers_first(tmp_path, gpu, frames):
     record(tmp_path / "a.zarr", layout_2048(), frames)
-    kept = gpu.get_default_memory_pool().total_bytes()
-    record(tmp_path / "b.zarr", layout_2048(tile=(32, 128, 128)), frames[:32])
+    _, _, held = record(tmp_path / "b.zarr", layout_2048(tile=(32, 128, 128)), frames[:32])
     # the first layout's buffers were given back, not held beside the second's
-    assert gpu.get_default_memory_pool().total_bytes() <= max(kept, 4 << 30)
+    assert gpu.get_default_memory_pool().total_bytes() <= held["device"] + (64 << 20)

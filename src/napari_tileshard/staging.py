@@ -142,3 +142,5 @@ class StagingRing:
     def close(self) -> None:
         if self._copy_pool is not None:
             self._copy_pool.shutdown(wait=True)
+        for entry in self._free:  # tickets reference the backend's buffers: let them go with the backend
+            entry[1] = None

@@ -99,7 +99,12 @@ def estimate_memory(
 
     def gpu(epochs: int) -> dict[str, int]:
         return GpuBackend.estimate(
-            layout, epochs * layout.epoch_bytes, GpuBackend.preferred_staging_buffers, layouts=pyramid.layouts
+            layout,
+            epochs * layout.epoch_bytes,
+            GpuBackend.preferred_staging_buffers,
+            GpuBackend.default_slots,
+            layouts=pyramid.layouts,
+            nvcomp=(codecs.get(codec).gpu or codecs.GpuSupport(None)).nvcomp,
         )
 
     preferred = max(1, (batch_bytes or GpuBackend.default_batch_bytes_for(layout)) // layout.epoch_bytes)
@@ -167,6 +172,16 @@ def plan_batches(
         epochs = preferred if budget.admits(estimate(preferred)) else 0
     else:
         epochs = largest_fitting(preferred, lambda e: budget.admits(estimate(e)))
+    if not epochs and not batch_bytes and explicit.admits(estimate(1)):
+        # Only the default budget is too small (large tile epochs): a default never refuses a layout
+        # the machine can record; the backend's own check (free device memory) still applies.
+        log.warning(
+            "one tile epoch of this layout needs more memory than the default budget %s; recording with "
+            "batches of one tile epoch (%s); pass max_device_bytes/max_host_bytes to bound it",
+            budget,
+            estimate(1),
+        )
+        epochs = 1
     if epochs:
         return epochs, staging
     need = estimate(preferred if batch_bytes else 1)

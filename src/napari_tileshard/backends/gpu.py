@@ -20,6 +20,7 @@ batch N+1 is uploaded and tiled while batch N compresses and batch N-1 is copied
 
 from __future__ import annotations
 
+import gc
 import threading
 import warnings
 from dataclasses import dataclass, field
@@ -48,10 +49,31 @@ from .stages.reduce import reduce_gpu, reduce_kernel
 from .stages.tile import tile_gpu, tile_kernel
 
 _ALIGN = 16
+#: device memory beyond the buffers: CuPy's scan scratch and pool rounding (3 MiB measured on an
+#: H100 with 256 MiB batches; tests/test_gpu_memory.py checks CuPy's count against the estimate)
+_DEVICE_SLACK = 16 << 20
 
 
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
+
+
+def nvcomp_temp_estimate(chunks: int, tile_bytes: int) -> int:
+    """nvCOMP 6's zstd compression scratch, for estimates made without nvCOMP: a fixed 1.05 GiB
+    plus 1.67x the tiles (fitted to nvcompBatchedZstdCompressGetTempSize on an H100 for 1-4096
+    tiles of 64 KiB-4 MiB, within +2 %; the backend itself asks nvCOMP)."""
+    return 1_126_191_263 + int(1.67 * chunks * tile_bytes)
+
+
+#: partial batches (flush, close, a slow stream) need the geometry of fewer tile epochs: all of
+#: them are built at arming when they take at most this much, so nothing is allocated mid-recording
+_PARTIAL_GEOMETRY_BYTES = 8 << 20
+
+
+def _geometry_bytes(layouts, epochs: int) -> int:
+    per_epoch = 16 * sum(lay.tiles_per_epoch for lay in layouts)
+    every = per_epoch * epochs * (epochs + 1) // 2
+    return every if every <= _PARTIAL_GEOMETRY_BYTES else per_epoch * epochs
 
 
 @dataclass
@@ -127,6 +149,7 @@ def release_gpu_memory() -> dict[str, int]:
     del resources
     import cupy
 
+    gc.collect()  # a finished Writer caught in a reference cycle may still hold tickets into its slots
     cupy.get_default_memory_pool().free_all_blocks()
     return released
 
@@ -148,6 +171,8 @@ class GpuBackend(Backend):
     estimate_holds_shards = True  # shards are views into the pinned output buffers it counts
     #: overrides the batch size heuristic (tests set it small so each Writer stays cheap)
     default_batch_bytes: int | None = None
+    #: device slots (batches between upload and copy-back); benchmarks/footprint_sweep.py --slots
+    default_slots = 2  # two keep nvCOMP busy (3 measured +3 % for 50 % more slot memory: docs/benchmarks.md)
     #: defaults of the memory budget (``Writer(max_device_bytes=, max_host_bytes=)``): at most this
     #: much device memory and this fraction of what is free, at most this much pinned host memory
     #: and this fraction of the machine's RAM (docs/benchmarks.md has the throughput they give)
@@ -162,7 +187,7 @@ class GpuBackend(Backend):
         codec="zstd",
         level=1,
         *,
-        slots: int = 3,
+        slots: int | None = None,
         batch_bytes: int | None = None,
         pyramid=None,
         threads: int | None = None,
@@ -199,6 +224,7 @@ class GpuBackend(Backend):
         props = cupy.cuda.runtime.getDeviceProperties(self.device.id)
         self.device_name = props["name"].decode()
         self.preferred_batch_bytes = batch_bytes or self.default_batch_bytes or self.default_batch_bytes_for(layout)
+        slots = slots or self.default_slots
         self._slot_count = slots
         self.batches_in_flight = slots
         self._resources: _Resources | None = None
@@ -253,14 +279,16 @@ class GpuBackend(Backend):
         layout,
         batch_bytes: int,
         staging_buffers: int = 2,
-        slots: int = 3,
+        slots: int = 2,
         output_stride=None,
-        temp_bytes: int = 0,
+        temp_bytes: int | None = None,
         layouts=None,
+        nvcomp: str | None = "zstd",
     ) -> dict[str, int]:
         """Pinned host and device bytes for a batching, without touching the GPU (the widget shows it).
 
         ``layouts``: every pyramid level (level 0 first) when the batch carries a pyramid.
+        ``temp_bytes``: nvCOMP's scratch as nvCOMP states it (None: :func:`nvcomp_temp_estimate`).
         """
         layouts = layouts or (layout,)
         epochs = max(1, batch_bytes // layout.epoch_bytes)
@@ -273,8 +301,11 @@ class GpuBackend(Backend):
         host = staging_buffers * epochs * layout.epoch_bytes + packed + slots * (entries * 8 + chunks * 4 + 8)
         mirrors = max(staging_buffers, 1) * epochs * layout.epoch_bytes  # device copy of each staging buffer
         levels = epochs * sum(lay.epoch_bytes for lay in layouts[1:])  # reduced levels of the batch
-        geometry = chunks * 16  # shard-major positions and chunk sizes
-        return {"host": host, "device": slots * per_slot + mirrors + levels + geometry + temp_bytes}
+        geometry = _geometry_bytes(layouts, epochs)  # shard-major positions and chunk sizes
+        if temp_bytes is None:
+            temp_bytes = nvcomp_temp_estimate(chunks, layout.tile_bytes) if nvcomp else 0
+        device = slots * per_slot + mirrors + levels + geometry + temp_bytes + _DEVICE_SLACK
+        return {"host": host, "device": device}
 
     def memory_estimate(self, batch_bytes: int, staging_buffers: int) -> dict[str, int]:
         epochs = max(1, batch_bytes // self.layout.epoch_bytes)
@@ -286,6 +317,7 @@ class GpuBackend(Backend):
             self.output_stride,
             self._temp_bytes(epochs * self.pyramid.tiles_per_epoch),
             self.pyramid.layouts,
+            self.nvcomp,
         )
 
     def memory_held(self) -> dict[str, int]:
@@ -345,6 +377,7 @@ class GpuBackend(Backend):
         limit = pool.get_limit()
         if limit:  # a pool limit (cupy.get_default_memory_pool().set_limit) is a smaller device
             free = min(free, limit - pool.used_bytes())
+        free = max(0, free)
         if estimate > 0.95 * free:
             raise MemoryError(
                 f"the GPU backend needs about {estimate / 2**30:.2f} GiB of device memory for this layout "
@@ -375,7 +408,9 @@ class GpuBackend(Backend):
             for k in range(1, len(levels))
         ]
         self._aggregate = aggregate_kernels()
-        self._geometry(epochs)
+        every = _geometry_bytes(levels, epochs) > 16 * epochs * self.pyramid.tiles_per_epoch
+        for partial in range(1, epochs + 1) if every else (epochs,):
+            self._geometry(partial)
 
     def _allocate_new(self, key: tuple, epochs: int) -> _Resources:
         cupy = self._cupy
