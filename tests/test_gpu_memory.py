@@ -78,7 +78,7 @@ def test_a_small_gpu_records_within_its_budget(tmp_path, gpu, frames, device_gib
 
 def test_a_budget_the_device_cannot_give_is_refused_before_recording(tmp_path, gpu):
     gpu.get_default_memory_pool().set_limit(size=1 << 30)
-    with pytest.raises(MemoryError, match=r"needs about .* GiB of device memory .* pool limit 1.00 GiB"):
+    with pytest.raises(MemoryError, match=r"needs about .* GiB of device memory .*pool limit 1\.00 GiB"):
         Writer(tmp_path / "a.zarr", layout_2048(), backend="gpu", max_device_bytes=3 << 30)
     assert not (tmp_path / "a.zarr").exists()
 
