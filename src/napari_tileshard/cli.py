@@ -124,7 +124,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log what the writer decides")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_package_version()}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{gui,record,verify}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{gui,record,verify,convert}")
     gui = sub.add_parser(
         "gui",
         parents=[verbose],
@@ -232,7 +232,88 @@ def _parser() -> argparse.ArgumentParser:
         "verify", parents=[verbose], formatter_class=formatter, help="check every shard's index, CRC32C and chunks"
     )
     check.add_argument("path", help="store path or URL")
+    conv = sub.add_parser(
+        "convert",
+        parents=[verbose],
+        formatter_class=formatter,
+        help="re-tile / recompress / add a pyramid to existing data (zarr v2/v3, OME-Zarr, TIFF) on Dask",
+        description="Convert SRC (a zarr v2/v3 array or OME-Zarr, a TIFF/OME-TIFF file or a folder of TIFF "
+        "frames) into a sharded Zarr v3 array or OME-Zarr at DST. One Dask task per shard epoch: no shard is "
+        "written by two tasks; zarr.json only ever covers finished shard epochs; --resume continues an "
+        "interrupted conversion.",
+    )
+    conv.add_argument("src", help="input path or URL")
+    conv.add_argument("dst", help="output path or URL")
+    conv.add_argument("--tile", default=None, help="tile size per dim, e.g. 8,256,256 (default: 8,...,256,256)")
+    conv.add_argument("--tiles-per-shard", default=None, help="tiles per shard per dim (default: 1,...,4,4)")
+    conv.add_argument("--codec", default="zstd", help="tile codec")
+    conv.add_argument("--level", type=int, default=1, help="codec level")
+    conv.add_argument("--backend", default="auto", help="auto, gpu or cpu (per task)")
+    conv.add_argument("--ome", action="store_true", help="write OME-Zarr with a pyramid")
+    conv.add_argument("--downsample", default="mean", help="pyramid method (mean, max, min, decimate)")
+    where = conv.add_mutually_exclusive_group()
+    where.add_argument("--scheduler", default=None, help="address of a running Dask scheduler (tcp://...)")
+    where.add_argument("--local", type=int, default=None, help="workers of a local Dask cluster (default: cores/2)")
+    conv.add_argument("--resume", action="store_true", help="continue an interrupted conversion into DST")
+    conv.add_argument("--overwrite", action="store_true", help="replace DST (only data this tool wrote)")
+    conv.add_argument("--no-verify", action="store_true", help="skip verifying the output")
     return parser
+
+
+def _ints(text: str | None, what: str):
+    if text is None:
+        return None
+    try:
+        return [int(v) for v in text.split(",")]
+    except ValueError:
+        raise ValueError(f"{what} must be comma-separated integers, got {text!r}") from None
+
+
+def convert_command(args) -> int:
+    from .convert import convert
+
+    client = None
+    if args.scheduler:
+        from distributed import Client
+
+        client = Client(args.scheduler)
+        print(f"dashboard: {client.dashboard_link}", file=sys.stderr)
+    bar = tqdm(unit="shard epoch", desc="converting", file=sys.stderr)
+
+    def progress(done, total):
+        bar.total = total
+        bar.n = done
+        bar.refresh()
+
+    try:
+        report = convert(
+            args.src,
+            args.dst,
+            tile=_ints(args.tile, "--tile"),
+            tiles_per_shard=_ints(args.tiles_per_shard, "--tiles-per-shard"),
+            codec=args.codec,
+            level=args.level,
+            backend=args.backend,
+            ome=args.ome,
+            downsample=args.downsample,
+            client=client,
+            local_workers=args.local,
+            resume=args.resume,
+            overwrite=args.overwrite,
+            verify=not args.no_verify,
+            progress=progress,
+        )
+    finally:
+        bar.close()
+        if client is not None:
+            client.close()
+    print(
+        f"converted into {report.destination}: {report.bytes_in / 1e9:.3f} GB in {report.seconds:.2f} s, "
+        f"{report.gbps:.2f} GB/s, compression ratio {report.compression_ratio:.2f}, {report.shards} shards"
+        + (f" ({report.epochs_skipped} shard epochs already done)" if report.epochs_skipped else "")
+        + (f", {report.verified}" if report.verified is not None else "")
+    )
+    return 0
 
 
 def _free_bytes(output: str) -> int | None:
@@ -383,6 +464,8 @@ def main(argv=None) -> int:
             return record(args)
         if args.command == "gui":
             return gui(args)
+        if args.command == "convert":
+            return convert_command(args)
         bars: list = []  # made at the first shard, so a store without shards shows no empty bar
 
         def progress(done, total):

@@ -40,6 +40,8 @@ log = logging.getLogger(__name__)
 
 METADATA_KEY = "zarr.json"
 LOCK_NAME = ".tileshard.lock"
+#: the manifest of a conversion (napari_tileshard.convert): which shard epochs are done
+CONVERT_MANIFEST_NAME = ".tileshard-convert.json"
 _TAKEOVER_NAME = LOCK_NAME + ".takeover"
 _IOV_MAX = 512
 _METADATA_CAP = 16 << 20
@@ -193,7 +195,7 @@ def _recognise(tree) -> _Plan:
 
 
 def _foreign_name(name: str, kind: str, root: bool) -> bool:
-    if root and name in (LOCK_NAME, _TAKEOVER_NAME):
+    if root and name in (LOCK_NAME, _TAKEOVER_NAME, CONVERT_MANIFEST_NAME):
         return kind != "file"
     return not (kind == "file" and _TEMP_NAME.fullmatch(name))
 
@@ -364,8 +366,9 @@ class DirectorySink(Sink):
     is deleted or replaced, rather than recreating it.
     """
 
-    def __init__(self, root, overwrite: bool = False):
+    def __init__(self, root, overwrite: bool = False, keep_existing: bool = False):
         self.root = Path(root).expanduser().resolve()
+        self._keep_existing = keep_existing  # resuming into our own store: nothing is checked or removed
         self._lock_path = self.root / LOCK_NAME
         self._lock_id: tuple | None = None  # (st_dev, st_ino, content) of the lock file while we hold it
         self._created: list[Path] = []  # root and ancestors this sink made, outermost first
@@ -386,6 +389,20 @@ class DirectorySink(Sink):
         except BaseException:
             self.discard()  # a root we made (e.g. on a full disk) goes again
             raise
+
+    @classmethod
+    def attach(cls, root) -> DirectorySink:
+        """A sink that writes into ``root`` while another sink of this process or another one (a
+        conversion's coordinator) holds its lock: no lock, no checks, writes only."""
+        sink = cls.__new__(cls)
+        sink.root = Path(root).expanduser().resolve()
+        sink._lock_path = sink.root / LOCK_NAME
+        sink._lock_id = None
+        sink._created, sink._dirs, sink._made_dirs, sink._written = [], set(), [], set()
+        st = os.stat(sink.root)
+        sink._identity = (st.st_dev, st.st_ino)
+        sink._keep_existing = True
+        return sink
 
     def __repr__(self):
         return f"DirectorySink({str(self.root)!r})"
@@ -417,7 +434,7 @@ class DirectorySink(Sink):
 
     def _check_contents(self, overwrite: bool, locked: bool) -> None:
         names = [n for n in os.listdir(self.root) if not (locked and n == LOCK_NAME)]
-        if not names:
+        if not names or self._keep_existing:
             return
         if not locked and LOCK_NAME in names:
             try:
@@ -703,6 +720,15 @@ class ZarrStoreSink(Sink):
         data, meta = _deletion_order(plan.files)
         for key in data + meta:
             self._sync(store.delete(key))
+
+    @classmethod
+    def attach(cls, store) -> ZarrStoreSink:
+        """A sink into ``store`` whose contents another sink already vetted (a conversion's tasks)."""
+        from ._zarr_sync import sync
+
+        sink = cls.__new__(cls)
+        sink.store, sink._sync, sink._written = store, sync, set()
+        return sink
 
     def __repr__(self):
         return f"ZarrStoreSink({self.store!r})"
