@@ -103,7 +103,7 @@ def test_verbose_after_the_subcommand_version_and_plain_help(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     text = capsys.readouterr().out
-    assert "{gui,record,verify}" in text and "``" not in text
+    assert "{gui,record,verify,convert}" in text and "``" not in text
     with pytest.raises(SystemExit):
         main(["record", "--help"])
     text = capsys.readouterr().out
