@@ -253,6 +253,7 @@ class Writer:
         max_device_bytes: int | None = None,
         io_threads: int = 4,
         threads: int | None = None,
+        devices=None,
         attributes: dict | None = None,
         max_latency_s: float = 1.0,
         ome: bool = False,
@@ -289,7 +290,9 @@ class Writer:
         self.pyramid = plan_pyramid(layout, downsample, downsample_dims, max_levels) if ome else Pyramid.single(layout)
         self._group = group_metadata(self.pyramid, "", attributes) if ome else None  # validates attributes
         self._check_shard_epoch_fits_memory()
-        options = {"threads": threads} if threads else {}
+        options: dict = {"threads": threads} if threads else {}
+        if devices is not None:
+            options["devices"] = devices
         if ome:
             options["pyramid"] = self.pyramid
         self._backend = select_backend(backend, layout, codec, self.level, **options)

@@ -101,6 +101,21 @@ def select_backend(name: str, layout, codec, level: int, **options) -> Backend:
     an option it does not take (``TypeError``)."""
     if name not in BACKENDS:
         raise ValueError(f"backend {name!r} is not one of {', '.join(BACKENDS)}")
+    devices = options.pop("devices", None)
+    if devices is not None:  # GPUs named: the GPU backend on them, or an error (never the CPU)
+        if name not in ("gpu", "auto"):
+            raise ValueError(f"devices={devices!r} selects GPUs: it needs backend='gpu' (got {name!r})")
+        name = "gpu"
+        devices = _resolve_devices(devices)
+        if len(devices) > 1:
+            entry = REGISTRY["gpu"]
+            refusal = entry.refuses(codecs.get(codec)) or entry.is_available()
+            if refusal:
+                raise RuntimeError(f"devices={devices!r} was requested but the GPU backend is not usable: {refusal}")
+            from .multi_gpu import MultiGpuBackend
+
+            return MultiGpuBackend(layout, codec, level, devices=devices, **options)
+        options["device"] = devices[0]
     if name != "auto":
         entry = REGISTRY[name]
         refusal = entry.refuses(codecs.get(codec))  # asked first: the same answer on any machine
@@ -132,6 +147,27 @@ def _make(entry: BackendEntry, layout, codec, level, options) -> Backend:
         taken = [p for p in parameters if p not in ("self", "layout", "codec", "level")]
         raise TypeError(f"the {entry.name} backend takes no option {unknown[0]!r} (its options: {', '.join(taken)})")
     return cls(layout, codec, level, **options)
+
+
+def _resolve_devices(devices) -> list[int]:
+    """``"all"`` or a list of CUDA device numbers (repeats allowed: several pipelines on one GPU)."""
+    reason = gpu_unavailable_reason()
+    if reason:
+        raise RuntimeError(f"devices={devices!r} was requested but the GPU backend is not usable: {reason}")
+    import cupy
+
+    count = cupy.cuda.runtime.getDeviceCount()
+    if devices == "all":
+        return list(range(count))
+    if isinstance(devices, (str, bytes)) or not hasattr(devices, "__iter__"):
+        raise ValueError(f"devices must be 'all' or a list of GPU numbers, got {devices!r}")
+    devices = list(devices)
+    bad = [d for d in devices if not isinstance(d, int) or isinstance(d, bool) or not 0 <= d < count]
+    if not devices or bad:
+        raise ValueError(
+            f"devices={devices!r}: GPU numbers must be integers in 0..{count - 1} (this machine has {count})"
+        )
+    return devices
 
 
 def release_gpu_memory() -> dict[str, int]:

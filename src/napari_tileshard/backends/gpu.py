@@ -20,6 +20,7 @@ batch N+1 is uploaded and tiled while batch N compresses and batch N-1 is copied
 
 from __future__ import annotations
 
+import functools
 import gc
 import threading
 import warnings
@@ -52,6 +53,18 @@ _ALIGN = 16
 #: device memory beyond the buffers: CuPy's scan scratch and pool rounding (3 MiB measured on an
 #: H100 with 256 MiB batches; tests/test_gpu_memory.py checks CuPy's count against the estimate)
 _DEVICE_SLACK = 16 << 20
+
+
+def _on_device(method):
+    """Run a GpuBackend method with its GPU current (CuPy's current device is per thread, and the
+    collector and caller threads share backends of several GPUs)."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with self.device:
+            return method(self, *args, **kwargs)
+
+    return wrapper
 
 
 def _round_up(n: int, m: int) -> int:
@@ -134,14 +147,15 @@ _warm: dict[tuple, _Resources] = {}
 _warm_lock = threading.Lock()
 
 
-def release_gpu_memory() -> dict[str, int]:
-    """Give back the buffers kept for the next recording and CuPy's cached device blocks.
+def release_gpu_memory(device: int | None = None) -> dict[str, int]:
+    """Give back the buffers kept for the next recording (of ``device``; None: every GPU) and
+    CuPy's cached blocks.
 
     Returns the bytes released (host: pinned, device).  A Writer that is recording is not affected.
     """
     with _warm_lock:
-        resources = list(_warm.values())
-        _warm.clear()
+        keys = [key for key in _warm if device is None or key[0] == device]
+        resources = [_warm.pop(key) for key in keys]
     released = {"host": 0, "device": 0}
     for r in resources:
         for kind, n in r.nbytes().items():
@@ -150,18 +164,33 @@ def release_gpu_memory() -> dict[str, int]:
     import cupy
 
     gc.collect()  # a finished Writer caught in a reference cycle may still hold tickets into its slots
-    cupy.get_default_memory_pool().free_all_blocks()
+    for d in sorted({key[0] for key in keys} | ({device} if device is not None else set())):
+        with cupy.cuda.Device(d):
+            cupy.get_default_memory_pool().free_all_blocks()
+    if device is None:
+        cupy.get_default_memory_pool().free_all_blocks()
     return released
 
 
 def _take_warm(key: tuple) -> _Resources | None:
-    """The kept resources if they fit ``key``; anything else kept is released (a new layout)."""
+    """The kept resources if they fit ``key``; anything else kept on that GPU is released (a new layout)."""
     with _warm_lock:
         resources = _warm.pop(key, None)
-        stale = bool(_warm)
+        stale = any(k[0] == key[0] for k in _warm)
     if stale:
-        release_gpu_memory()
+        release_gpu_memory(key[0])
     return resources
+
+
+def _keep_warm(resources: _Resources) -> None:
+    """Keep one batching per GPU: the newest."""
+    device = resources.key[0]
+    with _warm_lock:
+        stale = any(k[0] == device for k in _warm)
+    if stale:
+        release_gpu_memory(device)
+    with _warm_lock:
+        _warm[resources.key] = resources
 
 
 class GpuBackend(Backend):
@@ -191,6 +220,7 @@ class GpuBackend(Backend):
         batch_bytes: int | None = None,
         pyramid=None,
         threads: int | None = None,
+        device: int | None = None,
     ):
         # ``threads`` is the CPU backend's option, taken here so that one set of Writer options
         # works with either backend; the GPU runs no encode threads of its own.
@@ -220,7 +250,7 @@ class GpuBackend(Backend):
                 stacklevel=4,
             )
         self._cupy = cupy
-        self.device = cupy.cuda.Device()
+        self.device = cupy.cuda.Device(device) if device is not None else cupy.cuda.Device()
         props = cupy.cuda.runtime.getDeviceProperties(self.device.id)
         self.device_name = props["name"].decode()
         self.preferred_batch_bytes = batch_bytes or self.default_batch_bytes or self.default_batch_bytes_for(layout)
@@ -232,14 +262,16 @@ class GpuBackend(Backend):
         self._device_sources: list = []
         self._free_slots = threading.Semaphore(slots)
         self._next = 0
-        self.copy_stream = cupy.cuda.Stream(non_blocking=True)
-        self.compute_stream = cupy.cuda.Stream(non_blocking=True)
-        self.d2h_stream = cupy.cuda.Stream(non_blocking=True)
+        with self.device:
+            self.copy_stream = cupy.cuda.Stream(non_blocking=True)
+            self.compute_stream = cupy.cuda.Stream(non_blocking=True)
+            self.d2h_stream = cupy.cuda.Stream(non_blocking=True)
         self.tile_stride_bytes = _round_up(layout.tile_bytes, _ALIGN)
         self.output_stride = gpu_output_stride(self.nvcomp, layout.tile_bytes, self.tile_stride_bytes, _ALIGN)
 
     def describe(self) -> str:
-        return f"gpu ({self.device_name}, nvCOMP {self.nvcomp})" if self.nvcomp else f"gpu ({self.device_name})"
+        where = f"{self.device_name}, device {self.device.id}" if self.device.id else self.device_name
+        return f"gpu ({where}, nvCOMP {self.nvcomp})" if self.nvcomp else f"gpu ({where})"
 
     # -- sizing ------------------------------------------------------------------------
     @staticmethod
@@ -260,10 +292,11 @@ class GpuBackend(Backend):
             host = min(host, int(cls.DEFAULT_HOST_FRACTION * physical_memory))
         return MemoryBudget(host=host, device=device)
 
+    @_on_device
     def default_budget(self, physical_memory: int | None = None) -> MemoryBudget:
         free, _ = self._cupy.cuda.runtime.memGetInfo()
         with _warm_lock:  # what we keep for the next recording is ours to reuse
-            free += sum(r.nbytes()["device"] for r in _warm.values())
+            free += sum(r.nbytes()["device"] for k, r in _warm.items() if k[0] == self.device.id)
         return self.budget_for(free, physical_memory)
 
     @staticmethod
@@ -307,6 +340,7 @@ class GpuBackend(Backend):
         device = slots * per_slot + mirrors + levels + geometry + temp_bytes + _DEVICE_SLACK
         return {"host": host, "device": device}
 
+    @_on_device
     def memory_estimate(self, batch_bytes: int, staging_buffers: int) -> dict[str, int]:
         epochs = max(1, batch_bytes // self.layout.epoch_bytes)
         return self.estimate(
@@ -326,6 +360,7 @@ class GpuBackend(Backend):
     def _temp_bytes(self, chunks: int) -> int:
         return gpu_temp_bytes(self.nvcomp, chunks, self.layout.tile_bytes, self.compute_stream.ptr)
 
+    @_on_device
     def allocate_staging(self, nbytes: int) -> np.ndarray:
         """A pinned host buffer plus its device mirror (the batch's input on the GPU).
 
@@ -346,6 +381,7 @@ class GpuBackend(Backend):
         resources.staging.append(staging)
         return staging
 
+    @_on_device
     def write_device(self, staging, offset: int, data) -> None:
         """Enqueue a device-to-device copy of ``data`` (1-D uint8 CuPy array) into the mirror."""
         cupy = self._cupy
@@ -465,6 +501,7 @@ class GpuBackend(Backend):
         return geometries[epochs]
 
     # -- pipeline ----------------------------------------------------------------------
+    @_on_device
     def submit(self, staging, epochs, host_ranges=None, rows=None) -> GpuTicket:
         cupy = self._cupy
         layout = self.layout
@@ -532,6 +569,7 @@ class GpuBackend(Backend):
         slot.ready.record(stream)
         return GpuTicket(slot, epochs, consumed)
 
+    @_on_device
     def result(self, ticket: GpuTicket):
         cupy = self._cupy
         runtime = cupy.cuda.runtime
@@ -565,6 +603,7 @@ class GpuBackend(Backend):
         slot.ready.synchronize()
 
     # -- benchmark hooks (benchmarks/gpu_ceiling.py): one stage alone, on the backend's own buffers --
+    @_on_device
     def upload_async(self, staging, stream=None) -> None:
         """Enqueue the pinned host-to-device copy of ``staging`` into its device mirror, as ``submit``
         uploads it, on ``stream`` (default: the copy stream)."""
@@ -575,6 +614,7 @@ class GpuBackend(Backend):
             mirror.data.ptr, staging.ctypes.data, staging.nbytes, runtime.memcpyHostToDevice, stream.ptr
         )
 
+    @_on_device
     def compress_async(self, ticket: GpuTicket, stream=None) -> None:
         """Enqueue the compress stage again over the tiles of ``ticket``'s batch (after ``result``,
         before the next ``submit`` reuses its slot), on ``stream`` (default: the compute stream)."""
@@ -591,16 +631,19 @@ class GpuBackend(Backend):
             stream or self.compute_stream,
         )
 
+    @_on_device
     def compressed_bytes(self, ticket: GpuTicket) -> int:
         """Compressed bytes of every tile of ``ticket``'s batch (synchronises with the device)."""
         return int(ticket.slot.d_sizes[: ticket.epochs * self.pyramid.tiles_per_epoch].sum())
 
+    @_on_device
     def staging_free(self, ticket: GpuTicket, block=True):
         if block:
             ticket.consumed.synchronize()
             return True
         return ticket.consumed.done
 
+    @_on_device
     def close(self):
         """Wait for the streams; the buffers stay allocated for the next recording of the same
         batching (:func:`release_gpu_memory` gives them back), unless a device error was seen."""
@@ -614,12 +657,7 @@ class GpuBackend(Backend):
             resources, self._resources = self._resources, None
             self._device_sources.clear()
             if resources is not None and self._healthy:
-                with _warm_lock:
-                    stale = bool(_warm)
-                if stale:
-                    release_gpu_memory()  # keep one batching: the newest
-                with _warm_lock:
-                    _warm[resources.key] = resources
+                _keep_warm(resources)
             else:
                 del resources
                 self._cupy.get_default_memory_pool().free_all_blocks()
