@@ -22,9 +22,7 @@ def digest(path):
 
 
 def test_devices_need_the_gpu_backend(tmp_path):
-    with pytest.raises(
-        ValueError, match=r"devices=\[0, 1\] selects GPUs: it needs backend='gpu' \(got backend='cpu'\)"
-    ):
+    with pytest.raises(ValueError, match=r"devices=\[0, 1\] selects GPUs: it needs backend='gpu' \(got 'cpu'\)"):
         Writer(tmp_path / "x.zarr", layout(), backend="cpu", devices=[0, 1])
     assert not (tmp_path / "x.zarr").exists()
 
