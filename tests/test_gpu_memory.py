@@ -92,7 +92,10 @@ def test_a_device_budget_below_one_tile_epoch_names_the_minimum(tmp_path):
 def test_a_second_recording_reuses_the_buffers_arms_fast_and_writes_the_same_bytes(tmp_path, gpu, frames):
     _, first_arm, first_held = record(tmp_path / "a.zarr", layout_2048(), frames)
     _, second_arm, second_held = record(tmp_path / "b.zarr", layout_2048(), frames)
-    assert second_held == first_held  # the same buffers, not new ones
+    # the same device buffers, not new ones (pinned output buffers may still be pinning in the
+    # background while the first recording runs, so host bytes held are compared with the estimate)
+    assert second_held["device"] == first_held["device"]
+    assert first_held["host"] <= second_held["host"] <= 2 << 30
     assert second_arm < 0.2, f"second arm took {second_arm:.3f} s (first {first_arm:.3f} s)"
     assert digest(tmp_path / "a.zarr") == digest(tmp_path / "b.zarr")
     released = release_gpu_memory()
