@@ -7,7 +7,7 @@ import zarr
 pytest.importorskip("napari")
 pytest.importorskip("qtpy")
 
-from napari_tileshard import Dim, Layout, SyntheticCamera, verify  # noqa: E402
+from napari_tileshard import Dim, Layout, SyntheticCamera, Writer, verify  # noqa: E402
 from napari_tileshard.recorder import RecorderSettings  # noqa: E402
 
 pytestmark = pytest.mark.qt
@@ -92,8 +92,8 @@ def test_invalid_settings_disable_start_and_explain(widget, tmp_path):
     assert not widget.start_button.isEnabled() and "scale must be a positive" in form.message.text()
     form.table.item(1, 4).setText("0.65")
     assert widget.start_button.isEnabled() and widget.settings.layout.dims[1].scale == 0.65
-    (tmp_path / "v.zarr").mkdir()
-    (tmp_path / "v.zarr" / "zarr.json").write_text("{}")
+    with Writer(tmp_path / "v.zarr", small_layout(), backend="cpu") as writer:  # an earlier recording
+        writer.append(np.zeros((4, 64, 48), np.uint16))
     form.output.setText("")
     assert "output path is empty" in form.message.text()
     form.output.setText(str(tmp_path / "v.zarr"))

@@ -59,10 +59,34 @@ class Inspection:
         return tuple(min(s, m * c) for s, m, c in zip(self.shape, self.chunk_bytes.shape, self.chunk_shape))
 
     @property
+    def valid_chunk_bytes(self) -> np.ndarray:
+        """Uncompressed bytes of each chunk of the map that lie inside ``shape``: an edge chunk's
+        padding is stored compressed but is not data, so ratios leave it out."""
+        itemsize = self.uncompressed_chunk_bytes // max(1, math.prod(self.chunk_shape))
+        extents = [
+            np.clip(size - np.arange(n) * c, 0, c)
+            for size, n, c in zip(self.shape, self.chunk_bytes.shape, self.chunk_shape)
+        ]
+        valid = np.ones((), dtype=np.int64) * itemsize
+        for extent in extents:
+            valid = np.multiply.outer(valid, extent)
+        return valid
+
+    @property
     def chunk_ratio(self) -> np.ndarray:
-        """Compression ratio per chunk (NaN where empty)."""
+        """Compression ratio per chunk, of the data inside ``shape`` (NaN where empty)."""
         with np.errstate(divide="ignore", invalid="ignore"):
-            return np.where(self.chunk_bytes > 0, self.uncompressed_chunk_bytes / self.chunk_bytes, np.nan)
+            return np.where(self.chunk_bytes > 0, self.valid_chunk_bytes / self.chunk_bytes, np.nan)
+
+
+def _valid_bytes(shape, chunk_shape, coords, per_shard, present, result: Inspection) -> int:
+    """Uncompressed bytes of the shard's present chunks that lie inside the array (no padding)."""
+    itemsize = result.uncompressed_chunk_bytes // max(1, math.prod(chunk_shape))
+    valid = np.ones((), dtype=np.int64) * itemsize
+    for size, c, shard_coord, n in zip(shape, chunk_shape, coords, per_shard):
+        first = shard_coord * n
+        valid = np.multiply.outer(valid, np.clip(size - (first + np.arange(n)) * c, 0, c))
+    return int(valid.reshape(-1)[present.reshape(-1)].sum())
 
 
 def inspect_array(path) -> Inspection:
@@ -128,7 +152,8 @@ def inspect_array(path) -> Inspection:
             chunk_bytes[region] = nbytes[tuple(slice(0, r.stop - r.start) for r in region)]
         stored = int(nbytes[nbytes > 0].sum())
         count = int(present.sum())
-        ratio = count * result.uncompressed_chunk_bytes / stored if stored else float("nan")
+        data = _valid_bytes(shape, chunk_shape, coords, per_shard, present, result)
+        ratio = data / stored if stored else float("nan")
         result.shards.append(ShardInfo(key, coords, size, count, chunks, stored, ratio, bool(crc_ok)))
     return result
 

@@ -81,8 +81,16 @@ class RecorderSettings:
         if not str(self.output).strip():
             raise ValueError("the output path is empty")
         path = Path(self.output).expanduser()
+        if path.exists() and not path.is_dir():
+            raise FileExistsError(f"output {str(path)!r} exists and is not a directory")
         if path.exists() and any(path.iterdir()) and not self.overwrite:
             raise FileExistsError(f"output {str(path)!r} already exists; choose another path or allow overwrite")
+        if self.overwrite:
+            from .store import overwrite_refusal
+
+            refusal = overwrite_refusal(path)  # the Writer's own rule, checked before anything starts
+            if refusal:
+                raise FileExistsError(refusal)
 
     def pyramid(self) -> Pyramid:
         """The levels this recording writes (level 0 only without ``ome``): the Writer plans the

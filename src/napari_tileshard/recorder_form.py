@@ -44,11 +44,52 @@ def layout_from_rows(rows: Sequence[Sequence[str]], dtype: str, source=None) -> 
     if source is not None:
         dtype = np.dtype(source.data.dtype).name
         shape = tuple(np.shape(source.data))
-        frame = shape[-2:] if len(dims) >= 3 else shape[-1:]
+        frame = shape[-frame_dims(len(dims)) :]
         expected = tuple(d.size for d in dims[-len(frame) :])
         if frame != expected:
             raise ValueError(f"layer {source.name!r} has frames of shape {frame} but the dimensions give {expected}")
     return Layout(dims, dtype)
+
+
+def frame_dims(rank: int) -> int:
+    """How many trailing dims a frame spans: the last two for rank >= 3, the last one otherwise."""
+    return 2 if rank >= 3 else 1
+
+
+def proposed_tiling(size: int) -> tuple[int, int]:
+    """(tile, tiles per shard) for a frame dim of ``size``: tiles of at most 256 (the whole dim
+    when smaller), up to 4 of them per shard."""
+    tile = max(1, min(256, size))
+    return tile, max(1, min(4, -(-size // tile)))
+
+
+def rows_for_frames(rows: Sequence[Sequence[str]], frame_shape: Sequence[int]) -> list[list[str]]:
+    """The table's ``rows`` with the frame dims resized to ``frame_shape`` (a layer's frames) and
+    tiles proposed to fit; other dims, names, scales and units stay as the user set them."""
+    table: list[list[str]] = [list(r) for r in rows]
+    n = frame_dims(len(table))
+    frame = tuple(int(v) for v in frame_shape)[-n:]
+    for row, size in zip(table[-n:], frame):
+        tile, per_shard = proposed_tiling(size)
+        row[1:4] = [str(size), str(tile), str(per_shard)]
+    return table
+
+
+def next_output(path: str) -> str:
+    """A fresh name for the next recording after ``path``: ``recording.zarr`` -> ``recording-002.zarr``,
+    ``recording-002.zarr`` -> ``recording-003.zarr``, skipping names that exist."""
+    from pathlib import Path
+
+    p = Path(path)
+    suffix = "".join(p.suffixes[-2:]) if p.name.endswith(".ome.zarr") else p.suffix
+    stem = p.name[: len(p.name) - len(suffix)] if suffix else p.name
+    base, _, number = stem.rpartition("-")
+    if not (base and number.isdigit()):
+        base, number = stem, "1"
+    n = int(number) + 1
+    while (p.parent / f"{base}-{n:03d}{suffix}").exists():
+        n += 1
+    return str(p.parent / f"{base}-{n:03d}{suffix}")
 
 
 def figures(settings: RecorderSettings) -> str:

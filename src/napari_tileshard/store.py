@@ -258,6 +258,20 @@ def _chunks(tree, rel, plan) -> None:
     plan.dirs.append(rel)
 
 
+def overwrite_refusal(path) -> str | None:
+    """Why ``overwrite=True`` would refuse the local directory ``path`` (it holds something this
+    recorder did not write), or None when it may be replaced (or does not exist / is empty).
+    Read-only: what a form checks before Start, by the same rules the Writer applies."""
+    root = Path(path).expanduser()
+    if not root.exists():
+        return None
+    if not root.is_dir():
+        return f"output path {str(root)!r} exists and is not a directory"
+    if not any(root.iterdir()):
+        return None
+    return _recognise(_LocalTree(root.resolve())).refusal(str(root))
+
+
 class _LocalTree:
     def __init__(self, root: Path):
         self.root = root

@@ -106,15 +106,19 @@ class PreviewLayer(QObject):
         if data is None:
             return
         with _synchronous_dask():
-            self._show(data, names, newest)
+            self._show(data, names, newest, final)
 
-    def _show(self, data, names, newest) -> None:
+    def _show(self, data, names, newest, final=False) -> None:
         multiscale = isinstance(data, list)
         if self.layer is None or self.layer not in self.viewer.layers or multiscale != bool(self.layer.multiscale):
             self._add(data, names, newest)
         else:
-            if self.placeholder and newest:
-                self.layer.contrast_limits = contrast_limits(newest[0][1])
+            if self.placeholder and (newest or final):  # final: a partial epoch written at close
+                self.layer.data = data
+                if newest:
+                    self.layer.contrast_limits = contrast_limits(newest[0][1])
+                else:
+                    self.layer.reset_contrast_limits()
                 self.layer.name = self.layer.name.split(" (")[0]
                 self.placeholder = False
                 if self.layer.multiscale:

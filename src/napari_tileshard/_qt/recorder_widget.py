@@ -11,10 +11,13 @@ The recording loop itself is :class:`napari_tileshard.recorder.Recorder`, free o
 
 from __future__ import annotations
 
-from qtpy.QtCore import QTimer
+from pathlib import Path
+
+from qtpy.QtCore import QEvent, QTimer
 from qtpy.QtWidgets import QHBoxLayout, QLabel, QPushButton, QVBoxLayout, QWidget
 
 from ..recorder import RecorderSettings, RecorderStats
+from ..recorder_form import next_output
 from .preview_layer import PreviewLayer
 from .recording_controller import RecordingController
 from .settings_form import SettingsForm
@@ -29,6 +32,7 @@ class RecorderWidget(QWidget):
         self.form = SettingsForm(napari_viewer, self)
         self.controller = RecordingController(self)
         self.preview = PreviewLayer(napari_viewer, self)
+        self._last_output: str | None = None  # the store of the last recording (Inspect opens it)
 
         layout = QVBoxLayout(self)
         layout.addWidget(self.form)
@@ -105,7 +109,10 @@ class RecorderWidget(QWidget):
 
         inspector = InspectorWidget(self.viewer)
         self.viewer.window.add_dock_widget(inspector, name="Inspect shards", area="right")
-        inspector.open(self.form.output.text())
+        target = self.form.output.text()
+        if self._last_output and not Path(target).expanduser().exists():
+            target = self._last_output  # after a recording the form already names the next one
+        inspector.open(target)
         inspector.live.setChecked(self.is_recording)
         return inspector
 
@@ -115,9 +122,17 @@ class RecorderWidget(QWidget):
         self.preview.finish(stats.rows_complete)
         self.stop_button.setEnabled(False)
         self.form.freeze(False)
+        recorded = self._last_output = self.form.output.text()
+        if not stats.error:  # the next Start must not meet "already exists": a fresh name, said plainly
+            self.form.output.setText(next_output(recorded))
         self.form.validate()
         if stats.error:  # after validate(), which would replace the message
-            self.form.show_error(f"recording stopped: {stats.error} (what was written stays readable)")
+            kept = "what was written stays readable" if stats.rows_complete else "nothing was written"
+            self.form.show_error(f"recording stopped: {stats.error} ({kept})")
+        else:
+            self.form.show_info(
+                f"recorded {stats.frames} frames into {recorded}; the next recording goes to {self.form.output.text()}"
+            )
 
     def _refresh_stats(self) -> None:
         s = self.stats
@@ -139,3 +154,11 @@ class RecorderWidget(QWidget):
     def closeEvent(self, event):
         self.stop(wait=True)
         super().closeEvent(event)
+
+    def event(self, event):
+        # The dock's close button (napari's destroyOnClose) takes the widget out of its dock
+        # (setParent(None)) and deletes the dock: no closeEvent reaches us.  A recording left
+        # running without a UI to stop it would fill the disk: finish it.
+        if event.type() == QEvent.Type.ParentChange and self.parent() is None:
+            self.stop(wait=True)
+        return super().event(event)

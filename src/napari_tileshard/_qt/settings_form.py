@@ -34,11 +34,12 @@ from ..backends import gpu_unavailable_reason
 from ..layout import SUPPORTED_DTYPES
 from ..pyramid import DOWNSAMPLE
 from ..recorder import POLICIES, RecorderSettings
-from ..recorder_form import COLUMNS, DEFAULT_DIMS, SYNTHETIC, figures, layout_from_rows
+from ..recorder_form import COLUMNS, DEFAULT_DIMS, SYNTHETIC, figures, frame_dims, layout_from_rows, rows_for_frames
 
 # The one colour set by hand: errors must read as errors on both napari themes, and the themes'
 # own "error" colour is too dark to read as text on the dark one.
 ERROR_STYLE = "color: #e05050"
+INFO_STYLE = ""  # the theme's own text colour
 _BACKENDS = ("auto", "gpu", "cpu")
 
 
@@ -51,6 +52,7 @@ class SettingsForm(QWidget):
         super().__init__(parent)
         self.viewer = viewer
         self._frozen = False
+        self._watched_layer = None  # the source layer whose data changes re-adapt the table
         self._gpu_reason = gpu_unavailable_reason()
         self._build()
         viewer.layers.events.inserted.connect(self.refresh_sources)
@@ -86,7 +88,7 @@ class SettingsForm(QWidget):
 
         form = QFormLayout()
         self.source = QComboBox()
-        self.source.currentIndexChanged.connect(self.validate)
+        self.source.currentIndexChanged.connect(self._source_changed)
         form.addRow("source", self.source)
         self.dtype = QComboBox()
         self.dtype.addItems(SUPPORTED_DTYPES)
@@ -198,7 +200,37 @@ class SettingsForm(QWidget):
                 self.source.addItem(layer.name)
         self.source.setCurrentIndex(max(0, self.source.findText(current)))
         self.source.blockSignals(False)
+        self._source_changed()
+
+    def _source_changed(self, *_) -> None:
+        """A layer chosen as the source lays out the table: its frame shape and dtype (tiles
+        proposed to fit; the user can still edit them), and again when its data shape changes."""
+        layer = self.source_layer()
+        if layer is not self._watched_layer:
+            if self._watched_layer is not None:
+                self._watched_layer.events.data.disconnect(self._source_changed)
+            if layer is not None:
+                layer.events.data.connect(self._source_changed)
+            self._watched_layer = layer
+        if layer is not None and not self._frozen:
+            self._adapt_to(layer)
         self.validate()
+
+    def _adapt_to(self, layer) -> None:
+        import numpy as np
+
+        rows = [[self._cell(row, col) for col in range(len(COLUMNS))] for row in range(self.table.rowCount())]
+        frame = tuple(np.shape(layer.data))[-frame_dims(len(rows)) :]
+        current = tuple(r[1].strip() for r in rows[-len(frame) :])
+        if current != tuple(str(v) for v in frame):
+            self.table.blockSignals(True)
+            for row, values in enumerate(rows_for_frames(rows, frame)):
+                for col, value in enumerate(values):
+                    self.table.setItem(row, col, QTableWidgetItem(value))
+            self.table.blockSignals(False)
+        self.dtype.blockSignals(True)
+        self.dtype.setCurrentText(np.dtype(layer.data.dtype).name)
+        self.dtype.blockSignals(False)
 
     def source_layer(self, name: str | None = None):
         """The image layer named ``name`` (default: the selected source), None for the synthetic camera."""
@@ -277,6 +309,7 @@ class SettingsForm(QWidget):
             if settings.backend == "gpu" and self._gpu_reason:
                 raise RuntimeError(f"GPU backend unavailable: {self._gpu_reason}")
         except (ValueError, TypeError, OSError, RuntimeError) as exc:
+            self.message.setStyleSheet(ERROR_STYLE)
             self.message.setText(str(exc))
             self.figures.setText("")
             self.validated.emit(False)
@@ -289,5 +322,11 @@ class SettingsForm(QWidget):
     def show_error(self, text: str) -> None:
         from napari.utils.notifications import show_error
 
+        self.message.setStyleSheet(ERROR_STYLE)
         self.message.setText(text)
         show_error(text)
+
+    def show_info(self, text: str) -> None:
+        """A message that is not an error (e.g. where the next recording goes)."""
+        self.message.setStyleSheet(INFO_STYLE)
+        self.message.setText(text)

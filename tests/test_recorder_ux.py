@@ -1,0 +1,122 @@
+"""The recorder as a microscopist meets it (issue 14's bugs), with a real viewer under Xvfb."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zarr
+
+pytest.importorskip("napari")
+pytest.importorskip("qtpy")
+
+from napari_tileshard import Dim, Layout, Writer, verify  # noqa: E402
+from napari_tileshard.inspect_shards import inspect_array  # noqa: E402
+from napari_tileshard.recorder import RecorderSettings  # noqa: E402
+
+pytestmark = pytest.mark.qt
+
+
+def small_layout(frame=(64, 48)):
+    return Layout([Dim("t", 0, 4, 1), Dim("y", frame[0], 32, 2), Dim("x", frame[1], 16, 2)], "uint16")
+
+
+@pytest.fixture
+def docked(make_napari_viewer, qtbot):
+    """The recorder docked as napari docks a plugin widget (with its title-bar close button)."""
+    viewer = make_napari_viewer()
+    dock, widget = viewer.window.add_plugin_dock_widget("napari-tileshard", "Tile/Shard Recorder")
+    yield viewer, dock, widget
+    widget.stop(wait=True)
+
+
+def test_closing_the_dock_stops_and_finishes_the_recording(docked, qtbot, tmp_path):
+    viewer, dock, widget = docked
+    out = tmp_path / "closed.zarr"
+    widget.settings = RecorderSettings(output=str(out), layout=small_layout(), backend="cpu", fps=200.0)
+    widget.start()
+    qtbot.waitUntil(lambda: widget.stats.frames >= 20, timeout=20_000)
+    dock.destroyOnClose()  # what the dock's close button does
+    qtbot.waitUntil(lambda: not widget.is_recording, timeout=10_000)
+    state = zarr.open_array(out).attrs["tileshard"]
+    assert state["state"] == "complete"
+    rows = state["rows_written"]
+    qtbot.wait(500)  # nothing keeps writing once the dock is gone
+    assert zarr.open_array(out).attrs["tileshard"]["rows_written"] == rows
+    assert verify(out).ok
+
+
+def test_choosing_a_layer_lays_out_the_frames(docked, qtbot, tmp_path):
+    viewer, _, widget = docked
+    layer = viewer.add_image(np.zeros((96, 128), np.uint8), name="camera")
+    form = widget.form
+    form.output.setText(str(tmp_path / "layer.zarr"))
+    form.source.setCurrentText("camera")
+    settings = widget.settings  # no ValueError about mismatching frame shapes
+    assert settings.layout.shape[1:] == (96, 128) and settings.layout.dtype == np.uint8
+    assert all(t <= s for t, s in zip(settings.layout.tile_shape[1:], (96, 128)))
+    assert widget.start_button.isEnabled(), form.message.text()
+    form.table.item(1, 2).setText("32")  # the user can still edit the proposal
+    assert widget.settings.layout.tile_shape[1] == 32
+    layer.data = np.zeros((200, 300), np.uint16)  # the camera changes its ROI before Start
+    assert widget.settings.layout.shape[1:] == (200, 300) and widget.settings.layout.dtype == np.uint16
+    assert widget.start_button.isEnabled(), form.message.text()
+
+
+def test_after_a_recording_the_next_one_gets_a_fresh_name_and_no_error(docked, qtbot, tmp_path):
+    _, _, widget = docked
+    out = tmp_path / "recording.zarr"
+    widget.settings = RecorderSettings(output=str(out), layout=small_layout(), backend="cpu", fps=200.0)
+    widget.start()
+    qtbot.waitUntil(lambda: widget.stats.frames >= 8, timeout=20_000)
+    widget.stop()
+    qtbot.waitUntil(lambda: not widget.is_recording, timeout=10_000)
+    assert widget.start_button.isEnabled(), widget.form.message.text()
+    assert widget.form.output.text() == str(tmp_path / "recording-002.zarr")
+    assert "already exists" not in widget.form.message.text()
+    assert "e05050" not in widget.form.message.styleSheet()  # not shown as an error
+    assert widget.inspect().inspection is not None  # Inspect still opens the recording just made
+
+
+def test_a_short_recording_is_previewed_after_stop(docked, qtbot, tmp_path):
+    viewer, _, widget = docked
+    camera = viewer.add_image(np.zeros((64, 48), np.uint16), name="camera")
+    out = tmp_path / "short.zarr"
+    layout = Layout([Dim("t", 0, 32, 1), Dim("y", 64, 32, 2), Dim("x", 48, 16, 2)], "uint16")
+    widget.settings = RecorderSettings(output=str(out), layout=layout, backend="cpu", source="camera", policy="block")
+    widget.start()
+    for i in range(6):  # fewer than one shard epoch (32 frames)
+        camera.data = np.full((64, 48), i + 1, np.uint16)
+    widget.stop()
+    qtbot.waitUntil(lambda: not widget.is_recording, timeout=10_000)
+    layer = widget.preview.layer
+    assert "waiting" not in layer.name
+    assert layer.data.shape[0] == 6
+    np.testing.assert_array_equal(np.asarray(layer.data[5]), np.full((64, 48), 6, np.uint16))
+
+
+def test_the_mean_ratio_leaves_out_the_padding_of_a_partial_shard(tmp_path):
+    layout = Layout([Dim("t", 0, 32, 1), Dim("y", 64, 32, 2), Dim("x", 48, 16, 2)], "uint16")
+    frames = np.random.default_rng(0).integers(0, 4, (6, 64, 48)).astype(np.uint16)
+    with Writer(tmp_path / "six.zarr", layout, backend="cpu") as writer:
+        writer.append(frames)
+    inspection = inspect_array(tmp_path / "six.zarr")
+    stored = sum(s.compressed_bytes for s in inspection.shards)
+    real = frames.nbytes / stored  # 6 frames were compressed into these bytes (plus 26 of padding)
+    ratios = [s.mean_ratio for s in inspection.shards]
+    assert all(abs(r - real) / real < 0.5 for r in ratios), (ratios, real)
+    assert np.nanmax(inspection.chunk_ratio) < 32 / 6 * real
+
+
+def test_overwrite_of_a_folder_that_is_not_ours_is_refused_before_start(docked, qtbot, tmp_path):
+    viewer, _, widget = docked
+    folder = tmp_path / "thesis"
+    folder.mkdir()
+    (folder / "chapter1.docx").write_bytes(b"irreplaceable")
+    widget.settings = RecorderSettings(output=str(folder), layout=small_layout(), backend="cpu", overwrite=True)
+    assert not widget.start_button.isEnabled()
+    assert "chapter1.docx" in widget.form.message.text()
+    layers_before = len(viewer.layers)
+    widget.start()  # a programmatic start is refused the same way
+    assert not widget.is_recording and len(viewer.layers) == layers_before
+    assert (folder / "chapter1.docx").read_bytes() == b"irreplaceable"
+    assert sorted(p.name for p in Path(folder).iterdir()) == ["chapter1.docx"]
