@@ -120,3 +120,38 @@ def test_overwrite_of_a_folder_that_is_not_ours_is_refused_before_start(docked, 
     assert not widget.is_recording and len(viewer.layers) == layers_before
     assert (folder / "chapter1.docx").read_bytes() == b"irreplaceable"
     assert sorted(p.name for p in Path(folder).iterdir()) == ["chapter1.docx"]
+
+
+def test_the_reader_carries_ome_units_into_the_layer(make_napari_viewer, tmp_path):
+    layout = Layout(
+        [
+            Dim("t", 0, 4, 1, unit="second", scale=0.5),
+            Dim("y", 64, 32, 2, unit="micrometer", scale=0.65),
+            Dim("x", 48, 16, 2, unit="micrometer", scale=0.65),
+        ],
+        "uint16",
+    )
+    with Writer(tmp_path / "units.ome.zarr", layout, backend="cpu", ome=True) as writer:
+        writer.append(np.zeros((8, 64, 48), np.uint16))
+    viewer = make_napari_viewer()
+    (layer,) = viewer.open(str(tmp_path / "units.ome.zarr"), plugin="napari-tileshard")
+    assert [str(u) for u in layer.units] == ["second", "micrometer", "micrometer"]
+    assert list(layer.scale) == [0.5, 0.65, 0.65]
+
+
+def test_the_recorder_and_the_inspector_are_in_the_menus(make_napari_viewer):
+    from napari._app_model import get_app_model
+
+    make_napari_viewer()
+    app = get_app_model()
+
+    def titles(menu):
+        return [
+            getattr(getattr(i, "command", None), "title", None) or getattr(i, "title", None)
+            for i in app.menus.get_menu(menu)
+        ]
+
+    assert "Tile/Shard Recorder (napari-tileshard)" in titles("napari/file/acquire")
+    assert "Inspect shards (napari-tileshard)" in titles("napari/file/io_utilities")
+    # the Plugins submenu is named after the plugin, not after one of its widgets
+    assert "napari-tileshard" in titles("napari/plugins")

@@ -167,6 +167,9 @@ def read_zarr(path):
         scale = _level0_scale(root)
         if scale and len(scale) == levels[0].ndim:
             meta["scale"] = scale
+        units = _axis_units(root)
+        if units and len(units) == levels[0].ndim:
+            meta["units"] = units
         # Lazy (dask): napari's multiscale slicing crops every row of a level before picking one.
         import dask.array as da
 
@@ -225,6 +228,28 @@ def _level0_scale(group):
         return [float(v) for v in next(t["scale"] for t in transforms if t.get("type") == "scale")]
     except (KeyError, IndexError, TypeError, ValueError, StopIteration, AttributeError):
         return None
+
+
+def _axis_units(group):
+    """The OME axes' units for napari (``layer.units``; "pixel" where an axis has none), or None
+    when none is given or one is not a unit napari knows."""
+    try:
+        axes = group.attrs["ome"]["multiscales"][0]["axes"]
+        units = [axis.get("unit") for axis in axes]
+    except (KeyError, IndexError, TypeError, AttributeError):
+        return None
+    if not any(units):
+        return None
+    import pint
+
+    registry = pint.get_application_registry()
+    try:
+        for unit in units:
+            if unit:
+                registry.Unit(unit)
+    except (pint.errors.UndefinedUnitError, ValueError, TypeError):
+        return None
+    return [unit or "pixel" for unit in units]
 
 
 def _meta(path: Path, names):
