@@ -155,3 +155,30 @@ def test_the_recorder_and_the_inspector_are_in_the_menus(make_napari_viewer):
     assert "Inspect shards (napari-tileshard)" in titles("napari/file/io_utilities")
     # the Plugins submenu is named after the plugin, not after one of its widgets
     assert "napari-tileshard" in titles("napari/plugins")
+
+
+def test_a_slow_preview_read_never_holds_back_frames(docked, qtbot, tmp_path, monkeypatch):
+    import time
+
+    import napari_tileshard._qt.recording_controller as controller
+
+    real = controller.read_newest
+
+    def slow_read(*args, **kwargs):  # a store that takes a second to read back (network share)
+        time.sleep(1.0)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(controller, "read_newest", slow_read)
+    _, _, widget = docked
+    out = tmp_path / "slow.zarr"
+    widget.settings = RecorderSettings(
+        output=str(out), layout=small_layout(), backend="cpu", fps=200.0, policy="drop", queue_frames=16
+    )
+    widget.start()
+    qtbot.wait(2500)
+    widget.stop()
+    qtbot.waitUntil(lambda: not widget.is_recording, timeout=15_000)
+    stats = widget.stats
+    assert stats.dropped == 0, f"{stats.dropped} frames dropped while the preview read"
+    assert stats.frames >= 300  # ~200 fps for 2.5 s
+    assert verify(out).ok

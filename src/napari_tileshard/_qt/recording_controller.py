@@ -6,6 +6,7 @@ however the recording ends (Stop, an error, the dock or the whole viewer closing
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
 import numpy as np
 from qtpy.QtCore import QEvent, QObject, QThread, Signal
@@ -17,9 +18,11 @@ from ..recorder import Recorder, RecorderSettings, RecorderStats
 class _RecorderThread(QThread):
     """Runs :meth:`Recorder.run` and relays its callbacks as signals.
 
-    On progress it also reads the newest complete frame of every level back from the store, here
-    rather than on the GUI thread, so the preview shows it without decoding tiles on the event
-    loop.
+    On progress the newest complete frame of every level is read back from the store for the
+    preview — on a reader thread of its own, never on the recording thread (a slow read must not
+    hold back frames) nor on the GUI thread (no tile decoding on the event loop).  The reader
+    keeps only the latest progress: when reads are slower than shard epochs complete, it skips
+    to the newest.
     """
 
     progress = Signal(object, object)  # stats, [(row, frame) per level] or None
@@ -29,18 +32,42 @@ class _RecorderThread(QThread):
         super().__init__(parent)
         self.recorder = recorder
         self._pyramid = recorder.settings.pyramid()
+        self._pending: RecorderStats | None = None
+        self._wake = threading.Condition()
+        self._done = False
+        self._reader = threading.Thread(target=self._read_loop, name="tileshard-preview-read", daemon=True)
         recorder.on_progress = self._progress
-        recorder.on_finished = self.finished_recording.emit
+        recorder.on_finished = self._finished
 
     def _progress(self, stats: RecorderStats) -> None:
+        with self._wake:  # the recording thread only leaves a note: O(1), never a read
+            self._pending = replace(stats)
+            self._wake.notify()
+
+    def _read_loop(self) -> None:
         settings = self.recorder.settings
-        try:
-            newest = read_newest(settings.output, self._pyramid, stats.rows_complete, settings.ome) or None
-        except Exception:  # noqa: BLE001 - the preview is best effort; the recording goes on
-            newest = None
-        self.progress.emit(stats, newest)
+        while True:
+            with self._wake:
+                self._wake.wait_for(lambda: self._pending is not None or self._done)
+                stats, self._pending = self._pending, None
+                if stats is None:
+                    return
+            try:
+                newest = read_newest(settings.output, self._pyramid, stats.rows_complete, settings.ome) or None
+            except Exception:  # noqa: BLE001 - the preview is best effort; the recording goes on
+                newest = None
+            self.progress.emit(stats, newest)
+
+    def _finished(self, stats: RecorderStats) -> None:
+        with self._wake:
+            self._done = True
+            self._pending = None  # the final state is shown from the finalized store
+            self._wake.notify()
+        self._reader.join()
+        self.finished_recording.emit(stats)
 
     def run(self) -> None:
+        self._reader.start()
         self.recorder.run()
 
 
