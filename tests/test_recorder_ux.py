@@ -182,3 +182,36 @@ def test_a_slow_preview_read_never_holds_back_frames(docked, qtbot, tmp_path, mo
     assert stats.dropped == 0, f"{stats.dropped} frames dropped while the preview read"
     assert stats.frames >= 300  # ~200 fps for 2.5 s
     assert verify(out).ok
+
+
+def test_the_inspectors_refresh_reads_indexes_off_the_gui_thread(make_napari_viewer, qtbot, tmp_path, monkeypatch):
+    import time
+
+    import napari_tileshard._qt.inspector_widget as inspector_module
+    from napari_tileshard._qt.inspector_widget import InspectorWidget
+
+    out = tmp_path / "growing.zarr"
+    writer = Writer(out, small_layout(), backend="cpu")
+    viewer = make_napari_viewer()
+    inspector = InspectorWidget(viewer)
+    inspector.open(out)  # a recording that has written nothing yet
+    assert inspector.inspection is not None and not inspector.inspection.shards
+    writer.append(np.zeros((4, 64, 48), np.uint16))
+    writer.flush()
+    inspector.open(out)
+    shards_before = len(inspector.inspection.shards)
+    assert shards_before
+    writer.append(np.ones((8, 64, 48), np.uint16))
+    writer.close()
+    real = inspector_module.inspect_array
+
+    def slow_inspect(path):  # thousands of shards: seconds of index reads
+        time.sleep(1.0)
+        return real(path)
+
+    monkeypatch.setattr(inspector_module, "inspect_array", slow_inspect)
+    started = time.perf_counter()
+    inspector.refresh()
+    assert time.perf_counter() - started < 0.2  # the GUI thread did not wait for the reads
+    qtbot.waitUntil(lambda: len(inspector.inspection.shards) > shards_before, timeout=10_000)
+    qtbot.waitUntil(lambda: not inspector.refreshing, timeout=5_000)

@@ -50,6 +50,7 @@ class InspectorWidget(QWidget):
         self.inspection: Inspection | None = None
         self.path: str | None = None
         self._layers: dict = {}
+        self._refreshing = None  # the background refresh worker, while one runs
         layout = QVBoxLayout(self)
         row = QHBoxLayout()
         self.path_edit = QLineEdit()
@@ -106,9 +107,33 @@ class InspectorWidget(QWidget):
         self._show(inspection)
 
     def refresh(self) -> None:
-        """Re-read the indexes (a recording in progress adds shards)."""
-        if self.path:
-            self.open(self.path)
+        """Re-read the indexes in the background (a recording in progress adds shards): reading
+        thousands of indexes takes seconds, which the GUI thread must not wait for.  A refresh
+        while one is running is skipped; the result is shown when it arrives."""
+        if not self.path or self._refreshing is not None:
+            return
+        from napari.qt.threading import create_worker
+
+        path = self.path
+        worker = create_worker(inspect_array, path, _start_thread=False)
+        worker.returned.connect(lambda inspection: self._refreshed(path, inspection))
+        worker.errored.connect(lambda exc: self.summary.setText(f"cannot inspect {path}: {exc}"))
+        worker.finished.connect(self._refresh_done)
+        self._refreshing = worker
+        worker.start()
+
+    @property
+    def refreshing(self) -> bool:
+        """True while a background refresh is reading indexes."""
+        return self._refreshing is not None
+
+    def _refreshed(self, path: str, inspection: Inspection) -> None:
+        if path == self.path:  # not replaced by another store meanwhile
+            self.inspection = inspection
+            self._show(inspection)
+
+    def _refresh_done(self) -> None:
+        self._refreshing = None
 
     def _show(self, result: Inspection) -> None:
         name = Path(self.path or "").name
@@ -129,7 +154,9 @@ class InspectorWidget(QWidget):
         )
         ratio = result.chunk_ratio.astype(np.float32)
         key = "chunk ratio"
-        if key in self._layers and self._layers[key] in self.viewer.layers:
+        if ratio.size == 0:  # no shard yet (a recording that just started): no map to draw
+            pass
+        elif key in self._layers and self._layers[key] in self.viewer.layers:
             self._layers[key].data = ratio
         else:
             # One map pixel per chunk, scaled and shifted so it covers exactly that chunk's pixels.
