@@ -26,6 +26,9 @@ def main():
     parser.add_argument(
         "--inspector-screenshot", default=None, help="after stopping, open the shard inspector and shoot"
     )
+    parser.add_argument(
+        "--inspector-live", action="store_true", help="dock the shard inspector in live mode during the recording"
+    )
     args = parser.parse_args()
 
     import napari
@@ -50,6 +53,9 @@ def main():
     timer.timeout.connect(lambda: ticks.append(time.perf_counter()))
     app = QApplication.instance()
     widget.start()
+    if args.inspector_live:
+        live = widget.inspect()  # re-reads the indexes every 2 s while recording
+        live.live.setChecked(True)
     timer.start()
     shot_at = time.perf_counter() + min(4.0, args.seconds * 0.6)
     end = time.perf_counter() + args.seconds
@@ -84,7 +90,8 @@ def main():
     stats = widget.stats
     print(
         f"GUI under recording: {stats.frames} frames of {h}x{w} uint16 at {args.fps:g} fps, backend {stats.backend}, "
-        f"dropped {stats.dropped}; event-loop ticks {len(gaps)}, worst gap {max(gaps) * 1e3:.0f} ms, "
+        f"dropped {stats.dropped}{', inspector live' if args.inspector_live else ''}; "
+        f"event-loop ticks {len(gaps)}, worst gap {max(gaps) * 1e3:.0f} ms, "
         f"99th percentile {sorted(gaps)[int(0.99 * len(gaps))] * 1e3:.0f} ms"
     )
     viewer.close()

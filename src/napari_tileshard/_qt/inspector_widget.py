@@ -51,6 +51,8 @@ class InspectorWidget(QWidget):
         self.path: str | None = None
         self._layers: dict = {}
         self._refreshing = None  # the background refresh worker, while one runs
+        self._grids: dict = {}  # grid layer key -> (plane, cell, name) it shows
+        self._table_rows: list[tuple] = []  # the text of each table row shown
         layout = QVBoxLayout(self)
         row = QHBoxLayout()
         self.path_edit = QLineEdit()
@@ -140,14 +142,14 @@ class InspectorWidget(QWidget):
         plane = result.shape[-2:]
         self._replace_shapes(
             "shard grid",
-            grid_rectangles(plane, result.shard_shape[-2:]),
+            (plane, result.shard_shape[-2:]),
             edge_color="yellow",
             edge_width=max(1, plane[-1] // 300),
             name=name,
         )
         self._replace_shapes(
             "tile grid",
-            grid_rectangles(plane, result.chunk_shape[-2:]),
+            (plane, result.chunk_shape[-2:]),
             edge_color="cyan",
             edge_width=max(1, plane[-1] // 1000),
             name=name,
@@ -172,9 +174,11 @@ class InspectorWidget(QWidget):
             )
             layer.colorbar.visible = True
             self._layers[key] = layer
-        self.table.setRowCount(len(result.shards))
-        for i, shard in enumerate(result.shards):
-            values = (
+        # Rows whose text is unchanged keep their items: a live refresh of a growing recording
+        # then only adds the new shards' rows instead of rebuilding thousands of items.
+        shown = self._table_rows
+        rows = [
+            (
                 shard.key,
                 f"{shard.file_bytes}",
                 f"{shard.chunks_present} / {shard.chunks_possible}",
@@ -182,8 +186,17 @@ class InspectorWidget(QWidget):
                 "ok" if shard.crc_ok else "mismatch",
                 self._check_text(shard.key),
             )
+            for shard in result.shards
+        ]
+        self.table.setUpdatesEnabled(False)
+        self.table.setRowCount(len(rows))
+        for i, values in enumerate(rows):
+            if i < len(shown) and shown[i] == values:
+                continue
             for j, value in enumerate(values):
                 self.table.setItem(i, j, QTableWidgetItem(value))
+        self.table.setUpdatesEnabled(True)
+        self._table_rows = rows
         empty = int((result.chunk_bytes == EMPTY_CHUNK).sum())
         bad = sum(not s.crc_ok for s in result.shards)
         self.summary.setText(
@@ -248,12 +261,19 @@ class InspectorWidget(QWidget):
         worker.start()
         return worker
 
-    def _replace_shapes(self, key, rectangles, edge_color, edge_width, name):
+    def _replace_shapes(self, key, grid, edge_color, edge_width, name):
+        """The grid ``(plane, cell)`` as a Shapes layer; kept as it is when a refresh gives the same
+        grid (a recording grows along the append dim only): re-adding layers stalls the GUI."""
         visible = (self.shard_grid if key == "shard grid" else self.tile_grid).isChecked()
-        if key in self._layers and self._layers[key] in self.viewer.layers:
+        present = key in self._layers and self._layers[key] in self.viewer.layers
+        signature = (tuple(grid[0]), tuple(grid[1]), name)
+        if present and self._grids.get(key) == signature:
+            return
+        if present:
             self.viewer.layers.remove(self._layers[key])
+        self._grids[key] = signature
         self._layers[key] = self.viewer.add_shapes(
-            rectangles,
+            grid_rectangles(*grid),
             shape_type="rectangle",
             edge_color=edge_color,
             face_color="transparent",
