@@ -30,6 +30,8 @@ from napari_tileshard import SyntheticCamera, Writer, release_gpu_memory  # noqa
 
 
 def stream(out, layout, camera, frames, devices, budget, append, result):
+    # the budget is per GPU: device memory is bounded per GPU, pinned host memory in total
+    budget = {**budget, "max_host_bytes": budget["max_host_bytes"] * len(devices)}
     writer = Writer(out, layout, backend="gpu", overwrite=True, devices=devices, **budget)
     filled_once = 3 * len(devices) * writer.batch_bytes // camera.frame_bytes
     cpu0, t0 = time.process_time(), time.perf_counter()
@@ -59,6 +61,7 @@ def main():
     parser.add_argument("--max-device-gib", type=float, default=8)
     parser.add_argument("--max-host-gib", type=float, default=4)
     parser.add_argument("--append", action="store_true")
+    parser.add_argument("--no-pairs", action="store_true", help="skip the two-independent-streams case")
     parser.add_argument("--out", default="/dev/shm/tileshard-multi")
     args = parser.parse_args()
     import cupy
@@ -83,7 +86,7 @@ def main():
             stream(f"{args.out}-a.zarr", layout, camera, frames, devices, budget, args.append, result)
             print(json.dumps(result), flush=True)
             release_gpu_memory()
-        if count > 1:  # two independent streams, one per GPU, at the same time
+        if count > 1 and not args.no_pairs:  # two independent streams, one per GPU, at the same time
             results = [{"tile": name, "streams": 2}, {"tile": name, "streams": 2}]
             threads = [
                 threading.Thread(
