@@ -54,6 +54,9 @@ class RecorderWidget(QWidget):
         layout.addStretch(1)
 
         self.form.validated.connect(self.start_button.setEnabled)
+        self.form.validated.connect(self._warm_gpu)
+        self._warming = None  # the GPU warm-up worker while it runs
+        self._warmed = None  # the settings signature warmed last
         self.controller.starting.connect(self.preview.begin)
         self.controller.progress.connect(self.preview.on_progress)
         self.controller.finished.connect(self._on_finished)
@@ -133,6 +136,32 @@ class RecorderWidget(QWidget):
             self.form.show_info(
                 f"recorded {stats.frames} frames into {recorded}; the next recording goes to {self.form.output.text()}"
             )
+
+    def _warm_gpu(self, ok: bool) -> None:
+        """With the GPU chosen (or auto on a machine with one), arm and release a recording of the
+        current layout in the background: Start then finds the CUDA context, compiled kernels and
+        buffers ready (``Writer.warm_up``) and arms in milliseconds."""
+        if not ok or self.is_recording or self._warming is not None or self.form.gpu_reason:
+            return
+        settings = self.form.settings
+        if settings.backend not in ("gpu", "auto"):
+            return
+        options = dict(backend="gpu", codec=settings.codec, level=settings.level, ome=settings.ome)
+        if settings.ome:
+            options["downsample"] = settings.downsample
+        layout = settings.checked_layout()
+        signature = (layout, tuple(sorted(options.items())))
+        if signature == self._warmed:
+            return
+        from napari.qt.threading import create_worker
+
+        from ..writer import Writer
+
+        worker = create_worker(Writer.warm_up, layout, _start_thread=False, **options)
+        worker.returned.connect(lambda _: setattr(self, "_warmed", signature))
+        worker.finished.connect(lambda: setattr(self, "_warming", None))
+        self._warming = worker
+        worker.start()
 
     def _refresh_stats(self) -> None:
         s = self.stats

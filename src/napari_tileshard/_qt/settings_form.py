@@ -54,6 +54,8 @@ class SettingsForm(QWidget):
         self._frozen = False
         self._watched_layer = None  # the source layer whose data changes re-adapt the table
         self._gpu_reason = gpu_unavailable_reason()
+        #: why the GPU backend can't run here (None: it can)
+        self.gpu_reason = self._gpu_reason
         self._build()
         viewer.layers.events.inserted.connect(self.refresh_sources)
         viewer.layers.events.removed.connect(self.refresh_sources)
