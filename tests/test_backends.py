@@ -120,7 +120,7 @@ def test_options_are_explicit_keywords():
     # The Writer passes threads= whatever the backend, so the GPU takes it too.
     for cls, options in (
         (CpuBackend, {"threads", "pyramid"}),
-        (GpuBackend, {"slots", "batch_bytes", "pyramid", "threads"}),
+        (GpuBackend, {"slots", "batch_bytes", "pyramid", "threads", "device"}),
     ):
         parameters = inspect.signature(cls).parameters
         assert {name for name, p in parameters.items() if p.kind is p.KEYWORD_ONLY} == options
