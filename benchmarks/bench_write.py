@@ -32,15 +32,30 @@ ENGINES = ("tileshard-gpu", "tileshard-cpu", "tensorstore", "zarr-python", "acqu
 PYRAMID_ENGINES = ("tileshard-gpu-ome", "tileshard-cpu-ome", "acquire-zarr-ome")
 
 
+TILE_CASES = {
+    "64k": (8, 64, 64),
+    "256k": (8, 128, 128),
+    "1m": (32, 128, 128),
+    "4m": (32, 256, 256),
+    # shallow tiles, 1 or 2 frames deep (a shard epoch is then one tile epoch: 1-2 frames)
+    "64k-d1": (1, 128, 256),
+    "256k-d1": (1, 256, 512),
+    "1m-d1": (1, 512, 1024),
+    "4m-d1": (1, 1024, 2048),
+    "64k-d2": (2, 128, 128),
+    "256k-d2": (2, 256, 256),
+    "1m-d2": (2, 512, 512),
+    "4m-d2": (2, 1024, 1024),
+}
+
+
 def tile_cases(names):
-    """Tile shapes (t, y, x) for uint16 from 64 KiB to 4 MiB, shards 1 x 1024 x 1024 pixels."""
-    table = {
-        "64k": (8, 64, 64),
-        "256k": (8, 128, 128),
-        "1m": (32, 128, 128),
-        "4m": (32, 256, 256),
-    }
-    return [(name, table[name]) for name in names]
+    """Tile shapes (t, y, x) for uint16 from 64 KiB to 4 MiB (``-d1``/``-d2``: 1 or 2 frames deep),
+    shards 1 x 1024 x 1024 pixels (wider where a tile is)."""
+    unknown = [name for name in names if name not in TILE_CASES]
+    if unknown:
+        raise SystemExit(f"unknown tile case(s) {', '.join(unknown)}; known: {', '.join(TILE_CASES)}")
+    return [(name, TILE_CASES[name]) for name in names]
 
 
 def layout_for(frame_shape, tile, unbounded=True, frames=None):
@@ -234,7 +249,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gib", type=float, default=4.0, help="input GiB per case")
     parser.add_argument("--frame", action="append", default=None, help="frame shape HxW (repeatable)")
-    parser.add_argument("--tiles", default="64k,256k,1m,4m")
+    parser.add_argument(
+        "--tiles", default="64k,256k,1m,4m", help=f"comma-separated tile cases: {', '.join(TILE_CASES)}"
+    )
     parser.add_argument("--engines", default=",".join(ENGINES))
     parser.add_argument("--level", type=int, default=1)
     parser.add_argument("--out", default="/dev/shm/tileshard-bench", help="where stores are written")

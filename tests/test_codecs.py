@@ -117,6 +117,58 @@ def test_encode_decode_and_bounds(name):
             codec.decode(bytes(encoded) + b"\0" * 8, tile.nbytes)  # bytes after the chunk
 
 
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("count", [0, 1, 7])
+def test_batch_encode_is_byte_identical_to_one_call_per_tile(name, count):
+    # zstd's batch path is one libzstd call for every tile (multi_compress_to_buffer): its chunks
+    # must be the frames compress() gives one tile at a time, in order, with matching sizes
+    codec = codecs.get(name).configure(_level(name), "uint16")
+    tiles = np.concatenate(
+        [_data((count, 3000), "uint16", seed=4).view(np.uint8), np.zeros((count, 2000), np.uint8)], 1
+    )
+    noisy = tiles[count // 2 :, ::7]  # the later tiles barely compress
+    noisy[...] = np.random.default_rng(5).integers(0, 256, noisy.shape, dtype=np.uint8)
+    chunks, sizes = codec.encode_tiles(tiles)
+    reference = [bytes(codec.encode(tile)) for tile in tiles]
+    assert sizes == [len(chunk) for chunk in reference]
+    assert b"".join(memoryview(c).cast("B") for c in chunks) == b"".join(reference)
+    assert [codec.decode(chunk, tiles.shape[1]) for chunk in reference] == [tile.tobytes() for tile in tiles]
+
+
+@pytest.mark.parametrize("name", ["zstd", "none"])
+def test_cpu_backend_shards_are_the_per_tile_reference_bytes(tmp_path, name):
+    """Every shard file is, byte for byte, what one independent zstandard/raw call per tile gives:
+    chunks in row-major order within the shard, then the (offset, nbytes) index and its CRC32C."""
+    import zstandard
+
+    tile, per_shard, shape = (2, 16, 16), (2, 2, 2), (7, 37, 45)
+    layout = Layout([Dim(d, s if d != "t" else 0, t, k) for d, s, t, k in zip("tyx", shape, tile, per_shard)], "uint16")
+    data = _data(shape, "uint16", seed=6)
+    with Writer(tmp_path / "a.zarr", layout, codec=name, level=_level(name), backend="cpu") as writer:
+        writer.append(data)
+    np.testing.assert_array_equal(read_back(tmp_path / "a.zarr"), data)
+
+    encode = zstandard.ZstdCompressor(level=_level(name)).compress if name == "zstd" else bytes
+    tiles_along = [-(-s // t) for s, t in zip(shape, tile)]  # tiles that hold array elements
+    padded = np.zeros([n * t for n, t in zip(tiles_along, tile)], "uint16")  # edge tiles: fill value 0
+    padded[: shape[0], : shape[1], : shape[2]] = data
+    shards = [-(-n // k) for n, k in zip(tiles_along, per_shard)]
+    for shard in np.ndindex(*shards):
+        body, index = b"", []
+        for within in np.ndindex(*per_shard):
+            t = [s * k + w for s, k, w in zip(shard, per_shard, within)]
+            if any(c >= n for c, n in zip(t, tiles_along)):
+                index.append((2**64 - 1, 2**64 - 1))  # no such tile: an edge shard's missing chunk
+                continue
+            chunk = encode(padded[tuple(slice(c * n, (c + 1) * n) for c, n in zip(t, tile))].tobytes())
+            index.append((len(body), len(chunk)))
+            body += chunk
+        raw_index = np.array(index, dtype="<u8").tobytes()
+        expected = body + raw_index + crc32c.crc32c(raw_index).to_bytes(4, "little")
+        key = "/".join(map(str, shard))
+        assert (tmp_path / "a.zarr" / "c" / key).read_bytes() == expected, key
+
+
 def test_blosc_bytes_are_zarr_pythons():
     tile = _data((4096,), "uint16")
     ours = codecs.get("blosc-lz4").configure(5, "uint16").encode(tile.view(np.uint8))

@@ -153,6 +153,23 @@ def test_shard_pieces_cover_each_shard_once(layout, seed):
                 )
 
 
+@given(layouts(), st.integers(0, 2**31))
+@settings(max_examples=60, deadline=None)
+def test_shard_tiles_into_a_reused_buffer_equal_a_fresh_array(layout, seed):
+    """The CPU backend cuts tiles into one buffer per thread, dirty from the task before: the tiles
+    (edge padding included) must not depend on what the buffer held."""
+    rng = np.random.default_rng(seed)
+    epoch = rng.integers(1, 200, (layout.epoch_rows,) + layout.shape[1:]).astype(layout.dtype)
+    dirty = np.full(layout.tiles_per_shard_inner * layout.tile_bytes + 3, 0xA5, np.uint8)
+    for shard in range(layout.inner_shard_count):
+        fresh = layout.shard_tiles(epoch, shard)
+        reused = layout.shard_tiles(epoch, shard, out=dirty)
+        np.testing.assert_array_equal(reused, fresh)
+        assert np.shares_memory(reused, dirty)
+    with pytest.raises(ValueError, match=f"at least {layout.shard_tiles(epoch, 0).nbytes} bytes"):
+        layout.shard_tiles(epoch, 0, out=np.empty(layout.shard_tiles(epoch, 0).nbytes - 1, np.uint8))
+
+
 def test_scatter_refuses_a_batch_of_partial_epochs_and_pieces_with_gaps():
     layout = Layout([Dim("t", 0, 2, 1), Dim("x", 9, 4, 2)], "uint8")
     with pytest.raises(ValueError, match="contiguous"):

@@ -9,6 +9,7 @@ The GPU backend is described, not imported: ``gpu`` says what nvCOMP does for th
 
 from __future__ import annotations
 
+import functools
 import re
 import struct
 import threading
@@ -81,8 +82,21 @@ class Codec:
         """buffer -> encoded bytes, for the calling thread (fetched once per batch of tiles)."""
         raise NotImplementedError
 
+    #: True when :meth:`encode_tiles` may return views of its input (the caller must then keep the
+    #: tiles alive and unchanged until the chunks are written)
+    encoded_tiles_alias_input: ClassVar[bool] = False
+
     def encode_tiles(self, tiles: np.ndarray) -> tuple[list, list[int]]:
-        """Encode each row of ``tiles`` (uint8, one tile per row): (buffers, encoded size per tile)."""
+        """Encode each row of ``tiles`` (uint8, one tile per row): (buffers whose concatenation is
+        the chunks in order, encoded size per tile).
+
+        The generic path: one :meth:`encode` per tile.  A codec with a native batch encoder
+        overrides it; its output must equal this one's byte for byte (``tests/test_codecs.py``).
+        """
+        return self.encode_tiles_one_by_one(tiles)
+
+    def encode_tiles_one_by_one(self, tiles: np.ndarray) -> tuple[list, list[int]]:
+        """:meth:`encode_tiles` with one encoder call per tile (the reference of batch encoders)."""
         encode = self._encoder()
         chunks = [encode(tile) for tile in tiles]
         return chunks, [len(c) for c in chunks]
@@ -129,6 +143,7 @@ class Raw(Codec):
     name = "none"
     gpu = GpuSupport(nvcomp=None)
     checks_content = False
+    encoded_tiles_alias_input = True
 
     def max_encoded_bytes(self, nbytes):
         return nbytes
@@ -169,7 +184,24 @@ class Zstd(Codec):
         return context
 
     def _encoder(self):
-        return self._context("zstd-c", lambda: zstandard.ZstdCompressor(level=self.level)).compress
+        return self._compressor().compress
+
+    def _compressor(self) -> zstandard.ZstdCompressor:
+        return self._context("zstd-c", lambda: zstandard.ZstdCompressor(level=self.level))
+
+    def encode_tiles(self, tiles):
+        # One call for all the tiles: libzstd compresses them one frame each, with the GIL
+        # released for the whole batch (per-tile calls contend for the GIL on many-core hosts).
+        # threads=1: the caller's thread does the work, the CPU backend already runs one task per
+        # core.  Same parameters and one frame per tile, so the bytes equal compress()'s.
+        count, tile_bytes = tiles.shape
+        if count == 0:
+            return [], []
+        compressed = self._compressor().multi_compress_to_buffer(
+            zstandard.BufferWithSegments(tiles, _segments(count, tile_bytes)), threads=1
+        )
+        chunks = list(compressed)  # views into the few buffers libzstd filled, no copy
+        return chunks, list(map(len, chunks))
 
     def decode(self, data, nbytes):
         # zstandard rather than zarr-python's codec: zarr's decode cannot bound its output (a
@@ -199,6 +231,15 @@ class Zstd(Codec):
     @classmethod
     def _config(cls, compressor):
         return {"level": compressor["level"]}
+
+
+@functools.lru_cache(maxsize=64)
+def _segments(count: int, nbytes: int) -> bytes:
+    """``BufferWithSegments``' (offset, length) uint64 pairs of ``count`` back-to-back pieces of ``nbytes``."""
+    segments = np.empty((count, 2), dtype=np.uint64)
+    segments[:, 0] = np.arange(count, dtype=np.uint64) * np.uint64(nbytes)
+    segments[:, 1] = nbytes
+    return segments.tobytes()
 
 
 @dataclass(frozen=True)

@@ -185,13 +185,15 @@ class LiftedStrides:
     def tile_elements(self) -> int:
         return math.prod(self.tile_shape)
 
-    def scatter(self, batch: np.ndarray) -> np.ndarray:
+    def scatter(self, batch: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """The lift evaluated with NumPy: the 1-D tile-major pool of ``batch``.
 
         ``batch`` has shape ``(k * tile_shape[0], *shape[1:])``; the pool has
         ``k * tile_stride[0]`` elements.  One copy into a view of the pool whose strides are
         exactly ``tile_stride``/``element_stride``; the batch is padded to whole tiles first only
-        when a tile overhangs it.
+        when a tile overhangs it.  ``out``: a 1-D buffer (any dtype, at least the pool's bytes)
+        the pool is written to, so a caller can reuse memory instead of faulting in fresh pages
+        for every batch; None: a new array.
         """
         n = self.tile_shape
         if batch.ndim != self.rank or tuple(batch.shape[1:]) != tuple(self.shape[1:]) or batch.shape[0] % n[0]:
@@ -206,7 +208,15 @@ class LiftedStrides:
             batch = padded
         size = counts[0] * self.tile_stride[0]
         # Slot padding is never a target of the copy below, so only then does the pool need zeros.
-        pool = (np.empty if self.tile_elements_stride == self.tile_elements else np.zeros)(size, dtype=batch.dtype)
+        if out is None:
+            pool = (np.empty if self.tile_elements_stride == self.tile_elements else np.zeros)(size, dtype=batch.dtype)
+        else:
+            nbytes = size * batch.itemsize
+            if out.ndim != 1 or out.nbytes < nbytes or not out.flags.c_contiguous:
+                raise ValueError(f"out must be a contiguous 1-D buffer of at least {nbytes} bytes, got {out.shape}")
+            pool = out.view(np.uint8)[:nbytes].view(batch.dtype)
+            if self.tile_elements_stride != self.tile_elements:
+                pool[...] = 0
         lifted_shape = [x for pair in zip(counts, n) for x in pair]
         strides = [s * pool.itemsize for pair in zip(self.tile_stride, self.element_stride) for s in pair]
         view = np.lib.stride_tricks.as_strided(pool, shape=lifted_shape, strides=strides, writeable=True)
@@ -502,7 +512,9 @@ class Layout:
             bounds[0] = slice(start, max(start, min(bounds[0].stop, bounds[0].start + stop * self.tile_shape[1])))
         return tuple(bounds)
 
-    def shard_tiles(self, epoch_rows: np.ndarray, shard: int, within_1: slice = slice(None)) -> np.ndarray:
+    def shard_tiles(
+        self, epoch_rows: np.ndarray, shard: int, within_1: slice = slice(None), out: np.ndarray | None = None
+    ) -> np.ndarray:
         """The tiles that exist in inner shard ``shard`` of one tile epoch, contiguous.
 
         ``epoch_rows`` has shape ``(tile_size[0], *size[1:])``.  Returns ``(tiles, tile_elements)``
@@ -511,11 +523,12 @@ class Layout:
         (:func:`lifted_strides` of the block's extents): its tile-major pool holds the shard's
         tiles in ``(w_1, ..., w_{D-1})`` order, and in an edge shard the tiles that exist are
         those with every ``w_d`` below the block's tile count along ``d``, the row-major subset
-        the mask selects.  ``within_1`` restricts ``w_1`` (:meth:`shard_bounds`).
+        the mask selects.  ``within_1`` restricts ``w_1`` (:meth:`shard_bounds`).  ``out``: a
+        buffer to write them to (:meth:`LiftedStrides.scatter`).
         """
         block = epoch_rows[(slice(None),) + self.shard_bounds(shard, within_1)]
         lift = lifted_strides(block.shape, self.tile_shape)
-        return lift.scatter(block).reshape(-1, self.tile_elements)
+        return lift.scatter(block, out).reshape(-1, self.tile_elements)
 
     # -- memory ---------------------------------------------------------------------------
     def compressed_tile_bound(self, codec=None) -> int:

@@ -1,9 +1,10 @@
 """CPU backend: the stages with NumPy and the codec objects, scheduled on thread pools.
 
 Work is split into one task per (tile epoch, shard [piece]): the task runs
-:func:`~.stages.tile.tile_cpu` (one NumPy copy out of the staging buffer),
-:func:`~.stages.compress.compress_cpu` (the codec's encoder releases the GIL, so tasks run truly
-in parallel) and :func:`~.stages.aggregate.slot_sizes`.  Pyramid levels come from
+:func:`~.stages.tile.tile_cpu` (one NumPy copy out of the staging buffer into its thread's reused
+tile buffer), :func:`~.stages.compress.compress_cpu` (one codec call for all the task's tiles,
+which releases the GIL for the whole batch, so tasks run truly in parallel) and
+:func:`~.stages.aggregate.slot_sizes`.  Pyramid levels come from
 :func:`~.stages.reduce.reduce_cpu` on a reducer thread, while level 0 compresses, and are encoded
 the same way.  This module only schedules: what each stage computes lives in ``stages/``.
 """
@@ -11,6 +12,7 @@ the same way.  This module only schedules: what each stage computes lives in ``s
 from __future__ import annotations
 
 import os
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
@@ -46,6 +48,7 @@ class CpuBackend(Backend):
         super().__init__(layout, codec, level, pyramid)
         self.threads = threads or os.cpu_count() or 1
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="tileshard-cpu")
+        self._scratch = threading.local()  # per pool thread: the buffer its tasks cut tiles into
         # Reductions run on their own thread: an encode task never waits on a reduction queued
         # behind it in the same pool.
         self._reducer = (
@@ -56,6 +59,14 @@ class CpuBackend(Backend):
         self.preferred_batch_bytes = max(
             self.preferred_batch_bytes, min(self._MAX_BATCH_BYTES, epochs * layout.epoch_bytes)
         )
+
+    def memory_estimate(self, batch_bytes: int, staging_buffers: int) -> dict[str, int]:
+        estimate = super().memory_estimate(batch_bytes, staging_buffers)
+        if not self.codec.encoded_tiles_alias_input:  # each pool thread's tile buffer, at most one inner shard
+            estimate["host"] += self.threads * max(
+                lay.tiles_per_shard_inner * lay.tile_bytes for lay in self.pyramid.layouts
+            )
+        return estimate
 
     def describe(self) -> str:
         return f"cpu ({self.threads} threads)"
@@ -82,10 +93,11 @@ class CpuBackend(Backend):
         tps_1 = layout.tiles_per_shard[1] if layout.rank > 1 else 1
         pieces = max(1, min(tps_1, -(-2 * self.threads // tasks)))
         bounds = np.linspace(0, tps_1, pieces + 1).astype(int)
+        piece_bytes = int(np.diff(bounds).max()) * (layout.tiles_per_shard_inner // tps_1) * layout.tile_bytes
         return [
             [
                 [
-                    self._pool.submit(self._encode_piece, layout, batch[e], shard, slice(a, b))
+                    self._pool.submit(self._encode_piece, layout, batch[e], shard, slice(a, b), piece_bytes)
                     for a, b in zip(bounds[:-1], bounds[1:])
                 ]
                 for shard in range(layout.inner_shard_count)
@@ -93,10 +105,24 @@ class CpuBackend(Backend):
             for e in range(epochs)
         ]
 
-    def _encode_piece(self, layout, epoch_rows: np.ndarray, shard: int, within_1: slice):
-        tiles = tile_cpu(layout, epoch_rows, shard, within_1)
+    def _encode_piece(self, layout, epoch_rows: np.ndarray, shard: int, within_1: slice, piece_bytes: int):
+        tiles = tile_cpu(layout, epoch_rows, shard, within_1, out=self._tile_scratch(piece_bytes))
         chunks, sizes = compress_cpu(self.codec, tiles)
         return chunks, slot_sizes(layout, shard, within_1, sizes)
+
+    def _tile_scratch(self, nbytes: int) -> np.ndarray | None:
+        """This thread's reusable buffer for the tiles of one task (None: a new array per task).
+
+        The tiles live only until the codec returned their chunks, so each pool thread reuses one
+        buffer: a fresh multi-MiB array per task costs as much CPU in page faults as the copy
+        itself.  Not when the codec's chunks are views of the tiles (``none``).
+        """
+        if self.codec.encoded_tiles_alias_input:
+            return None
+        buffer = getattr(self._scratch, "buffer", None)
+        if buffer is None or buffer.nbytes < nbytes:
+            buffer = self._scratch.buffer = np.empty(nbytes, dtype=np.uint8)
+        return buffer
 
     def result(self, ticket: CpuTicket):
         levels = [ticket.level0]
