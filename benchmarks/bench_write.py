@@ -256,7 +256,9 @@ def main(argv=None):
     parser.add_argument("--level", type=int, default=1)
     parser.add_argument("--out", default="/dev/shm/tileshard-bench", help="where stores are written")
     parser.add_argument("--json", default=None, help="write raw results here")
-    parser.add_argument("--repeat", type=int, default=1, help="runs per engine; the median is kept")
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="runs per engine, engines taking turns; the median is kept"
+    )
     args = parser.parse_args(argv)
     frames_shapes = [tuple(int(v) for v in f.split("x")) for f in (args.frame or ["2048x2048"])]
     engines = [e for e in args.engines.split(",") if e]
@@ -292,17 +294,25 @@ def main(argv=None):
                     rows.extend(gpu_ceilings(camera, frames_case, tile, args.level))
                 except Exception as exc:  # noqa: BLE001
                     print(f"# ceiling measurement failed: {exc}", flush=True)
-            for engine in engines:
-                runs = []
-                for _ in range(args.repeat):
+            # Engines take turns, round by round, each round starting with the next engine: every
+            # engine sees the same background load and none is always the first to fault its memory in.
+            runs: dict[str, list[dict]] = {engine: [] for engine in engines}
+            failed: set[str] = set()
+            for round_ in range(args.repeat):
+                for engine in engines[round_ % len(engines) :] + engines[: round_ % len(engines)]:
+                    if engine in failed:
+                        continue
                     try:
-                        runs.append(measure(engine, camera, frames_case, tile, out_root, args.level))
+                        runs[engine].append(measure(engine, camera, frames_case, tile, out_root, args.level))
                     except Exception as exc:  # noqa: BLE001 - a failing peer is reported, not fatal
                         print(f"# {engine} failed: {type(exc).__name__}: {exc}", flush=True)
-                        break
-                if runs:
-                    runs.sort(key=lambda r: r["gbps"])
-                    rows.append(runs[len(runs) // 2])
+                        failed.add(engine)
+            for engine in engines:
+                if runs[engine]:
+                    ordered = sorted(runs[engine], key=lambda r: r["gbps"])
+                    median = dict(ordered[len(ordered) // 2])
+                    median["runs_gbps"] = [r["gbps"] for r in runs[engine]]
+                    rows.append(median)
             plain = {r["engine"]: r["gbps"] for r in rows}
             for r in rows:  # a pyramid case against the same engine without the pyramid, same run
                 if r["engine"].endswith("-ome") and r["engine"][:-4] in plain:
@@ -329,6 +339,18 @@ def main(argv=None):
                 print(
                     f"{r['engine']:18s} {r['gbps']:7.2f} {r['vs_tileshard']:7.2f} {r['of_ceiling']:8.2f} "
                     f"{r.get('ratio', float('nan')):6.2f} {cpu:9.2f} {r.get('vs_no_pyramid', float('nan')):13.2f}",
+                    flush=True,
+                )
+            by_engine = {r["engine"]: r for r in rows}
+            if "tileshard-cpu" in by_engine and "tensorstore" in by_engine:
+                cpu_row, ts_row = by_engine["tileshard-cpu"], by_engine["tensorstore"]
+                runs = " ".join(
+                    f"{a:.2f}/{b:.2f}" for a, b in zip(cpu_row.get("runs_gbps", []), ts_row.get("runs_gbps", []))
+                )
+                print(
+                    f"CPU backend / tensorstore: {cpu_row['gbps'] / ts_row['gbps']:.2f}x "
+                    f"(host CPU-s/GB {cpu_row['cpu_s_per_gb']:.2f} vs {ts_row['cpu_s_per_gb']:.2f}; "
+                    f"GB/s per round {runs})",
                     flush=True,
                 )
     if args.json:
