@@ -2,6 +2,7 @@
 
 from .camera import SyntheticCamera
 from .layout import MAX_RANK, SUPPORTED_DTYPES, Dim, Layout
+from .read import ShardReader
 from .store import Sink, StoreExistsError, StoreLockedError, StoreVanishedError
 from .verify import VerifyReport, verify
 from .writer import Writer, WriterError, WriterStats
@@ -12,6 +13,7 @@ __all__ = [
     "Dim",
     "Layout",
     "Writer",
+    "ShardReader",
     "WriterError",
     "WriterStats",
     "SyntheticCamera",
