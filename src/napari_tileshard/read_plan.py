@@ -122,8 +122,8 @@ def parse_index(
     outside = present & (empty_offset | empty_nbytes | (nbytes > np.uint64(data_end)) | (offset > limit))
     outside |= present & (offset < np.uint64(data_start))
     for mask, why in (
-        (outside, "lies outside the shard data"),
         (too_big, f"holds more bytes than the codec makes of one chunk (at most {max_chunk_bytes})"),
+        (outside, "lies outside the shard data"),
         (too_small, f"holds fewer bytes than the codec makes of one chunk (at least {min_chunk_bytes})"),
     ):
         if mask.any():
