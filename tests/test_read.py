@@ -385,3 +385,24 @@ def test_gpu_reads_our_writer_and_refuses_a_corrupt_chunk(tmp_path):
     shard.write_bytes(bytes(blob))
     with pytest.raises(ChunkDecodeError, match="c/0/0/0 chunk"):
         ShardReader(tmp_path / "a.zarr", backend="gpu")[...]
+
+
+def test_napari_reader_uses_shard_reader_and_rolls_back(tmp_path, monkeypatch):
+    from napari_tileshard._reader import read_zarr
+
+    layout = Layout([Dim("t", 0, 2, 2), Dim("y", 37, 16, 2), Dim("x", 45, 16, 2)], "uint16")
+    data = _data((8, 37, 45), "uint16")
+    with Writer(tmp_path / "a.zarr", layout, backend="cpu") as writer:
+        writer.append(data)
+    with Writer(tmp_path / "o.zarr", layout, backend="cpu", ome=True) as writer:
+        writer.append(data)
+    ((layer, _, _),) = read_zarr(str(tmp_path / "a.zarr"))
+    assert isinstance(layer, ShardReader)
+    np.testing.assert_array_equal(layer[3], data[3])
+    np.testing.assert_array_equal(np.asarray(layer), data)
+    ((levels, meta, _),) = read_zarr(str(tmp_path / "o.zarr"))
+    np.testing.assert_array_equal(np.asarray(levels[0][5]), data[5])
+    assert any(isinstance(task, ShardReader) for task in levels[0].dask.values())  # dask reads through it
+    monkeypatch.setenv("TILESHARD_READER", "zarr")
+    ((layer, _, _),) = read_zarr(str(tmp_path / "a.zarr"))
+    assert isinstance(layer, zarr.Array)

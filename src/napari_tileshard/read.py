@@ -521,6 +521,17 @@ class ShardReader:
     def __getitem__(self, selection) -> np.ndarray:
         return self.read(selection)
 
+    # array-like for napari and dask: shape, dtype, ndim, size, len, __getitem__, __array__
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    def __len__(self) -> int:
+        return self.shape[0] if self.shape else 0
+
+    def __array__(self, dtype=None, copy=None):
+        return np.asarray(self.read(Ellipsis), dtype=dtype)
+
     def read(self, selection=Ellipsis, device: bool = False):
         """The selection as a NumPy array (``device=True``: a CuPy array, on the GPU backend),
         with zarr-python's dtype, shape and fill value."""
