@@ -20,6 +20,7 @@ import time
 
 import numpy as np
 
+from . import codecs
 from .read_plan import Block, ReadPlan
 
 _SLOT_ALIGN = 16  # device pool slots: nvCOMP needs 8-byte aligned outputs; 16 suits vector loads
@@ -44,6 +45,9 @@ def gpu_read_unavailable_reason(codec) -> str | None:
         return f"nvCOMP does not decode {codec.kind!r} chunks (zstd and uncompressed only)"
     if codec.big_endian:
         return "big-endian chunks are decoded on the CPU"
+    limit = codecs.get("zstd").gpu.max_chunk_bytes  # type: ignore[union-attr]
+    if codec.kind == "zstd" and codec.chunk_bytes > limit:
+        return f"chunks of {codec.chunk_bytes} bytes are larger than nvCOMP's zstd limit ({limit} bytes)"
     from .backends import gpu_unavailable_reason
 
     reason = gpu_unavailable_reason()
@@ -131,7 +135,7 @@ class GpuReadPath:
             for b, block in enumerate(plan.blocks):
                 count = block.box_chunks.size
                 pool = cupy.empty((count + 1) * self.slot_stride, dtype=dtype)
-                pool[count * self.slot_stride :] = reader.fill_value  # the fill slot
+                pool[count * self.slot_stride :] = reader.fill_value.item()  # the fill slot (a Python scalar)
                 slot_of_box = np.arange(count, dtype=np.int64)
                 slot_of_box[block.missing] = count
                 for _ in range(reads_of[b]):
