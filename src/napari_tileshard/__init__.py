@@ -3,6 +3,7 @@
 from .backends import release_gpu_memory
 from .camera import SyntheticCamera
 from .layout import MAX_RANK, SUPPORTED_DTYPES, Dim, Layout
+from .read import ShardReader
 from .store import Sink, StoreExistsError, StoreLockedError, StoreVanishedError
 from .verify import VerifyReport, verify
 from .writer import Writer, WriterError, WriterStats
@@ -13,6 +14,7 @@ __all__ = [
     "Dim",
     "Layout",
     "Writer",
+    "ShardReader",
     "WriterError",
     "WriterStats",
     "SyntheticCamera",

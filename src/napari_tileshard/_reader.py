@@ -180,6 +180,8 @@ def read_zarr(path):
                 notes.append(f"level {len(shown)}: {note}")
             if note and data.shape[0] == 0:
                 break  # a coarser level without written rows: napari needs every level non-empty
+            if not note:
+                data = fast_array(access, data, level=len(shown))
             shown.append(da.from_array(data, chunks=level.shards or level.chunks))
         if notes:
             meta["metadata"]["unwritten_rows"] = "; ".join(notes)
@@ -193,6 +195,8 @@ def read_zarr(path):
         names = root.metadata.dimension_names if root.metadata.zarr_format == 3 else None
         names = list(names) if names and all(names) else None
         array, note = written_rows(root)
+        if not note:
+            array = fast_array(access, array)
     if array is not None:
         check_displayable(array, path)
     if array is None:
@@ -203,6 +207,23 @@ def read_zarr(path):
     if 0 in array.shape:
         return [(_empty_like(array), meta, "image")]
     return [(array, meta, "image")]
+
+
+def fast_array(access, array, level: int | None = None):
+    """A :class:`~napari_tileshard.read.ShardReader` over ``array`` (coalesced shard reads, decoded
+    on threads) when it reads ``array`` natively, else ``array`` itself (zarr-python): for
+    unsharded arrays, other codec chains, or ``TILESHARD_READER=zarr``."""
+    from .read import ShardReader, reader_setting
+
+    try:
+        if reader_setting() == "zarr":
+            return array
+        reader = ShardReader(access, level=level, backend="cpu")
+    except Exception:  # noqa: BLE001 - anything unexpected: zarr-python reads it as before
+        return array
+    if reader.fallback_reason is not None or reader.shape != tuple(array.shape):
+        return array
+    return reader
 
 
 def check_displayable(array, path) -> None:

@@ -125,3 +125,109 @@ def compress_async(
         ),
         "nvcompBatchedZstdCompressAsync",
     )
+
+
+# -- decompression (ShardReader's GPU path) ------------------------------------------------------
+class DecompressOpts(ctypes.Structure):
+    """``nvcompBatchedZstdDecompressOpts_t`` (nvCOMP 5): the decompression backend (an enum,
+    0 = ``NVCOMP_DECOMPRESS_BACKEND_DEFAULT``) and 60 reserved bytes, zeroed."""
+
+    _fields_ = [("backend", ctypes.c_int), ("reserved", ctypes.c_char * 60)]
+
+
+class AlignmentRequirements(ctypes.Structure):
+    """``nvcompAlignmentRequirements_t``: minimum alignments of input, output and temp buffers."""
+
+    _fields_ = [("input", ctypes.c_size_t), ("output", ctypes.c_size_t), ("temp", ctypes.c_size_t)]
+
+
+@functools.lru_cache(maxsize=1)
+def _decompress_functions():
+    """(temp size, decompress) bound with nvCOMP 5's signatures (the header ``nvcomp/zstd.h``)."""
+    lib = load()
+    size_p = ctypes.POINTER(ctypes.c_size_t)
+    name = next(
+        (
+            n
+            for n in ("nvcompBatchedZstdDecompressGetTempSizeAsync", "nvcompBatchedZstdDecompressGetTempSize")
+            if hasattr(lib, n)
+        ),
+        None,
+    )
+    if name is None or not hasattr(lib, "nvcompBatchedZstdDecompressAsync"):
+        raise ImportError("this libnvcomp has no batched zstd decompression (nvCOMP 5 or later is needed)")
+    temp = getattr(lib, name)
+    temp.argtypes = [ctypes.c_size_t, ctypes.c_size_t, DecompressOpts, size_p, ctypes.c_size_t]
+    temp.restype = ctypes.c_int
+    decompress = lib.nvcompBatchedZstdDecompressAsync
+    decompress.argtypes = [
+        ctypes.c_void_p,  # device_compressed_chunk_ptrs
+        ctypes.c_void_p,  # device_compressed_chunk_bytes
+        ctypes.c_void_p,  # device_uncompressed_buffer_bytes
+        ctypes.c_void_p,  # device_uncompressed_chunk_bytes (actual, out)
+        ctypes.c_size_t,  # num_chunks
+        ctypes.c_void_p,  # device_temp_ptr
+        ctypes.c_size_t,  # temp_bytes
+        ctypes.c_void_p,  # device_uncompressed_chunk_ptrs
+        DecompressOpts,
+        ctypes.c_void_p,  # device_statuses
+        ctypes.c_void_p,  # stream
+    ]
+    decompress.restype = ctypes.c_int
+    return temp, decompress
+
+
+def decompress_input_alignment() -> int:
+    """The input alignment nvCOMP requires of compressed chunks (8 when it cannot be asked)."""
+    lib = load()
+    fn = getattr(lib, "nvcompBatchedZstdDecompressGetRequiredAlignments", None)
+    if fn is None:
+        return 8  # nvcompZstdRequiredDecompressionAlignment: the most restrictive of the three
+    fn.argtypes = [DecompressOpts, ctypes.POINTER(AlignmentRequirements)]
+    fn.restype = ctypes.c_int
+    out = AlignmentRequirements()
+    _check(fn(DecompressOpts(), ctypes.byref(out)), "nvcompBatchedZstdDecompressGetRequiredAlignments")
+    return max(1, int(out.input))
+
+
+def decompress_temp_bytes(num_chunks: int, max_chunk_bytes: int, total_bytes: int) -> int:
+    temp, _ = _decompress_functions()
+    out = ctypes.c_size_t()
+    _check(
+        temp(num_chunks, max_chunk_bytes, DecompressOpts(), ctypes.byref(out), total_bytes),
+        "nvcompBatchedZstdDecompressGetTempSize",
+    )
+    return out.value
+
+
+def decompress_async(
+    input_ptrs: int,
+    input_sizes: int,
+    buffer_sizes: int,
+    actual_sizes: int,
+    num_chunks: int,
+    temp_ptr: int,
+    temp_size: int,
+    output_ptrs: int,
+    statuses: int,
+    stream_ptr: int,
+) -> None:
+    """Enqueue one batched decompression of ``num_chunks`` zstd frames on ``stream_ptr``; all
+    pointers are device addresses; per-chunk statuses and decoded sizes stay on the device."""
+    _, decompress = _decompress_functions()
+    _check(
+        decompress(
+            input_ptrs,
+            input_sizes,
+            buffer_sizes,
+            actual_sizes,
+            num_chunks,
+            temp_ptr,
+            temp_size,
+            output_ptrs,
+            DecompressOpts(),
+            statuses,
+            stream_ptr,
+        ),
+        "nvcompBatchedZstdDecompressAsync",
+    )

@@ -1,0 +1,408 @@
+"""ShardReader: reads equal zarr-python's for random layouts and selections, on our, tensorstore's
+and zarr-python's stores; the plan is deterministic and partitions exactly; hostile indexes and
+chunks give errors naming the shard and chunk; the GPU path equals the CPU path."""
+
+import tempfile
+
+import crc32c
+import numpy as np
+import pytest
+import zarr
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from zarr.codecs import BloscCodec, GzipCodec, ZstdCodec
+
+from napari_tileshard import Dim, Layout, ShardReader, Writer
+from napari_tileshard.backends import gpu_unavailable_reason
+from napari_tileshard.read import ChunkDecodeError
+from napari_tileshard.read_gpu import slot_elements, untile_gather
+from napari_tileshard.read_plan import ShardIndexError, pack_runs
+
+COMPRESSORS = {
+    "zstd": lambda: [ZstdCodec(level=1)],
+    "zstd-checksum": lambda: [ZstdCodec(level=1, checksum=True)],
+    "none": lambda: [],
+    "blosc-zstd": lambda: [BloscCodec(cname="zstd", clevel=3, shuffle="bitshuffle")],
+    "gzip": lambda: [GzipCodec(level=1)],
+}
+
+
+def _data(shape, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    if np.dtype(dtype).kind == "f":
+        return rng.standard_normal(shape).astype(dtype)
+    return (np.cumsum(rng.integers(0, 3, shape), axis=-1) % 200).astype(dtype)
+
+
+def _zarr_array(store, shape, chunks, shards, dtype, compressor, fill=0, holes=True):
+    array = zarr.create_array(
+        store=store,
+        shape=shape,
+        chunks=chunks,
+        shards=shards,
+        dtype=dtype,
+        fill_value=fill,
+        compressors=COMPRESSORS[compressor](),
+        overwrite=True,
+    )
+    data = _data(shape, dtype)
+    if holes and data.size:
+        data[: max(1, shape[0] // 3)] = fill  # whole chunks of fill value: absent from the shards
+    array[...] = data
+    return array
+
+
+@st.composite
+def layouts(draw):
+    rank = draw(st.integers(1, 3))
+    chunks = tuple(draw(st.integers(1, 5)) for _ in range(rank))
+    shards = tuple(c * draw(st.integers(1, 3)) for c in chunks)
+    shape = tuple(draw(st.integers(0 if d else 1, 14)) for d in range(rank))
+    return shape, chunks, shards
+
+
+def selections(shape):
+    def item(size):
+        ints = st.integers(-size, size - 1) if size else st.nothing()
+        slices = st.builds(
+            slice,
+            st.none() | st.integers(-size - 2, size + 2),
+            st.none() | st.integers(-size - 2, size + 2),
+            st.none() | st.integers(1, 4),
+        )
+        return ints | slices
+
+    full = st.tuples(*[item(s) for s in shape])
+    return full.flatmap(
+        lambda sel: st.sampled_from(
+            [sel, sel[:1], (Ellipsis,) + sel[len(sel) // 2 + 1 :], sel[: len(sel) // 2] + (Ellipsis,)]
+        )
+    )
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    layout=layouts(),
+    dtype=st.sampled_from(["uint8", "uint16", "int32", "float64"]),
+    compressor=st.sampled_from(sorted(COMPRESSORS)),
+    local=st.booleans(),
+    max_read=st.sampled_from([None, 1, 200]),
+    gap=st.sampled_from([0, 1 << 20]),
+    data=st.data(),
+)
+def test_random_layouts_and_selections_read_as_zarr_python(layout, dtype, compressor, local, max_read, gap, data):
+    shape, chunks, shards = layout
+    with tempfile.TemporaryDirectory() as tmp:
+        store = f"{tmp}/a.zarr" if local else zarr.storage.MemoryStore()
+        array = _zarr_array(store, shape, chunks, shards, dtype, compressor, fill=3)
+        reader = ShardReader(store, backend="cpu", max_read_bytes=max_read, gap_bytes=gap, workers=2)
+        assert reader.fallback_reason is None
+        for _ in range(3):
+            selection = data.draw(selections(shape))
+            expected = array[selection]
+            got = reader[selection]
+            assert got.dtype == expected.dtype and got.shape == expected.shape, selection
+            np.testing.assert_array_equal(got, expected, err_msg=str(selection))
+
+
+def test_plan_is_deterministic_and_owned_by_partitions(tmp_path):
+    array = _zarr_array(tmp_path / "a.zarr", (20, 9, 11), (2, 3, 4), (4, 6, 8), "uint16", "zstd")
+    plans = [ShardReader(tmp_path / "a.zarr", backend="cpu", max_read_bytes=300, gap_bytes=0).plan(...) for _ in "ab"]
+    assert plans[0].as_tuples() == plans[1].as_tuples()
+    assert len(plans[0]) > 8
+    assert [r.index for r in plans[0]] == list(range(len(plans[0])))
+    del array
+
+
+@settings(max_examples=50, deadline=None)
+@given(reads=st.integers(0, 40), world=st.integers(1, 7))
+def test_owned_by_is_an_exact_partition(reads, world):
+    from napari_tileshard.read_plan import Read, ReadPlan
+
+    empty = np.zeros(1, np.int64)
+    plan = ReadPlan((1,), (1,), [], [Read(i, f"k{i}", 0, 0, 1, empty, empty, empty, empty) for i in range(reads)])
+    owned = [[r.index for r in plan.owned_by(rank, world)] for rank in range(world)]
+    assert sorted(i for part in owned for i in part) == list(range(reads))
+    assert all(i % world == rank for rank, part in enumerate(owned) for i in part)
+    with pytest.raises(ValueError, match="rank"):
+        plan.owned_by(world, world)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 50), min_size=0, max_size=30),
+    gaps=st.lists(st.integers(0, 20), min_size=30, max_size=30),
+    needed=st.lists(st.booleans(), min_size=30, max_size=30),
+    cap=st.integers(1, 120),
+    gap_bytes=st.integers(0, 25),
+)
+def test_runs_never_split_a_chunk_and_respect_cap_and_gaps(sizes, gaps, needed, cap, gap_bytes):
+    starts = np.cumsum([0] + [s + g for s, g in zip(sizes, gaps)])[: len(sizes)]
+    keep = np.flatnonzero(np.array(needed[: len(sizes)], dtype=bool))
+    offsets, nbytes = starts[keep].astype(np.int64), np.array(sizes, dtype=np.int64)[keep]
+    shuffled = np.random.default_rng(0).permutation(len(keep))
+    runs = pack_runs(offsets[shuffled], nbytes[shuffled], gap_bytes, cap)
+    covered = np.concatenate([shuffled[p] for _, _, p in runs]) if runs else np.zeros(0, int)
+    assert sorted(covered.tolist()) == list(range(len(keep)))  # every chunk in exactly one run
+    previous_stop = -1
+    for start, stop, positions in runs:
+        o, n = offsets[shuffled][positions], nbytes[shuffled][positions]
+        assert start == o[0] and stop == (o + n)[-1] and np.all(np.diff(o) > 0)  # storage order, whole chunks
+        assert stop - start <= cap or len(positions) == 1  # only a lone chunk may exceed the cap
+        assert np.all(o[1:] - (o + n)[:-1] <= gap_bytes)
+        assert start >= previous_stop
+        previous_stop = stop
+
+
+def test_whole_shard_is_one_request_and_stats(tmp_path):
+    _zarr_array(tmp_path / "a.zarr", (8, 16, 16), (2, 4, 4), (4, 16, 16), "uint16", "zstd", holes=False)
+    reader = ShardReader(tmp_path / "a.zarr", backend="cpu")
+    out = reader[...]
+    assert reader.stats.requests == 2 and reader.stats.index_requests == 2  # two shards
+    assert reader.stats.chunks_decoded == out.size // 32
+    assert reader.stats.bytes_decoded == out.nbytes and reader.stats.bytes_read > 0
+    reader[1]  # indexes are cached: no second index read
+    assert reader.stats.index_requests == 2
+
+
+def test_iter_blocks_and_iter_reads_of_owned_plans(tmp_path):
+    array = _zarr_array(tmp_path / "a.zarr", (12, 10, 9), (2, 5, 3), (4, 10, 6), "int32", "blosc-zstd")
+    reader = ShardReader(tmp_path / "a.zarr", backend="cpu", max_read_bytes=100, gap_bytes=0, prefetch=1)
+    selection = (slice(1, 11, 2), 3, slice(None))
+    expected = array[selection]
+    seen = np.zeros(expected.shape, bool)
+    for region, block in reader.iter_blocks(selection):
+        np.testing.assert_array_equal(block, expected[region])
+        seen[region] = True
+    assert seen.all()
+    plan = reader.plan(...)
+    full = array[...]
+    got = {}
+    for rank in range(3):
+        for read, chunks in reader.iter_reads(plan.owned_by(rank, 3)):
+            assert read.index % 3 == rank
+            for number, chunk in zip(read.chunks.tolist(), chunks):
+                got[(read.key, number)] = chunk
+    assert len(got) == sum(len(r.chunks) for r in plan)
+    for (key, number), chunk in got.items():
+        shard = [int(c) for c in key.split("/")[1:]]
+        local = np.unravel_index(number, (2, 2, 2))
+        start = [s * n + c * k for s, n, c, k in zip(shard, (4, 10, 6), local, (2, 5, 3))]
+        part = full[tuple(slice(s, s + k) for s, k in zip(start, (2, 5, 3)))]
+        np.testing.assert_array_equal(chunk[tuple(slice(0, n) for n in part.shape)], part)
+
+
+def test_our_writer_tensorstore_and_ome_levels(tmp_path):
+    layout = Layout([Dim("t", 0, 2, 2), Dim("y", 37, 16, 2), Dim("x", 45, 16, 2)], "uint16")
+    data = _data((7, 37, 45), "uint16")
+    for codec in ("zstd", "blosc-lz4", "none"):
+        path = tmp_path / f"{codec}.zarr"
+        with Writer(path, layout, codec=codec, backend="cpu") as writer:
+            writer.append(data)
+        np.testing.assert_array_equal(ShardReader(path, backend="cpu")[...], data)
+    with Writer(tmp_path / "ome.zarr", layout, backend="cpu", ome=True) as writer:
+        writer.append(data)
+    group = zarr.open_group(tmp_path / "ome.zarr", mode="r")
+    for level in range(len(group.attrs["ome"]["multiscales"][0]["datasets"])):
+        reader = ShardReader(tmp_path / "ome.zarr", level=level, backend="cpu")
+        np.testing.assert_array_equal(reader[...], group[str(level)][...])
+    with pytest.raises(ValueError, match="level"):
+        ShardReader(tmp_path / "ome.zarr", level=99)
+
+
+def test_tensorstore_written_shards(tmp_path):
+    ts = pytest.importorskip("tensorstore")
+    data = _data((9, 21, 30), "uint16")
+    spec = {
+        "driver": "zarr3",
+        "kvstore": {"driver": "file", "path": str(tmp_path / "ts.zarr")},
+        "metadata": {
+            "shape": list(data.shape),
+            "data_type": "uint16",
+            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [4, 8, 16]}},
+            "codecs": [
+                {
+                    "name": "sharding_indexed",
+                    "configuration": {
+                        "chunk_shape": [2, 4, 8],
+                        "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "zstd"}],
+                        "index_codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}],
+                    },
+                }
+            ],
+        },
+        "create": True,
+    }
+    store = ts.open(spec).result()
+    store[...] = data
+    reader = ShardReader(tmp_path / "ts.zarr", backend="cpu")
+    assert reader.fallback_reason is None
+    np.testing.assert_array_equal(reader[...], data)
+    np.testing.assert_array_equal(reader[3, 5:17:3], data[3, 5:17:3])
+
+
+def test_urls_and_fallbacks(tmp_path, monkeypatch):
+    array = _zarr_array(tmp_path / "a.zarr", (6, 7), (2, 3), (4, 6), "uint16", "zstd")
+    expected = array[...]
+    np.testing.assert_array_equal(ShardReader(f"file://{tmp_path}/a.zarr")[...], expected)
+    memory = _zarr_array("memory://read-test", (6, 7), (2, 3), (4, 6), "uint16", "zstd")
+    np.testing.assert_array_equal(ShardReader("memory://read-test")[...], memory[...])
+    monkeypatch.setenv("TILESHARD_READER", "zarr")
+    rollback = ShardReader(tmp_path / "a.zarr")
+    assert rollback.fallback_reason == "TILESHARD_READER=zarr"
+    np.testing.assert_array_equal(rollback[1:5, ::2], expected[1:5, ::2])
+    monkeypatch.delenv("TILESHARD_READER")
+    plain = zarr.create_array(store=tmp_path / "u.zarr", shape=(5, 5), chunks=(2, 2), dtype="uint8")
+    plain[...] = 4
+    unsharded = ShardReader(tmp_path / "u.zarr")
+    assert "not a sharded array" in unsharded.fallback_reason
+    np.testing.assert_array_equal(unsharded[...], plain[...])
+    with pytest.raises(IndexError):
+        ShardReader(tmp_path / "a.zarr")[::-1]
+    with pytest.raises(IndexError):
+        ShardReader(tmp_path / "a.zarr")[6]
+    monkeypatch.setenv("TILESHARD_READ_BYTES", "nonsense")
+    with pytest.raises(ValueError, match="TILESHARD_READ_BYTES"):
+        ShardReader(tmp_path / "a.zarr")
+
+
+# -- hostile shards ----------------------------------------------------------------------------
+def _one_shard(tmp_path):
+    _zarr_array(tmp_path / "a.zarr", (4, 8), (2, 4), (4, 8), "uint16", "zstd", holes=False)
+    path = tmp_path / "a.zarr" / "c" / "0" / "0"
+    blob = bytearray(path.read_bytes())
+    index = np.frombuffer(bytes(blob[-68:-4]), "<u8").reshape(4, 2).copy()
+    return path, blob, index
+
+
+def _write_index(path, blob, index, fix_crc=True):
+    raw = index.astype("<u8").tobytes()
+    crc = crc32c.crc32c(raw).to_bytes(4, "little") if fix_crc else bytes(blob[-4:])
+    path.write_bytes(bytes(blob[:-68]) + raw + crc)
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda ix: ix.__setitem__((2, 0), 10**6), "chunk 2: .*outside the shard data"),
+        (lambda ix: ix.__setitem__((1, 1), 2**62), "chunk 1: .*more bytes than the codec"),
+        (lambda ix: ix.__setitem__((3, 0), ix[2, 0] + 1), "chunk 3: .*overlaps chunk 2"),
+        (lambda ix: ix.__setitem__((0, 0), 2**64 - 1), "chunk 0: .*outside the shard data"),
+    ],
+)
+def test_hostile_index_names_shard_and_chunk(tmp_path, damage, message):
+    path, blob, index = _one_shard(tmp_path)
+    damage(index)
+    _write_index(path, blob, index)
+    with pytest.raises(ShardIndexError, match=f"c/0/0 {message}"):
+        ShardReader(tmp_path / "a.zarr", backend="cpu")[...]
+
+
+def test_crc_mismatch_and_corrupt_chunk(tmp_path):
+    path, blob, index = _one_shard(tmp_path)
+    index[0, 1] -= 1  # a plausible entry, but the stored CRC no longer matches
+    _write_index(path, blob, index, fix_crc=False)
+    with pytest.raises(ShardIndexError, match="c/0/0: index CRC32C mismatch"):
+        ShardReader(tmp_path / "a.zarr", backend="cpu")[...]
+    path, blob, index = _one_shard(tmp_path)
+    start = int(index[1, 0])
+    blob[start + 4 : start + 8] = b"\xff\xff\xff\xff"  # the frame header of chunk 1
+    path.write_bytes(bytes(blob))
+    with pytest.raises(ChunkDecodeError, match="c/0/0 chunk 1: zstd"):
+        ShardReader(tmp_path / "a.zarr", backend="cpu")[...]
+    path.write_bytes(bytes(blob[:30]))  # truncated below its index
+    with pytest.raises(ShardIndexError, match="truncated"):
+        ShardReader(tmp_path / "a.zarr", backend="cpu")[...]
+
+
+# -- the GPU path -------------------------------------------------------------------------------
+def test_untile_gather_equals_the_cpu_placement(tmp_path):
+    """The device path's placement, evaluated with NumPy: chunks decoded into pool slots (here by
+    iter_reads) and gathered give exactly what the CPU path gives."""
+    array = _zarr_array(tmp_path / "a.zarr", (11, 9, 7), (2, 4, 3), (4, 8, 6), "uint16", "zstd", fill=5)
+    reader = ShardReader(tmp_path / "a.zarr", backend="cpu", max_read_bytes=64, gap_bytes=0)
+    selection = (slice(1, 11, 3), Ellipsis, slice(0, 7, 2))
+    plan = reader.plan(selection)
+    stride = slot_elements(reader.chunk_bytes, 2)
+    out = np.empty(plan.shape, np.uint16)
+    decoded = list(reader.iter_reads(plan))
+    for b, block in enumerate(plan.blocks):
+        count = block.box_chunks.size
+        pool = np.full((count + 1) * stride, 5, np.uint16)
+        slot_of_box = np.arange(count)
+        slot_of_box[block.missing] = count
+        for read, chunks in decoded:
+            if read.block == b:
+                for slot, chunk in zip(read.slots.tolist(), chunks):
+                    pool[slot * stride : slot * stride + chunk.size] = chunk.ravel()
+        out[block.region] = untile_gather(np, pool, block, reader.chunk_shape, slot_of_box, stride)
+    np.testing.assert_array_equal(out.reshape(plan.out_shape), array[selection])
+
+
+gpu = pytest.mark.skipif(gpu_unavailable_reason() is not None, reason=f"no usable GPU: {gpu_unavailable_reason()}")
+
+
+@pytest.mark.gpu
+@gpu
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    layout=layouts(),
+    compressor=st.sampled_from(["zstd", "zstd-checksum", "none"]),
+    dtype=st.sampled_from(["uint8", "uint16", "float32"]),
+    max_read=st.sampled_from([None, 100]),
+    data=st.data(),
+)
+def test_gpu_reads_equal_cpu_and_zarr(layout, compressor, dtype, max_read, data):
+    import cupy
+
+    shape, chunks, shards = layout
+    with tempfile.TemporaryDirectory() as tmp:
+        array = _zarr_array(f"{tmp}/a.zarr", shape, chunks, shards, dtype, compressor, fill=3)
+        gpu_reader = ShardReader(f"{tmp}/a.zarr", backend="gpu", max_read_bytes=max_read)
+        cpu_reader = ShardReader(f"{tmp}/a.zarr", backend="cpu", max_read_bytes=max_read)
+        for _ in range(3):
+            selection = data.draw(selections(shape))
+            expected = array[selection]
+            on_device = gpu_reader.read(selection, device=True)
+            assert isinstance(on_device, cupy.ndarray)
+            np.testing.assert_array_equal(cupy.asnumpy(on_device), expected)
+            np.testing.assert_array_equal(gpu_reader[selection], cpu_reader[selection])
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_reads_our_writer_and_refuses_a_corrupt_chunk(tmp_path):
+    layout = Layout([Dim("t", 0, 4, 2), Dim("y", 300, 64, 2), Dim("x", 257, 64, 2)], "uint16")
+    data = _data((13, 300, 257), "uint16")
+    with Writer(tmp_path / "a.zarr", layout, backend="cpu") as writer:
+        writer.append(data)
+    reader = ShardReader(tmp_path / "a.zarr", backend="gpu")
+    np.testing.assert_array_equal(reader[...], data)
+    np.testing.assert_array_equal(reader[5, 100:200], data[5, 100:200])
+    shard = tmp_path / "a.zarr" / "c" / "0" / "0" / "0"
+    blob = bytearray(shard.read_bytes())
+    blob[100:140] = bytes(40)
+    shard.write_bytes(bytes(blob))
+    with pytest.raises(ChunkDecodeError, match="c/0/0/0 chunk"):
+        ShardReader(tmp_path / "a.zarr", backend="gpu")[...]
+
+
+def test_napari_reader_uses_shard_reader_and_rolls_back(tmp_path, monkeypatch):
+    from napari_tileshard._reader import read_zarr
+
+    layout = Layout([Dim("t", 0, 2, 2), Dim("y", 37, 16, 2), Dim("x", 45, 16, 2)], "uint16")
+    data = _data((8, 37, 45), "uint16")
+    with Writer(tmp_path / "a.zarr", layout, backend="cpu") as writer:
+        writer.append(data)
+    with Writer(tmp_path / "o.zarr", layout, backend="cpu", ome=True) as writer:
+        writer.append(data)
+    ((layer, _, _),) = read_zarr(str(tmp_path / "a.zarr"))
+    assert isinstance(layer, ShardReader)
+    np.testing.assert_array_equal(layer[3], data[3])
+    np.testing.assert_array_equal(np.asarray(layer), data)
+    ((levels, meta, _),) = read_zarr(str(tmp_path / "o.zarr"))
+    np.testing.assert_array_equal(np.asarray(levels[0][5]), data[5])
+    assert any(isinstance(task, ShardReader) for task in levels[0].dask.values())  # dask reads through it
+    monkeypatch.setenv("TILESHARD_READER", "zarr")
+    ((layer, _, _),) = read_zarr(str(tmp_path / "a.zarr"))
+    assert isinstance(layer, zarr.Array)
