@@ -243,3 +243,150 @@ def test_server_stopped_mid_recording_is_a_writer_error_and_nothing_unwritten_is
     report = verify(url)
     assert report.ok, report.problems
     np.testing.assert_array_equal(zarr.open_array(resolve_store(url), mode="r")[:], FRAMES[:4])
+
+
+class FaultProxy:
+    """An HTTP proxy in front of the S3 server that answers chosen requests with an error itself
+    (as a server under load or failing would), and forwards every other request unchanged."""
+
+    def __init__(self, endpoint: str):
+        self.target = endpoint.removeprefix("http://").split(":")
+        self.rules: list[tuple] = []  # (method, path substring, status, S3 code, remaining count or None)
+        self.injected = 0
+        self.lock = threading.Lock()
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def forward(self):
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else b""
+                error = proxy.match(self.command, self.path)
+                if error is not None:
+                    status, code = error
+                    payload = f"<Error><Code>{code}</Code><Message>injected</Message></Error>".encode()
+                    self.send_response(status)
+                else:
+                    conn = http.client.HTTPConnection(proxy.target[0], int(proxy.target[1]), timeout=30)
+                    conn.request(self.command, self.path, body=body, headers=dict(self.headers.items()))
+                    answer = conn.getresponse()
+                    payload = answer.read()
+                    self.send_response(answer.status)
+                    for name, value in answer.getheaders():
+                        if name.lower() not in ("transfer-encoding", "connection", "content-length"):
+                            self.send_header(name, value)
+                    conn.close()
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(payload)
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = forward
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def fail(self, method: str, path_part: str, status: int, code: str, times: int | None = None) -> None:
+        with self.lock:
+            self.rules.append([method, path_part, status, code, times])
+
+    def match(self, method: str, path: str):
+        with self.lock:
+            for rule in self.rules:
+                if rule[0] == method and rule[1] in path and (rule[4] is None or rule[4] > 0):
+                    if rule[4] is not None:
+                        rule[4] -= 1
+                    self.injected += 1
+                    return rule[2], rule[3]
+        return None
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def proxy(s3):
+    proxy = FaultProxy(s3.endpoint)
+    yield proxy
+    proxy.close()
+
+
+def test_a_failed_multipart_upload_is_aborted_and_never_claimed(s3, proxy):
+    url = f"s3://{s3.bucket}/fail.zarr"
+    options = {"endpoint": proxy.endpoint, "retry_config": FAST_RETRY}
+    frames = big_frames(8)
+    # Every attempt at part 2 of a shard of the second shard epoch fails: that upload cannot complete.
+    proxy.fail("PUT", "fail.zarr/c/1/0/0?partNumber=2&", 500, "InternalError")
+    writer = Writer(ObjectStoreSink(url, storage_options=options, part_size=5 << 20), BIG, backend="cpu", codec="none")
+    writer.append(frames[:4])
+    writer.flush()  # the first shard epoch is published
+    with pytest.raises(WriterError, match=r"writing 's3://[^']*/fail.zarr/c/1/0/0' failed.*InternalError"):
+        writer.append(frames[4:])
+        writer.close()
+    with contextlib.suppress(WriterError):
+        writer.close()
+    assert proxy.injected >= 1
+    assert s3.uploads_in_progress(s3.bucket) == []  # aborted: no parts left billed
+    assert "fail.zarr/c/1/0/0" not in s3.keys(s3.bucket)
+    assert published_rows(s3, s3.bucket, "fail.zarr") == 4  # the first shard epoch, not the failed one
+    report = verify(url)
+    assert report.ok, report.problems
+
+
+def test_transient_slowdown_responses_are_retried(s3, proxy):
+    url = f"s3://{s3.bucket}/slow.zarr"
+    options = {"endpoint": proxy.endpoint, "retry_config": {"max_retries": 4, "retry_timeout": timedelta(seconds=20)}}
+    frames = big_frames(8)
+    proxy.fail("PUT", "partNumber=", 503, "SlowDown", times=3)
+    proxy.fail("PUT", "slow.zarr/zarr.json", 503, "SlowDown", times=1)
+    sink = ObjectStoreSink(url, storage_options=options, part_size=5 << 20)
+    with Writer(sink, BIG, backend="cpu", codec="none") as writer:
+        writer.append(frames)
+    assert proxy.injected == 4
+    np.testing.assert_array_equal(zarr.open_array(resolve_store(url), mode="r")[:], frames)
+    assert s3.uploads_in_progress(s3.bucket) == []
+
+
+def test_cli_records_and_verifies_an_s3_url_and_ome_groups_work(s3):
+    from napari_tileshard.cli import main
+
+    url = f"s3://{s3.bucket}/cli.zarr"
+    small = ["--shape", "0,32,32", "--tile", "2,16,16", "--tiles-per-shard", "1,1,1", "--backend", "cpu"]
+    assert main(["record", url, *small, "--frames", "6", "--no-progress"]) == 0
+    assert main(["verify", url]) == 0
+    assert zarr.open_array(resolve_store(url), mode="r").shape == (6, 32, 32)
+
+    ome_url = f"s3://{s3.bucket}/ome.zarr"
+    frames = FRAMES[:8]
+    with Writer(ome_url, LAYOUT, backend="cpu", ome=True, overwrite=True) as writer:
+        writer.append(frames)
+    group = zarr.open_group(resolve_store(ome_url), mode="r")
+    np.testing.assert_array_equal(group["0"][:], frames)
+    assert verify(ome_url).ok
+    with Writer(ome_url, LAYOUT, backend="cpu", ome=True, overwrite=True) as writer:  # our OME group: replaced
+        writer.append(frames[:4])
+    assert zarr.open_group(resolve_store(ome_url), mode="r")["0"].shape[0] == 4
+
+
+def test_napari_reader_and_inspector_open_an_s3_url(s3):
+    from napari_tileshard._reader import napari_get_reader
+    from napari_tileshard.inspect_shards import inspect_array
+
+    url = f"s3://{s3.bucket}/view.zarr"
+    with Writer(url, LAYOUT, backend="cpu") as writer:
+        writer.append(FRAMES)
+    reader = napari_get_reader(url)
+    assert reader is not None
+    [(data, meta, kind)] = reader(url)
+    assert kind == "image" and meta["name"] == "view" and meta["metadata"]["path"] == url
+    np.testing.assert_array_equal(np.asarray(data), FRAMES)
+    assert napari_get_reader(f"s3://{s3.bucket}/nothing.zarr") is None
+    inspection = inspect_array(url)
+    assert len(inspection.shards) == len([k for k in s3.keys(s3.bucket) if "/c/" in k])

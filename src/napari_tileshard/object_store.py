@@ -302,7 +302,7 @@ class ObjectStoreSink(Sink):
         except ValueError:
             raise
         except Exception as exc:
-            raise ObjectStoreError(describe_failure(self.url, f"writing {key!r} to", exc, self._options)) from exc
+            raise ObjectStoreError(describe_failure(f"{self.url}/{key}", "writing", exc, self._options)) from exc
         with self._lock:
             self._written.add(key)
             self.stats["objects"] += 1
