@@ -390,3 +390,39 @@ def test_napari_reader_and_inspector_open_an_s3_url(s3):
     assert napari_get_reader(f"s3://{s3.bucket}/nothing.zarr") is None
     inspection = inspect_array(url)
     assert len(inspection.shards) == len([k for k in s3.keys(s3.bucket) if "/c/" in k])
+
+
+def test_sigkill_while_recording_to_s3_leaves_only_complete_claimed_shards(s3):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from napari_tileshard import SyntheticCamera
+
+    url = f"s3://{s3.bucket}/killed.zarr"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "napari_tileshard.cli", "record", url, "--shape", "0,64,48", "--tile", "4,32,16"]
+        + ["--tiles-per-shard", "2,1,2", "--frames", "100000", "--fps", "400", "--backend", "cpu", "--seed", "7"]
+        + ["--no-progress"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline:  # wait until several shard epochs are published
+            time.sleep(0.2)
+            with contextlib.suppress(Exception):  # not created yet
+                if published_rows(s3, s3.bucket, "killed.zarr") >= 40:
+                    break
+        time.sleep(0.37)  # land somewhere inside the next epochs
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+    array = zarr.open_array(resolve_store(url), mode="r")
+    rows = array.shape[0]
+    assert rows >= 40 and rows % 8 == 0  # whole shard epochs only
+    np.testing.assert_array_equal(array[:], SyntheticCamera((64, 48), "uint16", seed=7).stack(rows))
+    report = verify(url)
+    assert report.ok, report.problems
