@@ -4,9 +4,10 @@
 
 * An object up to ``part_size`` bytes is one PUT; a larger one is a multipart upload whose parts
   go up concurrently (``max_concurrency`` per object) from the shard's own buffers: the pieces
-  are handed to obstore as they are, never joined into one Python object first (obstore cuts
-  them into parts in Rust).  The part size grows so that no object needs more than S3's 10,000
-  parts; an object that cannot fit in 10,000 parts of 5 GiB is refused before its upload starts.
+  are handed to obstore as they are, never joined into one Python object first (obstore
+  assembles each part from them in Rust, with the GIL released).  The part size grows so that
+  no object needs more than S3's 10,000 parts; an object that cannot fit in 10,000 parts of
+  5 GiB is refused before its upload starts.
 * A PUT (and the completion of a multipart upload) is atomic: a reader sees the old object or
   the new one, never a torn one, so the Publisher's ordering (``zarr.json`` after the shards it
   covers) holds as on local disk.  A failed multipart upload is aborted by obstore (tested
