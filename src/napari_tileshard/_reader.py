@@ -26,6 +26,11 @@ def napari_get_reader(path):
             return None
         from .safe_read import read_local_metadata
 
+        if _is_object_url(path):  # s3://, gs://, az://: metadata read (capped) through the store
+            from .safe_read import StoreAccess
+
+            meta = StoreAccess(path).read_metadata("zarr.json")
+            return read_zarr if isinstance(meta, dict) and meta.get("zarr_format") == 3 else None
         path = Path(path)
         if not path.is_dir():
             return None
@@ -149,8 +154,15 @@ class FirstRows:
 MAX_DISPLAY_SLICE_BYTES = 1 << 30
 
 
+def _is_object_url(path) -> bool:
+    from .object_store import is_object_store_url
+
+    return is_object_store_url(path)
+
+
 def read_zarr(path):
-    path = Path(path[0] if isinstance(path, list) else path)
+    path = path[0] if isinstance(path, list) else path
+    path = path if _is_object_url(path) else Path(path)  # Path() would fold "s3://" into "s3:/"
     import zarr
 
     from .ome import _levels
@@ -273,8 +285,9 @@ def _axis_units(group):
     return [unit or "pixel" for unit in units]
 
 
-def _meta(path: Path, names):
-    meta = {"name": path.stem, "metadata": {"path": str(path)}}
+def _meta(path, names):
+    name = Path(path).stem if isinstance(path, Path) else Path(path.split("://", 1)[1].rstrip("/")).stem
+    meta = {"name": name, "metadata": {"path": str(path)}}
     if names:
         meta["axis_labels"] = names
     return meta

@@ -396,11 +396,13 @@ class StoreAccess:
             if isinstance(location, LocalStore):
                 self.root = Path(location.root)
         elif isinstance(location, (str, os.PathLike)):
-            text = os.fspath(location)
+            text: Any = os.fspath(location)
             if isinstance(text, str) and "://" in text:
-                from zarr.storage import FsspecStore
+                from .store import resolve_store  # obstore for s3/gs/az, fsspec for other URLs
 
-                self.store = FsspecStore.from_url(text, read_only=True)
+                text = resolve_store(text, read_only=True)  # a file:// URL becomes its path
+            if not isinstance(text, (str, bytes)):
+                self.store = text
             else:
                 self.root = Path(text).expanduser().absolute()
                 self.store = SafeLocalStore(self.root)

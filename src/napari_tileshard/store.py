@@ -783,10 +783,11 @@ class ZarrStoreSink(Sink):
 
 
 def open_sink(store, overwrite: bool = False, storage_options: dict | None = None) -> Sink:
-    """A sink for ``store``: a local path, a ``file://`` URL, ``memory://``, any URL an installed
-    fsspec filesystem handles (``s3://`` with s3fs, ...), a zarr v3 ``Store``, or a :class:`Sink`
-    (returned as it is).  A URL that no installed store handles is an error, never a local
-    directory named after the URL."""
+    """A sink for ``store``: a local path, a ``file://`` URL, ``memory://``, an object store URL
+    (``s3://``, ``gs://``, ``az://`` through obstore: :class:`~napari_tileshard.object_store.ObjectStoreSink`),
+    any URL an installed fsspec filesystem handles, a zarr v3 ``Store``, or a :class:`Sink`
+    (returned as it is).  ``storage_options`` configure URL stores (endpoint, credentials, ...).
+    A URL that no installed store handles is an error, never a local directory named after the URL."""
     from zarr.storage import LocalStore
 
     if isinstance(store, Sink):
@@ -810,11 +811,25 @@ def resolve_store(store, *, read_only: bool = True, storage_options: dict | None
         scheme = store.split("://", 1)[0].lower()
         if scheme == "file":
             return store[len("file://") :]
+        if _through_obstore(store):
+            from .object_store import reader_store
+
+            return reader_store(store, storage_options, read_only=read_only)
         _check_scheme(scheme)
         from zarr.storage import FsspecStore
 
         return FsspecStore.from_url(store, storage_options=storage_options, read_only=read_only)
     return store
+
+
+def _through_obstore(url: str) -> bool:
+    """S3, GCS and Azure URLs go through obstore when it is installed (object_store.py), else
+    through fsspec (s3fs, gcsfs, adlfs) as any other URL."""
+    import importlib.util
+
+    from .object_store import is_object_store_url
+
+    return is_object_store_url(url) and importlib.util.find_spec("obstore") is not None
 
 
 def _check_scheme(scheme: str) -> None:
@@ -840,6 +855,10 @@ def _url_sink(url: str, overwrite: bool, storage_options: dict | None) -> Sink:
         return ZarrStoreSink(MemoryStore(), overwrite)
     # Object stores: each object is one PUT (atomic); there is no rename and no lock, so one
     # writer per prefix is the caller's responsibility.
+    if _through_obstore(url):
+        from .object_store import ObjectStoreSink
+
+        return ObjectStoreSink(url, overwrite, storage_options)
     return ZarrStoreSink(resolve_store(url, read_only=False, storage_options=storage_options), overwrite)
 
 

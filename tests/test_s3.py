@@ -1,0 +1,428 @@
+"""Recording to S3: a real S3 server (moto in server mode on 127.0.0.1, a random port) spoken to
+over HTTP by the real clients (obstore, zarr-python's ObjectStore, tensorstore, boto3 to look)."""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import http.server
+import json
+import socket
+import threading
+import uuid
+from datetime import timedelta
+
+import numpy as np
+import pytest
+import zarr
+
+pytest.importorskip("obstore", reason="the s3 extra (obstore) is not installed")
+moto_server = pytest.importorskip("moto.server", reason="the test extra (moto[server]) is not installed")
+boto3 = pytest.importorskip("boto3", reason="the test extra (boto3) is not installed")
+
+from napari_tileshard import Dim, Layout, StoreExistsError, Writer, WriterError  # noqa: E402
+from napari_tileshard.object_store import (  # noqa: E402
+    MAX_PART_SIZE,
+    MAX_PARTS,
+    ObjectStoreError,
+    ObjectStoreSink,
+    part_size_for,
+)
+from napari_tileshard.store import open_sink, resolve_store  # noqa: E402
+from napari_tileshard.verify import verify  # noqa: E402
+
+KEY, SECRET, REGION = "testing-key", "testing-secret", "us-east-1"
+FAST_RETRY = {"max_retries": 1, "retry_timeout": timedelta(seconds=3)}
+LAYOUT = Layout([Dim("t", 0, 2, 2), Dim("y", 64, 32, 2), Dim("x", 64, 32, 1)], "uint16")
+FRAMES = np.random.default_rng(1).integers(0, 4000, (12, 64, 64), dtype=np.uint16)
+
+
+class S3Server:
+    def __init__(self):
+        self.server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        self.server.start()
+        host, port = self.server.get_host_and_port()
+        self.endpoint = f"http://{host}:{port}"
+        self.client = boto3.client(
+            "s3", endpoint_url=self.endpoint, aws_access_key_id=KEY, aws_secret_access_key=SECRET, region_name=REGION
+        )
+
+    def new_bucket(self) -> str:
+        name = f"rec-{uuid.uuid4().hex[:12]}"
+        self.client.create_bucket(Bucket=name)
+        return name
+
+    def keys(self, bucket: str) -> list[str]:
+        pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=bucket)
+        return sorted(obj["Key"] for page in pages for obj in page.get("Contents", []))
+
+    def uploads_in_progress(self, bucket: str) -> list:
+        return self.client.list_multipart_uploads(Bucket=bucket).get("Uploads", [])
+
+    def require_credentials(self, on: bool) -> None:
+        """moto's public switch: check request signatures (unknown keys are refused) or not."""
+        conn = http.client.HTTPConnection(*self.server.get_host_and_port())
+        conn.request("POST", "/moto-api/reset-auth", body=b"0" if on else b"inf")
+        assert conn.getresponse().status == 200
+
+
+@pytest.fixture(scope="module")
+def s3_server():
+    server = S3Server()
+    yield server
+    server.server.stop()
+
+
+@pytest.fixture
+def s3(s3_server, monkeypatch):
+    """A fresh bucket; the standard AWS_* variables point at the local server."""
+    for var, value in {
+        "AWS_ENDPOINT_URL": s3_server.endpoint,
+        "AWS_ACCESS_KEY_ID": KEY,
+        "AWS_SECRET_ACCESS_KEY": SECRET,
+        "AWS_REGION": REGION,
+        "AWS_ALLOW_HTTP": "true",
+    }.items():
+        monkeypatch.setenv(var, value)
+    s3_server.bucket = s3_server.new_bucket()
+    return s3_server
+
+
+def test_round_trip_through_zarr_python_and_verify(s3):
+    url = f"s3://{s3.bucket}/run/a.zarr"
+    with Writer(url, LAYOUT, backend="cpu") as writer:
+        writer.append(FRAMES)
+    keys = s3.keys(s3.bucket)
+    assert "run/a.zarr/zarr.json" in keys and "run/a.zarr/c/0/0/0" in keys
+    assert not any(k.rsplit("/", 1)[-1].startswith(".") for k in keys)  # no temporary objects
+    np.testing.assert_array_equal(zarr.open_array(resolve_store(url), mode="r")[:], FRAMES)
+    report = verify(url)
+    assert report.ok, report.problems
+    assert report.shards == len([k for k in keys if "/c/" in k])
+
+
+def test_round_trip_through_tensorstore_s3_kvstore(s3):
+    ts = pytest.importorskip("tensorstore", reason="tensorstore is not installed")
+    with Writer(f"s3://{s3.bucket}/b.zarr", LAYOUT, backend="cpu", codec="blosc-lz4") as writer:
+        writer.append(FRAMES)
+    spec = {
+        "driver": "zarr3",
+        "kvstore": {
+            "driver": "s3",
+            "bucket": s3.bucket,
+            "path": "b.zarr/",
+            "endpoint": s3.endpoint,
+            "aws_region": REGION,
+            "aws_credentials": {"type": "environment"},
+        },
+    }
+    np.testing.assert_array_equal(ts.open(spec, read=True).result().read().result(), FRAMES)
+
+
+BIG = Layout([Dim("t", 0, 1, 4), Dim("y", 1024, 1024, 1), Dim("x", 1024, 1024, 1)], "uint16")  # 8 MiB shards
+
+
+def big_frames(count: int, seed: int = 2) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 65535, (count, 1024, 1024), dtype=np.uint16)
+
+
+def test_shards_above_the_part_size_go_up_as_multipart_uploads(s3):
+    url = f"s3://{s3.bucket}/big.zarr"
+    frames = big_frames(8)
+    sink = ObjectStoreSink(url, part_size=5 << 20, max_concurrency=4)
+    with Writer(sink, BIG, backend="cpu", codec="none") as writer:
+        writer.append(frames)
+    # A multipart object's ETag ends in "-<parts>": 8 MiB of chunks + the index in 5 MiB parts.
+    etag = s3.client.head_object(Bucket=s3.bucket, Key="big.zarr/c/0/0/0")["ETag"]
+    assert etag.strip('"').endswith("-2"), etag
+    small = s3.client.head_object(Bucket=s3.bucket, Key="big.zarr/zarr.json")["ETag"]
+    assert "-" not in small  # a single PUT
+    assert sink.stats["multipart_objects"] == 2 and sink.stats["parts"] == 4
+    np.testing.assert_array_equal(zarr.open_array(resolve_store(url), mode="r")[:], frames)
+    assert s3.uploads_in_progress(s3.bucket) == []
+
+
+def test_part_size_keeps_every_object_within_10000_parts():
+    assert part_size_for(100 << 20, 16 << 20) == 16 << 20
+    grown = part_size_for(1 << 40, 16 << 20)  # 1 TiB would need 65,536 parts of 16 MiB
+    assert grown % (1 << 20) == 0 and -(-(1 << 40) // grown) <= MAX_PARTS
+    assert part_size_for(MAX_PARTS * MAX_PART_SIZE) == MAX_PART_SIZE
+    with pytest.raises(ValueError, match="at most 10000 parts"):
+        part_size_for(MAX_PARTS * MAX_PART_SIZE + 1)
+    with pytest.raises(ValueError, match="part_size must be"):
+        ObjectStoreSink("s3://bucket/x.zarr", part_size=1 << 20)
+
+
+def test_overwrite_replaces_only_a_recording_of_ours(s3):
+    url = f"s3://{s3.bucket}/o.zarr"
+    with Writer(url, LAYOUT, backend="cpu") as writer:
+        writer.append(FRAMES)
+    with pytest.raises(StoreExistsError, match="overwrite=True"):
+        Writer(url, LAYOUT, backend="cpu")
+    with Writer(url, LAYOUT, backend="cpu", overwrite=True) as writer:
+        writer.append(FRAMES[:4])
+    np.testing.assert_array_equal(zarr.open_array(resolve_store(url), mode="r")[:], FRAMES[:4])
+    assert not any(k.startswith("o.zarr/c/1/") for k in s3.keys(s3.bucket))  # the old shards went too
+
+    s3.client.put_object(Bucket=s3.bucket, Key="o.zarr/notes.txt", Body=b"mine")
+    before = s3.keys(s3.bucket)
+    with pytest.raises(StoreExistsError, match="notes.txt"):
+        Writer(url, LAYOUT, backend="cpu", overwrite=True)
+    assert s3.keys(s3.bucket) == before
+
+    s3.client.put_object(Bucket=s3.bucket, Key="thesis/chapter1.txt", Body=b"mine")
+    with pytest.raises(StoreExistsError, match="not a zarr store"):
+        Writer(f"s3://{s3.bucket}/thesis", LAYOUT, backend="cpu", overwrite=True)
+    assert "thesis/chapter1.txt" in s3.keys(s3.bucket)
+
+
+def test_explicit_storage_options_without_environment(s3, monkeypatch):
+    for var in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION", "AWS_ALLOW_HTTP"):
+        monkeypatch.delenv(var)
+    options = {
+        "endpoint": s3.endpoint,
+        "access_key_id": KEY,
+        "secret_access_key": SECRET,
+        "region": REGION,
+        "allow_http": True,
+    }
+    url = f"s3://{s3.bucket}/explicit.zarr"
+    with Writer(open_sink(url, storage_options=options), LAYOUT, backend="cpu") as writer:
+        writer.append(FRAMES)
+    np.testing.assert_array_equal(zarr.open_array(resolve_store(url, storage_options=options), mode="r")[:], FRAMES)
+    with pytest.raises(ValueError, match="no_such_option"):
+        open_sink(url, storage_options={**options, "no_such_option": 1})
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_missing_bucket_wrong_credentials_and_unreachable_endpoint_fail_before_writing(s3, monkeypatch):
+    with pytest.raises(ObjectStoreError, match=r"'s3://no-such-bucket/x.zarr'.*bucket 'no-such-bucket' does not exist"):
+        Writer("s3://no-such-bucket/x.zarr", LAYOUT, backend="cpu")
+
+    port = free_port()
+    with pytest.raises(ObjectStoreError, match=rf"endpoint http://127.0.0.1:{port} cannot be reached"):
+        open_sink(f"s3://{s3.bucket}/x.zarr", storage_options={"endpoint": f"http://127.0.0.1:{port}"})
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "not-a-key")
+    s3.require_credentials(True)
+    try:
+        with pytest.raises(ObjectStoreError, match=r"credentials were rejected.*InvalidAccessKeyId"):
+            Writer(f"s3://{s3.bucket}/x.zarr", LAYOUT, backend="cpu")
+    finally:
+        s3.require_credentials(False)
+    assert s3.keys(s3.bucket) == []
+
+
+def published_rows(s3, bucket: str, prefix: str) -> int:
+    meta = json.loads(s3.client.get_object(Bucket=bucket, Key=f"{prefix}/zarr.json")["Body"].read())
+    return meta["shape"][0]
+
+
+def test_server_stopped_mid_recording_is_a_writer_error_and_nothing_unwritten_is_claimed(s3):
+    # A second server process-wide shares moto's state: stop it mid-recording, read through the first.
+    doomed = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    doomed.start()
+    host, port = doomed.get_host_and_port()
+    options = {"endpoint": f"http://{host}:{port}", "retry_config": FAST_RETRY}
+    url = f"s3://{s3.bucket}/stop.zarr"
+    writer = Writer(open_sink(url, storage_options=options), LAYOUT, backend="cpu")
+    writer.append(FRAMES[:4])
+    writer.flush()
+    doomed.stop()
+    with pytest.raises(WriterError, match=r"stop.zarr.*cannot be reached"):
+        writer.append(FRAMES[4:])
+        writer.close()
+    with contextlib.suppress(WriterError):
+        writer.close()
+    assert published_rows(s3, s3.bucket, "stop.zarr") == 4
+    report = verify(url)
+    assert report.ok, report.problems
+    np.testing.assert_array_equal(zarr.open_array(resolve_store(url), mode="r")[:], FRAMES[:4])
+
+
+class FaultProxy:
+    """An HTTP proxy in front of the S3 server that answers chosen requests with an error itself
+    (as a server under load or failing would), and forwards every other request unchanged."""
+
+    def __init__(self, endpoint: str):
+        self.target = endpoint.removeprefix("http://").split(":")
+        self.rules: list[tuple] = []  # (method, path substring, status, S3 code, remaining count or None)
+        self.injected = 0
+        self.lock = threading.Lock()
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def forward(self):
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else b""
+                error = proxy.match(self.command, self.path)
+                if error is not None:
+                    status, code = error
+                    payload = f"<Error><Code>{code}</Code><Message>injected</Message></Error>".encode()
+                    self.send_response(status)
+                else:
+                    conn = http.client.HTTPConnection(proxy.target[0], int(proxy.target[1]), timeout=30)
+                    conn.request(self.command, self.path, body=body, headers=dict(self.headers.items()))
+                    answer = conn.getresponse()
+                    payload = answer.read()
+                    self.send_response(answer.status)
+                    for name, value in answer.getheaders():
+                        if name.lower() not in ("transfer-encoding", "connection", "content-length"):
+                            self.send_header(name, value)
+                    conn.close()
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(payload)
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = forward
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def fail(self, method: str, path_part: str, status: int, code: str, times: int | None = None) -> None:
+        with self.lock:
+            self.rules.append([method, path_part, status, code, times])
+
+    def match(self, method: str, path: str):
+        with self.lock:
+            for rule in self.rules:
+                if rule[0] == method and rule[1] in path and (rule[4] is None or rule[4] > 0):
+                    if rule[4] is not None:
+                        rule[4] -= 1
+                    self.injected += 1
+                    return rule[2], rule[3]
+        return None
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def proxy(s3):
+    proxy = FaultProxy(s3.endpoint)
+    yield proxy
+    proxy.close()
+
+
+def test_a_failed_multipart_upload_is_aborted_and_never_claimed(s3, proxy):
+    url = f"s3://{s3.bucket}/fail.zarr"
+    options = {"endpoint": proxy.endpoint, "retry_config": FAST_RETRY}
+    frames = big_frames(8)
+    # Every attempt at part 2 of a shard of the second shard epoch fails: that upload cannot complete.
+    proxy.fail("PUT", "fail.zarr/c/1/0/0?partNumber=2&", 500, "InternalError")
+    writer = Writer(ObjectStoreSink(url, storage_options=options, part_size=5 << 20), BIG, backend="cpu", codec="none")
+    writer.append(frames[:4])
+    writer.flush()  # the first shard epoch is published
+    with pytest.raises(WriterError, match=r"writing 's3://[^']*/fail.zarr/c/1/0/0' failed.*InternalError"):
+        writer.append(frames[4:])
+        writer.close()
+    with contextlib.suppress(WriterError):
+        writer.close()
+    assert proxy.injected >= 1
+    assert s3.uploads_in_progress(s3.bucket) == []  # aborted: no parts left billed
+    assert "fail.zarr/c/1/0/0" not in s3.keys(s3.bucket)
+    assert published_rows(s3, s3.bucket, "fail.zarr") == 4  # the first shard epoch, not the failed one
+    report = verify(url)
+    assert report.ok, report.problems
+
+
+def test_transient_slowdown_responses_are_retried(s3, proxy):
+    url = f"s3://{s3.bucket}/slow.zarr"
+    options = {"endpoint": proxy.endpoint, "retry_config": {"max_retries": 4, "retry_timeout": timedelta(seconds=20)}}
+    frames = big_frames(8)
+    proxy.fail("PUT", "partNumber=", 503, "SlowDown", times=3)
+    proxy.fail("PUT", "slow.zarr/zarr.json", 503, "SlowDown", times=1)
+    sink = ObjectStoreSink(url, storage_options=options, part_size=5 << 20)
+    with Writer(sink, BIG, backend="cpu", codec="none") as writer:
+        writer.append(frames)
+    assert proxy.injected == 4
+    np.testing.assert_array_equal(zarr.open_array(resolve_store(url), mode="r")[:], frames)
+    assert s3.uploads_in_progress(s3.bucket) == []
+
+
+def test_cli_records_and_verifies_an_s3_url_and_ome_groups_work(s3):
+    from napari_tileshard.cli import main
+
+    url = f"s3://{s3.bucket}/cli.zarr"
+    small = ["--shape", "0,32,32", "--tile", "2,16,16", "--tiles-per-shard", "1,1,1", "--backend", "cpu"]
+    assert main(["record", url, *small, "--frames", "6", "--no-progress"]) == 0
+    assert main(["verify", url]) == 0
+    assert zarr.open_array(resolve_store(url), mode="r").shape == (6, 32, 32)
+
+    ome_url = f"s3://{s3.bucket}/ome.zarr"
+    frames = FRAMES[:8]
+    with Writer(ome_url, LAYOUT, backend="cpu", ome=True, overwrite=True) as writer:
+        writer.append(frames)
+    group = zarr.open_group(resolve_store(ome_url), mode="r")
+    np.testing.assert_array_equal(group["0"][:], frames)
+    assert verify(ome_url).ok
+    with Writer(ome_url, LAYOUT, backend="cpu", ome=True, overwrite=True) as writer:  # our OME group: replaced
+        writer.append(frames[:4])
+    assert zarr.open_group(resolve_store(ome_url), mode="r")["0"].shape[0] == 4
+
+
+def test_napari_reader_and_inspector_open_an_s3_url(s3):
+    from napari_tileshard._reader import napari_get_reader
+    from napari_tileshard.inspect_shards import inspect_array
+
+    url = f"s3://{s3.bucket}/view.zarr"
+    with Writer(url, LAYOUT, backend="cpu") as writer:
+        writer.append(FRAMES)
+    reader = napari_get_reader(url)
+    assert reader is not None
+    [(data, meta, kind)] = reader(url)
+    assert kind == "image" and meta["name"] == "view" and meta["metadata"]["path"] == url
+    np.testing.assert_array_equal(np.asarray(data), FRAMES)
+    assert napari_get_reader(f"s3://{s3.bucket}/nothing.zarr") is None
+    inspection = inspect_array(url)
+    assert len(inspection.shards) == len([k for k in s3.keys(s3.bucket) if "/c/" in k])
+
+
+def test_sigkill_while_recording_to_s3_leaves_only_complete_claimed_shards(s3):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from napari_tileshard import SyntheticCamera
+
+    url = f"s3://{s3.bucket}/killed.zarr"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "napari_tileshard.cli", "record", url, "--shape", "0,64,48", "--tile", "4,32,16"]
+        + ["--tiles-per-shard", "2,1,2", "--frames", "100000", "--fps", "400", "--backend", "cpu", "--seed", "7"]
+        + ["--no-progress"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline:  # wait until several shard epochs are published
+            time.sleep(0.2)
+            with contextlib.suppress(Exception):  # not created yet
+                if published_rows(s3, s3.bucket, "killed.zarr") >= 40:
+                    break
+        time.sleep(0.37)  # land somewhere inside the next epochs
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+    array = zarr.open_array(resolve_store(url), mode="r")
+    rows = array.shape[0]
+    assert rows >= 40 and rows % 8 == 0  # whole shard epochs only
+    np.testing.assert_array_equal(array[:], SyntheticCamera((64, 48), "uint16", seed=7).stack(rows))
+    report = verify(url)
+    assert report.ok, report.problems
