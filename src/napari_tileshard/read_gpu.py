@@ -108,9 +108,9 @@ class GpuReadPath:
         """The read's bytes in a pinned buffer (recycled once its H2D is done)."""
         size = max(read.size, 1)
         with self._pinned_lock:
-            buffer = next((b for b in self._free_pinned if b.size >= size), None)
-            if buffer is not None:
-                self._free_pinned.remove(buffer)
+            # by position, not list.remove(): that compares NumPy arrays element by element
+            found = next((i for i, b in enumerate(self._free_pinned) if b.size >= size), None)
+            buffer = self._free_pinned.pop(found) if found is not None else None
         if buffer is None:
             memory = self.cupy.cuda.alloc_pinned_memory(size)
             buffer = np.frombuffer(memory, np.uint8, size)
@@ -192,6 +192,7 @@ class GpuReadPath:
                 statuses.data.ptr,
                 self.stream.ptr,
             )
+            self.stream.synchronize()  # the results are on self.stream, not the default stream
             status, decoded = cupy.asnumpy(statuses), cupy.asnumpy(actual)  # one sync per read
             bad = np.flatnonzero((status != 0) | (decoded != chunk_bytes))
             if bad.size:

@@ -158,6 +158,8 @@ def _decompress_functions():
         raise ImportError("this libnvcomp has no batched zstd decompression (nvCOMP 5 or later is needed)")
     temp = getattr(lib, name)
     temp.argtypes = [ctypes.c_size_t, ctypes.c_size_t, DecompressOpts, size_p, ctypes.c_size_t]
+    if name == "nvcompBatchedZstdDecompressGetTempSize":  # nvCOMP 6 adds the stream (zstd.h)
+        temp.argtypes = [*temp.argtypes, ctypes.c_void_p]
     temp.restype = ctypes.c_int
     decompress = lib.nvcompBatchedZstdDecompressAsync
     decompress.argtypes = [
@@ -193,8 +195,9 @@ def decompress_input_alignment() -> int:
 def decompress_temp_bytes(num_chunks: int, max_chunk_bytes: int, total_bytes: int) -> int:
     temp, _ = _decompress_functions()
     out = ctypes.c_size_t()
+    stream = [None] if len(temp.argtypes) == 6 else []  # nvCOMP 6: the default stream
     _check(
-        temp(num_chunks, max_chunk_bytes, DecompressOpts(), ctypes.byref(out), total_bytes),
+        temp(num_chunks, max_chunk_bytes, DecompressOpts(), ctypes.byref(out), total_bytes, *stream),
         "nvcompBatchedZstdDecompressGetTempSize",
     )
     return out.value
