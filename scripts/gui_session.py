@@ -53,6 +53,7 @@ def main():
     timer.timeout.connect(lambda: ticks.append(time.perf_counter()))
     app = QApplication.instance()
     widget.start()
+    started = time.perf_counter()
     if args.inspector_live:
         live = widget.inspect()  # re-reads the indexes every 2 s while recording
         live.live.setChecked(True)
@@ -71,7 +72,7 @@ def main():
             timer.start()
     timer.stop()
     widget.stop(wait=True)
-    gaps = []
+    gaps, gap_ends = [], []
     previous = None
     for t in ticks:
         if t is None:
@@ -79,7 +80,13 @@ def main():
             continue
         if previous is not None:
             gaps.append(t - previous)
+            gap_ends.append(t - started)
         previous = t
+    worst = sorted(range(len(gaps)), key=gaps.__getitem__)[-5:][::-1]
+    print(
+        "five worst gaps (ms @ s after Start): "
+        + ", ".join(f"{gaps[i] * 1e3:.0f} @ {gap_ends[i] - gaps[i]:.1f}" for i in worst)
+    )
     if args.inspector_screenshot:
         inspector = widget.inspect()
         inspector.jump_to(len(inspector.inspection.shards) // 2)

@@ -215,3 +215,42 @@ def test_the_inspectors_refresh_reads_indexes_off_the_gui_thread(make_napari_vie
     assert time.perf_counter() - started < 0.2  # the GUI thread did not wait for the reads
     qtbot.waitUntil(lambda: len(inspector.inspection.shards) > shards_before, timeout=10_000)
     qtbot.waitUntil(lambda: not inspector.refreshing, timeout=5_000)
+
+
+def test_the_preview_follows_the_newest_rows_without_reading_the_store_on_the_gui_thread(
+    docked, qtbot, tmp_path, monkeypatch
+):
+    """While recording, the slider follows the newest complete row and the GUI thread decodes no
+    tile: the frames it shows were read back on the reader thread (a decode of 16-frame-deep tiles
+    per update held the GUI thread for 100-300 ms on the 2-core machine)."""
+    import threading
+
+    gui_thread = threading.current_thread()
+    gui_reads = []  # zarr reads asked for on the GUI thread (zarr runs them on its own loop)
+    real_getitem = zarr.Array.__getitem__
+
+    def counting(self, selection):
+        if threading.current_thread() is gui_thread:
+            gui_reads.append(selection)
+        return real_getitem(self, selection)
+
+    monkeypatch.setattr(zarr.Array, "__getitem__", counting)
+    viewer, _, widget = docked
+    out = tmp_path / "follow.zarr"
+    widget.settings = RecorderSettings(output=str(out), layout=small_layout(), backend="cpu", fps=200.0)
+    widget.start()
+    shown = []  # (rows in the layer, slider position) at each look
+
+    def grown():
+        layer = widget.preview.layer
+        if layer is not None and not widget.preview.placeholder:
+            shown.append((layer.data.shape[0], viewer.dims.current_step[0]))
+        return len({rows for rows, _ in shown}) >= 4
+
+    qtbot.waitUntil(grown, timeout=30_000)
+    reads_while_recording = list(gui_reads)
+    widget.stop()
+    qtbot.waitUntil(lambda: not widget.is_recording, timeout=10_000)
+    assert all(step == rows - 1 for rows, step in shown), shown
+    assert reads_while_recording == [], len(reads_while_recording)
+    assert verify(out).ok

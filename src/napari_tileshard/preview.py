@@ -5,16 +5,14 @@ arrays over the store.  They must stay lazy: napari's multiscale slicing crops t
 over *every* row of a level before picking the current one, so an eager array here would read
 the whole recording on each draw (docs/benchmarks.md, "GUI responsiveness while recording").
 
-The newest frame of each level is read back on the recorder thread (:func:`read_newest`) and
-stands in for its row (:class:`RecentFrames`), so the GUI thread does not decode the tiles of the
-frame it is about to show.
+The newest frame of each level is read back on a reader thread (:func:`read_newest`; row 0 too,
+once: :func:`read_first`) and stands in for its row (:class:`RecentFrames`), so the GUI thread does
+not decode the tiles of the frame it is about to show.
 """
 
 from __future__ import annotations
 
-import importlib
 import math
-import sys
 import threading
 
 import numpy as np
@@ -29,17 +27,30 @@ MAX_BLOCKS = 1 << 12
 MAX_FRAME_BLOCKS_PER_DIM = 32
 
 
-def import_dask_in_background() -> None:
-    """Import dask.array on a thread of its own, ahead of the first preview update.
+def warm_up_dask_in_background() -> None:
+    """Import dask.array and run one tiny compute on a thread of its own, ahead of the first
+    preview update.
 
-    The import takes about half a second; on the GUI thread, at the first complete shard epoch, it
-    was the longest stall of a whole recording.  A later import on the GUI thread waits for this
-    one to finish, so there is nothing to synchronise.
+    The import takes about half a second; dask's first compute also imports ``distributed`` when
+    it is installed (to look for a client, whatever the scheduler), another second or more.  On
+    the GUI thread, at the first complete shard epoch, these were the longest stalls of a whole
+    recording.  A later import on the GUI thread waits for this one to finish, so there is
+    nothing to synchronise.  Called when the recorder dock opens, long before Start.
     """
-    if "dask.array" not in sys.modules:
-        threading.Thread(
-            target=importlib.import_module, args=("dask.array",), name="tileshard-import-dask", daemon=True
-        ).start()
+    global _dask_warmed
+    if _dask_warmed:
+        return
+    _dask_warmed = True
+
+    def warm_up():
+        import dask.array as da
+
+        da.zeros(1, dtype=np.uint8).compute(scheduler="synchronous")
+
+    threading.Thread(target=warm_up, name="tileshard-warm-up-dask", daemon=True).start()
+
+
+_dask_warmed = False
 
 
 def read_newest(output, pyramid: Pyramid, rows: int, ome: bool) -> list[tuple[int, np.ndarray]]:
@@ -57,6 +68,23 @@ def read_newest(output, pyramid: Pyramid, rows: int, ome: bool) -> list[tuple[in
             row = min(pyramid.level_rows(k, rows), level.shape[0]) - 1
             newest.append((row, np.asarray(level[row])))
     return newest
+
+
+def read_first(output, ome: bool) -> list[tuple[int, np.ndarray]]:
+    """``(0, frame)``: row 0 of every level (level 0 first), read from the store.
+
+    When the first complete rows replace the placeholder, napari slices the layer at the
+    placeholder's row 0 before the slider can move to the newest row; with this frame in memory
+    that slice costs no decoding on the GUI thread.  Call it on a reader thread.
+    """
+    from ._reader import open_lazy
+    from .ome import open_levels
+
+    array, _ = open_lazy(output)
+    if array is None or array.shape[0] == 0:
+        return []
+    levels = (open_levels(output) or [array]) if ome else [array]
+    return [(0, np.asarray(level[0])) for level in levels if level.shape[0] > 0]
 
 
 class RecentFrames:

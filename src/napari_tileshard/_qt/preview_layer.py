@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 from qtpy.QtCore import QObject, QTimer
 
-from ..preview import RecentFrames, contrast_limits, import_dask_in_background, preview_data, shape_of
+from ..preview import RecentFrames, contrast_limits, preview_data, shape_of, warm_up_dask_in_background
 from ..pyramid import Pyramid
 from ..recorder import RecorderSettings
 
@@ -50,10 +50,10 @@ class PreviewLayer(QObject):
         self._timer.setSingleShot(True)
         self._timer.setInterval(COALESCE_MS)
         self._timer.timeout.connect(self._apply_pending)
+        warm_up_dask_in_background()  # now: Start comes much later, with both cores busy
 
     def begin(self, settings: RecorderSettings, placeholder: bool = True) -> None:
         """Follow the recording of ``settings`` from now on."""
-        import_dask_in_background()
         self._settings = settings
         self._name = f"preview: {Path(settings.output).name}"
         self.pyramid = pyramid = settings.pyramid()
@@ -65,8 +65,12 @@ class PreviewLayer(QObject):
             zeros = [np.zeros((1,) + tuple(level.shape[1:]), layout.dtype) for level in pyramid.layouts]
             self._add(zeros if settings.ome else zeros[0], list(layout.names), placeholder=True)
 
-    def on_progress(self, stats, newest=None) -> None:
-        """A shard epoch completed: show it within :data:`COALESCE_MS`, together with any later one."""
+    def on_progress(self, stats, newest=None, first=None) -> None:
+        """A shard epoch completed: show it within :data:`COALESCE_MS`, together with any later one.
+        ``first`` (row 0 of every level, with the first read-back only) is kept at once: a later
+        progress may replace this one before it is shown."""
+        if first:
+            self._recent.add(first)
         self._pending = (stats.rows_complete, newest)
         if not self._timer.isActive():
             self._timer.start()
@@ -112,23 +116,33 @@ class PreviewLayer(QObject):
         multiscale = isinstance(data, list)
         if self.layer is None or self.layer not in self.viewer.layers or multiscale != bool(self.layer.multiscale):
             self._add(data, names, newest)
+        elif self.placeholder and (newest or final):  # final: a partial epoch written at close
+            self._replace_placeholder(data, newest)
         else:
-            if self.placeholder and (newest or final):  # final: a partial epoch written at close
-                self.layer.data = data
-                if newest:
-                    self.layer.contrast_limits = contrast_limits(newest[0][1])
-                else:
-                    self.layer.reset_contrast_limits()
-                self.layer.name = self.layer.name.split(" (")[0]
-                self.placeholder = False
-                if self.layer.multiscale:
-                    self.viewer.reset_view()  # a multiscale layer loads only the tiles in view: frame it
+            # Decided before the data changes: the slider follows unless the user moved it away
+            # from the last row shown.
             step = self.viewer.dims.current_step
             last_shown = shape_of(self.layer.data)[0] - 1
             self._follow = step[0] >= last_shown if step else True
             self.layer.data = data
         if self._follow:
             self.viewer.dims.set_current_step(0, shape_of(data)[0] - 1)
+
+    def _replace_placeholder(self, data, newest) -> None:
+        """The first real rows replace the zeros; the slider then goes to the newest row.  (Setting
+        the data slices the placeholder's row 0 first: the reader thread brought it back already,
+        see ``on_progress``.)"""
+        layer = self.layer
+        layer.data = data
+        if newest:
+            layer.contrast_limits = contrast_limits(newest[0][1])
+        else:
+            layer.reset_contrast_limits()
+        layer.name = layer.name.split(" (")[0]
+        self.placeholder = False
+        self._follow = True
+        if layer.multiscale:
+            self.viewer.reset_view()  # a multiscale layer loads only the tiles in view: frame it
 
     def _add(self, data, names, newest=None, placeholder=False) -> None:
         name = self._name

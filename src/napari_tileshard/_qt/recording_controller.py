@@ -11,7 +11,7 @@ from dataclasses import replace
 import numpy as np
 from qtpy.QtCore import QEvent, QObject, QThread, Signal
 
-from ..preview import read_newest
+from ..preview import read_first, read_newest
 from ..recorder import Recorder, RecorderSettings, RecorderStats
 
 
@@ -22,10 +22,12 @@ class _RecorderThread(QThread):
     preview — on a reader thread of its own, never on the recording thread (a slow read must not
     hold back frames) nor on the GUI thread (no tile decoding on the event loop).  The reader
     keeps only the latest progress: when reads are slower than shard epochs complete, it skips
-    to the newest.
+    to the newest.  With its first read it also brings back row 0 of every level
+    (:func:`~napari_tileshard.preview.read_first`): napari slices that row once, when the first
+    rows replace the preview's placeholder.
     """
 
-    progress = Signal(object, object)  # stats, [(row, frame) per level] or None
+    progress = Signal(object, object, object)  # stats, [(row, frame) per level] or None, row 0 likewise
     finished_recording = Signal(object)  # stats
 
     def __init__(self, recorder: Recorder, parent=None):
@@ -46,17 +48,21 @@ class _RecorderThread(QThread):
 
     def _read_loop(self) -> None:
         settings = self.recorder.settings
+        first_read = True
         while True:
             with self._wake:
                 self._wake.wait_for(lambda: self._pending is not None or self._done)
                 stats, self._pending = self._pending, None
                 if stats is None:
                     return
+            first = None
             try:
                 newest = read_newest(settings.output, self._pyramid, stats.rows_complete, settings.ome) or None
+                if first_read and newest:
+                    first, first_read = read_first(settings.output, settings.ome) or None, False
             except Exception:  # noqa: BLE001 - the preview is best effort; the recording goes on
                 newest = None
-            self.progress.emit(stats, newest)
+            self.progress.emit(stats, newest, first)
 
     def _finished(self, stats: RecorderStats) -> None:
         with self._wake:
@@ -75,13 +81,13 @@ class RecordingController(QObject):
     """Owns the recording in progress; everything it reports arrives on the GUI thread.
 
     ``starting(settings)`` is emitted synchronously before any frame is taken (the preview
-    creates its layer then, on the click rather than mid-recording), ``progress(stats, newest)``
+    creates its layer then, on the click rather than mid-recording), ``progress(stats, newest, first)``
     per completed shard epoch, and ``finished(stats)`` once the store is finalized and the thread
     has ended.
     """
 
     starting = Signal(object)
-    progress = Signal(object, object)
+    progress = Signal(object, object, object)
     finished = Signal(object)
 
     def __init__(self, parent=None):
