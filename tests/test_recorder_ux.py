@@ -205,9 +205,9 @@ def test_the_inspectors_refresh_reads_indexes_off_the_gui_thread(make_napari_vie
     writer.close()
     real = inspector_module.inspect_array
 
-    def slow_inspect(path):  # thousands of shards: seconds of index reads
+    def slow_inspect(path, **options):  # thousands of shards: seconds of index reads
         time.sleep(1.0)
-        return real(path)
+        return real(path, **options)
 
     monkeypatch.setattr(inspector_module, "inspect_array", slow_inspect)
     started = time.perf_counter()
