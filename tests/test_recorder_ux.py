@@ -49,8 +49,8 @@ def test_choosing_a_layer_lays_out_the_frames(docked, qtbot, tmp_path):
     viewer, _, widget = docked
     layer = viewer.add_image(np.zeros((96, 128), np.uint8), name="camera")
     form = widget.form
-    form.output.setText(str(tmp_path / "layer.zarr"))
-    form.source.setCurrentText("camera")
+    form.output.value = str(tmp_path / "layer.zarr")
+    form.source.value = "camera"
     settings = widget.settings  # no ValueError about mismatching frame shapes
     assert settings.layout.shape[1:] == (96, 128) and settings.layout.dtype == np.uint8
     assert all(t <= s for t, s in zip(settings.layout.tile_shape[1:], (96, 128)))
@@ -71,7 +71,7 @@ def test_after_a_recording_the_next_one_gets_a_fresh_name_and_no_error(docked, q
     widget.stop()
     qtbot.waitUntil(lambda: not widget.is_recording, timeout=10_000)
     assert widget.start_button.isEnabled(), widget.form.message.text()
-    assert widget.form.output.text() == str(tmp_path / "recording-002.zarr")
+    assert widget.form.output_text == str(tmp_path / "recording-002.zarr")
     assert "already exists" not in widget.form.message.text()
     assert "e05050" not in widget.form.message.styleSheet()  # not shown as an error
     assert widget.inspect().inspection is not None  # Inspect still opens the recording just made
