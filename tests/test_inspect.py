@@ -227,3 +227,49 @@ def test_acquire_zarr_output(tmp_path):
     result = inspect_array(tmp_path / "az.zarr" / "0")
     assert result.chunk_bytes.shape == (2, 2, 2) and (result.chunk_bytes > 0).all()
     assert len(result.shards) == 2 * 1 * 2 and all(s.crc_ok for s in result.shards)
+
+
+def test_a_refresh_of_a_growing_recording_reads_only_new_and_edge_shards(tmp_path):
+    layout = Layout([Dim("t", 0, 2, 1), Dim("x", 16, 8, 1)], "uint16")  # 2 shards per epoch, 1 chunk each
+    path = tmp_path / "growing.zarr"
+    writer = Writer(path, layout, backend="cpu", batch_bytes=1, max_latency_s=0.01)
+    writer.append(np.arange(8 * 16, dtype=np.uint16).reshape(8, 16))  # 4 shard epochs
+    writer.flush()
+    earlier = inspect_array(path)
+    assert len(earlier.shards) == 8
+    writer.append(np.full((3, 16), 7, np.uint16))  # one more epoch and a partial one
+    writer.close()
+    CountingStore.shard_bytes = 0
+    refreshed = inspect_array(CountingStore(path, read_only=True), previous=earlier)
+    assert CountingStore.shard_bytes == 4 * (16 + 4)  # the 4 new shards' indexes, nothing else
+    full = inspect_array(path)  # the same as reading every index
+    assert refreshed.shards == full.shards and len(full.shards) == 12
+    np.testing.assert_array_equal(refreshed.chunk_bytes, full.chunk_bytes)
+    # a different geometry shares nothing with an earlier inspection
+    other = tmp_path / "other.zarr"
+    with Writer(other, Layout([Dim("t", 0, 4, 1), Dim("x", 16, 8, 1)], "uint16"), backend="cpu") as w:
+        w.append(np.zeros((8, 16), np.uint16))
+    CountingStore.shard_bytes = 0
+    assert len(inspect_array(CountingStore(other, read_only=True), previous=earlier).shards) == 4
+    assert CountingStore.shard_bytes == 4 * (16 + 4)
+
+
+def test_the_live_inspector_reads_only_the_new_shards(make_napari_viewer, qtbot, tmp_path):
+    from napari_tileshard._qt.inspector_widget import InspectorWidget
+
+    layout = Layout([Dim("t", 0, 2, 1), Dim("x", 16, 8, 1)], "uint16")
+    path = tmp_path / "live.zarr"
+    writer = Writer(path, layout, backend="cpu", batch_bytes=1, max_latency_s=0.01)
+    writer.append(np.zeros((8, 16), np.uint16))
+    writer.flush()
+    inspector = InspectorWidget(make_napari_viewer())
+    inspector.open(path)
+    assert inspector.inspection.bytes_read == 8 * (16 + 4)
+    writer.append(np.ones((2, 16), np.uint16))
+    writer.close()
+    inspector.live.setChecked(True)  # re-reads every 2 s
+    qtbot.waitUntil(lambda: len(inspector.inspection.shards) == 10, timeout=10_000)
+    assert inspector.inspection.bytes_read == 2 * (16 + 4)  # the new epoch's two shards only
+    inspector.live.setChecked(False)
+    inspector.refresh()  # the Refresh button reads every index
+    qtbot.waitUntil(lambda: inspector.inspection.bytes_read == 10 * (16 + 4), timeout=10_000)

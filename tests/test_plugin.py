@@ -94,11 +94,11 @@ def test_invalid_settings_disable_start_and_explain(widget, tmp_path):
     assert widget.start_button.isEnabled() and widget.settings.layout.dims[1].scale == 0.65
     with Writer(tmp_path / "v.zarr", small_layout(), backend="cpu") as writer:  # an earlier recording
         writer.append(np.zeros((4, 64, 48), np.uint16))
-    form.output.setText("")
+    form.output.line_edit.value = ""  # emptied as typed
     assert "output path is empty" in form.message.text()
-    form.output.setText(str(tmp_path / "v.zarr"))
+    form.output.value = str(tmp_path / "v.zarr")
     assert not widget.start_button.isEnabled() and "already exists" in form.message.text()
-    form.overwrite.setChecked(True)
+    form.overwrite.value = True
     assert widget.start_button.isEnabled()
 
 
@@ -179,7 +179,7 @@ def test_ome_recording_previews_the_pyramid(widget, qtbot, tmp_path):
     for row, (scale, unit) in enumerate([("0.05", "second"), ("0.65", "micrometer"), ("0.65", "micrometer")]):
         widget.form.table.item(row, 4).setText(scale)
         widget.form.table.item(row, 5).setText(unit)
-    assert widget.form.downsample.isEnabled() and "pyramid levels" in widget.form.figures.text()
+    assert widget.form.downsample.enabled and "pyramid levels" in widget.form.figures.text()
     widget.start()
 
     def multiscale_grew():
@@ -284,10 +284,15 @@ def test_codec_list_and_level_range_come_from_the_registry(widget):
     from napari_tileshard import codecs
 
     combo = widget.form.codec
-    assert [combo.itemText(i) for i in range(combo.count())] == list(codecs.names())
-    combo.setCurrentText("blosc-lz4")
-    assert (widget.form.level.minimum(), widget.form.level.maximum()) == codecs.get("blosc-lz4").level_range
-    combo.setCurrentText("none")
-    assert not widget.form.level.isEnabled()
-    combo.setCurrentText("zstd")
-    assert widget.form.level.isEnabled() and widget.form.level.maximum() == 22
+    assert list(combo.choices) == list(codecs.names())
+    combo.value = "blosc-lz4"
+    assert (widget.form.level.min, widget.form.level.max) == codecs.get("blosc-lz4").level_range
+    combo.value = "none"
+    assert not widget.form.level.enabled
+    combo.value = "zstd"
+    assert widget.form.level.enabled and widget.form.level.max == 22
+
+
+def test_the_output_keeps_a_store_url_as_typed(widget):
+    widget.form.output.line_edit.value = "s3://bucket/run.zarr"  # the magicgui file field, typed into
+    assert widget.settings.output == "s3://bucket/run.zarr"  # not a Path, which would drop a slash

@@ -49,8 +49,8 @@ def test_choosing_a_layer_lays_out_the_frames(docked, qtbot, tmp_path):
     viewer, _, widget = docked
     layer = viewer.add_image(np.zeros((96, 128), np.uint8), name="camera")
     form = widget.form
-    form.output.setText(str(tmp_path / "layer.zarr"))
-    form.source.setCurrentText("camera")
+    form.output.value = str(tmp_path / "layer.zarr")
+    form.source.value = "camera"
     settings = widget.settings  # no ValueError about mismatching frame shapes
     assert settings.layout.shape[1:] == (96, 128) and settings.layout.dtype == np.uint8
     assert all(t <= s for t, s in zip(settings.layout.tile_shape[1:], (96, 128)))
@@ -71,7 +71,7 @@ def test_after_a_recording_the_next_one_gets_a_fresh_name_and_no_error(docked, q
     widget.stop()
     qtbot.waitUntil(lambda: not widget.is_recording, timeout=10_000)
     assert widget.start_button.isEnabled(), widget.form.message.text()
-    assert widget.form.output.text() == str(tmp_path / "recording-002.zarr")
+    assert widget.form.output_text == str(tmp_path / "recording-002.zarr")
     assert "already exists" not in widget.form.message.text()
     assert "e05050" not in widget.form.message.styleSheet()  # not shown as an error
     assert widget.inspect().inspection is not None  # Inspect still opens the recording just made
@@ -205,9 +205,9 @@ def test_the_inspectors_refresh_reads_indexes_off_the_gui_thread(make_napari_vie
     writer.close()
     real = inspector_module.inspect_array
 
-    def slow_inspect(path):  # thousands of shards: seconds of index reads
+    def slow_inspect(path, **options):  # thousands of shards: seconds of index reads
         time.sleep(1.0)
-        return real(path)
+        return real(path, **options)
 
     monkeypatch.setattr(inspector_module, "inspect_array", slow_inspect)
     started = time.perf_counter()

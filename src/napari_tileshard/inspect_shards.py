@@ -89,9 +89,16 @@ def _valid_bytes(shape, chunk_shape, coords, per_shard, present, result: Inspect
     return int(valid.reshape(-1)[present.reshape(-1)].sum())
 
 
-def inspect_array(path) -> Inspection:
+def inspect_array(path, previous: Inspection | None = None) -> Inspection:
     """Read every shard index of the sharded array at ``path`` (a path or zarr Store; level 0 of an
-    OME-Zarr group)."""
+    OME-Zarr group).
+
+    ``previous``: an earlier inspection of the same array (the inspector's live refresh of a
+    growing recording).  A shard whose object has the same size as then is taken from it instead
+    of being read and decoded again: a recording only adds shards, and a shard written again grows
+    (a flushed shard's later version starts with the flushed bytes and adds to them).  Everything
+    else, and every shard when the array's geometry changed, is read as without ``previous``.
+    """
     from .ome import open_level0
 
     access = StoreAccess(path)
@@ -127,10 +134,15 @@ def inspect_array(path) -> Inspection:
         math.prod(chunk_shape) * np.dtype(array.dtype).itemsize,
         notes=notes + note,
     )
+    known = _reusable(previous, result)
     for key, coords in shards:
         try:
             with access.open_object(base + key) as obj:
                 size = obj.size
+                earlier = known.get(key)
+                if earlier is not None and earlier[0].file_bytes == size and _place(chunk_bytes, earlier):
+                    result.shards.append(earlier[0])
+                    continue
                 tail = obj.read_suffix(index_bytes) if size >= index_bytes else b""
         except FileNotFoundError:
             continue  # removed since it was listed
@@ -146,8 +158,7 @@ def inspect_array(path) -> Inspection:
         present = ~((index[:, 0] == EMPTY) & (index[:, 1] == EMPTY))
         nbytes = np.where(present, nbytes, EMPTY_CHUNK).reshape(per_shard)
         # Place the shard's chunks on the map, clipped to the array's extent and the map's.
-        start = [c * p for c, p in zip(coords, per_shard)]
-        region = tuple(slice(s, min(m, s + p)) for s, m, p in zip(start, chunk_bytes.shape, per_shard))
+        region = _region(coords, per_shard, chunk_bytes.shape)
         if all(r.stop > r.start for r in region):
             chunk_bytes[region] = nbytes[tuple(slice(0, r.stop - r.start) for r in region)]
         stored = int(nbytes[nbytes > 0].sum())
@@ -156,6 +167,45 @@ def inspect_array(path) -> Inspection:
         ratio = data / stored if stored else float("nan")
         result.shards.append(ShardInfo(key, coords, size, count, chunks, stored, ratio, bool(crc_ok)))
     return result
+
+
+def _region(coords, per_shard, map_shape) -> tuple[slice, ...]:
+    """The part of the chunk map that the shard at ``coords`` covers, clipped to the map."""
+    start = [c * p for c, p in zip(coords, per_shard)]
+    return tuple(slice(s, min(m, s + p)) for s, m, p in zip(start, map_shape, per_shard))
+
+
+def _reusable(previous: Inspection | None, current: Inspection) -> dict:
+    """``{key: (ShardInfo, its part of the previous chunk map)}`` from ``previous`` when it
+    inspected an array of the same geometry (a growing array keeps all but its length)."""
+    if previous is None or (
+        previous.shard_shape,
+        previous.chunk_shape,
+        previous.shape[1:],
+        previous.uncompressed_chunk_bytes,
+    ) != (current.shard_shape, current.chunk_shape, current.shape[1:], current.uncompressed_chunk_bytes):
+        return {}
+    per_shard = tuple(s // c for s, c in zip(current.shard_shape, current.chunk_shape))
+    # Along dim 0 only shards that lay wholly inside the array then and now: an edge shard's ratio
+    # counts only its valid rows, which change as the array grows.
+    rows = min(previous.shape[0], current.shape[0]) if current.shape else 0
+    found = {}
+    for shard in previous.shards:
+        old = _region(shard.coords, per_shard, previous.chunk_bytes.shape)
+        new = _region(shard.coords, per_shard, current.chunk_bytes.shape)
+        inside = not shard.coords or (shard.coords[0] + 1) * current.shard_shape[0] <= rows
+        if inside and old == new and shard.chunks_present and shard.crc_ok:
+            found[shard.key] = (shard, new, previous.chunk_bytes[old])
+    return found
+
+
+def _place(chunk_bytes: np.ndarray, earlier) -> bool:
+    """Put a reused shard's part of the previous map on ``chunk_bytes``; False when it no longer fits."""
+    _, region, values = earlier
+    if chunk_bytes[region].shape != values.shape:
+        return False
+    chunk_bytes[region] = values
+    return True
 
 
 def _shard_keys(access, base: str, ndim: int, chunk_dir: str = "c", separator: str = "/"):

@@ -70,13 +70,13 @@ class InspectorWidget(QWidget):
             box.toggled.connect(lambda on, n=name: self._set_visible(n, on))
             toggles.addWidget(box)
         refresh = QPushButton("Refresh")
-        refresh.clicked.connect(self.refresh)
+        refresh.clicked.connect(lambda: self.refresh())
         toggles.addWidget(refresh)
         self.live = QCheckBox("live")
         self.live.setToolTip("re-read the indexes every 2 s (new shards of a running recording appear)")
         self._live_timer = QTimer(self)
         self._live_timer.setInterval(2000)
-        self._live_timer.timeout.connect(self.refresh)
+        self._live_timer.timeout.connect(lambda: self.refresh(incremental=True))
         self.live.toggled.connect(lambda on: self._live_timer.start() if on else self._live_timer.stop())
         toggles.addWidget(self.live)
         self.check_button = QPushButton("Check chunks")
@@ -108,16 +108,21 @@ class InspectorWidget(QWidget):
         self.inspection = inspection
         self._show(inspection)
 
-    def refresh(self) -> None:
+    def refresh(self, incremental: bool = False) -> None:
         """Re-read the indexes in the background (a recording in progress adds shards): reading
         thousands of indexes takes seconds, which the GUI thread must not wait for.  A refresh
-        while one is running is skipped; the result is shown when it arrives."""
+        while one is running is skipped; the result is shown when it arrives.
+
+        ``incremental`` (the live mode): shards whose size is unchanged since the inspection shown
+        are taken from it, so a growing recording costs only its new shards' indexes.  The Refresh
+        button reads every index."""
         if not self.path or self._refreshing is not None:
             return
         from napari.qt.threading import create_worker
 
         path = self.path
-        worker = create_worker(inspect_array, path, _start_thread=False)
+        previous = self.inspection if incremental else None
+        worker = create_worker(inspect_array, path, previous=previous, _start_thread=False)
         worker.returned.connect(lambda inspection: self._refreshed(path, inspection))
         worker.errored.connect(lambda exc: self.summary.setText(f"cannot inspect {path}: {exc}"))
         worker.finished.connect(self._refresh_done)

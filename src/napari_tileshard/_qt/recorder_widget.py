@@ -112,7 +112,7 @@ class RecorderWidget(QWidget):
 
         inspector = InspectorWidget(self.viewer)
         self.viewer.window.add_dock_widget(inspector, name="Inspect shards", area="right")
-        target = self.form.output.text()
+        target = self.form.output_text
         if self._last_output and not Path(target).expanduser().exists():
             target = self._last_output  # after a recording the form already names the next one
         inspector.open(target)
@@ -125,16 +125,16 @@ class RecorderWidget(QWidget):
         self.preview.finish(stats.rows_complete)
         self.stop_button.setEnabled(False)
         self.form.freeze(False)
-        recorded = self._last_output = self.form.output.text()
+        recorded = self._last_output = self.form.output_text
         if not stats.error:  # the next Start must not meet "already exists": a fresh name, said plainly
-            self.form.output.setText(next_output(recorded))
+            self.form.output_text = next_output(recorded)
         self.form.validate()
         if stats.error:  # after validate(), which would replace the message
             kept = "what was written stays readable" if stats.rows_complete else "nothing was written"
             self.form.show_error(f"recording stopped: {stats.error} ({kept})")
         else:
             self.form.show_info(
-                f"recorded {stats.frames} frames into {recorded}; the next recording goes to {self.form.output.text()}"
+                f"recorded {stats.frames} frames into {recorded}; the next recording goes to {self.form.output_text}"
             )
 
     def _warm_gpu(self, ok: bool) -> None:

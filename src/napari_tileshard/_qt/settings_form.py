@@ -1,5 +1,8 @@
 """The recorder's settings form: dimension table, source, codec, backend, output, OME switch.
 
+The settings are magicgui widgets (``form.codec.value``, ``form.output`` a ``FileEdit``) laid out
+by a QFormLayout; the dimension table is a QTableWidget (a row per dim, editable in place).
+
 Parsing and the derived figures are :mod:`napari_tileshard.recorder_form` (Qt-free); this module
 moves values between widgets and :class:`~napari_tileshard.recorder.RecorderSettings`, and shows
 what is wrong with them.
@@ -12,17 +15,11 @@ from pathlib import Path
 from qtpy.QtCore import Qt, Signal
 from qtpy.QtGui import QStandardItemModel
 from qtpy.QtWidgets import (
-    QCheckBox,
-    QComboBox,
-    QDoubleSpinBox,
-    QFileDialog,
     QFormLayout,
     QGroupBox,
     QHBoxLayout,
     QLabel,
-    QLineEdit,
     QPushButton,
-    QSpinBox,
     QTableWidget,
     QTableWidgetItem,
     QVBoxLayout,
@@ -88,79 +85,7 @@ class SettingsForm(QWidget):
         dims_layout.addLayout(buttons)
         layout.addWidget(dims_box)
 
-        form = QFormLayout()
-        self.source = QComboBox()
-        self.source.currentIndexChanged.connect(self._source_changed)
-        form.addRow("source", self.source)
-        self.dtype = QComboBox()
-        self.dtype.addItems(SUPPORTED_DTYPES)
-        self.dtype.setCurrentText("uint16")
-        self.dtype.currentIndexChanged.connect(self.validate)
-        form.addRow("dtype", self.dtype)
-        self.fps = QDoubleSpinBox()
-        self.fps.setRange(0.0, 100000.0)
-        self.fps.setValue(50.0)
-        self.fps.setSpecialValueText("as fast as possible")
-        self.fps.valueChanged.connect(self.validate)
-        form.addRow("camera fps", self.fps)
-        self.codec = QComboBox()
-        self.codec.addItems(codecs.names())  # the registry: a new codec shows up here by itself
-        form.addRow("codec", self.codec)
-        self.level = QSpinBox()
-        self.level.setValue(1)
-        self.level.valueChanged.connect(self.validate)
-        form.addRow("level", self.level)
-        self.codec.currentIndexChanged.connect(self._codec_changed)
-        self._apply_level_range()
-        self.backend = QComboBox()
-        self.backend.addItems(_BACKENDS)
-        model = self.backend.model()
-        # A QComboBox's own model is a QStandardItemModel: its items can be disabled one by one.
-        gpu_item = model.item(1) if isinstance(model, QStandardItemModel) else None
-        if self._gpu_reason and gpu_item is not None:
-            gpu_item.setEnabled(False)
-            gpu_item.setText("gpu (unavailable)")
-            gpu_item.setToolTip(self._gpu_reason)
-            self.backend.setItemData(0, f"auto: CPU here ({self._gpu_reason})", Qt.ItemDataRole.ToolTipRole)
-        self.backend.currentIndexChanged.connect(self.validate)
-        form.addRow("backend", self.backend)
-        self.policy = QComboBox()
-        self.policy.addItems(POLICIES)
-        self.policy.setItemData(
-            0, "the source waits when the queue is full: no frame is lost", Qt.ItemDataRole.ToolTipRole
-        )
-        self.policy.setItemData(
-            1, "frames arriving at a full queue are dropped and counted", Qt.ItemDataRole.ToolTipRole
-        )
-        self.policy.currentIndexChanged.connect(self.validate)
-        form.addRow("when the queue is full", self.policy)
-        out_row = QHBoxLayout()
-        self.output = QLineEdit(str(Path.cwd() / "recording.zarr"))
-        self.output.textChanged.connect(self.validate)
-        browse = QPushButton("…")
-        browse.clicked.connect(self._browse)
-        out_row.addWidget(self.output)
-        out_row.addWidget(browse)
-        form.addRow("output", out_row)
-        self.overwrite = QCheckBox("overwrite an existing store")
-        self.overwrite.toggled.connect(self.validate)
-        form.addRow("", self.overwrite)
-        pyramid_row = QHBoxLayout()
-        self.ome = QCheckBox("OME-Zarr with a pyramid")
-        self.ome.setToolTip(
-            "write an OME-Zarr 0.5 group: full resolution at 0/ and 2x-reduced levels (y, x) "
-            "computed while recording; the preview becomes multiscale"
-        )
-        self.downsample = QComboBox()
-        self.downsample.addItems(DOWNSAMPLE)
-        self.downsample.setEnabled(False)
-        self.ome.toggled.connect(self.downsample.setEnabled)
-        self.ome.toggled.connect(self.validate)
-        self.downsample.currentIndexChanged.connect(self.validate)
-        pyramid_row.addWidget(self.ome)
-        pyramid_row.addWidget(self.downsample)
-        form.addRow("format", pyramid_row)
-        layout.addLayout(form)
+        layout.addWidget(self._build_fields())
 
         self.figures = QLabel()
         self.figures.setWordWrap(True)
@@ -169,6 +94,91 @@ class SettingsForm(QWidget):
         self.message.setWordWrap(True)
         self.message.setStyleSheet(ERROR_STYLE)
         layout.addWidget(self.message)
+
+    def _build_fields(self) -> QWidget:
+        """The settings other than the dimension table, as magicgui widgets (napari's own widget
+        toolkit: labels, theme, ``.value``); only what magicgui has no option for (a disabled
+        backend with its reason, per-item tooltips, the spin box's text at 0) is set on their Qt
+        widgets."""
+        from magicgui.types import FileDialogMode
+        from magicgui.widgets import CheckBox, ComboBox, Container, FileEdit, FloatSpinBox, SpinBox
+
+        self.source = ComboBox(choices=[SYNTHETIC])
+        self.dtype = ComboBox(choices=list(SUPPORTED_DTYPES), value="uint16")
+        self.fps = FloatSpinBox(min=0.0, max=100000.0, value=50.0)
+        self.fps.native.setSpecialValueText("as fast as possible")
+        # The registry: a new codec shows up here by itself.
+        self.codec = ComboBox(choices=list(codecs.names()), value="zstd")
+        self.level = SpinBox(value=1)
+        self.backend = ComboBox(choices=list(_BACKENDS))
+        combo = self.backend.native
+        model = combo.model()
+        # A QComboBox's own model is a QStandardItemModel: its items can be disabled one by one.
+        gpu_item = model.item(1) if isinstance(model, QStandardItemModel) else None
+        if self._gpu_reason and gpu_item is not None:
+            gpu_item.setEnabled(False)
+            gpu_item.setText("gpu (unavailable)")
+            gpu_item.setToolTip(self._gpu_reason)
+            combo.setItemData(0, f"auto: CPU here ({self._gpu_reason})", Qt.ItemDataRole.ToolTipRole)
+        self.policy = ComboBox(choices=list(POLICIES))
+        self.policy.native.setItemData(
+            0, "the source waits when the queue is full: no frame is lost", Qt.ItemDataRole.ToolTipRole
+        )
+        self.policy.native.setItemData(
+            1, "frames arriving at a full queue are dropped and counted", Qt.ItemDataRole.ToolTipRole
+        )
+        self.output = FileEdit(
+            mode=FileDialogMode.OPTIONAL_FILE, filter="Zarr store (*.zarr)", value=Path.cwd() / "recording.zarr"
+        )
+        self.overwrite = CheckBox(text="overwrite an existing store")
+        self.ome = CheckBox(
+            text="OME-Zarr with a pyramid",
+            tooltip="write an OME-Zarr 0.5 group: full resolution at 0/ and 2x-reduced levels (y, x) "
+            "computed while recording; the preview becomes multiscale",
+        )
+        self.downsample = ComboBox(choices=list(DOWNSAMPLE), enabled=False)
+        pyramid = Container(layout="horizontal", labels=False, widgets=[self.ome, self.downsample])
+        pyramid.margins = (0, 0, 0, 0)
+        # magicgui's own Container would size each label to its text; a QFormLayout aligns them.
+        form = QFormLayout()
+        for label, field in (
+            ("source", self.source),
+            ("dtype", self.dtype),
+            ("camera fps", self.fps),
+            ("codec", self.codec),
+            ("level", self.level),
+            ("backend", self.backend),
+            ("when the queue is full", self.policy),
+            ("output", self.output),
+            ("", self.overwrite),
+            ("format", pyramid),
+        ):
+            form.addRow(label, field.native)
+        fields = QWidget()
+        fields.setLayout(form)
+        form.setContentsMargins(0, 0, 0, 0)
+        self._apply_level_range()
+        self.source.changed.connect(self._source_changed)
+        self.codec.changed.connect(self._codec_changed)
+        self.ome.changed.connect(self._ome_changed)
+        for field in (self.dtype, self.fps, self.level, self.backend, self.policy, self.overwrite, self.downsample):
+            field.changed.connect(self.validate)
+        self.output.line_edit.changed.connect(self.validate)  # as typed (``output.value`` of "" is ".")
+        return fields
+
+    @property
+    def output_text(self) -> str:
+        """The output as typed: a path or a store URL (``output.value`` is a Path: "" would be ".",
+        and ``s3://`` would lose a slash)."""
+        return self.output.line_edit.value
+
+    @output_text.setter
+    def output_text(self, text: str) -> None:
+        self.output.line_edit.value = text
+
+    def _ome_changed(self, on: bool) -> None:
+        self.downsample.enabled = on
+        self.validate()
 
     def _append_row(self, values, front=False) -> None:
         row = 0 if front else self.table.rowCount()
@@ -184,24 +194,19 @@ class SettingsForm(QWidget):
             self.table.removeRow(0)
             self.validate()
 
-    def _browse(self) -> None:
-        path, _ = QFileDialog.getSaveFileName(self, "Record to", self.output.text(), "Zarr store (*.zarr)")
-        if path:
-            self.output.setText(path)
-
     def refresh_sources(self, event=None) -> None:
         """List the synthetic camera and the viewer's image layers (never a recorder's preview)."""
         from napari.layers import Image
 
-        current = self.source.currentText()
-        self.source.blockSignals(True)
-        self.source.clear()
-        self.source.addItem(SYNTHETIC)
-        for layer in self.viewer.layers:
-            if isinstance(layer, Image) and not layer.name.startswith("preview:"):
-                self.source.addItem(layer.name)
-        self.source.setCurrentIndex(max(0, self.source.findText(current)))
-        self.source.blockSignals(False)
+        current = self.source.value
+        names = [SYNTHETIC] + [
+            layer.name
+            for layer in self.viewer.layers
+            if isinstance(layer, Image) and not layer.name.startswith("preview:")
+        ]
+        with self.source.changed.blocked():
+            self.source.choices = names
+            self.source.value = current if current in names else SYNTHETIC
         self._source_changed()
 
     def _source_changed(self, *_) -> None:
@@ -230,13 +235,12 @@ class SettingsForm(QWidget):
                 for col, value in enumerate(values):
                     self.table.setItem(row, col, QTableWidgetItem(value))
             self.table.blockSignals(False)
-        self.dtype.blockSignals(True)
-        self.dtype.setCurrentText(np.dtype(layer.data.dtype).name)
-        self.dtype.blockSignals(False)
+        with self.dtype.changed.blocked():
+            self.dtype.value = np.dtype(layer.data.dtype).name
 
     def source_layer(self, name: str | None = None):
         """The image layer named ``name`` (default: the selected source), None for the synthetic camera."""
-        name = self.source.currentText() if name is None else name
+        name = self.source.value if name is None else name
         if name == SYNTHETIC or name not in self.viewer.layers:
             return None
         return self.viewer.layers[name]
@@ -251,17 +255,17 @@ class SettingsForm(QWidget):
         """The form's values; raises ValueError naming the row or layer when they make no Layout."""
         rows = [[self._cell(row, col) for col in range(len(COLUMNS))] for row in range(self.table.rowCount())]
         return RecorderSettings(
-            output=self.output.text(),
-            layout=layout_from_rows(rows, self.dtype.currentText(), self.source_layer()),
-            codec=self.codec.currentText(),
-            level=self.level.value(),
-            backend=self.backend.currentText().split(" ")[0],
-            source=self.source.currentText(),
-            fps=self.fps.value() or None,
-            overwrite=self.overwrite.isChecked(),
-            policy=self.policy.currentText(),
-            ome=self.ome.isChecked(),
-            downsample=self.downsample.currentText(),
+            output=self.output_text,
+            layout=layout_from_rows(rows, self.dtype.value, self.source_layer()),
+            codec=self.codec.value,
+            level=self.level.value,
+            backend=self.backend.value,
+            source=self.source.value,
+            fps=self.fps.value or None,
+            overwrite=self.overwrite.value,
+            policy=self.policy.value,
+            ome=self.ome.value,
+            downsample=self.downsample.value,
         )
 
     @settings.setter
@@ -272,17 +276,18 @@ class SettingsForm(QWidget):
         for dim in layout.dims:
             self._append_row((dim.name, dim.size, dim.tile_size, dim.tiles_per_shard, dim.scale, dim.unit or ""))
         self.table.blockSignals(False)
-        self.dtype.setCurrentText(layout.dtype.name)
-        self.output.setText(str(value.output))
-        self.codec.setCurrentText(value.codec)
-        self.level.setValue(value.level)
-        self.backend.setCurrentIndex(_BACKENDS.index(value.backend))
-        self.source.setCurrentText(value.source)
-        self.fps.setValue(value.fps or 0.0)
-        self.overwrite.setChecked(value.overwrite)
-        self.policy.setCurrentText(value.policy)
-        self.ome.setChecked(value.ome)
-        self.downsample.setCurrentText(value.downsample)
+        self.dtype.value = layout.dtype.name
+        self.output_text = str(value.output)
+        self.codec.value = value.codec
+        self.level.value = value.level
+        self.backend.value = value.backend
+        if value.source in self.source.choices:
+            self.source.value = value.source
+        self.fps.value = value.fps or 0.0
+        self.overwrite.value = value.overwrite
+        self.policy.value = value.policy
+        self.ome.value = value.ome
+        self.downsample.value = value.downsample
         self.validate()
 
     def freeze(self, frozen: bool) -> None:
@@ -292,10 +297,10 @@ class SettingsForm(QWidget):
 
     def _apply_level_range(self) -> None:
         """The level's range is the chosen codec's (a codec without levels keeps its spin box off)."""
-        level_range = codecs.get(self.codec.currentText()).level_range
-        self.level.setEnabled(bool(level_range))
+        level_range = codecs.get(self.codec.value).level_range
+        self.level.enabled = bool(level_range)
         if level_range:
-            self.level.setRange(*level_range)
+            self.level.min, self.level.max = level_range
 
     def _codec_changed(self, *_) -> None:
         self._apply_level_range()
