@@ -10,9 +10,27 @@ is how long the event loop stalled.  The screenshot shows the widget docked mid-
 from __future__ import annotations
 
 import argparse
+import json
 import tempfile
+import threading
 import time
 from pathlib import Path
+
+
+def watch_first_epoch(store: Path, rows: int, stop: threading.Event, seen: dict) -> None:
+    """Poll the store's metadata from outside the recorder: the moment its shape first covers a
+    complete shard epoch (``rows`` rows) is when the first preview frame becomes possible."""
+    candidates = [store / "zarr.json", store / "0" / "zarr.json"]  # plain array, or OME level 0
+    while not stop.is_set():
+        for meta in candidates:
+            try:
+                shape = json.loads(meta.read_text()).get("shape")
+            except (OSError, ValueError):
+                continue
+            if shape and shape[0] >= rows:
+                seen["epoch_on_disk"] = time.perf_counter()
+                return
+        time.sleep(0.002)
 
 
 def main():
@@ -52,8 +70,15 @@ def main():
     timer.setInterval(5)
     timer.timeout.connect(lambda: ticks.append(time.perf_counter()))
     app = QApplication.instance()
+    stop_watch, seen = threading.Event(), {}
+    watcher = threading.Thread(
+        target=watch_first_epoch,
+        args=(out, layout.dims[0].tile_size * layout.dims[0].tiles_per_shard, stop_watch, seen),
+        daemon=True,
+    )
     widget.start()
     started = time.perf_counter()
+    watcher.start()
     if args.inspector_live:
         live = widget.inspect()  # re-reads the indexes every 2 s while recording
         live.live.setChecked(True)
@@ -63,6 +88,8 @@ def main():
     shot_done = False
     while time.perf_counter() < end:
         app.processEvents()
+        if "preview_shown" not in seen and widget.preview.layer is not None and not widget.preview.placeholder:
+            seen["preview_shown"] = time.perf_counter()  # events processed: the new data was painted
         time.sleep(0.001)
         if args.screenshot and not shot_done and time.perf_counter() > shot_at:
             timer.stop()  # the screenshot itself renders synchronously; don't count it as a stall
@@ -71,6 +98,7 @@ def main():
             ticks.append(None)
             timer.start()
     timer.stop()
+    stop_watch.set()
     widget.stop(wait=True)
     gaps, gap_ends = [], []
     previous = None
@@ -101,6 +129,13 @@ def main():
         f"event-loop ticks {len(gaps)}, worst gap {max(gaps) * 1e3:.0f} ms, "
         f"99th percentile {sorted(gaps)[int(0.99 * len(gaps))] * 1e3:.0f} ms"
     )
+    if "epoch_on_disk" in seen and "preview_shown" in seen:
+        print(
+            f"first shard epoch on disk {seen['epoch_on_disk'] - started:.2f} s after Start; first preview "
+            f"frame shown {(seen['preview_shown'] - seen['epoch_on_disk']) * 1e3:.0f} ms later (target < 1 s)"
+        )
+    else:
+        print(f"first preview not observed: {sorted(seen)}")
     viewer.close()
 
 
