@@ -273,3 +273,23 @@ def test_the_live_inspector_reads_only_the_new_shards(make_napari_viewer, qtbot,
     inspector.live.setChecked(False)
     inspector.refresh()  # the Refresh button reads every index
     qtbot.waitUntil(lambda: inspector.inspection.bytes_read == 10 * (16 + 4), timeout=10_000)
+
+
+def test_closing_the_viewer_waits_for_a_refresh_in_flight(make_napari_viewer, qtbot, tmp_path):
+    """A refresh still reading indexes when the viewer closes used to emit into deleted Qt objects
+    and abort the process; now closing the main window stops the live mode and waits for it."""
+    from napari_tileshard._qt.inspector_widget import InspectorWidget
+
+    layout = Layout([Dim("t", 0, 1, 1), Dim("y", 64, 4, 1), Dim("x", 64, 4, 1)], "uint8")
+    path = tmp_path / "many.zarr"
+    with Writer(path, layout, backend="cpu") as writer:
+        writer.append(np.zeros((8, 64, 64), np.uint8))  # 2048 shards: a refresh takes a while
+    viewer = make_napari_viewer()
+    inspector = InspectorWidget(viewer)
+    viewer.window.add_dock_widget(inspector, name="Inspect shards")
+    inspector.open(path)
+    inspector.live.setChecked(True)
+    inspector.refresh()
+    assert inspector.refreshing
+    viewer.close()
+    assert not inspector.refreshing  # waited for: nothing emits into the deleted widget later

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-from qtpy.QtCore import QTimer
+from qtpy.QtCore import QEvent, QTimer
 from qtpy.QtWidgets import (
     QCheckBox,
     QHBoxLayout,
@@ -51,6 +51,8 @@ class InspectorWidget(QWidget):
         self.path: str | None = None
         self._layers: dict = {}
         self._refreshing = None  # the background refresh worker, while one runs
+        self._watched_window = None  # the main window whose closing stops the live refresh
+        self._closing = False
         self._grids: dict = {}  # grid layer key -> (plane, cell, name) it shows
         self._table_rows: list[tuple] = []  # the text of each table row shown
         layout = QVBoxLayout(self)
@@ -116,10 +118,11 @@ class InspectorWidget(QWidget):
         ``incremental`` (the live mode): shards whose size is unchanged since the inspection shown
         are taken from it, so a growing recording costs only its new shards' indexes.  The Refresh
         button reads every index."""
-        if not self.path or self._refreshing is not None:
+        if not self.path or self._refreshing is not None or self._closing:
             return
         from napari.qt.threading import create_worker
 
+        self._watch_window()
         path = self.path
         previous = self.inspection if incremental else None
         worker = create_worker(inspect_array, path, previous=previous, _start_thread=False)
@@ -135,12 +138,57 @@ class InspectorWidget(QWidget):
         return self._refreshing is not None
 
     def _refreshed(self, path: str, inspection: Inspection) -> None:
-        if path == self.path:  # not replaced by another store meanwhile
+        if path == self.path and not self._closing:  # not replaced by another store meanwhile
             self.inspection = inspection
             self._show(inspection)
 
     def _refresh_done(self) -> None:
         self._refreshing = None
+
+    # -- shutdown -------------------------------------------------------------------
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Stop the live mode and wait for a refresh in flight.  Called when the viewer or the dock
+        closes: a worker still reading indexes would emit its result into Qt objects being deleted,
+        which aborts the whole process (seen at viewer close during a live refresh)."""
+        self._live_timer.stop()
+        self._closing = True  # a result still arriving is not shown in a viewer being closed
+        window, self._watched_window = self._watched_window, None  # no reference to a closed viewer
+        if window is not None:
+            window.removeEventFilter(self)
+        if self._refreshing is None:
+            return
+        from qtpy.QtCore import QThreadPool
+        from qtpy.QtWidgets import QApplication
+
+        # napari runs its workers on the global pool; once it is idle ours has emitted its last signal
+        QThreadPool.globalInstance().waitForDone(int(timeout_s * 1000))
+        QApplication.processEvents()  # deliver returned/finished while the widget still exists
+        self._refreshing = None
+
+    def eventFilter(self, obj, event) -> bool:
+        if event is not None and event.type() == QEvent.Type.Close:
+            self.shutdown()
+        return False
+
+    def closeEvent(self, event):
+        self.shutdown()
+        super().closeEvent(event)
+
+    def event(self, event):
+        # The dock's close button takes the widget out of its dock without a closeEvent (as in
+        # the recorder widget): stop refreshing then too.
+        if event.type() == QEvent.Type.ParentChange:
+            if self.parent() is None:
+                self.shutdown()
+        return super().event(event)
+
+    def _watch_window(self) -> None:
+        """Watch the main window we are docked in (known once docked, so looked up when a refresh
+        starts): the viewer closing must not outrun a refresh."""
+        window = self.window()
+        if window is not self and window is not self._watched_window:
+            window.installEventFilter(self)
+            self._watched_window = window
 
     def _show(self, result: Inspection) -> None:
         name = Path(self.path or "").name
