@@ -161,7 +161,9 @@ class InspectorWidget(QWidget):
         from qtpy.QtWidgets import QApplication
 
         # napari runs its workers on the global pool; once it is idle ours has emitted its last signal
-        QThreadPool.globalInstance().waitForDone(int(timeout_s * 1000))
+        pool = QThreadPool.globalInstance()
+        if pool is not None:
+            pool.waitForDone(int(timeout_s * 1000))
         QApplication.processEvents()  # deliver returned/finished while the widget still exists
         self._refreshing = None
 
@@ -186,7 +188,7 @@ class InspectorWidget(QWidget):
         """Watch the main window we are docked in (known once docked, so looked up when a refresh
         starts): the viewer closing must not outrun a refresh."""
         window = self.window()
-        if window is not self and window is not self._watched_window:
+        if window is not None and window is not self and window is not self._watched_window:
             window.installEventFilter(self)
             self._watched_window = window
 
