@@ -103,6 +103,23 @@ def test_frame_buffer_fills_in_place_and_stores_what_append_stores(tmp_path, bac
     assert store_digest(tmp_path / "inplace.zarr") == store_digest(tmp_path / "append.zarr")
 
 
+def test_a_camera_that_cannot_wait_drops_frames_and_the_store_holds_exactly_the_others(tmp_path, backend):
+    """frame_buffer(block=False): None when every staging buffer is busy (the caller drops the
+    frame); whatever got a place is stored, in order, and nothing else."""
+    frames = SyntheticCamera((64, 64), "uint16", seed=5).stack(400)
+    kept = []
+    with Writer(tmp_path / "x.zarr", small_layout(), backend=backend, staging_buffers=2) as writer:
+        for frame in frames:
+            with writer.frame_buffer(block=False) as place:
+                if place is None:
+                    continue
+                place[...] = frame
+                kept.append(frame)
+        assert writer.stats.frames == len(kept)
+    assert kept, "no frame got a place"
+    np.testing.assert_array_equal(read_back(tmp_path / "x.zarr"), np.stack(kept))
+
+
 def test_a_frame_buffer_left_by_an_exception_counts_nothing(tmp_path):
     frames = SyntheticCamera((64, 64), "uint16", seed=4).stack(3)
     with Writer(tmp_path / "x.zarr", small_layout(), backend="cpu") as writer:

@@ -3,6 +3,7 @@
 from .backends import release_gpu_memory
 from .camera import SyntheticCamera
 from .layout import MAX_RANK, SUPPORTED_DTYPES, Dim, Layout
+from .multi_writer import MultiWriter
 from .read import ShardReader
 from .store import Sink, StoreExistsError, StoreLockedError, StoreVanishedError
 from .verify import VerifyReport, verify
@@ -14,6 +15,7 @@ __all__ = [
     "Dim",
     "Layout",
     "Writer",
+    "MultiWriter",
     "ShardReader",
     "WriterError",
     "WriterStats",

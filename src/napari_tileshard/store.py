@@ -169,29 +169,65 @@ def _join(rel: str, name: str) -> str:
 
 def _recognise(tree) -> _Plan:
     """Classify a store's tree (``tree.entries(rel)`` -> {name: "file"|"dir"|"other"},
-    ``tree.read(rel)`` -> bytes) as a Zarr v3 array or an OME-Zarr group of arrays, as written here."""
+    ``tree.read(rel)`` -> bytes) as a Zarr v3 array, an OME-Zarr group of arrays, or a collection
+    of those (:class:`~napari_tileshard.multi_writer.MultiWriter`), as written here."""
     plan = _Plan()
     top = tree.entries("")
     meta = _node_metadata(tree, "", top, plan, "its zarr.json")
-    members = {}
-    if meta is not None and meta["node_type"] == "array":
-        members["c"] = _chunks
-    elif meta is not None:
-        from .ome import multiscale_paths  # lazily: ome's readers build on this module
-
-        paths = multiscale_paths(meta.get("attributes") or {})
-        if paths is None:
-            plan.problems.append("its zarr.json describes a group without OME-Zarr multiscales")
-        else:
-            for path in paths:
-                if "/" in path or path in (".", METADATA_KEY) or path.startswith("."):
-                    plan.problems.append(f"its OME-Zarr dataset path {path!r} is not one this recorder writes")
-                else:
-                    members[path] = _dataset
-    elif METADATA_KEY not in top and any(_foreign_name(n, k, True) for n, k in top.items()):
+    if meta is None and METADATA_KEY not in top and any(_foreign_name(n, k, True) for n, k in top.items()):
         plan.problems.append("it is not a zarr store (no zarr.json)")
-    _members(tree, "", top, members, plan, root=True)
+    _members(tree, "", top, _node_members(meta, "", plan, collection=True), plan, root=True)
     return plan
+
+
+def _node_members(meta: dict | None, rel: str, plan: _Plan, collection: bool = False) -> dict:
+    """What the node described by ``meta`` may hold: its chunks (an array), its levels (an
+    OME-Zarr image) or, at the root, its streams (a collection)."""
+    if meta is None:
+        return {}
+    if meta["node_type"] == "array":
+        return {"c": _chunks}
+    from .multi_writer import COLLECTION_KEY, is_collection  # lazily: these build on this module
+    from .ome import multiscale_paths
+
+    attributes = meta.get("attributes") or {}
+    if collection and is_collection(attributes):
+        members = {"OME": _series_group}
+        for path in attributes[COLLECTION_KEY]["streams"].values():
+            if _plain_name(path, plan, "stream"):
+                members[path] = _image
+        return members
+    paths = multiscale_paths(attributes)
+    if paths is None:
+        where = f"{_join(rel, METADATA_KEY)!r}" if rel else "its zarr.json"
+        plan.problems.append(f"{where} describes a group without OME-Zarr multiscales")
+        return {}
+    return {path: _dataset for path in paths if _plain_name(path, plan, "OME-Zarr dataset")}
+
+
+def _plain_name(path, plan: _Plan, what: str) -> bool:
+    if not isinstance(path, str) or "/" in path or path in ("", ".", "..", METADATA_KEY) or path.startswith("."):
+        plan.problems.append(f"its {what} path {path!r} is not one this recorder writes")
+        return False
+    return True
+
+
+def _image(tree, rel, plan) -> None:
+    """One stream of a collection: an OME-Zarr image group, or a bare array."""
+    entries = tree.entries(rel)
+    meta = _node_metadata(tree, rel, entries, plan, f"{_join(rel, METADATA_KEY)!r}")
+    if meta is None and METADATA_KEY not in entries:
+        plan.problems.append(f"stream {rel!r} has no zarr.json")
+    _members(tree, rel, entries, _node_members(meta, rel, plan), plan)
+    plan.dirs.append(rel)
+
+
+def _series_group(tree, rel, plan) -> None:
+    """The collection's ``OME/`` group: its zarr.json only."""
+    entries = tree.entries(rel)
+    _node_metadata(tree, rel, entries, plan, f"{_join(rel, METADATA_KEY)!r}")
+    _members(tree, rel, entries, {}, plan)
+    plan.dirs.append(rel)
 
 
 def _foreign_name(name: str, kind: str, root: bool) -> bool:

@@ -230,7 +230,8 @@ class Writer:
     pyramid of ``downsample`` levels (``"mean"``, ``"max"``, ``"min"``, ``"decimate"``) over
     ``downsample_dims`` (default the last two dims) at ``1/``, ``2/``, ... computed by the backend
     from each batch while recording (:mod:`napari_tileshard.pyramid`), up to ``max_levels``.
-    ``attributes`` (JSON-serialisable) go into the array's attributes, or the group's next to ``ome``.
+    ``attributes`` (JSON-serialisable) go into the array's attributes, or the group's next to ``ome``;
+    ``image_name`` names the OME image (default: the store's directory name).
 
     Every option is checked before the store is touched; a store the Writer creates is removed
     again if setup fails.  A local store is locked for the Writer's life (one writer per store).
@@ -260,6 +261,7 @@ class Writer:
         downsample: str = "mean",
         downsample_dims=None,
         max_levels: int | None = None,
+        image_name: str | None = None,
     ):
         if not isinstance(layout, Layout):
             raise TypeError(f"layout must be a Layout, got {type(layout).__name__}")
@@ -287,6 +289,7 @@ class Writer:
         )
         attributes = check_attributes(attributes)
         self.ome = bool(ome)
+        self._image_name = image_name
         self.pyramid = plan_pyramid(layout, downsample, downsample_dims, max_levels) if ome else Pyramid.single(layout)
         self._group = group_metadata(self.pyramid, "", attributes) if ome else None  # validates attributes
         self._check_shard_epoch_fits_memory()
@@ -350,8 +353,9 @@ class Writer:
             )
             self._publisher.begin()
             if self.ome:  # after the level arrays exist, so the group never names a missing dataset
-                name = getattr(self._sink, "root", None)
-                self._group["attributes"]["ome"]["multiscales"][0]["name"] = name.stem if name else "image"
+                root = getattr(self._sink, "root", None)
+                name = self._image_name or (root.stem if root else "image")
+                self._group["attributes"]["ome"]["multiscales"][0]["name"] = name
                 self._sink.write(METADATA_KEY, [metadata_bytes(self._group)])
         except BaseException:
             self._staging.close()
@@ -439,7 +443,7 @@ class Writer:
         return self._write(data, block=False)
 
     @contextlib.contextmanager
-    def frame_buffer(self) -> Iterator[np.ndarray]:
+    def frame_buffer(self, block: bool = True) -> Iterator[np.ndarray | None]:
         """The next frame's place in the staging buffer, to be filled in place: no copy by the Writer.
 
         With the GPU backend it is pinned host memory, uploaded as it is, so a camera driver
@@ -450,6 +454,9 @@ class Writer:
 
             with writer.frame_buffer() as frame:
                 camera.read_into(frame)
+
+        ``block=False`` (a camera that cannot wait: the drop policy) yields None instead of waiting
+        when every staging buffer is still being encoded; the frame is then the caller's to drop.
         """
         self._check_open()
         frame_bytes = self._frame_bytes
@@ -460,17 +467,20 @@ class Writer:
             )
         self._check_capacity(frame_bytes)
         staging = self._staging
-        if staging.full:
-            self._submit_current(self.batch_epochs)
+        if staging.full and not self._submit_current(self.batch_epochs, block=block):
+            yield None
+            return
         self._raise_if_failed()
-        staging.acquire(block=True)
+        if not staging.acquire(block):
+            yield None
+            return
         start = staging.fill
         yield staging.buffer[start : start + frame_bytes].view(self.layout.dtype).reshape(self.layout.frame_shape)
         self._check_open()
         staging.commit(frame_bytes)
         self._filled(frame_bytes)
         if staging.full:
-            self._submit_current(self.batch_epochs)
+            self._submit_current(self.batch_epochs, block=block)  # not now: at the next frame
 
     def sync(self) -> None:
         """Wait until every batch handed to the backend so far is encoded and its complete shard
@@ -518,6 +528,21 @@ class Writer:
             self._sink.release()
             self.stats.elapsed_s = time.perf_counter() - self._start
         self._raise_if_failed()
+
+    def abandon(self) -> None:
+        """Undo this Writer instead of finishing it: stop its threads, free its buffers and remove
+        every object it wrote (a :class:`~napari_tileshard.multi_writer.MultiWriter` whose later
+        stream could not be set up leaves nothing behind).  Frames appended so far are lost."""
+        if self._closed:
+            return
+        self._closed = True
+        self._fail(WriterError("abandoned"))
+        try:
+            self._collector.shutdown()
+        finally:
+            self._staging.close()
+            self._backend.close()
+            self._sink.discard()
 
     def __enter__(self):
         return self

@@ -106,7 +106,7 @@ def select_backend(name: str, layout, codec, level: int, **options) -> Backend:
         if name not in ("gpu", "auto"):
             raise ValueError(f"devices={devices!r} selects GPUs: it needs backend='gpu' (got {name!r})")
         name = "gpu"
-        devices = _resolve_devices(devices)
+        devices = resolve_devices(devices)
         if len(devices) > 1:
             entry = REGISTRY["gpu"]
             refusal = entry.refuses(codecs.get(codec)) or entry.is_available()
@@ -149,7 +149,7 @@ def _make(entry: BackendEntry, layout, codec, level, options) -> Backend:
     return cls(layout, codec, level, **options)
 
 
-def _resolve_devices(devices) -> list[int]:
+def resolve_devices(devices) -> list[int]:
     """``"all"`` or a list of CUDA device numbers (repeats allowed: several pipelines on one GPU)."""
     reason = gpu_unavailable_reason()
     if reason:
