@@ -7,6 +7,12 @@ Each case records ``--gib`` of 2048x2048 uint16 in a fresh Writer; nvCOMP's ceil
 per GPU on the same tiles (benchmarks/gpu_ceiling.py).
 
     python benchmarks/bench_multi_gpu.py --gib 16 --tiles 64k,256k,1m --max-device-gib 8 --max-host-gib 4
+
+``--paced-seconds S`` adds camera-paced runs with the drop policy (``frame_buffer(block=False)``:
+a frame that finds every staging buffer busy is dropped and counted): one stream over all GPUs at
+``--pace-gbps`` (default 10), and one stream per GPU at ``--pair-pace-gbps`` (default 5) each
+through a MultiWriter.  Their shards go to a sink that counts and discards them: 60 s at 10 GB/s
+is more than this machine's disk or RAM holds, and storage is not what these runs measure.
 """
 
 from __future__ import annotations
@@ -26,7 +32,102 @@ sys.path.insert(0, str(HERE))
 
 from bench_write import layout_for, tile_cases  # noqa: E402
 
-from napari_tileshard import SyntheticCamera, Writer, release_gpu_memory  # noqa: E402
+from napari_tileshard import MultiWriter, SyntheticCamera, Writer, release_gpu_memory  # noqa: E402
+from napari_tileshard.store import Sink  # noqa: E402
+
+
+class DiscardSink(Sink):
+    """Counts what would be stored and keeps nothing."""
+
+    def __init__(self):
+        self.bytes = 0
+        self.objects = 0
+        self._lock = threading.Lock()
+
+    @property
+    def location(self) -> str:
+        return "discard://"
+
+    def write(self, key, buffers) -> None:
+        n = sum(memoryview(b).nbytes for b in buffers)
+        with self._lock:
+            self.bytes += n
+            self.objects += 1
+
+
+def paced_camera(writer, camera, gbps, seconds, result):
+    """A camera DMAing frames at ``gbps`` into the writer's pinned staging; a frame that finds no
+    free place is dropped (the drop policy).  Staging is filled with real frames during the first
+    cycles only (afterwards the DMA is simulated: no CPU copy), as in ``stream``."""
+    frame_bytes = camera.frame_bytes
+    interval = frame_bytes / (gbps * 1e9)
+    frames = int(seconds / interval)
+    filled_once = 3 * writer.batch_bytes // frame_bytes
+    source = list(camera.frames(min(frames, 64)))
+    dropped = late = 0
+    cpu0, t0 = time.process_time(), time.perf_counter()
+    for i in range(frames):
+        due = t0 + i * interval
+        now = time.perf_counter()
+        if now < due:
+            if due - now > 0.002:
+                time.sleep(due - now - 0.001)
+            while time.perf_counter() < due:
+                pass
+        elif now - due > 0.1:
+            late += 1  # this thread itself fell behind the pace (not the writer)
+        with writer.frame_buffer(block=False) as place:
+            if place is None:
+                dropped += 1
+            elif i < filled_once:
+                np.copyto(place, source[i % len(source)])
+    wall = time.perf_counter() - t0
+    result.update(
+        pace_gbps=gbps,
+        seconds=round(wall, 2),
+        frames=frames,
+        dropped=dropped,
+        behind_pace=late,
+        delivered_gbps=round((frames - dropped) * frame_bytes / wall / 1e9, 3),
+        cpu_s_per_gb=round((time.process_time() - cpu0) / ((frames - dropped) * frame_bytes / 1e9 or 1), 3),
+    )
+
+
+def paced_runs(args, camera, layout, budget, count):
+    gpus = list(range(count)) if count > 1 else [0, 0]
+    if args.backend == "cpu":  # a smoke test of this script on a machine without GPU
+        return cpu_paced_runs(args, camera, layout)
+    # one stream over every GPU at the camera pace
+    sink = DiscardSink()
+    host = {**budget, "max_host_bytes": budget["max_host_bytes"] * len(gpus)}
+    result: dict = {"case": "one stream, paced, drop policy", "devices": gpus, "frame": list(camera.shape)}
+    with Writer(sink, layout, backend="gpu", devices=gpus, **host) as writer:
+        paced_camera(writer, camera, args.pace_gbps, args.paced_seconds, result)
+    result.update(stored_gb=round(sink.bytes / 1e9, 2), shards=sink.objects)
+    print(json.dumps(result), flush=True)
+    release_gpu_memory()
+    # two independent cameras, one per GPU, through one MultiWriter
+    sink = DiscardSink()
+    names = [f"camera{k}" for k in range(len(gpus))]
+    results = {
+        name: {"case": "independent streams (MultiWriter), paced, drop policy", "stream": name} for name in names
+    }
+    with MultiWriter(sink, dict.fromkeys(names, layout), backend="gpu", devices=gpus, **budget) as multi:
+        threads = [
+            threading.Thread(
+                target=paced_camera, args=(multi[name], camera, args.pair_pace_gbps, args.paced_seconds, results[name])
+            )
+            for name in names
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    for name in names:
+        results[name].update(backend=multi.stats[name].backend)
+        print(json.dumps(results[name]), flush=True)
+    print(json.dumps({"case": "independent streams total", "stored_gb": round(sink.bytes / 1e9, 2)}), flush=True)
+    release_gpu_memory()
 
 
 def stream(out, layout, camera, frames, devices, budget, append, result):
@@ -53,6 +154,23 @@ def stream(out, layout, camera, frames, devices, budget, append, result):
     )
 
 
+def cpu_paced_runs(args, camera, layout):
+    sink = DiscardSink()
+    results = {name: {"case": "cpu smoke", "stream": name} for name in ("a", "b")}
+    with MultiWriter(sink, dict.fromkeys(results, layout), backend="cpu") as multi:
+        threads = [
+            threading.Thread(target=paced_camera, args=(multi[n], camera, args.pair_pace_gbps, args.paced_seconds, r))
+            for n, r in results.items()
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    for r in results.values():
+        print(json.dumps(r), flush=True)
+    print(json.dumps({"stored_gb": round(sink.bytes / 1e9, 3), "objects": sink.objects}), flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gib", type=float, default=16)
@@ -63,15 +181,30 @@ def main():
     parser.add_argument("--append", action="store_true")
     parser.add_argument("--no-pairs", action="store_true", help="skip the two-independent-streams case")
     parser.add_argument("--out", default="/dev/shm/tileshard-multi")
+    parser.add_argument("--paced-seconds", type=float, default=0, help="camera-paced drop-policy runs (0: none)")
+    parser.add_argument("--paced-only", action="store_true", help="only the paced runs")
+    parser.add_argument("--pace-gbps", type=float, default=10)
+    parser.add_argument("--pair-pace-gbps", type=float, default=5)
+    parser.add_argument("--backend", default="gpu", choices=["gpu", "cpu"], help="cpu: paced smoke test only")
     args = parser.parse_args()
-    import cupy
-    import gpu_ceiling
+    if args.backend == "cpu":
+        count = 0
+    else:
+        import cupy
 
-    count = cupy.cuda.runtime.getDeviceCount()
+        count = cupy.cuda.runtime.getDeviceCount()
     h, w = (int(v) for v in args.frame.split("x"))
     camera = SyntheticCamera((h, w), "uint16", seed=0)
     camera.prepare()
     budget = {"max_device_bytes": int(args.max_device_gib * 2**30), "max_host_bytes": int(args.max_host_gib * 2**30)}
+    if args.paced_seconds:
+        name, tile = tile_cases(args.tiles.split(","))[0]
+        print(json.dumps({"paced_tile": name}), flush=True)
+        paced_runs(args, camera, layout_for(camera.shape, tile), budget, count)
+        if args.paced_only:
+            return
+    import gpu_ceiling
+
     for name, tile in tile_cases(args.tiles.split(",")):
         layout = layout_for(camera.shape, tile)
         frames = int(args.gib * 2**30 // camera.frame_bytes) // tile[0] * tile[0]

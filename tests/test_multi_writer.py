@@ -144,3 +144,13 @@ def test_streams_on_their_own_gpus_read_back_equal(tmp_path):
     for name, key, device in (("left", "0", devices[0]), ("right", "1", devices[1])):
         assert f"GPU {device}" in multi.stats[name].backend or f"device {device}" in multi.stats[name].backend
         np.testing.assert_array_equal(zarr.open_array(path / key / "0", mode="r")[:], data[name])
+
+
+def test_a_zarr_store_as_the_root_holds_every_stream_under_its_path():
+    store = zarr.storage.MemoryStore()
+    data = frames_of(RIGHT, 5, 3)
+    with MultiWriter(store, {"a": LEFT, "b": RIGHT}, backend="cpu") as multi:
+        multi.append("b", data)
+    assert zarr.open_group(store, mode="r").attrs["tileshard_collection"]["streams"] == {"a": "0", "b": "1"}
+    np.testing.assert_array_equal(zarr.open_array(store, path="1/0", mode="r")[:], data)
+    assert zarr.open_array(store, path="0/0", mode="r").shape[0] == 0

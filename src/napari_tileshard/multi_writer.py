@@ -24,6 +24,7 @@ Writers share nothing but the collection's root.  GPUs are dealt round-robin fro
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -56,7 +57,25 @@ def _group(ome: dict) -> dict:
     return {"zarr_format": 3, "node_type": "group", "attributes": {"ome": ome}}
 
 
+class PrefixedSink(Sink):
+    """One stream's objects under ``prefix/`` of the collection's sink (a root given as a Sink)."""
+
+    def __init__(self, parent: Sink, prefix: str):
+        self.parent, self.prefix = parent, prefix
+
+    @property
+    def location(self) -> str:
+        return f"{self.parent.location.rstrip('/')}/{self.prefix}"
+
+    def write(self, key: str, buffers) -> None:
+        self.parent.write(f"{self.prefix}/{key}", buffers)
+
+    # release/discard: the parent's (the MultiWriter releases or discards the whole collection)
+
+
 def _child(root, key: str):
+    if isinstance(root, Sink):
+        return PrefixedSink(root, key)
     if isinstance(root, str) and "://" in root:
         return f"{root.rstrip('/')}/{key}"
     return Path(root).expanduser() / key
@@ -105,11 +124,13 @@ class MultiWriter:
         # and holds the lock, so two MultiWriters cannot interleave their streams.
         self._sink: Sink = open_sink(path, overwrite)
         self.location = self._sink.location
+        # paths and URLs: each stream a store of its own (own lock); a Store or Sink: prefixes in it
+        root = path if isinstance(path, (str, os.PathLike)) else self._sink
         self.writers: dict[str, Writer] = {}
         try:
             for name, devs in zip(self.names, per_stream):
                 self.writers[name] = Writer(
-                    _child(path, self.paths[name]),
+                    _child(root, self.paths[name]),
                     streams[name],
                     backend=backend,
                     devices=devs,
