@@ -163,3 +163,30 @@ def test_gpu_tasks_convert_with_the_gpu_backend(tmp_path, client):
     report = convert(a, tmp_path / "out.zarr", layout_for(a), client=client, backend="gpu", ome=True)
     assert report.verified.ok and all(b.startswith("gpu") for b in report.backends)
     np.testing.assert_array_equal(zarr.open_array(tmp_path / "out.zarr" / "0")[...], a)
+
+
+def test_gpu_workers_each_see_only_their_gpu():
+    """gpus=: one worker process per GPU, each with CUDA_VISIBLE_DEVICES set before CUDA starts
+    (checked here without a GPU: the environment the workers run with)."""
+    from distributed import Client
+
+    from napari_tileshard.convert import gpu_cluster
+
+    with gpu_cluster([1, 0]) as cluster, Client(cluster) as gpu_client:
+        seen = gpu_client.run(lambda: os.environ["CUDA_VISIBLE_DEVICES"])
+        assert sorted(seen.values()) == ["0", "1"]
+        assert all(info["nthreads"] == 1 for info in gpu_client.scheduler_info()["workers"].values())
+
+
+def test_gpus_without_a_usable_gpu_is_one_clear_error_before_anything(tmp_path):
+    from napari_tileshard.backends import gpu_unavailable_reason
+
+    source = tmp_path / "in.zarr"
+    zarr.create_array(source, shape=(4, 8), chunks=(2, 8), dtype="uint16", zarr_format=2)[:] = 1
+    if gpu_unavailable_reason() is None:
+        pytest.skip("a GPU is usable here: this checks the error on machines without one")
+    with pytest.raises(RuntimeError, match="gpus='all' was requested but the GPU backend is not usable"):
+        convert(source, tmp_path / "out.zarr", gpus="all")
+    with pytest.raises(ValueError, match="with client= the cluster is yours"):
+        convert(source, tmp_path / "out.zarr", gpus=1, client=object())
+    assert not (tmp_path / "out.zarr").exists()

@@ -254,6 +254,11 @@ def _parser() -> argparse.ArgumentParser:
     where = conv.add_mutually_exclusive_group()
     where.add_argument("--scheduler", default=None, help="address of a running Dask scheduler (tcp://...)")
     where.add_argument("--local", type=int, default=None, help="workers of a local Dask cluster (default: cores/2)")
+    where.add_argument(
+        "--gpus",
+        default=None,
+        help="a local cluster of one worker per GPU: 'all', a count, or GPU numbers such as 0,1 (default: none)",
+    )
     conv.add_argument("--resume", action="store_true", help="continue an interrupted conversion into DST")
     conv.add_argument("--overwrite", action="store_true", help="replace DST (only data this tool wrote)")
     conv.add_argument("--no-verify", action="store_true", help="skip verifying the output")
@@ -267,6 +272,13 @@ def _ints(text: str | None, what: str):
         return [int(v) for v in text.split(",")]
     except ValueError:
         raise ValueError(f"{what} must be comma-separated integers, got {text!r}") from None
+
+
+def _gpus(text: str | None):
+    if text is None or text == "all":
+        return text
+    numbers = _ints(text, "--gpus")
+    return numbers[0] if len(numbers) == 1 else numbers
 
 
 def convert_command(args) -> int:
@@ -298,6 +310,8 @@ def convert_command(args) -> int:
             downsample=args.downsample,
             client=client,
             local_workers=args.local,
+            gpus=_gpus(args.gpus),
+            announce=None if client is not None else lambda link: print(f"dashboard: {link}", file=sys.stderr),
             resume=args.resume,
             overwrite=args.overwrite,
             verify=not args.no_verify,

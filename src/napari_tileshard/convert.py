@@ -284,12 +284,17 @@ def convert(
     retries: int = 2,
     storage_options: dict | None = None,
     progress=None,
+    gpus=None,
+    announce=None,
 ) -> ConvertReport:
     """Convert ``src`` (see :func:`open_source`) into ``dst`` with ``layout`` (default:
     :func:`default_layout` from ``tile``/``tiles_per_shard``) on a Dask ``client`` (default: a
     ``LocalCluster`` of ``local_workers`` processes).  ``resume=True`` continues a conversion
     into ``dst`` that stopped, skipping the shard epochs its manifest lists.  ``progress``: a
-    callable ``(epochs done, epochs)``.  Returns a :class:`ConvertReport` (verified with
+    callable ``(epochs done, epochs)``.  ``gpus`` (``"all"``, a count or GPU numbers; no
+    ``client``): a local cluster of one single-threaded worker per GPU (:func:`gpu_cluster`)
+    whose tasks use the GPU backend.  ``announce``: called with the Dask dashboard's address once
+    the cluster is up.  Returns a :class:`ConvertReport` (verified with
     :func:`~napari_tileshard.verify` unless ``verify=False``)."""
     from distributed import Client, LocalCluster, as_completed
 
@@ -306,6 +311,14 @@ def convert(
         )
     if resume and overwrite:
         raise ValueError("resume=True continues an earlier conversion; it cannot be combined with overwrite=True")
+    gpu_list = None
+    if gpus is not None:
+        if client is not None:
+            raise ValueError("gpus= starts a local cluster of GPU workers; with client= the cluster is yours")
+        if backend == "cpu":
+            raise ValueError("gpus= runs the tasks on GPUs: it needs backend='gpu' or 'auto' (got 'cpu')")
+        gpu_list = gpu_numbers(gpus)  # checked before the destination is touched
+        backend = "gpu"
     dst = str(dst)
     pyramid = plan_pyramid(layout, downsample, downsample_dims, max_levels) if ome else Pyramid.single(layout)
     prefixes = [f"{k}/" for k in range(pyramid.levels)] if ome else [""]
@@ -327,13 +340,18 @@ def convert(
         if ome:
             group = group_metadata(pyramid, Path(dst.rstrip("/")).stem, attributes)
             sink.write(METADATA_KEY, [metadata_bytes(group)])
-        if client is None:
+        if client is None and gpu_list is not None:
+            own_cluster = gpu_cluster(gpu_list)
+            client = Client(own_cluster)
+        elif client is None:
             own_cluster = LocalCluster(
                 n_workers=local_workers or max(1, min(4, (os.cpu_count() or 1) // 2)),
                 threads_per_worker=1,
                 dashboard_address=":0",
             )
             client = Client(own_cluster)
+        if announce is not None:
+            announce(client.dashboard_link)
         log.info(
             "converting %s into %s: %d shard epochs on %s (dashboard %s)",
             src,
@@ -392,6 +410,45 @@ def convert(
         if not report.verified.ok:
             raise RuntimeError(f"the converted store {dst} does not verify: {report.verified.problems[:3]}")
     return report
+
+
+def gpu_numbers(gpus) -> list[int]:
+    """``"all"``, a count or a list of GPU numbers -> the GPU numbers (ValueError naming the value,
+    RuntimeError when no GPU is usable here)."""
+    from .backends import gpu_unavailable_reason, resolve_devices
+
+    reason = gpu_unavailable_reason()
+    if reason:
+        raise RuntimeError(f"gpus={gpus!r} was requested but the GPU backend is not usable: {reason}")
+    if isinstance(gpus, int) and not isinstance(gpus, bool):
+        if gpus < 1:
+            raise ValueError(f"gpus must be 'all', a positive count or GPU numbers, got {gpus!r}")
+        gpus = list(range(gpus))
+    return resolve_devices(gpus)
+
+
+def gpu_cluster(devices: list[int]):
+    """A local Dask cluster with one worker process per GPU, each seeing only its GPU
+    (``CUDA_VISIBLE_DEVICES``, set before CUDA starts in that process) and running one task at a
+    time: a task's Writer has the whole GPU.  dask-cuda's ``LocalCUDACluster`` does the same and is
+    used when installed; it is not a dependency because it pulls numba and pandas (and RAPIDS
+    pins) for what is a worker environment variable here."""
+    from distributed import Nanny, Scheduler, SpecCluster
+
+    try:
+        from dask_cuda import LocalCUDACluster
+    except ImportError:
+        LocalCUDACluster = None
+    if LocalCUDACluster is not None:
+        return LocalCUDACluster(
+            CUDA_VISIBLE_DEVICES=",".join(map(str, devices)), threads_per_worker=1, dashboard_address=":0"
+        )
+    workers = {
+        f"gpu-{k}-{d}": {"cls": Nanny, "options": {"nthreads": 1, "env": {"CUDA_VISIBLE_DEVICES": str(d)}}}
+        for k, d in enumerate(devices)
+    }
+    scheduler = {"cls": Scheduler, "options": {"dashboard_address": ":0"}}
+    return SpecCluster(workers=workers, scheduler=scheduler, name="tileshard-gpus")
 
 
 def _tuple(value):
