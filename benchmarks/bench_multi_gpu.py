@@ -70,10 +70,9 @@ def paced_camera(writer, camera, gbps, seconds, result):
         due = t0 + i * interval
         now = time.perf_counter()
         if now < due:
-            if due - now > 0.002:
-                time.sleep(due - now - 0.001)
-            while time.perf_counter() < due:
-                pass
+            # sleep, never spin: a spinning camera thread holds the GIL that the writers' threads
+            # need (two spinning cameras starved them and dropped a third of their frames)
+            time.sleep(due - now)
         elif now - due > 0.1:
             late += 1  # this thread itself fell behind the pace (not the writer)
         with writer.frame_buffer(block=False) as place:
