@@ -221,7 +221,9 @@ def main():
 
             cluster = gpu_cluster(list(range(int(case[3:]))))
         else:
-            cluster = LocalCluster(n_workers=args.cpu_workers or cores, threads_per_worker=1, dashboard_address=":0")
+            # our CPU backend compresses each task on a thread per core itself: fewer workers
+            workers = args.cpu_workers or (max(1, cores // 4) if case == "cpu" else cores)
+            cluster = LocalCluster(n_workers=workers, threads_per_worker=1, dashboard_address=":0")
         client = Client(cluster)
         client.wait_for_workers(1)
         startup = time.perf_counter() - t0
