@@ -89,7 +89,12 @@ def ours(src, dst, layout, client, backend):
     from napari_tileshard.convert import convert
 
     report = convert(src, dst, layout, client=client, backend=backend, verify=False)
-    return {"seconds": report.seconds, "bytes_out": report.bytes_out, "backends": sorted(report.backends)}
+    return {
+        "seconds": report.seconds,
+        "bytes_out": report.bytes_out,
+        "backends": sorted(report.backends),
+        "task_read_share": round(report.read_seconds / report.task_seconds, 2),  # of the tasks' time
+    }
 
 
 def dask_to_zarr(src, dst, layout, client):

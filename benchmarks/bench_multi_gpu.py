@@ -65,6 +65,7 @@ def paced_camera(writer, camera, gbps, seconds, result):
     filled_once = 3 * writer.batch_bytes // frame_bytes
     source = list(camera.frames(min(frames, 64)))
     dropped = late = 0
+    drop_times: list[float] = []
     cpu0, t0 = time.process_time(), time.perf_counter()
     for i in range(frames):
         due = t0 + i * interval
@@ -78,6 +79,7 @@ def paced_camera(writer, camera, gbps, seconds, result):
         with writer.frame_buffer(block=False) as place:
             if place is None:
                 dropped += 1
+                drop_times.append(time.perf_counter() - t0)
             elif i < filled_once:
                 np.copyto(place, source[i % len(source)])
     wall = time.perf_counter() - t0
@@ -87,6 +89,9 @@ def paced_camera(writer, camera, gbps, seconds, result):
         frames=frames,
         dropped=dropped,
         behind_pace=late,
+        first_drop_s=round(drop_times[0], 2) if drop_times else None,
+        last_drop_s=round(drop_times[-1], 2) if drop_times else None,
+        dropped_after_2s=sum(t > 2 for t in drop_times),
         delivered_gbps=round((frames - dropped) * frame_bytes / wall / 1e9, 3),
         cpu_s_per_gb=round((time.process_time() - cpu0) / ((frames - dropped) * frame_bytes / 1e9 or 1), 3),
     )

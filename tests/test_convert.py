@@ -172,10 +172,10 @@ def test_gpu_workers_each_see_only_their_gpu():
 
     from napari_tileshard.convert import gpu_cluster
 
-    with gpu_cluster([1, 0]) as cluster, Client(cluster) as gpu_client:
+    with gpu_cluster([1, 0], threads_per_gpu=2) as cluster, Client(cluster) as gpu_client:
         seen = gpu_client.run(lambda: os.environ["CUDA_VISIBLE_DEVICES"])
         assert sorted(seen.values()) == ["0", "1"]
-        assert all(info["nthreads"] == 1 for info in gpu_client.scheduler_info()["workers"].values())
+        assert [info["nthreads"] for info in gpu_client.scheduler_info()["workers"].values()] == [2, 2]
 
 
 def test_gpus_without_a_usable_gpu_is_one_clear_error_before_anything(tmp_path):

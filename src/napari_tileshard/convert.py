@@ -17,11 +17,13 @@ reduced (``downsample_dims`` must leave it out: a task's rows are one shard epoc
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import logging
 import math
 import os
+import threading
 import time
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field, replace
@@ -205,8 +207,6 @@ def _attach(dst: str, storage_options) -> Sink:
 
 def write_shard_epoch(source: Source, epoch: int, spec: _TaskSpec) -> dict:
     """One task: rows of shard epoch ``epoch`` from ``source`` into the shards of ``spec.dst``."""
-    from .writer import Writer
-
     layout = spec.layout
     rows = layout.shard_epoch_rows
     start, stop = epoch * rows, min((epoch + 1) * rows, layout.shape[0])
@@ -218,6 +218,22 @@ def write_shard_epoch(source: Source, epoch: int, spec: _TaskSpec) -> dict:
             f"expected {(stop - start, *layout.shape[1:])} {layout.dtype}"
         )
     read_s = time.perf_counter() - t0
+    # A GPU worker runs several tasks at once so that their reads (decompression of the source,
+    # mostly GIL-free) overlap, but one Writer at a time has its GPU: it then gets the whole
+    # device and the buffers kept warm for the next task (one set per GPU) are never contended.
+    with _GPU_WRITER_LOCK if spec.backend == "gpu" else contextlib.nullcontext():
+        wait_s = time.perf_counter() - t0 - read_s
+        return _encode_epoch(block, epoch, spec, start, stop, t0, read_s, wait_s)
+
+
+#: serialises the GPU part of tasks within one worker process (see write_shard_epoch)
+_GPU_WRITER_LOCK = threading.Lock()
+
+
+def _encode_epoch(block, epoch, spec, start, stop, t0, read_s, wait_s) -> dict:
+    from .writer import Writer
+
+    layout = spec.layout
     sub = Layout([replace(layout.dims[0], size=stop - start), *layout.dims[1:]], layout.dtype)
     sink = _EpochSink(_attach(spec.dst, spec.storage_options), epoch)
     options = dict(codec=spec.codec, level=spec.level, backend=spec.backend)
@@ -225,7 +241,7 @@ def write_shard_epoch(source: Source, epoch: int, spec: _TaskSpec) -> dict:
         options.update(
             ome=True, downsample=spec.downsample, downsample_dims=spec.downsample_dims, max_levels=spec.max_levels
         )
-    with Writer(sink, sub, **options) as writer:  # type: ignore[arg-type]
+    with Writer(sink, sub, **options) as writer:
         writer.append(block)
     return {
         "epoch": epoch,
@@ -233,6 +249,7 @@ def write_shard_epoch(source: Source, epoch: int, spec: _TaskSpec) -> dict:
         "bytes_out": sink.bytes,
         "keys": sink.keys,
         "read_s": read_s,
+        "wait_s": wait_s,
         "seconds": time.perf_counter() - t0,
         "backend": writer.stats.backend,
     }
@@ -249,6 +266,8 @@ class ConvertReport:
     bytes_out: int = 0
     seconds: float = 0.0
     backends: set = field(default_factory=set)
+    read_seconds: float = 0.0  # summed over tasks: reading the source
+    task_seconds: float = 0.0  # summed over tasks: read + wait for the GPU + encode + write
     keys: list = field(default_factory=list)  # every shard key written by a task, in task order
     verified: Any = None  # VerifyReport when verify=True
 
@@ -388,6 +407,8 @@ def convert(
             report.bytes_in += result["bytes_in"]
             report.bytes_out += result["bytes_out"]
             report.backends.add(result["backend"])
+            report.read_seconds += result["read_s"]
+            report.task_seconds += result["seconds"]
             completed += 1
             if progress is not None:
                 progress(completed, epochs)
@@ -427,10 +448,11 @@ def gpu_numbers(gpus) -> list[int]:
     return resolve_devices(gpus)
 
 
-def gpu_cluster(devices: list[int]):
+def gpu_cluster(devices: list[int], threads_per_gpu: int | None = None):
     """A local Dask cluster with one worker process per GPU, each seeing only its GPU
     (``CUDA_VISIBLE_DEVICES``, set before CUDA starts in that process) and running one task at a
-    time: a task's Writer has the whole GPU.  dask-cuda's ``LocalCUDACluster`` does the same and is
+    time on the GPU: a task's Writer has the whole GPU, while ``threads_per_gpu`` tasks (default:
+    the cores per GPU, at most 8) read their rows concurrently.  dask-cuda's ``LocalCUDACluster`` does the same and is
     used when installed; it is not a dependency because it pulls numba and pandas (and RAPIDS
     pins) for what is a worker environment variable here."""
     from distributed import Nanny, Scheduler, SpecCluster
@@ -439,12 +461,13 @@ def gpu_cluster(devices: list[int]):
         from dask_cuda import LocalCUDACluster
     except ImportError:
         LocalCUDACluster = None
+    threads = threads_per_gpu or max(1, min(8, (os.cpu_count() or 1) // len(devices)))
     if LocalCUDACluster is not None:
         return LocalCUDACluster(
-            CUDA_VISIBLE_DEVICES=",".join(map(str, devices)), threads_per_worker=1, dashboard_address=":0"
+            CUDA_VISIBLE_DEVICES=",".join(map(str, devices)), threads_per_worker=threads, dashboard_address=":0"
         )
     workers = {
-        f"gpu-{k}-{d}": {"cls": Nanny, "options": {"nthreads": 1, "env": {"CUDA_VISIBLE_DEVICES": str(d)}}}
+        f"gpu-{k}-{d}": {"cls": Nanny, "options": {"nthreads": threads, "env": {"CUDA_VISIBLE_DEVICES": str(d)}}}
         for k, d in enumerate(devices)
     }
     scheduler = {"cls": Scheduler, "options": {"dashboard_address": ":0"}}
