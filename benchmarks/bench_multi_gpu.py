@@ -105,6 +105,9 @@ def paced_runs(args, camera, layout, budget, count):
     sink = DiscardSink()
     host = {**budget, "max_host_bytes": budget["max_host_bytes"] * len(gpus)}
     result: dict = {"case": "one stream, paced, drop policy", "devices": gpus, "frame": list(camera.shape)}
+    if args.warm_up:  # armed before the camera starts, as the recorder widget does
+        Writer.warm_up(layout, backend="gpu", devices=gpus, **host)
+    result["warmed_up"] = args.warm_up
     with Writer(sink, layout, backend="gpu", devices=gpus, **host) as writer:
         paced_camera(writer, camera, args.pace_gbps, args.paced_seconds, result)
     result.update(stored_gb=round(sink.bytes / 1e9, 2), shards=sink.objects)
@@ -116,6 +119,8 @@ def paced_runs(args, camera, layout, budget, count):
     results = {
         name: {"case": "independent streams (MultiWriter), paced, drop policy", "stream": name} for name in names
     }
+    if args.warm_up:
+        MultiWriter.warm_up(dict.fromkeys(names, layout), backend="gpu", devices=gpus, **budget)
     with MultiWriter(sink, dict.fromkeys(names, layout), backend="gpu", devices=gpus, **budget) as multi:
         threads = [
             threading.Thread(
@@ -189,6 +194,7 @@ def main():
     parser.add_argument("--paced-only", action="store_true", help="only the paced runs")
     parser.add_argument("--pace-gbps", type=float, default=10)
     parser.add_argument("--pair-pace-gbps", type=float, default=5)
+    parser.add_argument("--no-warm-up", dest="warm_up", action="store_false", help="start the cameras cold")
     parser.add_argument("--backend", default="gpu", choices=["gpu", "cpu"], help="cpu: paced smoke test only")
     args = parser.parse_args()
     if args.backend == "cpu":

@@ -140,6 +140,7 @@ def test_streams_on_their_own_gpus_read_back_equal(tmp_path):
     count = cupy.cuda.runtime.getDeviceCount()
     devices = [0, 1] if count > 1 else [0, 0]
     path = tmp_path / "run.ome.zarr"
+    MultiWriter.warm_up({"left": LEFT, "right": RIGHT}, backend="gpu", devices=devices)
     multi, data = record(path, backend="gpu", devices=devices)
     for name, key, device in (("left", "0", devices[0]), ("right", "1", devices[1])):
         described = multi.stats[name].backend  # "device N" is named for every GPU but the first

@@ -147,6 +147,18 @@ class MultiWriter:
             raise
         self._closed = False
 
+    @staticmethod
+    def warm_up(streams: Mapping[str, Layout], *, backend: str = "auto", devices=None, **writer_options) -> None:
+        """Arm each stream's GPU ahead of a :class:`MultiWriter` with the same arguments (as
+        :meth:`Writer.warm_up` does for one stream): buffers, kernels and the CUDA context are then
+        ready when the cameras start, instead of being prepared under their first frames.  One
+        set is kept per GPU, so streams sharing a GPU warm only the last of them."""
+        writer_options.pop("overwrite", None)
+        writer_options.pop("ome", None)
+        for layout, devs in zip(streams.values(), stream_devices(len(streams), backend, devices)):
+            if devs is not None:
+                Writer.warm_up(layout, backend=backend, devices=devs, **writer_options)
+
     def _write_collection_metadata(self) -> None:
         attributes: dict = {COLLECTION_KEY: {"streams": self.paths}}
         if self.ome:
