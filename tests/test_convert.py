@@ -10,7 +10,7 @@ import pytest
 import zarr
 from conftest import read_tensorstore
 
-from napari_tileshard import Dim, Layout, Writer
+from napari_tileshard import Dim, Layout, Writer, WriterError
 from napari_tileshard.cli import main as cli_main
 
 distributed = pytest.importorskip("distributed", reason="the convert extra (dask distributed) is not installed")
@@ -102,6 +102,37 @@ class FailingRows:
         return self.array[rows]
 
 
+class KillsItsWorker:
+    """An array-like source whose first read of row ``at`` kills the worker process reading it
+    (a node lost mid-conversion); the marker file makes the retry on another worker succeed."""
+
+    def __init__(self, array, at, marker):
+        self.array, self.at, self.marker = array, at, str(marker)
+        self.shape, self.dtype = array.shape, array.dtype
+
+    def __getitem__(self, rows):
+        if rows.start <= self.at < rows.stop and not os.path.exists(self.marker):
+            Path(self.marker).write_text(str(os.getpid()))
+            os._exit(1)  # no exception, no cleanup: the process is gone
+        return self.array[rows]
+
+
+def test_a_worker_process_killed_mid_task_is_retried_and_the_result_verifies(tmp_path):
+    a = data(seed=5)
+    marker = tmp_path / "killed"
+    with (
+        distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as cluster,
+        distributed.Client(cluster) as process_client,
+    ):
+        report = convert(
+            KillsItsWorker(a, 17, marker), tmp_path / "out.zarr", layout_for(a), client=process_client, backend="cpu"
+        )
+    assert marker.exists()  # a worker did die
+    assert report.verified.ok
+    assert len(report.keys) == len(set(report.keys))  # no shard written by two tasks
+    np.testing.assert_array_equal(zarr.open_array(tmp_path / "out.zarr")[...], a)
+
+
 def test_an_interrupted_conversion_claims_only_finished_epochs_and_resumes(tmp_path, client):
     a = data()
     out = tmp_path / "out.zarr"
@@ -129,6 +160,10 @@ def test_bad_inputs_are_named(tmp_path, client):
     tifffile.imwrite(tmp_path / "frames" / "b.tif", a[0, :20])
     with pytest.raises(ValueError, match=r"b.tif: shape \(20, 50\)"):
         convert(tmp_path / "frames", tmp_path / "y.zarr", client=client, backend="cpu", verify=False)
+    (tmp_path / "frames" / "b.tif").write_bytes(b"II*\x00 not a tiff at all")  # a truncated/corrupt file
+    with pytest.raises(Exception, match="b.tif"):
+        convert(tmp_path / "frames", tmp_path / "y2.zarr", client=client, backend="cpu", verify=False)
+    assert not (tmp_path / "y2.zarr").exists()
     with pytest.raises(FileNotFoundError, match="nothing to resume"):
         (tmp_path / "empty.zarr").mkdir()
         convert(a, tmp_path / "empty.zarr", layout_for(a), client=client, resume=True)
@@ -190,3 +225,15 @@ def test_gpus_without_a_usable_gpu_is_one_clear_error_before_anything(tmp_path):
     with pytest.raises(ValueError, match="with client= the cluster is yours"):
         convert(source, tmp_path / "out.zarr", gpus=1, client=object())
     assert not (tmp_path / "out.zarr").exists()
+
+
+def test_a_full_disk_is_a_clear_error_and_the_store_claims_only_written_rows(tmpfs, client):
+    disk = tmpfs("200k")  # room for the metadata and a few shards, not for 37 rows of 70 x 90
+    rng = np.random.default_rng(1)
+    a = rng.integers(0, 2**16, (37, 70, 90), dtype=np.uint16)  # incompressible
+    out = disk / "out.zarr"
+    with pytest.raises((OSError, WriterError), match="No space left on device"):
+        convert(a, out, layout_for(a), client=client, backend="cpu", retries=0)
+    claimed = zarr.open_array(out).attrs["tileshard"]["rows_written"]
+    assert claimed < 37
+    np.testing.assert_array_equal(zarr.open_array(out)[:claimed], a[:claimed])  # what it claims is there

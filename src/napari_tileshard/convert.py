@@ -116,6 +116,7 @@ def open_source(src) -> Source:
         import tifffile
 
         first = tifffile.imread(files[0])
+        _check_tiff_headers(files, first.shape, first.dtype)
         return Source("tiff-folder", (len(files), *first.shape), first.dtype, files)
     if path.lower().endswith(_TIFF_SUFFIXES):
         if not Path(path).is_file():
@@ -127,6 +128,32 @@ def open_source(src) -> Source:
     array = _open_array("zarr", path)
     names = getattr(array.metadata, "dimension_names", None)
     return Source("zarr", tuple(array.shape), np.dtype(array.dtype), path, tuple(names) if names else None)
+
+
+def _check_tiff_headers(files: list[str], shape: tuple, dtype) -> None:
+    """Every file of a TIFF folder opens and holds one frame like the first, checked from the
+    headers before anything is written (threads: thousands of files): an unreadable or odd file
+    is named before the output exists, not found by a task half way through."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import tifffile
+
+    def header(f: str):
+        try:
+            with tifffile.TiffFile(f) as tif:
+                page = tif.pages.first
+                return f, tuple(page.shape), np.dtype(page.dtype), None
+        except Exception as exc:  # noqa: BLE001 - reported with the file's name below
+            return f, None, None, exc
+
+    with ThreadPoolExecutor(8) as pool:
+        for f, page_shape, page_dtype, exc in pool.map(header, files):
+            if exc is not None:
+                raise ValueError(f"{f}: not a readable TIFF file ({type(exc).__name__}: {exc})") from exc
+            if page_shape != tuple(shape) or page_dtype != dtype:
+                raise ValueError(
+                    f"{f}: shape {page_shape} {page_dtype}, the folder's first file has {tuple(shape)} {dtype}"
+                )
 
 
 def _is_zarr(path: Path) -> bool:
