@@ -156,3 +156,24 @@ def test_a_zarr_store_as_the_root_holds_every_stream_under_its_path():
     assert zarr.open_group(store, mode="r").attrs["tileshard_collection"]["streams"] == {"a": "0", "b": "1"}
     np.testing.assert_array_equal(zarr.open_array(store, path="1/0", mode="r")[:], data)
     assert zarr.open_array(store, path="0/0", mode="r").shape[0] == 0
+
+
+def test_the_recorder_records_several_streams_headless(tmp_path):
+    from napari_tileshard.recorder import Recorder, RecorderSettings
+
+    settings = RecorderSettings(
+        output=str(tmp_path / "rec.zarr"), layout=LEFT, streams={"l": LEFT, "r": RIGHT}, backend="cpu", source="l"
+    )
+    recorder = Recorder(settings).start()
+    left, right = frames_of(LEFT, 6, 1), frames_of(RIGHT, 3, 2)
+    for frame in left:
+        assert recorder.push(frame, "l")
+    for frame in right:
+        assert recorder.push(frame, "r")
+    with pytest.raises(ValueError, match="stream 'x' is not one of 'l', 'r'"):
+        recorder.push(left[0], "x")
+    recorder.stop()
+    stats = recorder.join(timeout=30)
+    assert stats.error is None and stats.stream_frames == {"l": 6, "r": 3}
+    np.testing.assert_array_equal(zarr.open_array(tmp_path / "rec.zarr" / "1", mode="r")[:], right)
+    assert settings.preview_settings().output == str(tmp_path / "rec.zarr" / "0")

@@ -254,3 +254,46 @@ def test_the_preview_follows_the_newest_rows_without_reading_the_store_on_the_gu
     assert all(step == rows - 1 for rows, step in shown), shown
     assert reads_while_recording == [], len(reads_while_recording)
     assert verify(out).ok
+
+
+def test_several_layers_are_recorded_at_once_each_into_its_own_array(docked, qtbot, tmp_path):
+    """Two cameras (layers of different frame shapes and dtypes): one collection, one array each,
+    every frame where it belongs; the preview follows the first; the stats name both streams."""
+    viewer, _, widget = docked
+    left = viewer.add_image(np.zeros((64, 48), np.uint16), name="left")
+    right = viewer.add_image(np.zeros((40, 72), np.uint8), name="right")
+    form = widget.form
+    form.output.value = str(tmp_path / "two.zarr")
+    form.policy.value = "block"
+    form.source.value = "left"
+    form.more_sources.value = ["right"]
+    settings = widget.settings
+    assert list(settings.streams) == ["left", "right"]
+    assert settings.streams["right"].shape[1:] == (40, 72) and settings.streams["right"].dtype == np.uint8
+    assert widget.start_button.isEnabled(), form.message.text()
+    widget.start()
+    for i in range(5):
+        left.data = np.full((64, 48), i + 1, np.uint16)
+        right.data = np.full((40, 72), 10 * (i + 1), np.uint8)
+    right.data = np.full((40, 72), 99, np.uint8)  # cameras need not be in step
+    qtbot.waitUntil(lambda: widget.stats.frames == 11, timeout=20_000)
+    qtbot.waitUntil(lambda: "left: 5 | right: 6" in widget.stats_label.text(), timeout=5_000)  # refreshed by a timer
+    widget.stop()
+    qtbot.waitUntil(lambda: not widget.is_recording, timeout=20_000)
+    root = tmp_path / "two.zarr"
+    assert zarr.open_group(root, mode="r").attrs["tileshard_collection"]["streams"] == {"left": "0", "right": "1"}
+    np.testing.assert_array_equal(zarr.open_array(root / "0")[:, 0, 0], [1, 2, 3, 4, 5])
+    np.testing.assert_array_equal(zarr.open_array(root / "1")[:, 0, 0], [10, 20, 30, 40, 50, 99])
+    assert widget.preview.layer.data.shape == (5, 64, 48) and "[left]" in widget.preview.layer.name
+    assert verify(root / "1").ok
+
+
+def test_several_layers_need_a_layer_as_the_first_source(docked, tmp_path):
+    viewer, _, widget = docked
+    viewer.add_image(np.zeros((64, 48), np.uint16), name="left")
+    form = widget.form
+    form.output.value = str(tmp_path / "x.zarr")
+    form.more_sources.value = ["left"]  # the source is still the synthetic camera
+    with pytest.raises(ValueError, match="needs an image layer as the source"):
+        _ = widget.settings
+    assert not widget.start_button.isEnabled()

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -50,6 +51,9 @@ class RecorderSettings:
     batch_bytes: int | None = None  # Writer batching; default: about 1/4 s of frames (see batch())
     ome: bool = False  # OME-Zarr group with a pyramid (Writer(ome=True))
     downsample: str = "mean"
+    #: several sources at once: stream (layer) name -> its Layout, recorded into one collection
+    #: (:class:`~napari_tileshard.multi_writer.MultiWriter`) at ``output``; ``layout`` is the first's
+    streams: dict[str, Layout] | None = None
 
     def batch(self) -> int:
         """Bytes per Writer batch: ~0.25 s of input at ``fps`` (at least one tile epoch), so the
@@ -76,6 +80,14 @@ class RecorderSettings:
             raise ValueError(f"queue_frames must be a positive integer, got {self.queue_frames!r}")
         if self.fps is not None and not (self.fps > 0):
             raise ValueError(f"fps must be positive or None, got {self.fps!r}")
+        if self.streams is not None:
+            if not isinstance(self.streams, dict) or len(self.streams) < 2:
+                raise ValueError(f"streams must name at least two sources, got {self.streams!r}")
+            for name, stream_layout in self.streams.items():
+                if not isinstance(stream_layout, Layout):
+                    raise TypeError(f"stream {name!r}: its layout must be a Layout")
+                if self.ome:
+                    plan_pyramid(stream_layout, self.downsample)
         if self.ome:
             plan_pyramid(layout, self.downsample)  # raises naming what a pyramid can't do here
         if not str(self.output).strip():
@@ -91,6 +103,16 @@ class RecorderSettings:
             refusal = overwrite_refusal(path)  # the Writer's own rule, checked before anything starts
             if refusal:
                 raise FileExistsError(refusal)
+
+    def preview_settings(self) -> RecorderSettings:
+        """What the preview follows: this recording, or with several streams the first one's
+        image inside the collection."""
+        if not self.streams:
+            return self
+        from dataclasses import replace
+
+        first = next(iter(self.streams.values()))
+        return replace(self, output=str(Path(self.output).expanduser() / "0"), layout=first, streams=None)
 
     def pyramid(self) -> Pyramid:
         """The levels this recording writes (level 0 only without ``ome``): the Writer plans the
@@ -112,6 +134,8 @@ class RecorderStats:
     backend: str = ""
     error: str | None = None
     recording: bool = False
+    #: frames per stream when several sources are recorded
+    stream_frames: dict[str, int] = field(default_factory=dict)
 
     @property
     def frames_per_s(self) -> float:
@@ -142,13 +166,19 @@ class Recorder:
         self._thread: threading.Thread | None = None
         self._feeder: threading.Thread | None = None
         self.writer: Writer | None = None
+        self.multi = None  # the MultiWriter of several streams
         self._start = None
 
     # -- source side -------------------------------------------------------------------
-    def push(self, frame: np.ndarray) -> bool:
-        """Offer one frame; returns False if it was dropped (drop policy, queue full) or stopped."""
+    def push(self, frame: np.ndarray, stream: str | None = None) -> bool:
+        """Offer one frame (of ``stream`` when several are recorded); returns False if it was
+        dropped (drop policy, queue full) or stopped."""
         if self._stopping.is_set():
             return False
+        if self.settings.streams:
+            if stream not in self.settings.streams:
+                raise ValueError(f"stream {stream!r} is not one of {', '.join(map(repr, self.settings.streams))}")
+            frame = (stream, frame)  # type: ignore[assignment]
         if self.settings.policy == "drop":
             try:
                 self._queue.put_nowait(frame)
@@ -184,18 +214,23 @@ class Recorder:
         s = self.settings
         self.stats.recording = True
         self._start = time.perf_counter()
+        options: dict[str, Any] = dict(
+            codec=s.codec,
+            level=s.level,
+            backend=s.backend,
+            overwrite=s.overwrite,
+            batch_bytes=s.batch(),
+            ome=s.ome,
+            downsample=s.downsample,
+        )
         try:
-            self.writer = Writer(
-                s.output,
-                s.checked_layout(),
-                codec=s.codec,
-                level=s.level,
-                backend=s.backend,
-                overwrite=s.overwrite,
-                batch_bytes=s.batch(),
-                ome=s.ome,
-                downsample=s.downsample,
-            )
+            if s.streams:
+                from .multi_writer import MultiWriter
+
+                self.multi = MultiWriter(s.output, s.streams, **options)
+                self.writer = self.multi[next(iter(s.streams))]  # the first stream's: the preview's
+            else:
+                self.writer = Writer(s.output, s.checked_layout(), **options)
             self.stats.backend = self.writer.stats.backend
             while True:
                 try:
@@ -207,7 +242,12 @@ class Recorder:
                     continue
                 if item is _STOP:
                     break
-                self.writer.append(item)
+                if self.multi is not None:
+                    name, frame = item
+                    self.multi.append(name, frame)
+                    self.stats.stream_frames[name] = self.stats.stream_frames.get(name, 0) + 1
+                else:
+                    self.writer.append(item)
                 self.stats.frames += 1
                 self._update()
         except Exception as exc:  # noqa: BLE001 - reported through stats/on_finished, never raised into Qt
@@ -219,9 +259,10 @@ class Recorder:
         return self.stats
 
     def _finalize(self) -> None:
-        if self.writer is not None:
+        closing = self.multi if self.multi is not None else self.writer
+        if closing is not None:
             try:
-                self.writer.close()
+                closing.close()
             except Exception as exc:  # noqa: BLE001
                 if self.stats.error is None:
                     self.stats.error = f"{type(exc).__name__}: {exc}"
@@ -235,9 +276,11 @@ class Recorder:
         stats.elapsed_s = time.perf_counter() - self._start
         stats.queue_depth = self._queue.qsize()
         if self.writer is not None:
-            w = self.writer.stats
-            stats.bytes_in, stats.bytes_out, stats.shards_written = w.bytes_in, w.bytes_out, w.shards_written
-            rows = w.rows_complete
+            every = list(self.multi.stats.values()) if self.multi is not None else [self.writer.stats]
+            stats.bytes_in = sum(w.bytes_in for w in every)
+            stats.bytes_out = sum(w.bytes_out for w in every)
+            stats.shards_written = sum(w.shards_written for w in every)
+            rows = self.writer.stats.rows_complete  # the first stream's: what the preview shows
             if rows != stats.rows_complete:
                 stats.rows_complete = rows
                 if self.on_progress:

@@ -54,14 +54,17 @@ class PreviewLayer(QObject):
 
     def begin(self, settings: RecorderSettings, placeholder: bool = True) -> None:
         """Follow the recording of ``settings`` from now on."""
-        self._settings = settings
+        shown = settings.preview_settings()  # with several streams: the first one's image
+        self._settings = shown
         self._name = f"preview: {Path(settings.output).name}"
-        self.pyramid = pyramid = settings.pyramid()
+        if settings.streams:
+            self._name += f" [{next(iter(settings.streams))}]"
+        self.pyramid = pyramid = shown.pyramid()
         self._recent = RecentFrames()
         self._follow = True
         self._recording = True
         if placeholder:
-            layout = settings.checked_layout()
+            layout = shown.checked_layout()
             zeros = [np.zeros((1,) + tuple(level.shape[1:]), layout.dtype) for level in pyramid.layouts]
             self._add(zeros if settings.ome else zeros[0], list(layout.names), placeholder=True)
 

@@ -92,7 +92,8 @@ class RecorderWidget(QWidget):
         settings = self.form.settings
         try:
             self.form.freeze(True)
-            self.controller.start(settings, self.form.source_layer(settings.source))
+            streams = {name: self.form.source_layer(name) for name in settings.streams or {}}
+            self.controller.start(settings, self.form.source_layer(settings.source), streams or None)
         except (ValueError, TypeError, OSError) as exc:
             self.form.freeze(False)
             self.form.show_error(str(exc))
@@ -170,6 +171,7 @@ class RecorderWidget(QWidget):
             f"{state} | backend {s.backend or '-'} | frames {s.frames} ({s.frames_per_s:.1f}/s) | "
             f"{s.input_gbps:.3f} GB/s in | ratio {s.compression_ratio:.2f} | shards {s.shards_written} | "
             f"queue {s.queue_depth} | dropped {s.dropped}"
+            + ("".join(f" | {name}: {n}" for name, n in s.stream_frames.items()) if s.stream_frames else "")
         )
 
     # -- shutdown -------------------------------------------------------------------

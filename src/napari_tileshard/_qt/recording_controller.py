@@ -33,7 +33,7 @@ class _RecorderThread(QThread):
     def __init__(self, recorder: Recorder, parent=None):
         super().__init__(parent)
         self.recorder = recorder
-        self._pyramid = recorder.settings.pyramid()
+        self._pyramid = recorder.settings.preview_settings().pyramid()
         self._pending: RecorderStats | None = None
         self._wake = threading.Condition()
         self._done = False
@@ -47,7 +47,7 @@ class _RecorderThread(QThread):
             self._wake.notify()
 
     def _read_loop(self) -> None:
-        settings = self.recorder.settings
+        settings = self.recorder.settings.preview_settings()  # several streams: the first one's image
         first_read = True
         while True:
             with self._wake:
@@ -94,7 +94,7 @@ class RecordingController(QObject):
         super().__init__(parent)
         self._recorder: Recorder | None = None
         self._thread: _RecorderThread | None = None
-        self._source_layer = None
+        self._sources: list = []  # (layer, its data-event callback) being recorded
         self._active = False
         self._finalizing = None
         self._last_stats = RecorderStats()
@@ -109,8 +109,10 @@ class RecordingController(QObject):
     def stats(self) -> RecorderStats:
         return self._recorder.stats if self._recorder is not None else self._last_stats
 
-    def start(self, settings: RecorderSettings, source_layer=None) -> None:
-        """Record ``settings`` from ``source_layer`` (None: the synthetic camera).
+    def start(self, settings: RecorderSettings, source_layer=None, stream_layers=None) -> None:
+        """Record ``settings`` from ``source_layer`` (None: the synthetic camera), or with
+        ``settings.streams`` from ``stream_layers`` (stream name -> image layer), each into its
+        own array of the collection.
 
         Raises ValueError, TypeError or OSError, before anything starts, when the Recorder refuses
         the settings.
@@ -125,21 +127,27 @@ class RecordingController(QObject):
         self._active = True
         self.starting.emit(settings)
         self._thread.start()
-        if source_layer is None:
+        if settings.streams:
+            for name, layer in (stream_layers or {}).items():
+                self._watch(layer, name)
+        elif source_layer is None:
             threading.Thread(target=recorder.feed_synthetic, name="tileshard-camera", daemon=True).start()
         else:
-            self._source_layer = source_layer
-            source_layer.events.data.connect(self._on_layer_data)
+            self._watch(source_layer, None)
 
-    def _on_layer_data(self, event=None) -> None:
-        if self._recorder is not None and self._source_layer is not None:
-            # A copy: the camera plugin may reuse its buffer for the next frame.
-            self._recorder.push(np.array(self._source_layer.data, copy=True))
+    def _watch(self, layer, stream: str | None) -> None:
+        def on_data(event=None, layer=layer, stream=stream):
+            if self._recorder is not None:
+                # A copy: the camera plugin may reuse its buffer for the next frame.
+                self._recorder.push(np.array(layer.data, copy=True), stream)
+
+        layer.events.data.connect(on_data)
+        self._sources.append((layer, on_data))
 
     def _disconnect_source(self) -> None:
-        if self._source_layer is not None:
-            self._source_layer.events.data.disconnect(self._on_layer_data)
-            self._source_layer = None
+        for layer, on_data in self._sources:
+            layer.events.data.disconnect(on_data)
+        self._sources = []
 
     def stop(self, wait: bool = False) -> None:
         """Ask the recording to finish; with ``wait``, return once the store is finalized."""

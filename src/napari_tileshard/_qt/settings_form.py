@@ -101,9 +101,17 @@ class SettingsForm(QWidget):
         backend with its reason, per-item tooltips, the spin box's text at 0) is set on their Qt
         widgets."""
         from magicgui.types import FileDialogMode
-        from magicgui.widgets import CheckBox, ComboBox, Container, FileEdit, FloatSpinBox, SpinBox
+        from magicgui.widgets import CheckBox, ComboBox, Container, FileEdit, FloatSpinBox, Select, SpinBox
 
         self.source = ComboBox(choices=[SYNTHETIC])
+        # Several cameras at once: more image layers, each recorded into its own array of one
+        # collection (MultiWriter); the preview follows the source above.
+        self.more_sources = Select(
+            choices=[],
+            tooltip="record these image layers too, each as its own stream (array) of one OME-Zarr "
+            "collection at the output; ctrl-click to select several",
+        )
+        self.more_sources.native.setMaximumHeight(60)
         self.dtype = ComboBox(choices=list(SUPPORTED_DTYPES), value="uint16")
         self.fps = FloatSpinBox(min=0.0, max=100000.0, value=50.0)
         self.fps.native.setSpecialValueText("as fast as possible")
@@ -143,6 +151,7 @@ class SettingsForm(QWidget):
         form = QFormLayout()
         for label, field in (
             ("source", self.source),
+            ("also record", self.more_sources),
             ("dtype", self.dtype),
             ("camera fps", self.fps),
             ("codec", self.codec),
@@ -159,6 +168,7 @@ class SettingsForm(QWidget):
         form.setContentsMargins(0, 0, 0, 0)
         self._apply_level_range()
         self.source.changed.connect(self._source_changed)
+        self.more_sources.changed.connect(self.validate)
         self.codec.changed.connect(self._codec_changed)
         self.ome.changed.connect(self._ome_changed)
         for field in (self.dtype, self.fps, self.level, self.backend, self.policy, self.overwrite, self.downsample):
@@ -207,11 +217,22 @@ class SettingsForm(QWidget):
         with self.source.changed.blocked():
             self.source.choices = names
             self.source.value = current if current in names else SYNTHETIC
+        self._refresh_more_sources()
         self._source_changed()
+
+    def _refresh_more_sources(self) -> None:
+        """The image layers other than the source, keeping what is still selectable selected."""
+        names = [n for n in self.source.choices if n not in (SYNTHETIC, self.source.value)]
+        selected = [n for n in self.more_sources.value if n in names]
+        with self.more_sources.changed.blocked():
+            self.more_sources.choices = names
+            self.more_sources.value = selected
 
     def _source_changed(self, *_) -> None:
         """A layer chosen as the source lays out the table: its frame shape and dtype (tiles
         proposed to fit; the user can still edit them), and again when its data shape changes."""
+        if self.more_sources.choices is not None and self.source.value in self.more_sources.choices:
+            self._refresh_more_sources()
         layer = self.source_layer()
         if layer is not self._watched_layer:
             if self._watched_layer is not None:
@@ -250,13 +271,34 @@ class SettingsForm(QWidget):
         item = self.table.item(row, col)
         return item.text() if item is not None else ""
 
+    def _streams(self, rows, layout) -> dict | None:
+        """The streams of a recording of several layers (None for one): each layer laid out by the
+        table, its frame dims and dtype taken from its data."""
+        import numpy as np
+
+        more = [n for n in self.more_sources.value if n != self.source.value]
+        if not more:
+            return None
+        if self.source_layer() is None:
+            raise ValueError("recording several layers needs an image layer as the source, not the synthetic camera")
+        streams = {self.source.value: layout}
+        for name in more:
+            layer = self.source_layer(name)
+            if layer is None:
+                raise ValueError(f"layer {name!r} is gone")
+            frame = tuple(np.shape(layer.data))[-frame_dims(len(rows)) :]
+            streams[name] = layout_from_rows(rows_for_frames(rows, frame), np.dtype(layer.data.dtype).name, layer)
+        return streams
+
     @property
     def settings(self) -> RecorderSettings:
         """The form's values; raises ValueError naming the row or layer when they make no Layout."""
         rows = [[self._cell(row, col) for col in range(len(COLUMNS))] for row in range(self.table.rowCount())]
+        layout = layout_from_rows(rows, self.dtype.value, self.source_layer())
         return RecorderSettings(
             output=self.output_text,
-            layout=layout_from_rows(rows, self.dtype.value, self.source_layer()),
+            layout=layout,
+            streams=self._streams(rows, layout),
             codec=self.codec.value,
             level=self.level.value,
             backend=self.backend.value,
@@ -283,6 +325,8 @@ class SettingsForm(QWidget):
         self.backend.value = value.backend
         if value.source in self.source.choices:
             self.source.value = value.source
+        more = [n for n in (value.streams or {}) if n != value.source]
+        self.more_sources.value = [n for n in more if n in (self.more_sources.choices or ())]
         self.fps.value = value.fps or 0.0
         self.overwrite.value = value.overwrite
         self.policy.value = value.policy
