@@ -13,6 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from napari_tileshard import Dim, Layout, SyntheticCamera, Writer
+from napari_tileshard.backends import gpu_unavailable_reason
 from napari_tileshard.backends.gpu import GpuBackend
 from napari_tileshard.writer import estimate_memory, largest_fitting
 
@@ -146,3 +147,31 @@ def test_frame_buffer_refuses_a_stream_inside_a_frame_and_a_full_array(tmp_path)
         with pytest.raises(ValueError, match="exceed the declared array shape"):
             with writer.frame_buffer():
                 pass
+
+
+def test_cpulists_of_numa_nodes_parse():
+    from napari_tileshard.backends.pinned import parse_cpulist
+
+    assert parse_cpulist("0-3,8,10-11\n") == {0, 1, 2, 3, 8, 10, 11}
+    assert parse_cpulist("5") == {5}
+
+
+@pytest.mark.gpu
+def test_pinned_memory_placed_from_given_cpus_is_zeroed_and_usable():
+    reason = gpu_unavailable_reason()
+    if reason:
+        pytest.skip(f"GPU backend not usable here: {reason}")
+    import os
+
+    import cupy
+
+    from napari_tileshard.backends.pinned import gpu_numa_cpus, pin
+
+    cpus = gpu_numa_cpus(0) or {sorted(os.sched_getaffinity(0))[0]}
+    before = os.sched_getaffinity(0)
+    host = pin(64 << 20, cpus)
+    assert os.sched_getaffinity(0) == before  # only the pool's threads were bound
+    assert not host.any()
+    host[:] = 7
+    device = cupy.asarray(host)
+    assert int(device.sum()) == 7 * (64 << 20)

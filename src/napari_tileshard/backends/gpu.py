@@ -33,7 +33,7 @@ from .. import codecs
 from ..collector import pending_shard_epochs
 from . import _nvcomp
 from .base import Backend, MemoryBudget
-from .pinned import PinnedRecycler, pin
+from .pinned import PinnedRecycler, gpu_numa_cpus, pin
 from .stages.aggregate import (
     aggregate_geometry,
     aggregate_gpu,
@@ -253,6 +253,8 @@ class GpuBackend(Backend):
         self.device = cupy.cuda.Device(device) if device is not None else cupy.cuda.Device()
         props = cupy.cuda.runtime.getDeviceProperties(self.device.id)
         self.device_name = props["name"].decode()
+        #: the CPUs of this GPU's NUMA node: pinned buffers are placed in its memory (None: one node)
+        self.numa_cpus = gpu_numa_cpus(self.device.id)
         self.preferred_batch_bytes = batch_bytes or self.default_batch_bytes or self.default_batch_bytes_for(layout)
         slots = slots or self.default_slots
         self._slot_count = slots
@@ -376,7 +378,7 @@ class GpuBackend(Backend):
         self._staging_handed_out = in_use + 1
         if in_use < len(resources.staging):
             return resources.staging[in_use]
-        staging = pin(nbytes)
+        staging = pin(nbytes, self.numa_cpus)
         resources.mirrors[staging.ctypes.data] = self._cupy.empty(nbytes, dtype=self._cupy.uint8)
         resources.staging.append(staging)
         return staging
@@ -470,13 +472,15 @@ class GpuBackend(Backend):
                     d_packed=cupy.empty(chunks * self.output_stride, dtype=cupy.uint8),
                     input_ptrs=cupy.asarray(index * np.uint64(self.tile_stride_bytes) + np.uint64(d_pool.data.ptr)),
                     output_ptrs=cupy.asarray(index * np.uint64(self.output_stride) + np.uint64(d_compressed.data.ptr)),
-                    h_offsets=pin((entries + 1) * 8).view(np.uint64),
-                    h_status=pin(chunks * 4).view(np.int32),
+                    h_offsets=pin((entries + 1) * 8, self.numa_cpus).view(np.uint64),
+                    h_status=pin(chunks * 4, self.numa_cpus).view(np.int32),
                     ready=cupy.cuda.Event(block=True, disable_timing=True),
                     copied=cupy.cuda.Event(block=True, disable_timing=True),
                 )
             )
-        packed = PinnedRecycler(chunks * self.output_stride, self.packed_buffers(self.layout, epochs, self._slot_count))
+        packed = PinnedRecycler(
+            chunks * self.output_stride, self.packed_buffers(self.layout, epochs, self._slot_count), self.numa_cpus
+        )
         # Packed buffers are first needed when the first batch comes back: pin them while it fills.
         threading.Thread(target=packed.reserve, args=(packed.limit,), name="tileshard-pin", daemon=True).start()
         resources = _Resources(

@@ -46,20 +46,55 @@ def _unregister(address: int, mapping: mmap.mmap) -> None:
         pass
 
 
-def _fault_in(pages: np.ndarray) -> None:
+def parse_cpulist(text: str) -> set[int]:
+    """The CPUs of a sysfs cpulist such as ``"0-15,32-47"``."""
+    cpus: set[int] = set()
+    for part in text.strip().split(","):
+        if part:
+            first, _, last = part.partition("-")
+            cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
+
+
+def gpu_numa_cpus(device: int) -> set[int] | None:
+    """The CPUs of the NUMA node the GPU ``device`` hangs off (from sysfs), or None where the
+    machine has one node, the node is unknown, or this is not Linux."""
+    try:
+        import cupy
+
+        bus = cupy.cuda.runtime.deviceGetPCIBusId(device).lower()
+        node = int(open(f"/sys/bus/pci/devices/{bus}/numa_node").read())
+        if node < 0 or len(os.listdir("/sys/devices/system/node")) <= 2:  # node0 + possible/online files
+            return None
+        cpus = parse_cpulist(open(f"/sys/devices/system/node/node{node}/cpulist").read())
+        return cpus & os.sched_getaffinity(0) or None
+    except Exception:  # noqa: BLE001 - placement is an optimisation: without it memory is where the kernel puts it
+        return None
+
+
+def _fault_in(pages: np.ndarray, cpus: set[int] | None = None) -> None:
     """Touch every page from several threads before registering: the kernel zeroes and maps
     them in parallel, which cudaHostRegister would do on one thread (1 GiB: 0.19 -> 0.08 s on
-    the H100 machine, benchmarks/pinning.py)."""
+    the H100 machine, benchmarks/pinning.py).  With ``cpus`` (a GPU's NUMA node) the touching
+    threads run there, so first touch puts the pages in that node's memory, next to the GPU."""
     threads = min(_FAULT_THREADS, os.cpu_count() or 1, pages.nbytes // _FAULT_MIN_BYTES_PER_THREAD)
-    if threads < 2:
+    if threads < 2 and not cpus:
         return
+    threads = max(1, threads)
     bounds = np.linspace(0, pages.nbytes, threads + 1).astype(np.int64) // _PAGE * _PAGE
+
+    def touch(i: int) -> None:
+        if cpus:
+            os.sched_setaffinity(0, cpus)  # this thread only (a pool thread, gone afterwards)
+        pages[bounds[i] : bounds[i + 1] : _PAGE].fill(0)
+
     with ThreadPoolExecutor(threads, thread_name_prefix="tileshard-pin") as pool:
-        list(pool.map(lambda i: pages[bounds[i] : bounds[i + 1] : _PAGE].fill(0), range(threads)))
+        list(pool.map(touch, range(threads)))
 
 
-def pin(nbytes: int) -> np.ndarray:
-    """``nbytes`` of pinned host memory as a uint8 array (zero-filled); unpinned when the last view goes."""
+def pin(nbytes: int, cpus: set[int] | None = None) -> np.ndarray:
+    """``nbytes`` of pinned host memory as a uint8 array (zero-filled); unpinned when the last view
+    goes.  ``cpus``: the NUMA node's CPUs to place the pages on (:func:`gpu_numa_cpus`)."""
     import cupy
 
     nbytes = max(1, int(nbytes))
@@ -69,7 +104,7 @@ def pin(nbytes: int) -> np.ndarray:
         mapping.madvise(mmap.MADV_HUGEPAGE)
     pages = np.frombuffer(mapping, dtype=np.uint8)
     address = pages.ctypes.data
-    _fault_in(pages)
+    _fault_in(pages, cpus)
     del pages  # no export may outlive the mapping
     try:
         cupy.cuda.runtime.hostRegister(address, size, _REGISTER_PORTABLE)
@@ -95,9 +130,10 @@ class PinnedRecycler:
     ``limit`` are in use (storage backpressure) instead of pinning beyond the memory budget.
     """
 
-    def __init__(self, nbytes: int, limit: int):
+    def __init__(self, nbytes: int, limit: int, cpus: set[int] | None = None):
         self.nbytes = max(1, nbytes)
         self.limit = limit
+        self.cpus = cpus  # the NUMA node to place the buffers on (see pin)
         self._free: list[np.ndarray] = []
         self._allocated = 0
         self._changed = threading.Condition()
@@ -113,7 +149,7 @@ class PinnedRecycler:
                 if self._allocated >= min(count, self.limit):
                     return
                 self._allocated += 1
-            buffer = pin(self.nbytes)
+            buffer = pin(self.nbytes, self.cpus)
             with self._changed:
                 self._free.append(buffer)
                 self._changed.notify_all()
@@ -130,7 +166,7 @@ class PinnedRecycler:
             if buffer is None:
                 self._allocated += 1
         if buffer is None:
-            buffer = pin(self.nbytes)
+            buffer = pin(self.nbytes, self.cpus)
         block = _PinnedBlock(buffer.ctypes.data, self.nbytes, buffer)
         weakref.finalize(block, self._give_back, buffer)
         return np.asarray(block)
