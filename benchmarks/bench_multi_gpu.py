@@ -97,6 +97,30 @@ def paced_camera(writer, camera, gbps, seconds, result):
     )
 
 
+class GcPauses:
+    """Python's garbage-collector passes longer than 10 ms during a run: (s after start, ms, generation)."""
+
+    def __init__(self):
+        import gc
+
+        self.t0 = time.perf_counter()
+        self.long: list = []
+        self._started = 0.0
+        self._gc = gc
+        gc.callbacks.append(self)
+
+    def __call__(self, phase, info):
+        now = time.perf_counter()
+        if phase == "start":
+            self._started = now
+        elif now - self._started > 0.01:
+            self.long.append((round(self._started - self.t0, 2), round((now - self._started) * 1e3), info["generation"]))
+
+    def close(self):
+        self._gc.callbacks.remove(self)
+        return self.long
+
+
 def paced_runs(args, camera, layout, budget, count):
     gpus = list(range(count)) if count > 1 else [0, 0]
     if args.backend == "cpu":  # a smoke test of this script on a machine without GPU
@@ -108,11 +132,20 @@ def paced_runs(args, camera, layout, budget, count):
     if args.warm_up:  # armed before the camera starts, as the recorder widget does
         Writer.warm_up(layout, backend="gpu", devices=gpus, **host)
     result["warmed_up"] = args.warm_up
+    if args.gc_freeze:
+        import gc
+
+        gc.collect()
+        gc.freeze()  # what exists now is never scanned again: no long collector pass mid-stream
+    result["gc_freeze"] = args.gc_freeze
+    pauses = GcPauses()
     with Writer(sink, layout, backend="gpu", devices=gpus, **host) as writer:
         paced_camera(writer, camera, args.pace_gbps, args.paced_seconds, result)
-    result.update(stored_gb=round(sink.bytes / 1e9, 2), shards=sink.objects)
+    result.update(stored_gb=round(sink.bytes / 1e9, 2), shards=sink.objects, gc_pauses_over_10ms=pauses.close())
     print(json.dumps(result), flush=True)
     release_gpu_memory()
+    if args.single_only:
+        return
     # two independent cameras, one per GPU, through one MultiWriter
     sink = DiscardSink()
     names = [f"camera{k}" for k in range(len(gpus))]
@@ -195,6 +228,8 @@ def main():
     parser.add_argument("--pace-gbps", type=float, default=10)
     parser.add_argument("--pair-pace-gbps", type=float, default=5)
     parser.add_argument("--no-warm-up", dest="warm_up", action="store_false", help="start the cameras cold")
+    parser.add_argument("--gc-freeze", action="store_true", help="gc.freeze() after arming")
+    parser.add_argument("--single-only", action="store_true", help="paced: only the one-stream case")
     parser.add_argument("--backend", default="gpu", choices=["gpu", "cpu"], help="cpu: paced smoke test only")
     args = parser.parse_args()
     if args.backend == "cpu":
