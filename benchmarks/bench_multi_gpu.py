@@ -114,7 +114,8 @@ class GcPauses:
         if phase == "start":
             self._started = now
         elif now - self._started > 0.01:
-            self.long.append((round(self._started - self.t0, 2), round((now - self._started) * 1e3), info["generation"]))
+            pause_ms = round((now - self._started) * 1e3)
+            self.long.append((round(self._started - self.t0, 2), pause_ms, info["generation"]))
 
     def close(self):
         self._gc.callbacks.remove(self)
