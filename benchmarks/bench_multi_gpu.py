@@ -66,6 +66,8 @@ def paced_camera(writer, camera, gbps, seconds, result):
     source = list(camera.frames(min(frames, 64)))
     dropped = late = 0
     drop_times: list[float] = []
+    progress = {"i": 0}
+    stalls = _watch_stalls(threading.get_ident(), progress, interval) if getattr(paced_camera, "watch", False) else None
     cpu0, t0 = time.process_time(), time.perf_counter()
     for i in range(frames):
         due = t0 + i * interval
@@ -76,6 +78,7 @@ def paced_camera(writer, camera, gbps, seconds, result):
             time.sleep(due - now)
         elif now - due > 0.1:
             late += 1  # this thread itself fell behind the pace (not the writer)
+        progress["i"] = i
         with writer.frame_buffer(block=False) as place:
             if place is None:
                 dropped += 1
@@ -83,6 +86,9 @@ def paced_camera(writer, camera, gbps, seconds, result):
             elif i < filled_once:
                 np.copyto(place, source[i % len(source)])
     wall = time.perf_counter() - t0
+    if stalls is not None:
+        progress["done"] = True
+        result["stalls"] = stalls
     result.update(
         pace_gbps=gbps,
         seconds=round(wall, 2),
@@ -120,6 +126,32 @@ class GcPauses:
     def close(self):
         self._gc.callbacks.remove(self)
         return self.long
+
+
+def _watch_stalls(ident, progress, interval, limit=5):
+    """Where the camera thread is when it has not moved to its next frame for 50 ms (a thread
+    blocked in C with the GIL released shows its Python stack here): up to ``limit`` stacks."""
+    import sys
+    import traceback
+
+    stacks: list = []
+
+    def watch():
+        last, since = -1, time.perf_counter()
+        while not progress.get("done") and len(stacks) < limit:
+            time.sleep(0.01)
+            i = progress["i"]
+            if i != last:
+                last, since = i, time.perf_counter()
+            elif time.perf_counter() - since > 0.05 and (not stacks or stacks[-1]["frame"] != i):
+                frame = sys._current_frames().get(ident)
+                if frame is not None:
+                    stack = [f"{f.filename.split('/')[-1]}:{f.lineno} {f.name}" for f in traceback.extract_stack(frame)]
+                    stuck_ms = round((time.perf_counter() - since) * 1e3)
+                    stacks.append({"frame": i, "stuck_ms": stuck_ms, "stack": stack[-8:]})
+
+    threading.Thread(target=watch, daemon=True).start()
+    return stacks
 
 
 def paced_runs(args, camera, layout, budget, count):
@@ -231,6 +263,7 @@ def main():
     parser.add_argument("--no-warm-up", dest="warm_up", action="store_false", help="start the cameras cold")
     parser.add_argument("--gc-freeze", action="store_true", help="gc.freeze() after arming")
     parser.add_argument("--single-only", action="store_true", help="paced: only the one-stream case")
+    parser.add_argument("--watch-stalls", action="store_true", help="paced: record where the camera thread stalls")
     parser.add_argument("--backend", default="gpu", choices=["gpu", "cpu"], help="cpu: paced smoke test only")
     args = parser.parse_args()
     if args.backend == "cpu":
@@ -243,6 +276,7 @@ def main():
     camera = SyntheticCamera((h, w), "uint16", seed=0)
     camera.prepare()
     budget = {"max_device_bytes": int(args.max_device_gib * 2**30), "max_host_bytes": int(args.max_host_gib * 2**30)}
+    paced_camera.watch = args.watch_stalls  # type: ignore[attr-defined]
     if args.paced_seconds:
         name, tile = tile_cases(args.tiles.split(","))[0]
         print(json.dumps({"paced_tile": name}), flush=True)
