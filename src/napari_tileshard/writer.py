@@ -399,9 +399,21 @@ class Writer:
         """Arm a recording of ``layout`` with ``options`` (as for a Writer) into memory and close it:
         the GPU backend keeps its buffers, compiled kernels and CUDA context for the next Writer
         with the same layout and batching, which then arms at once.  The recorder widget calls it
-        when the GPU backend is chosen.  Returns that recording's :meth:`memory_estimate`."""
+        when the GPU backend is chosen.  One batch per GPU runs through the pipeline (from the
+        staging buffers as they are) so every kernel is loaded on every GPU.  Returns that
+        recording's :meth:`memory_estimate`."""
         options.pop("overwrite", None)
         with cls("memory://", layout, **options) as writer:
+            # One batch through every GPU: CuPy compiles or loads a kernel into a device the first
+            # time it runs there, which took a camera's first frames 50+ ms per GPU (measured on
+            # 2x H200: every drop of a 10 GB/s stream fell there).  The staging buffers' own
+            # contents are encoded: no frame is copied.
+            batches = len(getattr(writer._backend, "devices", ())) or 1
+            frames = batches * max(1, writer.batch_bytes // writer._frame_bytes) if writer._frame_bytes else 0
+            if layout.unbounded or frames <= layout.shape[0]:
+                for _ in range(frames):
+                    with writer.frame_buffer():
+                        pass
             return writer.memory_estimate()
 
     def memory_held(self) -> dict[str, int]:
