@@ -90,6 +90,8 @@ class TileShardSink:
     across, one frame deep per tile, a shard holding a whole row of the inner axes).  ``policy``
     is what ``append`` does when ``queue_frames`` frames already wait: ``"block"`` the MDA thread
     waits, ``"drop"`` the frame is discarded and counted (it reads as the fill value).
+    ``writer_options`` go to each :class:`~napari_tileshard.writer.Writer`; ``store_for`` maps a
+    series' location to the store its Writer writes (a wrapping Sink, say; default: the location).
     """
 
     def __init__(
@@ -108,6 +110,7 @@ class TileShardSink:
         queue_frames: int = 64,
         reorder_frames: int | None = None,
         writer_options: dict | None = None,
+        store_for: Callable[[str], Any] | None = None,
     ):
         if policy not in POLICIES:
             raise ValueError(f"policy {policy!r} is not one of {', '.join(POLICIES)}")
@@ -126,6 +129,7 @@ class TileShardSink:
         self.queue_frames = queue_frames
         self.reorder_frames = reorder_frames or queue_frames
         self.writer_options = dict(writer_options or {})
+        self.store_for = store_for  # series location -> the Writer's store (a path, zarr Store or Sink)
         self.stats = SinkStats()
         self.series: list[_Series] = []
         self.axes: tuple[str, ...] = ()  # the image axes (without p/g, with y, x)
@@ -198,8 +202,9 @@ class TileShardSink:
         self._open_root(series_names)
         omero = _omero(sequence, dtype, bit_depth)
         for name in series_names:
+            location = f"{self.path}/{name}"
             writer = Writer(
-                f"{self.path}/{name}",
+                self.store_for(location) if self.store_for else location,
                 layout,
                 codec=self.codec,
                 level=self.level,
@@ -216,9 +221,9 @@ class TileShardSink:
         self._thread = threading.Thread(target=self._consume, name="tileshard-mda-sink", daemon=True)
         self._thread.start()
 
-    def append(self, img: np.ndarray, event, meta) -> None:
+    def append(self, img: np.ndarray, event, meta) -> bool:
         """Queue one frame (on the MDA thread; waits only when ``queue_frames`` frames wait and
-        the policy is ``block``)."""
+        the policy is ``block``).  False when the frame was dropped."""
         start = time.perf_counter()
         self._raise_if_failed()
         series, frame = self._place(event)
@@ -239,6 +244,7 @@ class TileShardSink:
         if accepted:
             self.stats.max_queue = max(self.stats.max_queue, self._queue.qsize())
         self.stats.append_s += time.perf_counter() - start
+        return accepted
 
     def skip(self, *, frames: int = 1) -> None:
         """The next ``frames`` events of the sequence produced no image: they read as the fill
