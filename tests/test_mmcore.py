@@ -132,7 +132,8 @@ def test_tcz_with_positions_matches_camera_and_default_sink(core, capture, tmp_p
 
     view = sink.get_view()
     assert view.shape == (2, 2, 2, 3, *SHAPE)
-    np.testing.assert_array_equal(np.asarray(view[1, 1, 0, 2]), capture.frames[(("c", 0), ("p", 1), ("t", 1), ("z", 2))])
+    expected = capture.frames[(("c", 0), ("p", 1), ("t", 1), ("z", 2))]
+    np.testing.assert_array_equal(np.asarray(view[1, 1, 0, 2]), expected)
 
 
 def test_grid_positions_become_series_and_run_mda_works(core, capture, tmp_path):
@@ -284,4 +285,3 @@ def test_importing_the_package_does_not_import_pymmcore_plus():
 
 def _meta():
     return {"image_infos": [{"width": 16, "height": 8, "dtype": "uint16", "pixel_size_um": 1.0}]}
-
