@@ -38,6 +38,7 @@ class Capture:
 
     def __init__(self, core):
         self.frames: dict = {}
+        self.frames_by_event: dict = {}
         self.order: list = []
         self.meta: dict | None = None
         self.sequence = None
@@ -51,6 +52,7 @@ class Capture:
     def frame_ready(self, img, event, meta):
         key = tuple(sorted(event.index.items()))
         self.frames[key] = np.array(img, copy=True)
+        self.frames_by_event[id(event)] = self.frames[key]
         self.order.append((event, meta))
 
     def close(self):
@@ -285,3 +287,44 @@ def test_importing_the_package_does_not_import_pymmcore_plus():
 
 def _meta():
     return {"image_infos": [{"width": 16, "height": 8, "dtype": "uint16", "pixel_size_um": 1.0}]}
+
+
+@pytest.mark.qt
+def test_recorder_dock_records_the_mda_runs_of_a_core(make_napari_viewer, qtbot, tmp_path):
+    """The dock's "Micro-Manager (pymmcore-plus)" source: every MDA run while recording goes into a
+    store of its own, written on the MDA thread; Stop ends it; each result is added as a layer."""
+    pytest.importorskip("napari")
+    from napari_tileshard._qt.recorder_widget import RecorderWidget
+    from napari_tileshard.mmcore import MMCORE_SOURCE
+    from napari_tileshard.recorder import RecorderSettings
+
+    viewer = make_napari_viewer()
+    widget = RecorderWidget(viewer)
+    viewer.window.add_dock_widget(widget, name="Tile/Shard Recorder")
+    core = demo_core(SHAPE)  # created with the QApplication running: Qt signals, as in napari-micromanager
+    assert type(core.mda.events).__name__ == "QMDASignaler"  # the sink connects to them DirectConnection
+    widget.mmcore = core
+    assert MMCORE_SOURCE in widget.form.source.choices
+    out = tmp_path / "mm.ome.zarr"
+    settings = widget.settings
+    widget.settings = RecorderSettings(
+        output=str(out), layout=settings.layout, source=MMCORE_SOURCE, backend="cpu", ome=True
+    )
+    cap = Capture(core)
+    widget.start()
+    assert widget.is_recording
+    sequence = useq.MDASequence(time_plan={"interval": 0, "loops": 3}, channels=["DAPI", "FITC"])
+    for _ in range(2):
+        core.run_mda(sequence, block=True)
+        qtbot.waitUntil(lambda: len([n for n in viewer.layers if n.name.startswith("mda:")]) == len(cap.order) // 6)
+    widget.stop()
+    assert not widget.is_recording
+    second = tmp_path / "mm-002.ome.zarr"
+    for path, frames in ((out, cap.order[:6]), (second, cap.order[6:])):
+        data = zarr.open_array(path / "0" / "0", mode="r")
+        assert data.shape == (3, 2, *SHAPE)
+        for event, _meta in frames:
+            index = event.index
+            np.testing.assert_array_equal(data[index["t"], index["c"]], cap.frames_by_event[id(event)])
+    cap.close()
+    widget.close()

@@ -157,6 +157,11 @@ class TileShardSink:
         self._started = 0.0
         self._closed = False
 
+    @property
+    def recording(self) -> bool:
+        """Between ``setup`` and ``close``."""
+        return self._thread is not None and not self._closed
+
     # -- pymmcore-plus SinkProtocol -----------------------------------------------------
     def setup(self, sequence, meta) -> None:
         """Create the collection and one Writer per series from the sequence and the summary
@@ -318,24 +323,7 @@ class TileShardSink:
         """Connect to ``core.mda.events`` directly: every MDA started on that core is recorded,
         its frames handed over on the MDA thread itself (through the bounded queue).  Returns
         the function that disconnects again."""
-        names = ("sequenceStarted", "frameReady", "sequenceFinished")
-        connect_options: dict = {}
-        if hasattr(mda_events, "metaObject"):  # Qt signals: run on the emitting (MDA) thread, not the GUI's
-            from qtpy.QtCore import Qt
-
-            connect_options = {"type": Qt.ConnectionType.DirectConnection}
-        slots = [getattr(self, name) for name in names]
-        for name, slot in zip(names, slots):
-            getattr(mda_events, name).connect(slot, **connect_options)
-
-        def detach() -> None:
-            for name, slot in zip(names, slots):
-                try:
-                    getattr(mda_events, name).disconnect(slot)
-                except (TypeError, RuntimeError, ValueError):  # already disconnected
-                    pass
-
-        return detach
+        return _connect(mda_events, self, ("sequenceStarted", "frameReady", "sequenceFinished"))
 
     # -- placement ------------------------------------------------------------------
     def _place(self, event) -> tuple[int, int]:
@@ -608,7 +596,11 @@ def _bounded_sizes(sequence) -> tuple[dict[str, int] | None, tuple[str, ...]]:
     axis_order = tuple(getattr(sequence, "axis_order", ()) or ())
     if not axis_order or type(sequence).__name__ == "GeneratorMDASequence":
         return None, ()
-    return dict(sequence.sizes), axis_order
+    try:
+        sizes = dict(sequence.sizes)
+    except ZeroDivisionError:  # useq cannot size a duration-based plan with interval 0 ("as fast as possible")
+        return None, ()
+    return sizes, axis_order
 
 
 def _series_keys(sequence, sizes: dict[str, int], axis_order: tuple[str, ...]) -> list[tuple]:
@@ -680,3 +672,100 @@ def _json_default(value):
     if isinstance(value, np.generic):
         return value.item()
     return str(value)
+
+
+MMCORE_SOURCE = "Micro-Manager (pymmcore-plus)"
+
+
+def mmcore_available() -> bool:
+    """pymmcore-plus can be imported here (without importing it)."""
+    import importlib.util
+
+    return importlib.util.find_spec("pymmcore_plus") is not None
+
+
+class MDARecorder:
+    """Records every MDA run on ``core`` while started, each into a store of its own: the first
+    at ``output``, the next ones at ``recording-002.ome.zarr``, ... (what the recorder dock does
+    with the "Micro-Manager (pymmcore-plus)" source: napari-micromanager starts the MDAs, we
+    record them).  ``sink_options`` go to each :class:`TileShardSink`."""
+
+    def __init__(self, core, output, *, on_finished: Callable[[TileShardSink], None] | None = None, **sink_options):
+        self.core = core
+        self.output = str(output)
+        self.sink_options = sink_options
+        self.on_finished = on_finished
+        self.sinks: list[TileShardSink] = []
+        self._detach: Callable[[], None] | None = None
+
+    @property
+    def sink(self) -> TileShardSink | None:
+        """The sink of the current (or last) run."""
+        return self.sinks[-1] if self.sinks else None
+
+    @property
+    def started(self) -> bool:
+        return self._detach is not None
+
+    def start(self) -> MDARecorder:
+        if self._detach is None:
+            self._detach = _connect(self.core.mda.events, self, ("sequenceStarted", "frameReady", "sequenceFinished"))
+        return self
+
+    def stop(self) -> None:
+        """No later run is recorded; a run in progress is recorded to its end."""
+        if self._detach is not None and not self._running():
+            self._detach()
+            self._detach = None
+        elif self._detach is not None:
+            self._stop_after_run = True
+
+    _stop_after_run = False
+
+    def _running(self) -> bool:
+        return self.sink is not None and self.sink.recording
+
+    def sequenceStarted(self, sequence, meta=None) -> None:  # noqa: N802
+        from .recorder_form import next_output
+
+        path = self.output if not self.sinks else next_output(self.sinks[-1].path)
+        sink = TileShardSink(path, **self.sink_options)
+        self.sinks.append(sink)
+        sink.setup(sequence, meta)
+
+    def frameReady(self, img, event, meta) -> None:  # noqa: N802
+        if self._running():
+            self.sink.append(img, event, meta)  # type: ignore[union-attr]
+
+    def sequenceFinished(self, sequence=None) -> None:  # noqa: N802
+        sink = self.sink
+        if sink is None:
+            return
+        sink.sequenceFinished(sequence)
+        if self._stop_after_run:  # before telling anyone: a listener may ask whether we stopped
+            self._stop_after_run = False
+            self.stop()
+        if self.on_finished is not None:
+            self.on_finished(sink)
+
+
+def _connect(mda_events, listener, names: tuple[str, ...]) -> Callable[[], None]:
+    """Connect ``listener``'s methods to the MDA signals of the same names, called on the thread
+    that emits them (the MDA thread) whether the signals are psygnal's or Qt's."""
+    options: dict = {}
+    if hasattr(mda_events, "metaObject"):  # Qt signals: a plain callable would be queued to the GUI thread
+        from qtpy.QtCore import Qt
+
+        options = {"type": Qt.ConnectionType.DirectConnection}
+    slots = [getattr(listener, name) for name in names]
+    for name, slot in zip(names, slots):
+        getattr(mda_events, name).connect(slot, **options)
+
+    def detach() -> None:
+        for name, slot in zip(names, slots):
+            try:
+                getattr(mda_events, name).disconnect(slot)
+            except (TypeError, RuntimeError, ValueError):  # already disconnected
+                pass
+
+    return detach
