@@ -9,6 +9,7 @@ import itertools
 import json
 import logging
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -328,3 +329,17 @@ def test_recorder_dock_records_the_mda_runs_of_a_core(make_napari_viewer, qtbot,
             np.testing.assert_array_equal(data[index["t"], index["c"]], cap.frames_by_event[id(event)])
     cap.close()
     widget.close()
+
+
+def test_example_records_offline_and_the_plugin_reader_opens_it(tmp_path):
+    import runpy
+
+    from napari_tileshard._reader import napari_get_reader
+
+    out = tmp_path / "example.ome.zarr"
+    example = runpy.run_path(str(Path(__file__).parents[1] / "examples" / "mda_python_camera.py"))
+    example["main"]([str(out), "--no-viewer", "--frame", "64", "64", "--timepoints", "2", "--backend", "cpu"])
+    level0 = zarr.open_array(out / "0" / "0", mode="r")
+    assert level0.shape == (2, 2, 9, 64, 64) and level0[...].any()
+    layers = napari_get_reader(str(out / "0"))(str(out / "0"))
+    assert np.asarray(layers[0][0][0][1, 1, 8]).tolist() == level0[1, 1, 8].tolist()
