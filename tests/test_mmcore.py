@@ -77,7 +77,7 @@ def assert_store_holds(path, frames: dict, axes: tuple[str, ...], series_keys: l
         np.testing.assert_array_equal(level0[tuple(index[a] for a in axes[:-2])], img, err_msg=str(index))
 
 
-def test_tcz_with_positions_matches_camera_and_default_sink(core, capture, tmp_path):
+def test_tcz_with_positions_matches_camera_and_default_sink(core, capture, tmp_path, backend):
     sequence = useq.MDASequence(
         time_plan={"interval": 0.02, "loops": 2},
         channels=["DAPI", "FITC"],
@@ -87,7 +87,7 @@ def test_tcz_with_positions_matches_camera_and_default_sink(core, capture, tmp_p
     )
     ours = tmp_path / "run.ome.zarr"
     default = tmp_path / "default.ome.zarr"
-    sink = TileShardSink(ours, backend="cpu", tile={"y": 32, "x": 32})
+    sink = TileShardSink(ours, backend=backend, tile={"y": 32, "x": 32})
     core.mda.run(sequence, output=[str(default), sink])  # one run, both sinks: the same frames
 
     assert sink.stats.received == 2 * 2 * 2 * 3 == len(capture.frames)
