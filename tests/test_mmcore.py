@@ -343,3 +343,17 @@ def test_example_records_offline_and_the_plugin_reader_opens_it(tmp_path):
     assert level0.shape == (2, 2, 9, 64, 64) and level0[...].any()
     layers = napari_get_reader(str(out / "0"))(str(out / "0"))
     assert np.asarray(layers[0][0][0][1, 1, 8]).tolist() == level0[1, 1, 8].tolist()
+
+
+def test_append_outside_a_run_is_refused(tmp_path):
+    sink = TileShardSink(tmp_path / "z.ome.zarr", backend="cpu", ome=False)
+    event = useq.MDAEvent(index={"t": 0})
+    frame = np.zeros((8, 16), np.uint16)
+    with pytest.raises(RuntimeError, match="before setup"):
+        sink.append(frame, event, {})
+    sink.setup(useq.MDASequence(time_plan={"interval": 0, "loops": 1}), _meta())
+    assert sink.append(frame + 7, event, {})
+    sink.close()
+    with pytest.raises(RuntimeError, match="after close"):
+        sink.append(frame, event, {})
+    assert zarr.open_array(tmp_path / "z.ome.zarr" / "0", mode="r")[0, 0, 0] == 7

@@ -206,21 +206,27 @@ class TileShardSink:
         self._summary = _jsonable(dict(meta or {}))
         self._open_root(series_names)
         omero = _omero(sequence, dtype, bit_depth)
-        for name in series_names:
-            location = f"{self.path}/{name}"
-            writer = Writer(
-                self.store_for(location) if self.store_for else location,
-                layout,
-                codec=self.codec,
-                level=self.level,
-                backend=self.backend,
-                overwrite=self.overwrite,
-                ome=self.ome,
-                downsample=self.downsample,
-                ome_fields={"omero": omero} if (self.ome and omero) else None,
-                **self.writer_options,
-            )
-            self.series.append(_Series(name, writer, total))
+        try:
+            for name in series_names:
+                location = f"{self.path}/{name}"
+                writer = Writer(
+                    self.store_for(location) if self.store_for else location,
+                    layout,
+                    codec=self.codec,
+                    level=self.level,
+                    backend=self.backend,
+                    overwrite=self.overwrite,
+                    ome=self.ome,
+                    downsample=self.downsample,
+                    ome_fields={"omero": omero} if (self.ome and omero) else None,
+                    **self.writer_options,
+                )
+                self.series.append(_Series(name, writer, total))
+        except BaseException:  # the Writers already open release their stores (and locks)
+            for series in self.series:
+                series.writer.close()
+            self.series = []
+            raise
         self._started = time.perf_counter()
         self._closed = False
         self._thread = threading.Thread(target=self._consume, name="tileshard-mda-sink", daemon=True)
@@ -231,6 +237,8 @@ class TileShardSink:
         the policy is ``block``).  False when the frame was dropped."""
         start = time.perf_counter()
         self._raise_if_failed()
+        if not self.recording:
+            raise RuntimeError(f"{self.path}: append() before setup() or after close()")
         series, frame = self._place(event)
         self.stats.received += 1
         item = (series, frame, np.asarray(img), meta)
