@@ -14,7 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+_root_level = logging.getLogger().level
 pytest.importorskip("pymmcore_plus", reason="pymmcore-plus is in the test extra: pip install -e .[test]")
+logging.getLogger().setLevel(_root_level)  # pymmcore-plus sets the root logger to DEBUG on import
 import useq  # noqa: E402
 import zarr  # noqa: E402
 
@@ -44,8 +46,15 @@ class Capture:
         self.meta: dict | None = None
         self.sequence = None
         self._core = core
-        core.mda.events.frameReady.connect(self.frame_ready)
-        core.mda.events.sequenceStarted.connect(self.sequence_started)
+        # Under Qt signals (a QApplication exists) a plain callable is called through the GUI
+        # thread's event loop: take the frames on the MDA thread, as pymmcore-plus's own relay does.
+        options = {}
+        if hasattr(core.mda.events, "metaObject"):
+            from qtpy.QtCore import Qt
+
+            options = {"type": Qt.ConnectionType.DirectConnection}
+        core.mda.events.frameReady.connect(self.frame_ready, **options)
+        core.mda.events.sequenceStarted.connect(self.sequence_started, **options)
 
     def sequence_started(self, sequence, meta):
         self.sequence, self.meta = sequence, meta

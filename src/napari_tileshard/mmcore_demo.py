@@ -9,12 +9,25 @@ spots on a background, shot and read noise).  Importing this module imports pymm
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 
 import numpy as np
-from pymmcore_plus.experimental.unicore import ShutterDevice, SimpleCameraDevice, StageDevice, UniMMCore, XYStageDevice
 
-from .camera import SyntheticCamera
+_root_level = logging.getLogger().level
+from pymmcore_plus.experimental.unicore import (  # noqa: E402 (the root level is read before)
+    ShutterDevice,
+    SimpleCameraDevice,
+    StageDevice,
+    UniMMCore,
+    XYStageDevice,
+)
+
+from .camera import SyntheticCamera  # noqa: E402
+
+# pymmcore-plus sets the root logger to DEBUG when imported (its _logger.configure_logging), which
+# makes every library's debug records get formatted (botocore's then raise); put it back.
+logging.getLogger().setLevel(_root_level)
 
 DEFAULT_CHANNELS = {"DAPI": 10.0, "FITC": 20.0}  # preset name -> exposure in ms
 
