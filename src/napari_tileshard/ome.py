@@ -26,9 +26,17 @@ def axes(pyramid: Pyramid) -> list[dict]:
     return result
 
 
-def group_metadata(pyramid: Pyramid, name: str, attributes: dict | None = None) -> dict:
-    """The group's ``zarr.json``: OME-NGFF 0.5 multiscales over the pyramid's levels."""
+def group_metadata(pyramid: Pyramid, name: str, attributes: dict | None = None, ome_fields: dict | None = None) -> dict:
+    """The group's ``zarr.json``: OME-NGFF 0.5 multiscales over the pyramid's levels.
+
+    ``ome_fields`` are further keys of the ``ome`` object itself (such as ``omero`` with channel
+    names and display windows); they may not replace ``version`` or ``multiscales``."""
     attributes = dict(attributes or {})
+    ome_fields = dict(ome_fields or {})
+    reserved = sorted({"version", "multiscales"} & set(ome_fields))
+    if reserved:
+        raise ValueError(f"ome_fields may not contain {reserved}: the Writer writes them itself")
+    json.dumps(ome_fields)
     if "ome" in attributes:
         raise ValueError("attributes may not contain 'ome': the Writer writes the OME-NGFF metadata itself")
     json.dumps(attributes)  # JSON-serialisable, or a TypeError naming the offending value
@@ -47,7 +55,7 @@ def group_metadata(pyramid: Pyramid, name: str, attributes: dict | None = None) 
         "type": pyramid.method,
         "metadata": {"method": f"napari_tileshard 2x {pyramid.method}"},
     }
-    ome = {"version": OME_VERSION, "multiscales": [multiscale]}
+    ome = {**ome_fields, "version": OME_VERSION, "multiscales": [multiscale]}
     return {"zarr_format": 3, "node_type": "group", "attributes": {**attributes, "ome": ome}}
 
 

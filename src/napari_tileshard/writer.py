@@ -231,7 +231,8 @@ class Writer:
     ``downsample_dims`` (default the last two dims) at ``1/``, ``2/``, ... computed by the backend
     from each batch while recording (:mod:`napari_tileshard.pyramid`), up to ``max_levels``.
     ``attributes`` (JSON-serialisable) go into the array's attributes, or the group's next to ``ome``;
-    ``image_name`` names the OME image (default: the store's directory name).
+    ``image_name`` names the OME image (default: the store's directory name); ``ome_fields`` are
+    further keys of the group's ``ome`` object (``omero`` channel names, say).
 
     Every option is checked before the store is touched; a store the Writer creates is removed
     again if setup fails.  A local store is locked for the Writer's life (one writer per store).
@@ -262,6 +263,7 @@ class Writer:
         downsample_dims=None,
         max_levels: int | None = None,
         image_name: str | None = None,
+        ome_fields: dict | None = None,
     ):
         if not isinstance(layout, Layout):
             raise TypeError(f"layout must be a Layout, got {type(layout).__name__}")
@@ -291,7 +293,7 @@ class Writer:
         self.ome = bool(ome)
         self._image_name = image_name
         self.pyramid = plan_pyramid(layout, downsample, downsample_dims, max_levels) if ome else Pyramid.single(layout)
-        self._group = group_metadata(self.pyramid, "", attributes) if ome else None  # validates attributes
+        self._group = group_metadata(self.pyramid, "", attributes, ome_fields) if ome else None  # validates attributes
         self._check_shard_epoch_fits_memory()
         options: dict = {"threads": threads} if threads else {}
         if devices is not None:

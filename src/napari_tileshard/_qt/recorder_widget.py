@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from qtpy.QtCore import QEvent, QTimer
+from qtpy.QtCore import QEvent, QTimer, Signal
 from qtpy.QtWidgets import QHBoxLayout, QLabel, QPushButton, QVBoxLayout, QWidget
 
 from ..recorder import RecorderSettings, RecorderStats
@@ -26,9 +26,15 @@ STATS_INTERVAL_MS = 250
 
 
 class RecorderWidget(QWidget):
+    mda_recorded = Signal(object)  # a TileShardSink whose MDA run finished (emitted on the MDA thread)
+
     def __init__(self, napari_viewer, parent=None):
         super().__init__(parent)
         self.viewer = napari_viewer
+        # The pymmcore-plus core whose MDAs the "Micro-Manager" source records: set it, or the
+        # global CMMCorePlus.instance() (napari-micromanager's) is used.
+        self.mmcore = None
+        self.mda_recorder = None  # mmcore.MDARecorder while that source is on
         self.form = SettingsForm(napari_viewer, self)
         self.controller = RecordingController(self)
         self.preview = PreviewLayer(napari_viewer, self)
@@ -60,6 +66,7 @@ class RecorderWidget(QWidget):
         self.controller.starting.connect(self.preview.begin)
         self.controller.progress.connect(self.preview.on_progress)
         self.controller.finished.connect(self._on_finished)
+        self.mda_recorded.connect(self._on_mda_recorded)
         self._stats_timer = QTimer(self)
         self._stats_timer.setInterval(STATS_INTERVAL_MS)
         self._stats_timer.timeout.connect(self._refresh_stats)
@@ -77,7 +84,7 @@ class RecorderWidget(QWidget):
     @property
     def is_recording(self) -> bool:
         """True from start() until the store is finalized and the widget has taken the result."""
-        return self.controller.is_recording
+        return self.controller.is_recording or self.mda_recorder is not None
 
     @property
     def stats(self) -> RecorderStats:
@@ -90,6 +97,11 @@ class RecorderWidget(QWidget):
             self.form.show_error(f"cannot start: {self.form.message.text()}")
             return
         settings = self.form.settings
+        from ..mmcore import MMCORE_SOURCE
+
+        if settings.source == MMCORE_SOURCE:
+            self._start_mda_recording(settings)
+            return
         try:
             self.form.freeze(True)
             streams = {name: self.form.source_layer(name) for name in settings.streams or {}}
@@ -105,7 +117,65 @@ class RecorderWidget(QWidget):
     def stop(self, wait: bool = False) -> None:
         if self.is_recording:
             self.stop_button.setEnabled(False)
+        if self.mda_recorder is not None:
+            self.mda_recorder.stop()  # a run in progress is recorded to its end
+            if not self.mda_recorder.started:
+                self._mda_stopped()
         self.controller.stop(wait=wait)
+
+    # -- Micro-Manager (pymmcore-plus) source ----------------------------------------------
+    def _start_mda_recording(self, settings: RecorderSettings) -> None:
+        """From Start to Stop every MDA run on the core is recorded by a TileShardSink on the MDA
+        thread (each run into a store of its own); the frames never pass through the GUI thread."""
+        from ..mmcore import MDARecorder
+
+        core = self.mmcore
+        if core is None:
+            from pymmcore_plus import CMMCorePlus
+
+            core = CMMCorePlus.instance()
+        self.mda_recorder = MDARecorder(
+            core,
+            settings.output,
+            on_finished=self.mda_recorded.emit,
+            codec=settings.codec,
+            level=settings.level,
+            backend=settings.backend,
+            ome=settings.ome,
+            downsample=settings.downsample,
+            overwrite=settings.overwrite,
+            policy=settings.policy,
+            queue_frames=settings.queue_frames,
+        ).start()
+        self.form.freeze(True)
+        self.start_button.setEnabled(False)
+        self.stop_button.setEnabled(True)
+        self.form.show_info(f"recording every MDA run into {settings.output} (and numbered names after it)")
+        self._stats_timer.start()
+
+    def _on_mda_recorded(self, sink) -> None:
+        """A run finished: show what was written (series 0, lazily) and name the next output."""
+        stats = sink.stats
+        self._last_output = sink.path
+        view = sink.get_view()
+        if view is not None:
+            self.viewer.add_image(view, name=f"mda: {Path(sink.path).name}")
+        message = f"MDA recorded into {sink.path}: {stats.written} frames, {stats.dropped} dropped"
+        if stats.error:
+            self.form.show_error(f"{message}; error: {stats.error}")
+        else:
+            self.form.show_info(message)
+        if self.mda_recorder is not None and not self.mda_recorder.started:
+            self._mda_stopped()
+
+    def _mda_stopped(self) -> None:
+        recorder, self.mda_recorder = self.mda_recorder, None
+        self._stats_timer.stop()
+        self.stop_button.setEnabled(False)
+        self.form.freeze(False)
+        if recorder is not None and recorder.sinks:
+            self.form.output_text = next_output(recorder.sinks[-1].path)
+        self.form.validate()
 
     def inspect(self):
         """Dock the shard inspector on the recording (works during a recording too: Refresh)."""
@@ -165,6 +235,17 @@ class RecorderWidget(QWidget):
         worker.start()
 
     def _refresh_stats(self) -> None:
+        sink = self.mda_recorder.sink if self.mda_recorder is not None else None
+        if self.mda_recorder is not None:
+            if sink is None:
+                self.stats_label.setText("waiting for an MDA run on the Micro-Manager core")
+            else:
+                m = sink.stats
+                self.stats_label.setText(
+                    f"{'recording' if sink.recording else 'idle'} MDA | frames {m.written} of {m.received} | "
+                    f"dropped {m.dropped} | skipped {m.skipped} | queue peak {m.max_queue}"
+                )
+            return
         s = self.stats
         state = "recording" if self.is_recording else "idle"
         self.stats_label.setText(

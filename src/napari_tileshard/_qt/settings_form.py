@@ -205,15 +205,20 @@ class SettingsForm(QWidget):
             self.validate()
 
     def refresh_sources(self, event=None) -> None:
-        """List the synthetic camera and the viewer's image layers (never a recorder's preview)."""
+        """List the synthetic camera, the viewer's image layers (never a recorder's preview) and,
+        with pymmcore-plus installed, the MDAs of its core."""
         from napari.layers import Image
 
         current = self.source.value
+        from ..mmcore import MMCORE_SOURCE, mmcore_available
+
         names = [SYNTHETIC] + [
             layer.name
             for layer in self.viewer.layers
             if isinstance(layer, Image) and not layer.name.startswith("preview:")
         ]
+        if mmcore_available():  # napari-micromanager's MDAs (or any on the core) are recorded
+            names.append(MMCORE_SOURCE)
         with self.source.changed.blocked():
             self.source.choices = names
             self.source.value = current if current in names else SYNTHETIC

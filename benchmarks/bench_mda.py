@@ -1,0 +1,162 @@
+"""pymmcore-plus MDA throughput: TileShardSink (gpu, cpu) vs pymmcore-plus's default ome-writers sink
+(tensorstore, acquire-zarr), the same sequence in the same process, and where the time goes.
+
+A ``UniMMCore`` with a pure-Python camera (``mmcore_demo``: each snap copies a pre-rendered
+SyntheticCamera frame into the buffer pymmcore-plus hands it, so the camera costs one memcpy)
+runs ``--frames`` timepoints with interval 0: the camera delivers as fast as pymmcore-plus emits.
+
+Per configuration (``--repeats`` times, configurations interleaved):
+
+* ``loop_s``: first to last frameReady on the MDA thread (what the MDA loop itself took; for the
+  default sink this includes its synchronous ``append``; TileShardSink is attached to the MDA
+  signals and its ``append`` only queues the frame, a bounded queue, policy block);
+* ``total_s``: ``core.mda.run`` start to return: every frame written and the store closed;
+* ``append_s``: time the MDA thread spent in TileShardSink.append (ours only);
+* frames/s and GB/s over ``total_s`` (input bytes), and the loop's rate.
+
+``none`` runs the same MDA with no output: the ceiling pymmcore-plus itself sets.
+
+    python benchmarks/bench_mda.py --out /tmp/bench_mda              # GPU machine, about 60-120 s
+    python benchmarks/bench_mda.py --quick --out /tmp/bench_mda      # small check anywhere (CPU)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import sys
+import time
+from pathlib import Path
+
+
+def configurations(quick: bool) -> list[str]:
+    from napari_tileshard.backends import is_available
+
+    configs = ["none"]
+    if is_available("gpu") is None and not quick:
+        configs.append("tileshard-gpu")
+    configs.append("tileshard-cpu")
+    for backend in ("tensorstore", "acquire_zarr"):
+        try:
+            __import__(backend)
+        except ImportError:
+            print(f"# {backend} is not importable: its default-sink configuration is left out", file=sys.stderr)
+            continue
+        configs.append(f"default-{backend.replace('_', '-')}")
+        configs.append(f"default-{backend.replace('_', '-')}-zstd")
+    return configs
+
+
+def run_once(core, sequence, config: str, out: Path, frame_bytes: int) -> dict:
+    from ome_writers import AcquisitionSettings
+
+    from napari_tileshard.mmcore import TileShardSink
+
+    path = out / f"{config}.ome.zarr"
+    shutil.rmtree(path, ignore_errors=True)
+    times: list[float] = []
+
+    def frame_ready(*_):
+        times.append(time.perf_counter())
+
+    core.mda.events.frameReady.connect(frame_ready)
+    sink = None
+    detach = None
+    output = None
+    if config.startswith("tileshard-"):
+        sink = TileShardSink(path, backend=config.split("-")[1], ome=False, queue_frames=64)
+        detach = sink.attach(core.mda.events)
+    elif config.startswith("default-"):
+        backend = config.removeprefix("default-").removesuffix("-zstd")
+        output = AcquisitionSettings(
+            root_path=str(path),
+            format={"name": "ome-zarr", "backend": backend},
+            # acquire-zarr compresses zstd only inside blosc
+            compression=(("blosc-zstd" if backend == "acquire-zarr" else "zstd") if config.endswith("-zstd") else None),
+            overwrite=True,
+        )
+    start = time.perf_counter()
+    try:
+        core.mda.run(sequence, output=output)
+    finally:
+        total = time.perf_counter() - start
+        if detach is not None:
+            detach()
+        core.mda.events.frameReady.disconnect(frame_ready)
+    frames = len(times)
+    loop = times[-1] - times[0] if frames > 1 else float("nan")
+    row = {
+        "config": config,
+        "frames": frames,
+        "total_s": round(total, 3),
+        "loop_s": round(loop, 3),
+        "frames_per_s": round(frames / total, 1),
+        "GB_per_s": round(frames * frame_bytes / total / 1e9, 3),
+        "loop_frames_per_s": round((frames - 1) / loop, 1) if frames > 1 else None,
+        "after_loop_s": round(start + total - times[-1], 3) if times else None,
+    }
+    if sink is not None:
+        s = sink.stats
+        row.update(
+            append_s=round(s.append_s, 3),
+            append_us_per_frame=round(s.append_s / max(s.received, 1) * 1e6, 1),
+            max_queue=s.max_queue,
+            dropped=s.dropped,
+            written=s.written,
+        )
+        assert s.written == frames and s.error is None, s
+    stored = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.exists() else 0
+    row["stored_MB"] = round(stored / 1e6, 1)
+    shutil.rmtree(path, ignore_errors=True)
+    return row
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="/tmp/bench_mda")
+    parser.add_argument("--frame", type=int, default=2048, help="square frame size (uint16)")
+    parser.add_argument("--frames", type=int, default=400, help="timepoints per MDA")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="256² frames, 60 timepoints, one repeat, CPU only")
+    parser.add_argument("--json", help="also write the rows here")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.frame, args.frames, args.repeats = 256, 60, 1
+    logging.getLogger("pymmcore-plus").setLevel(logging.CRITICAL)
+    import useq
+
+    from napari_tileshard.mmcore_demo import demo_core
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    core = demo_core((args.frame, args.frame), bank_frames=4)
+    sequence = useq.MDASequence(time_plan={"interval": 0, "loops": args.frames})
+    frame_bytes = args.frame * args.frame * 2
+    core.mda.run(useq.MDASequence(time_plan={"interval": 0, "loops": 4}))  # renders the camera's bank, warms up
+    print(f"# setup {time.perf_counter() - t0:.1f} s; frame {args.frame}² uint16, {args.frames} frames per MDA")
+    configs = configurations(args.quick)
+    rows = []
+    for repeat in range(args.repeats):
+        for config in configs if repeat % 2 == 0 else configs[::-1]:
+            row = run_once(core, sequence, config, out, frame_bytes)
+            row["repeat"] = repeat
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    print("\n# best of repeats (frames/s over the whole run; loop = the MDA thread's own rate)")
+    print(f"{'config':28s} {'frames/s':>9s} {'GB/s':>7s} {'loop f/s':>9s} {'after loop s':>12s} {'append us/f':>11s}")
+    for config in configs:
+        best = max((r for r in rows if r["config"] == config), key=lambda r: r["frames_per_s"])
+        print(
+            f"{config:28s} {best['frames_per_s']:9.1f} {best['GB_per_s']:7.3f} {best['loop_frames_per_s'] or 0:9.1f} "
+            f"{best['after_loop_s'] or 0:12.3f} {best.get('append_us_per_frame', float('nan')):11.1f}"
+        )
+    print(f"# total {time.perf_counter() - t0:.1f} s")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

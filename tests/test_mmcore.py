@@ -1,0 +1,368 @@
+"""TileShardSink with a real pymmcore-plus UniMMCore and pure-Python devices (offline, no Micro-Manager).
+
+Every test captures the frames the camera produced through a parallel ``frameReady`` listener and
+compares them with what zarr-python (and ome-zarr-py) read back from the store."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+_root_level = logging.getLogger().level
+pytest.importorskip("pymmcore_plus", reason="pymmcore-plus is in the test extra: pip install -e .[test]")
+logging.getLogger().setLevel(_root_level)  # pymmcore-plus sets the root logger to DEBUG on import
+import useq  # noqa: E402
+import zarr  # noqa: E402
+
+from napari_tileshard import verify  # noqa: E402
+from napari_tileshard.mmcore import FRAME_COLUMNS, TileShardSink  # noqa: E402
+from napari_tileshard.mmcore_demo import demo_core  # noqa: E402
+from napari_tileshard.testing import FaultInjectingSink  # noqa: E402
+
+logging.getLogger("pymmcore-plus").setLevel(logging.CRITICAL)  # "no Micro-Manager installation found"
+
+SHAPE = (48, 80)
+
+
+@pytest.fixture(scope="module")
+def core():
+    return demo_core(SHAPE, pixel_size_um=0.65)
+
+
+class Capture:
+    """The frames the camera delivered, keyed by (p, g, event index of the other axes), plus the
+    summary metadata, received the same way any pymmcore-plus listener receives them."""
+
+    def __init__(self, core):
+        self.frames: dict = {}
+        self.frames_by_event: dict = {}
+        self.order: list = []
+        self.meta: dict | None = None
+        self.sequence = None
+        self._core = core
+        # Under Qt signals (a QApplication exists) a plain callable is called through the GUI
+        # thread's event loop: take the frames on the MDA thread, as pymmcore-plus's own relay does.
+        options = {}
+        if hasattr(core.mda.events, "metaObject"):
+            from qtpy.QtCore import Qt
+
+            options = {"type": Qt.ConnectionType.DirectConnection}
+        core.mda.events.frameReady.connect(self.frame_ready, **options)
+        core.mda.events.sequenceStarted.connect(self.sequence_started, **options)
+
+    def sequence_started(self, sequence, meta):
+        self.sequence, self.meta = sequence, meta
+
+    def frame_ready(self, img, event, meta):
+        key = tuple(sorted(event.index.items()))
+        self.frames[key] = np.array(img, copy=True)
+        self.frames_by_event[id(event)] = self.frames[key]
+        self.order.append((event, meta))
+
+    def close(self):
+        self._core.mda.events.frameReady.disconnect(self.frame_ready)
+        self._core.mda.events.sequenceStarted.disconnect(self.sequence_started)
+
+
+@pytest.fixture
+def capture(core):
+    cap = Capture(core)
+    yield cap
+    cap.close()
+
+
+def assert_store_holds(path, frames: dict, axes: tuple[str, ...], series_keys: list[tuple]):
+    """Every captured frame sits at its event index in the series of its (p, g)."""
+    for key, img in frames.items():
+        index = dict(key)
+        series = series_keys.index(tuple(index[a] for a in ("p", "g") if a in index))
+        level0 = zarr.open_array(f"{path}/{series}/0", mode="r")
+        np.testing.assert_array_equal(level0[tuple(index[a] for a in axes[:-2])], img, err_msg=str(index))
+
+
+def test_tcz_with_positions_matches_camera_and_default_sink(core, capture, tmp_path, backend):
+    sequence = useq.MDASequence(
+        time_plan={"interval": 0.02, "loops": 2},
+        channels=["DAPI", "FITC"],
+        z_plan={"range": 2, "step": 1},
+        stage_positions=[(0, 0, 0), (50, 20, 0)],
+        axis_order="tpcz",
+    )
+    ours = tmp_path / "run.ome.zarr"
+    default = tmp_path / "default.ome.zarr"
+    sink = TileShardSink(ours, backend=backend, tile={"y": 32, "x": 32})
+    core.mda.run(sequence, output=[str(default), sink])  # one run, both sinks: the same frames
+
+    assert sink.stats.received == 2 * 2 * 2 * 3 == len(capture.frames)
+    assert (sink.stats.dropped, sink.stats.missing, sink.stats.skipped) == (0, 0, 0)
+    assert sink.axes == ("t", "c", "z", "y", "x")
+    assert_store_holds(ours, capture.frames, sink.axes, [(0,), (1,)])
+
+    root = zarr.open_group(ours, mode="r")
+    assert root.attrs["ome"]["bioformats2raw.layout"] == 3
+    assert zarr.open_group(ours / "OME", mode="r").attrs["ome"]["series"] == ["0", "1"]
+    for series in ("0", "1"):
+        image = zarr.open_group(ours / series, mode="r").attrs["ome"]
+        axes = image["multiscales"][0]["axes"]
+        assert [(a["name"], a["type"]) for a in axes] == [
+            ("t", "time"),
+            ("c", "channel"),
+            ("z", "space"),
+            ("y", "space"),
+            ("x", "space"),
+        ]
+        scale = image["multiscales"][0]["datasets"][0]["coordinateTransformations"][0]["scale"]
+        assert scale == pytest.approx([0.02, 1.0, 1.0, 0.65, 0.65])
+        assert [c["label"] for c in image["omero"]["channels"]] == ["DAPI", "FITC"]
+        # pymmcore-plus's own sink wrote the same pixels to the same series
+        theirs = zarr.open_array(default / series / "0", mode="r")[...]
+        np.testing.assert_array_equal(zarr.open_array(ours / series / "0", mode="r")[...], theirs)
+        assert verify(ours / series).ok
+
+    table = zarr.open_array(ours / "frame_metadata", mode="r")
+    assert table.attrs["columns"] == list(FRAME_COLUMNS) and table.shape == (24, len(FRAME_COLUMNS))
+    rows = table[...]
+    records = zarr.open_array(ours / "frame_metadata_json", mode="r")[...]
+    for (event, meta), row, record in zip(capture.order, rows, records):
+        assert row[FRAME_COLUMNS.index("exposure_ms")] == meta["exposure_ms"]
+        assert row[FRAME_COLUMNS.index("x_um")] == pytest.approx(event.x_pos)
+        assert row[FRAME_COLUMNS.index("z_um")] == pytest.approx(event.z_pos)
+        assert json.loads(record)["runner_time_ms"] == pytest.approx(meta["runner_time_ms"])
+    assert root.attrs["pymmcore_plus"]["summary_metadata"]["image_infos"][0]["pixel_size_um"] == 0.65
+
+    ome_zarr = pytest.importorskip("ome_zarr.reader", reason="ome-zarr-py is in the test extra")
+    from ome_zarr.io import parse_url
+
+    nodes = list(ome_zarr.Reader(parse_url(str(ours / "0")))())
+    np.testing.assert_array_equal(np.asarray(nodes[0].data[0]), zarr.open_array(ours / "0" / "0")[...])
+
+    view = sink.get_view()
+    assert view.shape == (2, 2, 2, 3, *SHAPE)
+    expected = capture.frames[(("c", 0), ("p", 1), ("t", 1), ("z", 2))]
+    np.testing.assert_array_equal(np.asarray(view[1, 1, 0, 2]), expected)
+
+
+def test_grid_positions_become_series_and_run_mda_works(core, capture, tmp_path):
+    sequence = useq.MDASequence(
+        stage_positions=[(0, 0, 0), (100, 0, 0)],
+        grid_plan={"rows": 2, "columns": 1},
+        channels=["DAPI"],
+        axis_order="pgc",
+    )
+    out = tmp_path / "grid.ome.zarr"
+    sink = TileShardSink(out, backend="cpu", ome=False)
+    core.run_mda(sequence, output=sink).join()
+    keys = list(itertools.product(range(2), range(2)))
+    assert zarr.open_group(out / "OME", mode="r").attrs["ome"]["series"] == ["0", "1", "2", "3"]
+    assert sink.axes == ("c", "y", "x") and len(capture.frames) == 4
+    for key, img in capture.frames.items():
+        index = dict(key)
+        series = keys.index((index["p"], index["g"]))
+        np.testing.assert_array_equal(zarr.open_array(out / str(series), mode="r")[0], img)
+
+
+def test_skip_and_out_of_order_frames_land_at_their_event_index(core, capture, tmp_path):
+    """Driven the way MDARunner drives a SinkProtocol sink: setup, append per frame, skip(frames=)
+    for events that produced none; here the frames of each timepoint arrive shuffled and the
+    third event is skipped."""
+    sequence = useq.MDASequence(
+        time_plan={"interval": 0, "loops": 3}, channels=["DAPI", "FITC"], z_plan={"range": 1, "step": 1}
+    )
+    core.mda.run(sequence)  # only to capture real frames, events and summary metadata
+    events = capture.order
+    out = tmp_path / "skip.ome.zarr"
+    sink = TileShardSink(out, backend="cpu", ome=False)
+    sink.setup(sequence, capture.meta)
+    skipped = events[2][0]
+    sink.append(*_payload(capture, events[0]))
+    sink.append(*_payload(capture, events[1]))
+    sink.skip(frames=1)
+    rest = events[3:]
+    random.Random(1).shuffle(rest)
+    for event, meta in rest:
+        sink.append(*_payload(capture, (event, meta)))
+    sink.close()
+
+    data = zarr.open_array(out / "0", mode="r")[...]
+    for event, _meta in events:
+        index = event.index
+        expected = 0 if event is skipped else capture.frames[tuple(sorted(index.items()))]
+        np.testing.assert_array_equal(data[index["t"], index["c"], index["z"]], expected)
+    fills = zarr.open_group(out, mode="r").attrs["tileshard_mmcore"]["fill_frames"]["0"]
+    flat = skipped.index["c"] * 2 + skipped.index["z"]  # t=0, sizes c=2, z=2
+    assert fills == {"skipped": [flat], "dropped": [], "missing": []}
+    assert sink.stats.skipped == 1 and sink.stats.written == len(events) - 1
+
+
+def _payload(capture, item):
+    event, meta = item
+    return capture.frames[tuple(sorted(event.index.items()))], event, meta
+
+
+def test_unbounded_generator_stopped_after_n_frames(core, capture, tmp_path):
+    n = 23
+    out = tmp_path / "stream.ome.zarr"
+    sink = TileShardSink(out, backend="cpu")
+
+    def stop_after_n(img, event, meta):
+        if len(capture.order) >= n:
+            core.mda.cancel()
+
+    core.mda.events.frameReady.connect(stop_after_n)
+    try:
+        events = (useq.MDAEvent(index={"t": i}) for i in itertools.count())
+        core.mda.run(events, output=sink)
+    finally:
+        core.mda.events.frameReady.disconnect(stop_after_n)
+    assert len(capture.order) == n and sink.axes == ("t", "y", "x")
+    level0 = zarr.open_array(out / "0" / "0", mode="r")
+    assert level0.shape == (n, *SHAPE)  # the append dimension grew to the frames received
+    for i, (event, _meta) in enumerate(capture.order):
+        np.testing.assert_array_equal(level0[i], capture.frames[tuple(sorted(event.index.items()))])
+    assert verify(out / "0").ok
+
+
+def test_drop_policy_under_slow_storage_counts_every_drop(core, capture, tmp_path):
+    """A camera faster than the storage: the frames that did not fit in the queue are counted
+    and read as the fill value; every accepted frame is exact; the store verifies."""
+    sequence = useq.MDASequence(time_plan={"interval": 0, "loops": 120})
+    out = tmp_path / "drop.ome.zarr"
+    sink = TileShardSink(
+        out,
+        backend="cpu",
+        ome=False,
+        policy="drop",
+        queue_frames=2,
+        tiles_per_shard={"t": 1},
+        writer_options={"batch_bytes": 1},
+        store_for=lambda location: FaultInjectingSink(location, delay={"c/*": 0.02}),
+    )
+    detach = sink.attach(core.mda.events)  # synchronously on the MDA thread: drops happen at the camera's pace
+    try:
+        core.mda.run(sequence)
+    finally:
+        detach()
+    stats = sink.stats
+    assert stats.received == 120 == len(capture.frames)
+    assert stats.dropped > 0  # the slow storage did make the queue overflow
+    assert stats.written + stats.dropped == stats.received
+    rows = zarr.open_array(out / "frame_metadata", mode="r")[...]
+    stored = rows[:, FRAME_COLUMNS.index("stored")]
+    dropped = sorted(int(f) for f in rows[stored == 0, FRAME_COLUMNS.index("frame")])
+    assert len(dropped) == stats.dropped
+    fills = zarr.open_group(out, mode="r").attrs["tileshard_mmcore"]["fill_frames"]["0"]
+    assert fills["dropped"] == dropped
+    data = zarr.open_array(out / "0", mode="r")[...]
+    for t in range(120):
+        expected = 0 if t in dropped else capture.frames[(("t", t),)]
+        np.testing.assert_array_equal(data[t], expected)
+    assert verify(out / "0").ok
+
+
+def test_bad_options_are_refused_by_name(tmp_path):
+    with pytest.raises(ValueError, match="policy 'sometimes'"):
+        TileShardSink(tmp_path / "x", policy="sometimes")
+    with pytest.raises(ValueError, match="queue_frames"):
+        TileShardSink(tmp_path / "x", queue_frames=0)
+    sink = TileShardSink(tmp_path / "x", tile={"q": 4})
+    with pytest.raises(ValueError, match=r"\['q'\]"):
+        sink.setup(useq.MDASequence(time_plan={"interval": 0, "loops": 2}), _meta())
+    with pytest.raises(ValueError, match="image_infos"):
+        TileShardSink(tmp_path / "y").setup(useq.MDASequence(), {})
+
+
+def test_existing_foreign_store_is_not_overwritten(tmp_path):
+    from napari_tileshard import StoreExistsError
+
+    zarr.open_group(tmp_path / "theirs.zarr", mode="w")
+    for overwrite in (False, True):
+        with pytest.raises(StoreExistsError):
+            TileShardSink(tmp_path / "theirs.zarr", overwrite=overwrite).setup(useq.MDASequence(), _meta())
+
+
+def test_importing_the_package_does_not_import_pymmcore_plus():
+    import subprocess
+    import sys
+
+    code = "import sys, napari_tileshard, napari_tileshard.mmcore; print('pymmcore_plus' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "False"
+
+
+def _meta():
+    return {"image_infos": [{"width": 16, "height": 8, "dtype": "uint16", "pixel_size_um": 1.0}]}
+
+
+@pytest.mark.qt
+def test_recorder_dock_records_the_mda_runs_of_a_core(make_napari_viewer, qtbot, tmp_path):
+    """The dock's "Micro-Manager (pymmcore-plus)" source: every MDA run while recording goes into a
+    store of its own, written on the MDA thread; Stop ends it; each result is added as a layer."""
+    pytest.importorskip("napari")
+    from napari_tileshard._qt.recorder_widget import RecorderWidget
+    from napari_tileshard.mmcore import MMCORE_SOURCE
+    from napari_tileshard.recorder import RecorderSettings
+
+    viewer = make_napari_viewer()
+    widget = RecorderWidget(viewer)
+    viewer.window.add_dock_widget(widget, name="Tile/Shard Recorder")
+    core = demo_core(SHAPE)  # created with the QApplication running: Qt signals, as in napari-micromanager
+    assert type(core.mda.events).__name__ == "QMDASignaler"  # the sink connects to them DirectConnection
+    widget.mmcore = core
+    assert MMCORE_SOURCE in widget.form.source.choices
+    out = tmp_path / "mm.ome.zarr"
+    settings = widget.settings
+    widget.settings = RecorderSettings(
+        output=str(out), layout=settings.layout, source=MMCORE_SOURCE, backend="cpu", ome=True
+    )
+    cap = Capture(core)
+    widget.start()
+    assert widget.is_recording
+    sequence = useq.MDASequence(time_plan={"interval": 0, "loops": 3}, channels=["DAPI", "FITC"])
+    for _ in range(2):
+        core.run_mda(sequence, block=True)
+        qtbot.waitUntil(lambda: len([n for n in viewer.layers if n.name.startswith("mda:")]) == len(cap.order) // 6)
+    widget.stop()
+    assert not widget.is_recording
+    second = tmp_path / "mm-002.ome.zarr"
+    for path, frames in ((out, cap.order[:6]), (second, cap.order[6:])):
+        data = zarr.open_array(path / "0" / "0", mode="r")
+        assert data.shape == (3, 2, *SHAPE)
+        for event, _meta in frames:
+            index = event.index
+            np.testing.assert_array_equal(data[index["t"], index["c"]], cap.frames_by_event[id(event)])
+    cap.close()
+    widget.close()
+
+
+def test_example_records_offline_and_the_plugin_reader_opens_it(tmp_path):
+    import runpy
+
+    from napari_tileshard._reader import napari_get_reader
+
+    out = tmp_path / "example.ome.zarr"
+    example = runpy.run_path(str(Path(__file__).parents[1] / "examples" / "mda_python_camera.py"))
+    example["main"]([str(out), "--no-viewer", "--frame", "64", "64", "--timepoints", "2", "--backend", "cpu"])
+    level0 = zarr.open_array(out / "0" / "0", mode="r")
+    assert level0.shape == (2, 2, 9, 64, 64) and level0[...].any()
+    layers = napari_get_reader(str(out / "0"))(str(out / "0"))
+    assert np.asarray(layers[0][0][0][1, 1, 8]).tolist() == level0[1, 1, 8].tolist()
+
+
+def test_append_outside_a_run_is_refused(tmp_path):
+    sink = TileShardSink(tmp_path / "z.ome.zarr", backend="cpu", ome=False)
+    event = useq.MDAEvent(index={"t": 0})
+    frame = np.zeros((8, 16), np.uint16)
+    with pytest.raises(RuntimeError, match="before setup"):
+        sink.append(frame, event, {})
+    sink.setup(useq.MDASequence(time_plan={"interval": 0, "loops": 1}), _meta())
+    assert sink.append(frame + 7, event, {})
+    sink.close()
+    with pytest.raises(RuntimeError, match="after close"):
+        sink.append(frame, event, {})
+    assert zarr.open_array(tmp_path / "z.ome.zarr" / "0", mode="r")[0, 0, 0] == 7
