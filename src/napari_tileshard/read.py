@@ -395,6 +395,8 @@ class ReadStats:
     chunks_decoded: int = 0
     bytes_decoded: int = 0
     decode_seconds: float = 0.0
+    #: batched GPU decompress calls (the GPU path decodes a whole batch of blocks per call)
+    device_decode_calls: int = 0
     read_seconds: float = 0.0
     wall_seconds: float = 0.0
 
