@@ -1,9 +1,9 @@
 """The GPU path of :class:`~napari_tileshard.read.ShardReader`: decode and un-tile on the device.
 
 The plan's blocks (one per shard) are grouped into **batches** of consecutive blocks, up to a
-cap of compressed bytes (``max_read_bytes``, at most :data:`BATCH_COMPRESSED_BYTES`) and of
-decoded bytes (:data:`BATCH_DECODED_BYTES`), so that one nvCOMP call sees thousands of chunks
-(nvCOMP is fast only with many chunks per call; one shard is ~64).  Per batch:
+cap of decoded bytes (``TILESHARD_GPU_BATCH_BYTES``, 512 MiB) and of compressed bytes (that
+cap and ``max_read_bytes``), so that one nvCOMP call sees thousands of chunks (nvCOMP is fast
+only with many chunks per call; one shard is ~64).  Per batch:
 
 1. the prefetch thread reads all its reads into one pinned staging buffer (reused; two of them
    alternate, so the next batch is read while this one is on the device);
@@ -22,8 +22,10 @@ only when a GPU reader is made.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,10 +34,20 @@ from . import codecs
 from .read_plan import Block, Read, ReadPlan
 
 _SLOT_ALIGN = 16  # device pool slots and staged reads: nvCOMP needs 8-byte aligned buffers
-#: the most compressed bytes one batch stages (pinned host + device), unless max_read_bytes is less
-BATCH_COMPRESSED_BYTES = 1 << 30
-#: the most decoded bytes of one batch's device pool
-BATCH_DECODED_BYTES = 2 << 30
+#: the most decoded bytes of one batch (its device pool; ``TILESHARD_GPU_BATCH_BYTES``): 512 MiB
+#: is 2048 chunks of 256 KiB per nvCOMP call, and a 4 GiB read still pipelines over 8 batches
+DEFAULT_BATCH_BYTES = 512 << 20
+
+
+def batch_bytes_setting() -> int:
+    """``TILESHARD_GPU_BATCH_BYTES`` (decoded bytes per nvCOMP call), else 512 MiB."""
+    text = os.environ.get("TILESHARD_GPU_BATCH_BYTES")
+    if not text:
+        return DEFAULT_BATCH_BYTES
+    if not text.strip().isdigit() or int(text) < 1:
+        raise ValueError(f"TILESHARD_GPU_BATCH_BYTES must be a positive number of bytes, got {text!r}")
+    return int(text)
+
 
 REALIGN_SOURCE = r"""
 extern "C" __global__ void realign(const unsigned char* __restrict__ src, unsigned char* __restrict__ dst,
@@ -279,16 +291,22 @@ class GpuReadPath:
         self.align = _nvcomp.decompress_input_alignment() if self.codec.kind == "zstd" else 1
         self._realign = cupy.RawKernel(REALIGN_SOURCE, "realign")
         self._untile = cupy.RawModule(code=UNTILE_SOURCE).get_function(f"untile{self.itemsize}")
+        self._io = ThreadPoolExecutor(4, thread_name_prefix="tileshard-gpu-read")
         self._free_pinned: list[np.ndarray] = []
         self._pinned_lock = threading.Lock()  # the prefetch thread takes buffers, this one returns them
         self._device: dict[str, object] = {}  # reused device buffers by role, grown when too small
         fill = np.full(reader.chunk_elements, reader.fill_value, dtype=reader.dtype).view(np.uint8)
         self._fill = cupy.asarray(fill)
 
+    def close(self) -> None:
+        self._io.shutdown()
+        self._free_pinned.clear()
+        self._device.clear()
+
     def batches(self, plan: ReadPlan) -> list[DeviceBatch]:
         reader = self.reader
-        cap = min(reader.max_read_bytes, BATCH_COMPRESSED_BYTES)
-        return plan_batches(plan, reader.chunk_bytes, cap, BATCH_DECODED_BYTES)
+        decoded = batch_bytes_setting()
+        return plan_batches(plan, reader.chunk_bytes, min(reader.max_read_bytes, decoded), decoded)
 
     # -- host side (prefetch thread) ----------------------------------------------------
     def _fetch(self, batch: DeviceBatch) -> np.ndarray:
@@ -302,12 +320,15 @@ class GpuReadPath:
             memory = self.cupy.cuda.alloc_pinned_memory(size)
             buffer = np.frombuffer(memory, np.uint8, size)
         reader = self.reader
-        for read, base in zip(batch.reads, batch.read_base.tolist()):
-            started = time.perf_counter()
+        started = time.perf_counter()
+
+        def fetch(read: Read, base: int) -> None:
             reader._objects.read_into(read.key, read.start, buffer[base : base + read.size])
-            reader.stats.read_seconds += time.perf_counter() - started
-            reader.stats.requests += 1
-            reader.stats.bytes_read += read.size
+
+        list(self._io.map(fetch, batch.reads, batch.read_base.tolist()))  # a batch has many reads
+        reader.stats.read_seconds += time.perf_counter() - started
+        reader.stats.requests += len(batch.reads)
+        reader.stats.bytes_read += sum(read.size for read in batch.reads)
         return buffer
 
     def _recycle(self, host: np.ndarray) -> None:
