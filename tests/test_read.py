@@ -480,3 +480,77 @@ def test_napari_reader_uses_shard_reader_and_rolls_back(tmp_path, monkeypatch):
     monkeypatch.setenv("TILESHARD_READER", "zarr")
     ((layer, _, _),) = read_zarr(str(tmp_path / "a.zarr"))
     assert isinstance(layer, zarr.Array)
+
+
+def test_napari_reader_re_reads_a_plane_from_its_chunk_cache(tmp_path, monkeypatch):
+    """Scrubbing back: the plane shown before comes from the decoded-chunk cache, with no store
+    read and no decoding; the cache stays within its cap (TILESHARD_CACHE_BYTES)."""
+    from napari_tileshard._reader import read_zarr
+
+    layout = Layout([Dim("t", 0, 2, 2), Dim("y", 64, 16, 2), Dim("x", 64, 16, 2)], "uint16")
+    data = _data((12, 64, 64), "uint16")
+    with Writer(tmp_path / "a.zarr", layout, backend="cpu") as writer:
+        writer.append(data)
+    ((layer, _, _),) = read_zarr(str(tmp_path / "a.zarr"))
+    np.testing.assert_array_equal(layer[5], data[5])
+    requests, decoded = layer.stats.requests, layer.stats.chunks_decoded
+    assert requests > 0 and decoded == 16  # the 16 tiles holding row 5
+    np.testing.assert_array_equal(layer[4], data[4])  # the same tiles (2 rows deep): no reads
+    np.testing.assert_array_equal(layer[5, 3:40:2], data[5, 3:40:2])
+    assert (layer.stats.requests, layer.stats.chunks_decoded) == (requests, decoded)
+    assert layer.stats.cache_hits == 16 + 12
+    np.testing.assert_array_equal(layer[8], data[8])  # new tiles: read
+    assert layer.stats.requests > requests
+    monkeypatch.setenv("TILESHARD_CACHE_BYTES", str(16 * 1024 + 100))  # room for 16 tiles of 1 KiB
+    ((small, _, _),) = read_zarr(str(tmp_path / "a.zarr"))
+    for row in (0, 2, 4, 6, 0):
+        np.testing.assert_array_equal(small[row], data[row])
+        assert small.cache.nbytes <= 16 * 1024 + 100
+    assert small.stats.cache_hits == 0  # row 0's tiles were evicted by rows 2..6
+    assert ShardReader(tmp_path / "a.zarr").cache.max_bytes == 16 * 1024 + 100  # the variable sets any reader's
+    monkeypatch.delenv("TILESHARD_CACHE_BYTES")
+    assert ShardReader(tmp_path / "a.zarr").cache is None  # no cache unless asked for
+
+
+def test_preview_verify_and_inspector_check_read_through_shard_reader(tmp_path, monkeypatch):
+    """The recorder's read-back and verify's decode check (the inspector's chunk check) read
+    coalesced ranges, not one request per chunk; TILESHARD_READER=zarr goes back to the old
+    reads with the same results."""
+    from napari_tileshard.preview import read_first, read_newest
+    from napari_tileshard.safe_read import StoreObject
+    from napari_tileshard.verify import verify
+
+    layout = Layout([Dim("t", 0, 2, 2), Dim("y", 64, 16, 2), Dim("x", 64, 16, 2)], "uint16")
+    data = _data((12, 64, 64), "uint16")
+    with Writer(tmp_path / "o.zarr", layout, backend="cpu", ome=True) as writer:
+        writer.append(data)
+    pyramid = writer.pyramid
+    shard = tmp_path / "o.zarr" / "0" / "c" / "2" / "0" / "0"  # rows 8..11: 8 tiles of 2 x 16 x 16
+    blob = bytearray(shard.read_bytes())
+    index = np.frombuffer(bytes(blob[-8 * 16 - 4 : -4]), "<u8").reshape(8, 2)
+    start = int(index[5, 0])
+    blob[start + 4 : start + 8] = b"\xff\xff\xff\xff"  # chunk 5's zstd frame header
+    shard.write_bytes(bytes(blob))
+    reads = []
+    real_read = StoreObject.read
+
+    def counting(self, start, length):
+        reads.append(length)
+        return real_read(self, start, length)
+
+    monkeypatch.setattr(StoreObject, "read", counting)
+    results = {}
+    for mode in ("tileshard", "zarr"):
+        monkeypatch.setenv("TILESHARD_READER", mode)
+        reads.clear()
+        report = verify(tmp_path / "o.zarr")
+        results[mode] = ([str(p) for p in report.problems], report.chunks, len(reads))
+        newest = read_newest(tmp_path / "o.zarr", pyramid, 6, ome=True)
+        assert newest[0][0] == 5
+        np.testing.assert_array_equal(newest[0][1], data[5])
+        first = read_first(tmp_path / "o.zarr", ome=True)
+        assert [row for row, _ in first] == [0] * len(first) and len(first) == len(newest)
+        np.testing.assert_array_equal(first[0][1], data[0])
+    assert results["tileshard"][:2] == results["zarr"][:2]
+    assert any("0/c/2/0/0" in p and "chunk 5" in p for p in results["tileshard"][0])
+    assert results["tileshard"][2] < results["zarr"][2] / 4  # coalesced: a few reads per shard

@@ -75,6 +75,60 @@ def workers_setting(value: int | None = None) -> int:
     return int(value)
 
 
+def cache_bytes_setting(value: int | None = None, default: int = 0) -> int:
+    """The decoded-chunk cache's cap: ``value``, else ``TILESHARD_CACHE_BYTES``, else ``default``."""
+    if value is None:
+        text = os.environ.get("TILESHARD_CACHE_BYTES")
+        if not text:
+            return default
+        if not text.strip().isdigit():
+            raise ValueError(f"TILESHARD_CACHE_BYTES must be a non-negative number of bytes, got {text!r}")
+        value = int(text)
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise ValueError(f"cache_bytes must be a non-negative integer, got {value!r}")
+    return int(value)
+
+
+class ChunkCache:
+    """A bounded LRU cache of decoded chunks (their bytes), keyed by shard key, chunk number and
+    the chunk's place in the shard (offset, size): a shard written again has new places, so a
+    stale entry is never hit, only aged out."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self.nbytes = 0
+        self._entries: OrderedDict[tuple, np.ndarray] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: tuple) -> np.ndarray | None:
+        with self._lock:
+            found = self._entries.get(key)
+            if found is not None:
+                self._entries.move_to_end(key)
+            return found
+
+    def put(self, key: tuple, decoded: np.ndarray) -> None:
+        if decoded.nbytes > self.max_bytes:
+            return
+        copy = decoded.copy()
+        with self._lock:
+            if key in self._entries:
+                return
+            self._entries[key] = copy
+            self.nbytes += copy.nbytes
+            while self.nbytes > self.max_bytes:
+                _, dropped = self._entries.popitem(last=False)
+                self.nbytes -= dropped.nbytes
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self.nbytes = 0
+
+
 # -- chunk decoders ----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ChunkCodec:
@@ -265,17 +319,37 @@ class _BlockSource:
     def __init__(self, block: Block, fetched: list[tuple[Read, np.ndarray]], codec: ChunkCodec):
         count = block.box_chunks.size
         self.block, self.codec = block, codec
-        self.buffer_of = np.full(count, -1, dtype=np.int64)
+        self.buffer_of = np.full(count, -1, dtype=np.int64)  # -1: absent, -2: from the cache
         self.offset_of = np.zeros(count, dtype=np.int64)
         self.nbytes_of = np.zeros(count, dtype=np.int64)
+        self.start_of = np.zeros(count, dtype=np.int64)  # the read's start: offsets in the shard
         self.views = []
         for i, (read, buffer) in enumerate(fetched):
             self.buffer_of[read.slots] = i
             self.offset_of[read.slots] = read.offsets
             self.nbytes_of[read.slots] = read.nbytes
+            self.start_of[read.slots] = read.start
             self.views.append(memoryview(buffer.data).cast("B"))
+        if block.cached:
+            self.buffer_of[list(block.cached)] = -2
         self.nbytes = sum(read.size for read, _ in fetched)
         self.present = int(np.count_nonzero(self.buffer_of >= 0))
+
+    def decoded_places(self, first: int, stop: int) -> list[tuple[int, tuple]]:
+        """``(row, cache key)`` of the chunks among ``first..stop`` that were decoded from reads."""
+        rows = np.flatnonzero(self.buffer_of[first:stop] >= 0)
+        positions = rows + first
+        return list(
+            zip(
+                rows.tolist(),
+                zip(
+                    [self.block.key] * rows.size,
+                    self.block.box_chunks[positions].tolist(),
+                    (self.start_of[positions] + self.offset_of[positions]).tolist(),
+                    self.nbytes_of[positions].tolist(),
+                ),
+            )
+        )
 
     def decode(self, first: int, stop: int, rows: np.ndarray, fill: np.ndarray) -> None:
         """Box positions ``first..stop`` decoded into ``rows`` (fill value where absent)."""
@@ -287,7 +361,7 @@ class _BlockSource:
         )
         for j, (buffer, offset, nbytes) in enumerate(found):
             if buffer < 0:
-                rows[j] = fill
+                rows[j] = fill if buffer == -1 else self.block.cached[first + j]
                 continue
             try:
                 decode(views[buffer][offset : offset + nbytes], rows[j])
@@ -397,6 +471,8 @@ class ReadStats:
     decode_seconds: float = 0.0
     #: batched GPU decompress calls (the GPU path decodes a whole batch of blocks per call)
     device_decode_calls: int = 0
+    #: chunks taken from the decoded-chunk cache (not read, not decoded)
+    cache_hits: int = 0
     read_seconds: float = 0.0
     wall_seconds: float = 0.0
 
@@ -423,6 +499,9 @@ class ShardReader:
     ``"auto"`` (the GPU where it is usable for this array's codec).  ``max_read_bytes``: the cap
     of one read (default ``TILESHARD_READ_BYTES`` or 2 GiB); ``prefetch``: reads fetched ahead;
     ``workers``: decode threads (default ``TILESHARD_READ_WORKERS`` or the CPU count).
+    ``cache_bytes``: keep up to this many bytes of decoded chunks (LRU; default
+    ``TILESHARD_CACHE_BYTES`` or 0, none) so that reading a region again (scrubbing back and forth
+    in napari) costs no store reads and no decoding; CPU backend only.
     """
 
     def __init__(
@@ -436,6 +515,7 @@ class ShardReader:
         gap_bytes: int = DEFAULT_GAP_BYTES,
         workers: int | None = None,
         storage_options: dict | None = None,
+        cache_bytes: int | None = None,
     ):
         import zarr
 
@@ -452,6 +532,8 @@ class ShardReader:
         self.max_read_bytes = max_read_bytes_setting(max_read_bytes)
         self.workers = workers_setting(workers)
         self.prefetch, self.gap_bytes = prefetch, gap_bytes
+        cache = cache_bytes_setting(cache_bytes)
+        self.cache = ChunkCache(cache) if cache else None
         self.location = str(path)
         access = (
             path if isinstance(path, StoreAccess) else StoreAccess(resolve_store(path, storage_options=storage_options))
@@ -582,6 +664,11 @@ class ShardReader:
     def plan(self, selection=Ellipsis) -> ReadPlan:
         """The read plan of ``selection``: one block per shard it touches (row-major shard order),
         each with its reads in storage order; reads are numbered globally."""
+        return self._plan(selection, use_cache=False)
+
+    def _plan(self, selection, use_cache: bool) -> ReadPlan:
+        """The plan; ``use_cache``: chunks found in the chunk cache are taken from it, not read
+        (such a plan depends on this reader's history, so ``plan`` never does this)."""
         if self.fallback_reason is not None:
             raise ValueError(
                 f"{self.location}: no read plan, the array is read by zarr-python ({self.fallback_reason})"
@@ -609,6 +696,13 @@ class ShardReader:
                 offsets, nbytes = index.offsets[block.box_chunks], index.nbytes[block.box_chunks]
                 present = np.flatnonzero(nbytes >= 0)
                 block.missing = np.flatnonzero(nbytes < 0)
+                if use_cache and self.cache is not None and present.size:
+                    chunks = block.box_chunks[present].tolist()
+                    places = zip(chunks, offsets[present].tolist(), nbytes[present].tolist())
+                    found = [(p, self.cache.get((key, *place))) for p, place in zip(present.tolist(), places)]
+                    block.cached = {p: decoded for p, decoded in found if decoded is not None}
+                    if block.cached:
+                        present = present[~np.isin(present, list(block.cached))]
                 for start, stop, positions in pack_runs(
                     offsets[present], nbytes[present], self.gap_bytes, self.max_read_bytes
                 ):
@@ -652,7 +746,7 @@ class ShardReader:
         if self.fallback_reason is not None:
             return np.asarray(self.array[selection])
         started = time.perf_counter()
-        plan = self.plan(selection)
+        plan = self._plan(selection, use_cache=self.backend == "cpu" and self.cache is not None)
         if self.backend == "gpu":
             out = self._gpu_reader().read(plan, device)
         else:
@@ -760,7 +854,8 @@ class ShardReader:
                 source = _BlockSource(block, buffers, self.codec)
                 units = unit_boxes(block.box_shape, unit_bytes // self.chunk_bytes)
                 work = functools.partial(self._decode_unit, block, out, source)
-                if not source.present:  # no chunk of this block is stored: fill value only
+                self.stats.cache_hits += len(block.cached)
+                if not source.present and not block.cached:  # no chunk of this block is stored: fill only
                     out[...] = self.fill_value
                     units = []
                 if pool is None:
@@ -794,6 +889,9 @@ class ShardReader:
             scratch = self._local.scratch = np.empty((rows, self.chunk_bytes), dtype=np.uint8)
         decoded = scratch[:rows]
         source.decode(first, stop, decoded, self._fill_bytes)
+        if self.cache is not None:
+            for j, place in source.decoded_places(first, stop):
+                self.cache.put(place, decoded[j])
         chunks = decoded.view(self.chunk_dtype).reshape((rows,) + self.chunk_shape)
         untile_into(out, chunks, block, ranges, self.chunk_shape)
 
