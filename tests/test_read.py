@@ -242,6 +242,35 @@ def test_tensorstore_written_shards(tmp_path):
     np.testing.assert_array_equal(reader[3, 5:17:3], data[3, 5:17:3])
 
 
+def test_acquire_zarr_written_shards(tmp_path):
+    az = pytest.importorskip("acquire_zarr")
+    settings = az.StreamSettings(store_path=str(tmp_path / "az.zarr"), overwrite=True)
+    dims = [("t", az.DimensionType.TIME, 0, 2, 2), ("y", az.DimensionType.SPACE, 40, 16, 2)]
+    dims.append(("x", az.DimensionType.SPACE, 48, 16, 1))
+    settings.arrays = [
+        az.ArraySettings(
+            output_key="0",
+            data_type=az.DataType.UINT16,
+            compression=az.CompressionSettings(compressor=az.Compressor.ZSTD, codec=az.CompressionCodec.ZSTD, level=1),
+            dimensions=[
+                az.Dimension(name=n, kind=k, array_size_px=s, chunk_size_px=c, shard_size_chunks=p)
+                for n, k, s, c, p in dims
+            ],
+        )
+    ]
+    data = _data((7, 40, 48), "uint16")
+    stream = az.ZarrStream(settings)
+    for frame in data:
+        stream.append(frame)
+    stream.close()
+    expected = zarr.open_array(tmp_path / "az.zarr" / "0", mode="r")
+    reader = ShardReader(tmp_path / "az.zarr" / "0", backend="cpu")
+    assert reader.fallback_reason is None
+    np.testing.assert_array_equal(reader[...], expected[...])
+    np.testing.assert_array_equal(reader[:7], data)
+    np.testing.assert_array_equal(reader[5, 3:37:4, ...], expected[5, 3:37:4])
+
+
 def test_urls_and_fallbacks(tmp_path, monkeypatch):
     array = _zarr_array(tmp_path / "a.zarr", (6, 7), (2, 3), (4, 6), "uint16", "zstd")
     expected = array[...]
@@ -292,11 +321,20 @@ def _write_index(path, blob, index, fix_crc=True):
     ],
 )
 def test_hostile_index_names_shard_and_chunk(tmp_path, damage, message):
+    import tracemalloc
+
     path, blob, index = _one_shard(tmp_path)
     damage(index)
     _write_index(path, blob, index)
-    with pytest.raises(ShardIndexError, match=f"c/0/0 {message}"):
-        ShardReader(tmp_path / "a.zarr", backend="cpu")[...]
+    reader = ShardReader(tmp_path / "a.zarr", backend="cpu")
+    tracemalloc.start()
+    try:
+        with pytest.raises(ShardIndexError, match=f"c/0/0 {message}"):
+            reader[...]
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20  # nothing allocated from the hostile sizes (2**62 bytes, offsets past the end)
 
 
 def test_crc_mismatch_and_corrupt_chunk(tmp_path):
