@@ -1,19 +1,32 @@
-"""Read back a recording with ShardReader and its peers: whole-array and random single-plane reads.
+"""Readback benchmark: ShardReader against tensorstore and zarr-python, whole-array and scrubbing.
 
-The recording is written first by our Writer (2048² uint16 frames from SyntheticCamera, zstd
-level 1, tiles of the chosen size, shards of 1 x 1024 x 1024 pixels), unless ``--path`` names an
-existing array.  Each engine then reads the whole array (best of ``--repeat``) and ``--planes``
-random single planes (median and worst, the napari scrubbing case).  Requests issued per GB are
-counted for ours (``ShardReader.stats``) and for zarr-python (a counting store).  On a GPU machine
-the nvCOMP batched zstd decompress of one shard's chunks already on the device (the ceiling of
-the GPU path) and pinned H2D bandwidth are measured too.
+One command produces the issue's table (issue 15) on the GPU machine:
+
+    python benchmarks/bench_read.py --out benchmarks/results/read-h100.json
+
+For each tile size (64 KiB = 8 x 64 x 64, 256 KiB = 8 x 128 x 128, 1 MiB = 32 x 128 x 128) a
+recording of ``--gib`` GiB (4 by default; ``--gib 16`` for the large one) of 2048² uint16 frames
+from ``SyntheticCamera`` is written by our Writer (zstd level 1, shards of one tile deep x 1024 x
+1024 pixels) into ``--shm-dir`` (``/dev/shm``), then copied to ``--disk-dir`` (local disk).  Each
+engine reads each copy: the whole array (best of ``--repeat``, fewer when one read takes > 3 s)
+and ``--planes`` random single planes ``r[t]`` (median and worst: the napari scrubbing read).
+
+The page cache cannot be dropped here (no root); "disk" rows evict the recording's own pages
+with ``posix_fadvise(POSIX_FADV_DONTNEED)`` after an ``fsync`` before every measured read, so the
+bytes come from the device, as for a fresh file (``cold_cache`` in the JSON says whether the
+kernel honoured it: the pages resident after eviction are counted with ``mincore`` where
+available, else not checked).
 
 Engines: tileshard-cpu, tileshard-gpu-host (decoded on the GPU, NumPy out), tileshard-gpu-device
-(CuPy out), tensorstore, zarr-python, zarrs (zarr-python with the zarrs codec pipeline, if
-installed).  Unavailable engines are reported and skipped.
+(CuPy out), tensorstore, zarr-python, zarrs (zarr-python with the ``zarrs`` codec pipeline, when
+the package is installed).  Engines that cannot run here are reported as skipped.  Requests per
+GB are counted for ours (``ShardReader.stats``) and zarr-python (a counting store), for the whole
+read and per plane.  On a GPU machine, per tile size: nvCOMP's batched zstd decompress alone on
+the chunks of one device batch already on the device (the ceiling of the GPU path) and pinned
+H2D bandwidth.
 
-Example (the command in docs/benchmarks.md):
-    python benchmarks/bench_read.py --gib 1 --tile 256k --out /dev/shm/tileshard-read
+``--quick``: a 0.25 GiB recording, 256 KiB tiles, /dev/shm only, 8 planes: a smoke test (CPU
+rows on a machine without a GPU).  The JSON goes to ``--out``; a Markdown table to stdout.
 """
 
 from __future__ import annotations
@@ -35,12 +48,13 @@ from napari_tileshard import Dim, Layout, ShardReader, SyntheticCamera, Writer  
 
 TILES = {"64k": (8, 64, 64), "256k": (8, 128, 128), "1m": (32, 128, 128)}
 ENGINES = ("tileshard-cpu", "tileshard-gpu-host", "tileshard-gpu-device", "tensorstore", "zarr-python", "zarrs")
+MAX_REPEAT_SECONDS = 3.0
 
 
 def write_recording(path: Path, gib: float, tile) -> None:
     camera = SyntheticCamera((2048, 2048), "uint16")
     frames = int(gib * 2**30 // camera.frame_bytes)
-    frames -= frames % tile[0]
+    frames = max(tile[0], frames - frames % tile[0])
     layout = Layout(
         [
             Dim("t", frames, tile[0], 1),
@@ -53,6 +67,54 @@ def write_recording(path: Path, gib: float, tile) -> None:
     with Writer(path, layout, backend="auto") as writer:
         for i in range(frames):
             writer.append(camera.frame(i))
+
+
+def _files(path: Path):
+    for root, _, names in os.walk(path):
+        for name in names:
+            yield os.path.join(root, name)
+
+
+def evict(path: Path) -> dict:
+    """Write back and drop the page-cache pages of every file under ``path``; returns how many
+    bytes stayed resident (``mincore``, when ``mmap`` can tell) out of how many."""
+    total = resident = 0
+    checked = hasattr(os, "posix_fadvise")
+    for name in _files(path):
+        fd = os.open(name, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            size = os.fstat(fd).st_size
+            total += size
+            if checked:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            resident += _resident_bytes(fd, size)
+        finally:
+            os.close(fd)
+    return {"bytes": total, "resident_after_evict": resident, "fadvise": checked}
+
+
+def _resident_bytes(fd: int, size: int) -> int:
+    """Bytes of the file in the page cache (``mincore`` through ctypes), 0 when unknown."""
+    if not size:
+        return 0
+    try:
+        import ctypes
+        import mmap
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+        vec = (ctypes.c_ubyte * pages)()
+        mapped = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)  # private: a writable buffer for ctypes
+        try:
+            window = (ctypes.c_char * size).from_buffer(mapped)
+            status = libc.mincore(ctypes.c_void_p(ctypes.addressof(window)), ctypes.c_size_t(size), vec)
+            del window
+        finally:
+            mapped.close()
+        return sum(v & 1 for v in vec) * mmap.PAGESIZE if status == 0 else 0
+    except (OSError, ValueError, TypeError, BufferError):
+        return 0
 
 
 def _zarr_store(path, counter):
@@ -72,8 +134,8 @@ def _zarr_store(path, counter):
 
 
 def engine_reader(name: str, path: Path):
-    """``(read(selection) -> array, requests() -> int or None)`` for engine ``name``; ImportError
-    or RuntimeError when it cannot run here."""
+    """``(read(selection) -> array, requests() -> int or None)`` for engine ``name``; ImportError,
+    RuntimeError or ValueError when it cannot run here."""
     if name.startswith("tileshard"):
         backend = "cpu" if name == "tileshard-cpu" else "gpu"
         reader = ShardReader(path, backend=backend)
@@ -106,18 +168,26 @@ def engine_reader(name: str, path: Path):
     return (lambda selection: array[selection]), lambda: counter[0]
 
 
-def measure(name: str, path: Path, planes: int, repeat: int, frames: int) -> dict:
+def measure(name: str, path: Path, planes: int, repeat: int, frames: int, cold: bool) -> dict:
     read, requests = engine_reader(name, path)
-    whole = []
+    whole, residency = [], []
     for _ in range(repeat):
+        if cold:
+            residency.append(evict(path)["resident_after_evict"])
         before = requests()
         started = time.perf_counter()
         out = read(...)
         whole.append(time.perf_counter() - started)
         used = requests()
         nbytes = out.nbytes
+        del out
+        if whole[-1] > MAX_REPEAT_SECONDS:
+            break
+    if cold:
+        residency.append(evict(path)["resident_after_evict"])
     rng = np.random.default_rng(0)
     plane_times = []
+    plane_requests = requests()
     for t in rng.integers(0, frames, planes).tolist():
         started = time.perf_counter()
         read((t,))
@@ -127,86 +197,139 @@ def measure(name: str, path: Path, planes: int, repeat: int, frames: int) -> dic
         "engine": name,
         "whole_s": round(best, 3),
         "whole_gbps": round(nbytes / best / 1e9, 2),
+        "repeats": len(whole),
         "plane_median_ms": round(1e3 * statistics.median(plane_times), 1),
         "plane_worst_ms": round(1e3 * max(plane_times), 1),
     }
     if used is not None and before is not None:
         result["requests_per_gb"] = round((used - before) / (nbytes / 1e9), 1)
+        result["requests_per_plane"] = round((requests() - plane_requests) / planes, 1)
+    if cold:
+        result["resident_bytes_after_evict_max"] = max(residency)
     return result
 
 
 def gpu_ceilings(path: Path) -> dict:
-    """nvCOMP batched zstd decompress of one shard's chunks from device memory, and pinned H2D."""
+    """nvCOMP's batched zstd decompress alone on the chunks of the largest device batch of a
+    whole read (already on the device: the ceiling of the GPU path), and pinned H2D bandwidth."""
     import cupy
 
     reader = ShardReader(path, backend="gpu")
-    plan = reader.plan((slice(0, reader.shard_shape[0]),) + (slice(None),) * (reader.ndim - 1))
-    read = max(plan.reads, key=lambda r: r.size)
     gpu = reader._gpu_reader()
-    host = gpu._fetch(read)
-    block = plan.blocks[read.block]
-    pool = cupy.empty((block.box_chunks.size + 1) * gpu.slot_stride, dtype=reader.dtype)
-    gpu._decode(read, host, pool, read.slots.astype(np.int64))  # warm-up (kernels, temp size)
-    gpu.stream.synchronize()
-    times = []
-    for _ in range(5):
-        started = time.perf_counter()
-        gpu._decode(read, host, pool, read.slots.astype(np.int64))
-        gpu.stream.synchronize()
-        times.append(time.perf_counter() - started)
-    decoded = len(read.chunks) * reader.chunk_bytes
-    device = cupy.empty(read.size, dtype=cupy.uint8)
+    batch = max(gpu.batches(reader.plan(...)), key=lambda b: b.chunks)
+    seconds = gpu.time_decompress(batch)
+    host = gpu._fetch(batch)
+    device = cupy.empty(batch.staging_bytes, dtype=cupy.uint8)
+    device.set(host[: batch.staging_bytes])
+    cupy.cuda.runtime.deviceSynchronize()
     started = time.perf_counter()
     for _ in range(5):
-        device.set(host[: read.size])
+        device.set(host[: batch.staging_bytes])
     cupy.cuda.runtime.deviceSynchronize()
-    h2d = 5 * read.size / (time.perf_counter() - started) / 1e9
+    h2d = 5 * batch.staging_bytes / (time.perf_counter() - started) / 1e9
     return {
-        "nvcomp_decode_read_gbps": round(decoded / min(times) / 1e9, 2),
-        "chunks_per_call": len(read.chunks),
+        "nvcomp_decode_gbps": round(batch.chunks * reader.chunk_bytes / seconds / 1e9, 2),
+        "chunks_per_call": batch.chunks,
         "pinned_h2d_gbps": round(h2d, 2),
     }
 
 
+def table(results: dict) -> str:
+    """The issue's table, in Markdown, from the JSON results."""
+    lines = [
+        "| tile | where | engine | whole GB/s | ÷ tensorstore | plane median / worst ms | req/GB | req/plane |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for run in results["runs"]:
+        ts = next((r["whole_gbps"] for r in run["engines"] if r["engine"] == "tensorstore"), None)
+        for row in run["engines"]:
+            ratio = f"{row['whole_gbps'] / ts:.2f}×" if ts else "–"
+            lines.append(
+                f"| {run['tile']} | {run['where']} | {row['engine']} | {row['whole_gbps']} | {ratio} | "
+                f"{row['plane_median_ms']} / {row['plane_worst_ms']} | {row.get('requests_per_gb', '–')} | "
+                f"{row.get('requests_per_plane', '–')} |"
+            )
+        ceiling = run.get("gpu_ceilings")
+        if ceiling:
+            device = next((r["whole_gbps"] for r in run["engines"] if r["engine"] == "tileshard-gpu-device"), None)
+            share = f", GPU→device = {device / ceiling['nvcomp_decode_gbps']:.0%} of it" if device else ""
+            lines.append(
+                f"| {run['tile']} | {run['where']} | nvCOMP ceiling ({ceiling['chunks_per_call']} chunks/call) | "
+                f"{ceiling['nvcomp_decode_gbps']}{share}; pinned H2D {ceiling['pinned_h2d_gbps']} | | | | |"
+            )
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--path", type=Path, help="an existing array (else one is written to --out)")
-    parser.add_argument("--out", type=Path, default=Path("/dev/shm/tileshard-read"))
-    parser.add_argument("--gib", type=float, default=1.0)
-    parser.add_argument("--tile", choices=sorted(TILES), default="256k")
+    parser.add_argument("--out", type=Path, required=True, help="the JSON results file")
+    parser.add_argument("--path", type=Path, help="read this existing array instead of writing recordings")
+    parser.add_argument("--gib", type=float, default=4.0)
+    parser.add_argument("--tiles", default="64k,256k,1m")
+    parser.add_argument("--where", default="shm,disk", help="shm, disk or both")
+    parser.add_argument("--shm-dir", type=Path, default=Path("/dev/shm/tileshard-read"))
+    parser.add_argument("--disk-dir", type=Path, default=Path("/var/tmp/tileshard-read"))
     parser.add_argument("--engines", default=",".join(ENGINES))
-    parser.add_argument("--planes", type=int, default=20)
-    parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--json", type=Path)
+    parser.add_argument("--planes", type=int, default=30)
+    parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--keep", action="store_true", help="keep the recordings")
+    parser.add_argument("--quick", action="store_true", help="0.25 GiB, 256 KiB tiles, shm, 8 planes")
     args = parser.parse_args(argv)
-    path = args.path
-    if path is None:
-        path = args.out / f"{args.tile}.zarr"
-        started = time.perf_counter()
-        write_recording(path, args.gib, TILES[args.tile])
-        print(f"wrote {path} in {time.perf_counter() - started:.1f} s", flush=True)
-    frames = ShardReader(path, backend="cpu").shape[0]
-    results = {
+    if args.quick:
+        args.gib, args.tiles, args.where, args.planes = 0.25, "256k", "shm", 8
+    shm = args.shm_dir if args.shm_dir.parent.exists() else Path("/tmp/tileshard-read-shm")
+    results: dict = {
         "machine": f"{platform.node()} {os.cpu_count()} CPUs",
-        "path": str(path),
-        "tile": args.tile,
-        "engines": [],
+        "command": " ".join(sys.argv),
+        "gib": args.gib,
+        "note": "disk rows: pages evicted with posix_fadvise(DONTNEED) after fsync before each measured read",
+        "runs": [],
     }
-    for name in args.engines.split(","):
-        try:
-            row = measure(name, path, args.planes, args.repeat, frames)
-        except (ImportError, RuntimeError, ValueError) as exc:
-            print(f"{name}: skipped ({exc})", flush=True)
-            continue
-        results["engines"].append(row)
-        print(json.dumps(row), flush=True)
-    try:
-        results["gpu_ceilings"] = gpu_ceilings(path)
-        print(json.dumps(results["gpu_ceilings"]))
-    except (ImportError, RuntimeError, ValueError) as exc:
-        print(f"GPU ceilings: skipped ({exc})")
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
+    started_all = time.perf_counter()
+    for tile in [None] if args.path else args.tiles.split(","):
+        places = []
+        if args.path:
+            places.append(("given", args.path))
+        else:
+            source = shm / f"{tile}.zarr"
+            started = time.perf_counter()
+            write_recording(source, args.gib, TILES[tile])
+            print(f"wrote {source} in {time.perf_counter() - started:.1f} s", flush=True)
+            if "shm" in args.where:
+                places.append(("shm", source))
+            if "disk" in args.where:
+                target = args.disk_dir / f"{tile}.zarr"
+                shutil.rmtree(target, ignore_errors=True)
+                shutil.copytree(source, target)
+                places.append(("disk", target))
+                if "shm" not in args.where:
+                    shutil.rmtree(source, ignore_errors=True)
+        for where, path in places:
+            frames = ShardReader(path, backend="cpu").shape[0]
+            run = {"tile": tile or "given", "where": where, "path": str(path), "engines": []}
+            for name in args.engines.split(","):
+                try:
+                    row = measure(name, path, args.planes, args.repeat, frames, cold=where == "disk")
+                except (ImportError, RuntimeError, ValueError) as exc:
+                    print(f"{tile} {where} {name}: skipped ({exc})", flush=True)
+                    run.setdefault("skipped", {})[name] = str(exc)
+                    continue
+                run["engines"].append(row)
+                print(json.dumps({"tile": tile, "where": where, **row}), flush=True)
+            if any(e.startswith("tileshard-gpu") for e in args.engines.split(",")):
+                try:
+                    run["gpu_ceilings"] = gpu_ceilings(path)
+                    print(json.dumps(run["gpu_ceilings"]), flush=True)
+                except (ImportError, RuntimeError, ValueError) as exc:
+                    print(f"GPU ceilings: skipped ({exc})", flush=True)
+            results["runs"].append(run)
+            if not args.keep and where != "given":
+                shutil.rmtree(path, ignore_errors=True)
+    results["seconds"] = round(time.perf_counter() - started_all, 1)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=1))
+    print(table(results))
+    print(f"total {results['seconds']} s; JSON: {args.out}")
     return 0
 
 

@@ -221,16 +221,25 @@ def read_zarr(path):
     return [(array, meta, "image")]
 
 
+#: decoded chunks napari's reader keeps per array (or OME level), unless ``TILESHARD_CACHE_BYTES``
+#: says otherwise: scrubbing back to a frame seen recently costs no read and no decode
+NAPARI_CACHE_BYTES = 512 << 20
+
+
 def fast_array(access, array, level: int | None = None):
     """A :class:`~napari_tileshard.read.ShardReader` over ``array`` (coalesced shard reads, decoded
-    on threads) when it reads ``array`` natively, else ``array`` itself (zarr-python): for
-    unsharded arrays, other codec chains, or ``TILESHARD_READER=zarr``."""
-    from .read import ShardReader, reader_setting
+    on threads, a cache of decoded chunks) when it reads ``array`` natively, else ``array`` itself
+    (zarr-python): for unsharded arrays, other codec chains, or ``TILESHARD_READER=zarr``.
+
+    The reader is napari's lazy array: napari indexes it with the displayed plane(s) only, and
+    only the chunks those need are planned, read and decoded."""
+    from .read import ShardReader, cache_bytes_setting, reader_setting
 
     try:
         if reader_setting() == "zarr":
             return array
-        reader = ShardReader(access, level=level, backend="cpu")
+        cache = cache_bytes_setting(None, NAPARI_CACHE_BYTES)
+        reader = ShardReader(access, level=level, backend="cpu", cache_bytes=cache)
     except Exception:  # noqa: BLE001 - anything unexpected: zarr-python reads it as before
         return array
     if reader.fallback_reason is not None or reader.shape != tuple(array.shape):

@@ -53,21 +53,51 @@ def warm_up_dask_in_background() -> None:
 _dask_warmed = False
 
 
+def _read_rows(output, rows_of_level: list) -> list[tuple[int, np.ndarray]]:
+    """``(row, frame)`` per level ``k`` for which ``rows_of_level[k](level_rows)`` names a row
+    (None: skip), read by :class:`~napari_tileshard.read.ShardReader` (coalesced shard reads,
+    decoded on threads; zarr-python under ``TILESHARD_READER=zarr``).  A fresh reader per call:
+    a recording rewrites its open shards and grows its shape."""
+    from .read import ShardReader
+
+    frames = []
+    for k, choose in enumerate(rows_of_level):
+        with ShardReader(output, level=k, backend="cpu") as reader:
+            row = choose(reader.shape[0]) if reader.shape else None
+            if row is not None and 0 <= row < reader.shape[0]:
+                frames.append((row, reader[row]))
+    return frames
+
+
+def _level_count(output, ome: bool) -> int | None:
+    """How many levels to read back: 1 for a plain array, the OME levels, None when ``output``
+    is neither (a group holding arrays: read through ``open_lazy`` as before)."""
+    from .ome import open_levels
+    from .safe_read import StoreAccess
+
+    access = StoreAccess(output)
+    levels = open_levels(output) if ome else None
+    if levels:
+        return len(levels)
+    import zarr
+
+    return 1 if isinstance(access.open_node(""), zarr.Array) else None
+
+
 def read_newest(output, pyramid: Pyramid, rows: int, ome: bool) -> list[tuple[int, np.ndarray]]:
     """``(row, frame)`` of the newest complete row of every level (level 0 first), read from the
     store.  Decodes tiles: call it on the recorder's thread, not the GUI's."""
+    if rows <= 0:
+        return []
+    count = _level_count(output, ome)
+    if count is not None:
+        choose = [lambda n, k=k: min(pyramid.level_rows(k, rows) if k else rows, n) - 1 for k in range(count)]
+        frames = _read_rows(output, choose)
+        return frames if frames and frames[0][0] == rows - 1 else []
     from ._reader import open_lazy
-    from .ome import open_levels
 
     array, _ = open_lazy(output)
-    if array is None or rows <= 0:
-        return []
-    newest = [(rows - 1, np.asarray(array[rows - 1]))]
-    if ome:
-        for k, level in enumerate((open_levels(output) or [])[1:], start=1):
-            row = min(pyramid.level_rows(k, rows), level.shape[0]) - 1
-            newest.append((row, np.asarray(level[row])))
-    return newest
+    return [] if array is None else [(rows - 1, np.asarray(array[rows - 1]))]
 
 
 def read_first(output, ome: bool) -> list[tuple[int, np.ndarray]]:
@@ -77,14 +107,13 @@ def read_first(output, ome: bool) -> list[tuple[int, np.ndarray]]:
     placeholder's row 0 before the slider can move to the newest row; with this frame in memory
     that slice costs no decoding on the GUI thread.  Call it on a reader thread.
     """
+    count = _level_count(output, ome)
+    if count is not None:
+        return _read_rows(output, [lambda n: 0 if n > 0 else None] * count)
     from ._reader import open_lazy
-    from .ome import open_levels
 
     array, _ = open_lazy(output)
-    if array is None or array.shape[0] == 0:
-        return []
-    levels = (open_levels(output) or [array]) if ome else [array]
-    return [(0, np.asarray(level[0])) for level in levels if level.shape[0] > 0]
+    return [] if array is None or array.shape[0] == 0 else [(0, np.asarray(array[0]))]
 
 
 class RecentFrames:

@@ -33,6 +33,7 @@ from . import codecs
 from .read_plan import (
     DEFAULT_GAP_BYTES,
     Block,
+    DimPart,
     IndexFormat,
     Read,
     ReadPlan,
@@ -72,6 +73,60 @@ def workers_setting(value: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise ValueError(f"workers must be a positive integer, got {value!r}")
     return int(value)
+
+
+def cache_bytes_setting(value: int | None = None, default: int = 0) -> int:
+    """The decoded-chunk cache's cap: ``value``, else ``TILESHARD_CACHE_BYTES``, else ``default``."""
+    if value is None:
+        text = os.environ.get("TILESHARD_CACHE_BYTES")
+        if not text:
+            return default
+        if not text.strip().isdigit():
+            raise ValueError(f"TILESHARD_CACHE_BYTES must be a non-negative number of bytes, got {text!r}")
+        value = int(text)
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise ValueError(f"cache_bytes must be a non-negative integer, got {value!r}")
+    return int(value)
+
+
+class ChunkCache:
+    """A bounded LRU cache of decoded chunks (their bytes), keyed by shard key, chunk number and
+    the chunk's place in the shard (offset, size): a shard written again has new places, so a
+    stale entry is never hit, only aged out."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self.nbytes = 0
+        self._entries: OrderedDict[tuple, np.ndarray] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: tuple) -> np.ndarray | None:
+        with self._lock:
+            found = self._entries.get(key)
+            if found is not None:
+                self._entries.move_to_end(key)
+            return found
+
+    def put(self, key: tuple, decoded: np.ndarray) -> None:
+        if decoded.nbytes > self.max_bytes:
+            return
+        copy = decoded.copy()
+        with self._lock:
+            if key in self._entries:
+                return
+            self._entries[key] = copy
+            self.nbytes += copy.nbytes
+            while self.nbytes > self.max_bytes:
+                _, dropped = self._entries.popitem(last=False)
+                self.nbytes -= dropped.nbytes
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self.nbytes = 0
 
 
 # -- chunk decoders ----------------------------------------------------------------------------
@@ -186,6 +241,134 @@ def _store_chunk(chunks: np.ndarray, chunk_dtype, i: int, decoded: np.ndarray) -
     chunks[i] = decoded.view(chunk_dtype).reshape(chunks.shape[1:])
 
 
+# -- placing decoded chunks -------------------------------------------------------------------
+#: the most decoded bytes one decode task handles (its scratch buffer, reused per thread)
+UNIT_BYTES = 8 << 20
+
+
+def unit_boxes(box_shape: tuple[int, ...], max_rows: int) -> list[tuple[tuple[int, int], tuple[tuple[int, int], ...]]]:
+    """Cut a block's box of chunks into units of at most ``max_rows`` chunks (at least one whole
+    row of the split dim) that are contiguous in row-major box order: ``((first, stop), ranges)``
+    with ``ranges[d] = (lo, hi)`` the unit's box indices along dim ``d``.  Dims before the split
+    dim are single indices, dims after it whole, so a unit is a sub-box."""
+    ndim = len(box_shape)
+    if ndim == 0:
+        return [((0, 1), ())]
+    after = [int(np.prod(box_shape[d + 1 :], dtype=np.int64)) for d in range(ndim)]
+    split = next(d for d in range(ndim) if after[d] <= max(1, max_rows))
+    per = max(1, max(1, max_rows) // after[split])
+    units = []
+    for prefix in np.ndindex(*box_shape[:split]):
+        for lo in range(0, box_shape[split], per):
+            hi = min(lo + per, box_shape[split])
+            first = int(np.ravel_multi_index(prefix + (lo,) + (0,) * (ndim - split - 1), box_shape))
+            ranges = tuple((p, p + 1) for p in prefix) + ((lo, hi),) + tuple((0, n) for n in box_shape[split + 1 :])
+            units.append(((first, first + (hi - lo) * after[split]), ranges))
+    return units
+
+
+def dim_pieces(part: DimPart, lo: int, hi: int, chunk: int) -> list[tuple[slice, object, slice, bool]]:
+    """The output positions of ``part`` (relative to its block) whose box index is in ``lo..hi``,
+    as pieces ``(out, box, within, whole)``: runs of whole chunks (``box`` a slice relative to
+    ``lo``, ``whole`` True: the output axis splits into (chunks, chunk)) and partial chunks
+    (``box`` an int, ``within`` a slice with the selection's step)."""
+    boxes = np.arange(lo, hi)
+    starts = np.searchsorted(part.chunk_of, boxes, side="left").tolist()
+    ends = np.searchsorted(part.chunk_of, boxes, side="right").tolist()
+    pieces: list[tuple[slice, object, slice, bool]] = []
+    i = 0
+    while i < len(starts):
+        a, e = starts[i], ends[i]
+        if e - a == chunk:  # all of the chunk, in order (the positions are increasing and distinct)
+            j = i + 1
+            while j < len(starts) and ends[j] - starts[j] == chunk:
+                j += 1
+            pieces.append((slice(a, ends[j - 1]), slice(i, j), slice(None), True))
+            i = j
+            continue
+        first = int(part.within[a])
+        step = int(part.within[a + 1]) - first if e - a > 1 else 1
+        pieces.append((slice(a, e), i, slice(first, int(part.within[e - 1]) + 1, step), False))
+        i += 1
+    return pieces
+
+
+def untile_into(out: np.ndarray, chunks: np.ndarray, block: Block, ranges, chunk_shape) -> None:
+    """Place a unit's decoded ``chunks`` (``(rows,) + chunk_shape``, row-major over the unit's
+    box ``ranges``) into ``out`` (the block's output): per combination of per-dim pieces one
+    strided copy from the chunks viewed as ``(box_0, chunk_0, box_1, chunk_1, ...)``."""
+    ndim = len(chunk_shape)
+    unit_shape = tuple(hi - lo for lo, hi in ranges)
+    order = [axis for d in range(ndim) for axis in (d, ndim + d)]
+    source = chunks.reshape(unit_shape + tuple(chunk_shape)).transpose(order)
+    per_dim = [dim_pieces(part, lo, hi, c) for part, (lo, hi), c in zip(block.parts, ranges, chunk_shape)]
+    for pieces in product(*per_dim):
+        target = out[tuple(p[0] for p in pieces)]
+        if any(p[3] for p in pieces):
+            split: list[int] = []
+            for (out_slice, _, _, whole), c in zip(pieces, chunk_shape):
+                n = out_slice.stop - out_slice.start
+                split += [n // c, c] if whole else [n]
+            target = np.reshape(target, split, copy=False)  # splitting an axis is always a view
+        np.copyto(target, source[tuple(x for p in pieces for x in p[1:3])])
+
+
+class _BlockSource:
+    """Where each present chunk of a block lies among its fetched reads."""
+
+    def __init__(self, block: Block, fetched: list[tuple[Read, np.ndarray]], codec: ChunkCodec):
+        count = block.box_chunks.size
+        self.block, self.codec = block, codec
+        self.buffer_of = np.full(count, -1, dtype=np.int64)  # -1: absent, -2: from the cache
+        self.offset_of = np.zeros(count, dtype=np.int64)
+        self.nbytes_of = np.zeros(count, dtype=np.int64)
+        self.start_of = np.zeros(count, dtype=np.int64)  # the read's start: offsets in the shard
+        self.views = []
+        for i, (read, buffer) in enumerate(fetched):
+            self.buffer_of[read.slots] = i
+            self.offset_of[read.slots] = read.offsets
+            self.nbytes_of[read.slots] = read.nbytes
+            self.start_of[read.slots] = read.start
+            self.views.append(memoryview(buffer.data).cast("B"))
+        if block.cached:
+            self.buffer_of[list(block.cached)] = -2
+        self.nbytes = sum(read.size for read, _ in fetched)
+        self.present = int(np.count_nonzero(self.buffer_of >= 0))
+
+    def decoded_places(self, first: int, stop: int) -> list[tuple[int, tuple]]:
+        """``(row, cache key)`` of the chunks among ``first..stop`` that were decoded from reads."""
+        rows = np.flatnonzero(self.buffer_of[first:stop] >= 0)
+        positions = rows + first
+        return list(
+            zip(
+                rows.tolist(),
+                zip(
+                    [self.block.key] * rows.size,
+                    self.block.box_chunks[positions].tolist(),
+                    (self.start_of[positions] + self.offset_of[positions]).tolist(),
+                    self.nbytes_of[positions].tolist(),
+                ),
+            )
+        )
+
+    def decode(self, first: int, stop: int, rows: np.ndarray, fill: np.ndarray) -> None:
+        """Box positions ``first..stop`` decoded into ``rows`` (fill value where absent)."""
+        views, decode = self.views, self.codec.decode_into
+        found = zip(
+            self.buffer_of[first:stop].tolist(),
+            self.offset_of[first:stop].tolist(),
+            self.nbytes_of[first:stop].tolist(),
+        )
+        for j, (buffer, offset, nbytes) in enumerate(found):
+            if buffer < 0:
+                rows[j] = fill if buffer == -1 else self.block.cached[first + j]
+                continue
+            try:
+                decode(views[buffer][offset : offset + nbytes], rows[j])
+            except codecs.CodecError as exc:
+                raise ChunkDecodeError(self.block.key, int(self.block.box_chunks[first + j]), str(exc)) from None
+
+
 # -- stores ----------------------------------------------------------------------------------
 class _Objects:
     """Ranged reads of a store's objects: ``(size, bytes)`` of an index, a range into a buffer.
@@ -286,6 +469,10 @@ class ReadStats:
     chunks_decoded: int = 0
     bytes_decoded: int = 0
     decode_seconds: float = 0.0
+    #: batched GPU decompress calls (the GPU path decodes a whole batch of blocks per call)
+    device_decode_calls: int = 0
+    #: chunks taken from the decoded-chunk cache (not read, not decoded)
+    cache_hits: int = 0
     read_seconds: float = 0.0
     wall_seconds: float = 0.0
 
@@ -312,6 +499,9 @@ class ShardReader:
     ``"auto"`` (the GPU where it is usable for this array's codec).  ``max_read_bytes``: the cap
     of one read (default ``TILESHARD_READ_BYTES`` or 2 GiB); ``prefetch``: reads fetched ahead;
     ``workers``: decode threads (default ``TILESHARD_READ_WORKERS`` or the CPU count).
+    ``cache_bytes``: keep up to this many bytes of decoded chunks (LRU; default
+    ``TILESHARD_CACHE_BYTES`` or 0, none) so that reading a region again (scrubbing back and forth
+    in napari) costs no store reads and no decoding; CPU backend only.
     """
 
     def __init__(
@@ -325,6 +515,7 @@ class ShardReader:
         gap_bytes: int = DEFAULT_GAP_BYTES,
         workers: int | None = None,
         storage_options: dict | None = None,
+        cache_bytes: int | None = None,
     ):
         import zarr
 
@@ -341,6 +532,8 @@ class ShardReader:
         self.max_read_bytes = max_read_bytes_setting(max_read_bytes)
         self.workers = workers_setting(workers)
         self.prefetch, self.gap_bytes = prefetch, gap_bytes
+        cache = cache_bytes_setting(cache_bytes)
+        self.cache = ChunkCache(cache) if cache else None
         self.location = str(path)
         access = (
             path if isinstance(path, StoreAccess) else StoreAccess(resolve_store(path, storage_options=storage_options))
@@ -371,6 +564,7 @@ class ShardReader:
         self.fallback_reason = self._configure(array)
         self.backend = self._choose_backend(backend)
         self._gpu = None
+        self._local = threading.local()  # per decode thread: its scratch buffer
 
     # -- configuration ------------------------------------------------------------------
     def _configure(self, array) -> str | None:
@@ -470,6 +664,11 @@ class ShardReader:
     def plan(self, selection=Ellipsis) -> ReadPlan:
         """The read plan of ``selection``: one block per shard it touches (row-major shard order),
         each with its reads in storage order; reads are numbered globally."""
+        return self._plan(selection, use_cache=False)
+
+    def _plan(self, selection, use_cache: bool) -> ReadPlan:
+        """The plan; ``use_cache``: chunks found in the chunk cache are taken from it, not read
+        (such a plan depends on this reader's history, so ``plan`` never does this)."""
         if self.fallback_reason is not None:
             raise ValueError(
                 f"{self.location}: no read plan, the array is read by zarr-python ({self.fallback_reason})"
@@ -497,6 +696,13 @@ class ShardReader:
                 offsets, nbytes = index.offsets[block.box_chunks], index.nbytes[block.box_chunks]
                 present = np.flatnonzero(nbytes >= 0)
                 block.missing = np.flatnonzero(nbytes < 0)
+                if use_cache and self.cache is not None and present.size:
+                    chunks = block.box_chunks[present].tolist()
+                    places = zip(chunks, offsets[present].tolist(), nbytes[present].tolist())
+                    found = [(p, self.cache.get((key, *place))) for p, place in zip(present.tolist(), places)]
+                    block.cached = {p: decoded for p, decoded in found if decoded is not None}
+                    if block.cached:
+                        present = present[~np.isin(present, list(block.cached))]
                 for start, stop, positions in pack_runs(
                     offsets[present], nbytes[present], self.gap_bytes, self.max_read_bytes
                 ):
@@ -540,7 +746,7 @@ class ShardReader:
         if self.fallback_reason is not None:
             return np.asarray(self.array[selection])
         started = time.perf_counter()
-        plan = self.plan(selection)
+        plan = self._plan(selection, use_cache=self.backend == "cpu" and self.cache is not None)
         if self.backend == "gpu":
             out = self._gpu_reader().read(plan, device)
         else:
@@ -585,14 +791,16 @@ class ShardReader:
         self.stats.bytes_read += read.size
         return buffer
 
-    def _fetched(self, reads, fetch=None) -> Iterator[tuple[Read, object]]:
-        """``(read, buffer)`` in order, up to ``prefetch`` reads fetched ahead on a thread."""
+    def _fetched(self, reads, fetch=None) -> Iterator[tuple[Read, np.ndarray]]:
+        """``(read, buffer)`` in order, up to ``prefetch`` reads fetched ahead, on up to
+        ``prefetch`` threads (at most 8: one thread copies ~5-8 GB/s out of the page cache, less
+        than 16 decode threads or a GPU take)."""
         fetch = fetch or self._fetch
         if not self.prefetch:
             for read in reads:
                 yield read, fetch(read)
             return
-        with ThreadPoolExecutor(1, thread_name_prefix="tileshard-read") as io:
+        with ThreadPoolExecutor(min(8, self.prefetch), thread_name_prefix="tileshard-read") as io:
             pending: list[tuple[Read, Future]] = []
             queue = iter(reads)
             try:
@@ -610,38 +818,86 @@ class ShardReader:
 
     def _blocks(self, plan: ReadPlan, target) -> Iterator[tuple[Block, np.ndarray]]:
         """Fill each block of ``plan`` (``target(block)``: the array it is written into) and yield
-        it when its last read is decoded; blocks without reads are fill value only."""
-        reads_of = [0] * len(plan.blocks)
+        it, in plan order, once all of it is decoded.
+
+        A block's reads are fetched (with prefetch), then the block is cut into units (sub-boxes
+        of its chunks that are contiguous in row-major box order, see :func:`unit_boxes`) and each
+        unit is one task on the decode pool: its chunks decoded into a per-thread scratch buffer
+        (reused, so no page faults), then placed into the output by a few strided NumPy copies
+        (:func:`untile_into`), one per head/middle/tail piece, never one per chunk.  The
+        decoders and the copies release the GIL.  Compressed bytes in flight stay within
+        ``max_read_bytes`` (at least one block)."""
+        reads_of: list[list[Read]] = [[] for _ in plan.blocks]
         for read in plan.reads:
-            reads_of[read.block] += 1
+            reads_of[read.block].append(read)
+        total = sum(b.box_chunks.size for b in plan.blocks) * self.chunk_bytes
+        unit_bytes = int(min(UNIT_BYTES, max(self.chunk_bytes, total // (self.workers * 4) or 1)))
         fetched = self._fetched(plan.reads)
-        for b, block in enumerate(plan.blocks):
-            out = target(block)
-            self._fill_missing(block, out)
-            for _ in range(reads_of[b]):
-                read, buffer = next(fetched)
-                started = time.perf_counter()
-                self._decode_each(read, buffer, self._placer(block, out, read))
-                self.stats.decode_seconds += time.perf_counter() - started
-            yield block, out
+        pool = self._decode_pool() if self.workers > 1 else None
+        pending: list[tuple[Block, np.ndarray, list, int]] = []
+        in_flight = 0
 
-    def _fill_missing(self, block: Block, out: np.ndarray) -> None:
-        if len(block.missing) == block.box_chunks.size:
-            out[...] = self.fill_value
-            return
-        for position in block.missing.tolist():
-            region, _ = block.chunk_region(position)
-            out[region] = self.fill_value
+        def finish(entry) -> tuple[Block, np.ndarray]:
+            nonlocal in_flight
+            block, out, futures, nbytes = entry
+            started = time.perf_counter()
+            for future in futures:
+                future.result()
+            self.stats.decode_seconds += time.perf_counter() - started
+            in_flight -= nbytes
+            return block, out
 
-    def _placer(self, block: Block, out: np.ndarray, read: Read):
-        chunk_dtype = self.chunk_dtype
-        positions = read.slots.tolist()
+        try:
+            for b, block in enumerate(plan.blocks):
+                out = target(block)
+                buffers = [next(fetched) for _ in reads_of[b]]
+                source = _BlockSource(block, buffers, self.codec)
+                units = unit_boxes(block.box_shape, unit_bytes // self.chunk_bytes)
+                work = functools.partial(self._decode_unit, block, out, source)
+                self.stats.cache_hits += len(block.cached)
+                if not source.present and not block.cached:  # no chunk of this block is stored: fill only
+                    out[...] = self.fill_value
+                    units = []
+                if pool is None:
+                    started = time.perf_counter()
+                    for unit in units:
+                        work(unit)
+                    self.stats.decode_seconds += time.perf_counter() - started
+                    futures = []
+                else:
+                    futures = [pool.submit(work, unit) for unit in units]
+                pending.append((block, out, futures, source.nbytes))
+                in_flight += source.nbytes
+                self.stats.chunks_decoded += source.present
+                self.stats.bytes_decoded += source.present * self.chunk_bytes
+                while pending and (in_flight > self.max_read_bytes or not pending[0][2]):
+                    yield finish(pending.pop(0))
+            while pending:
+                yield finish(pending.pop(0))
+        finally:
+            for _, _, futures, _ in pending:
+                for future in futures:
+                    future.cancel()
 
-        def place(i: int, decoded: np.ndarray) -> None:
-            region, inside = block.chunk_region(positions[i])
-            out[region] = decoded.view(chunk_dtype).reshape(self.chunk_shape)[inside]
+    def _decode_unit(self, block: Block, out: np.ndarray, source: _BlockSource, unit) -> None:
+        """Decode the chunks of ``unit`` (``(first, stop)`` box positions and its box ranges)
+        into scratch and place them into ``out`` (the block's output)."""
+        (first, stop), ranges = unit
+        rows = stop - first
+        scratch = getattr(self._local, "scratch", None)
+        if scratch is None or scratch.shape[0] < rows:
+            scratch = self._local.scratch = np.empty((rows, self.chunk_bytes), dtype=np.uint8)
+        decoded = scratch[:rows]
+        source.decode(first, stop, decoded, self._fill_bytes)
+        if self.cache is not None:
+            for j, place in source.decoded_places(first, stop):
+                self.cache.put(place, decoded[j])
+        chunks = decoded.view(self.chunk_dtype).reshape((rows,) + self.chunk_shape)
+        untile_into(out, chunks, block, ranges, self.chunk_shape)
 
-        return place
+    @functools.cached_property
+    def _fill_bytes(self) -> np.ndarray:
+        return np.full(self.chunk_elements, self.fill_value, dtype=self.chunk_dtype).view(np.uint8)
 
     def _decode_each(self, read: Read, buffer, place) -> None:
         """Decode every chunk of ``read`` from ``buffer`` and hand it to ``place(i, decoded)``,
@@ -688,6 +944,9 @@ class ShardReader:
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
+        if self._gpu is not None:
+            self._gpu.close()
+            self._gpu = None
 
     def __enter__(self):
         return self

@@ -236,6 +236,9 @@ class Block:
     box_chunks: np.ndarray
     #: box positions whose chunk is absent (fill value); set when the index is known
     missing: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    #: box positions taken from a reader's chunk cache instead of being read (decoded chunk bytes);
+    #: only in a reader's internal plans, never in ``ShardReader.plan``'s
+    cached: dict = field(default_factory=dict)
 
     @property
     def region(self) -> tuple[slice, ...]:

@@ -9,7 +9,10 @@ with one suffix read (in blocks for huge indexes), then each chunk's byte range,
 For each shard it checks the index size and CRC32C, that every chunk lies inside the shard
 (offsets as Python integers: a uint64 sum would wrap), holds a plausible number of bytes for its
 codec, and decodes, with the codec's own decoder, to exactly one tile (never more is decoded; for
-zstd: one standard zstd frame).
+zstd: one standard zstd frame).  The chunks that pass the placement checks are read as
+:class:`~napari_tileshard.read.ShardReader` reads them, in a few coalesced range reads per shard
+(:func:`~napari_tileshard.read_plan.pack_runs`, 16 MiB at most each), and decoded on threads;
+``TILESHARD_READER=zarr`` goes back to one read per chunk.
 
 The Writer's record in each array's attributes (``tileshard``: ``rows_written``, ``state``) is
 checked too: rows inside the published shape that were never written are a problem.
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +36,8 @@ from .safe_read import StoreAccess, UnsafeStoreError, recording_state
 MAX_DECODED_TILE_BYTES = 1 << 28
 _EMPTY = 2**64 - 1
 _INDEX_BLOCK_ENTRIES = 1 << 16  # index entries read at a time: 1 MiB
+#: the most bytes of one coalesced read of the decode check (and of reads in flight: 8 of them)
+VERIFY_READ_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -174,6 +180,13 @@ def _check_array(report: VerifyReport, access: StoreAccess, array, label: str, p
         report.problems.append(Problem(key[len(base) :], None, reason))
     keys = sorted(k[len(base) :] for k in listing.keys)
     checker = _ShardChecker(report, chunks_per_shard, tile_bytes, codec, decode)
+    try:
+        _check_shards(report, access, base, keys, grid, shape, checker, progress)
+    finally:
+        checker.close()
+
+
+def _check_shards(report, access, base, keys, grid, shape, checker, progress) -> None:
     for done, key in enumerate(keys):
         if progress:
             progress(done, len(keys))
@@ -211,6 +224,11 @@ class _ShardChecker:
         self.codec, self.decode = codec, decode
         self.min_chunk = codec.min_encoded_bytes(tile_bytes)
         self.max_chunk = codec.max_encoded_bytes(tile_bytes)
+        from .read import reader_setting, workers_setting
+
+        self.coalesce = reader_setting() != "zarr"
+        self.workers = workers_setting()
+        self.pool: ThreadPoolExecutor | None = None
 
     def check(self, key: str, shard) -> None:
         report, size = self.report, shard.size
@@ -240,18 +258,24 @@ class _ShardChecker:
                 found.append(Problem(key, None, "shard changed size while it was read"))
                 break
             crc = crc32c.crc32c(raw, crc)
+            to_decode: list[tuple[int, int, int]] = []
             # tolist(): Python ints, so offset + nbytes cannot wrap around 2^64
             for i, (offset, nbytes) in enumerate(np.frombuffer(raw, "<u8").reshape(-1, 2).tolist()):
-                self._check_chunk(shard, key, first + i, offset, nbytes, data_end, found)
+                if self._check_chunk(shard, key, first + i, offset, nbytes, data_end, found):
+                    to_decode.append((first + i, offset, nbytes))
+            if to_decode:
+                self._decode_coalesced(shard, key, to_decode, found)
+                found.sort(key=lambda p: -1 if p.chunk is None else p.chunk)  # stable: chunk order
         if stored_crc is None:
             stored_crc = shard.read(size - 4, 4)
         if crc != int.from_bytes(stored_crc, "little"):
             found.insert(0, Problem(key, None, "index CRC32C mismatch"))
         report.problems.extend(found)
 
-    def _check_chunk(self, shard, key, chunk, offset, nbytes, data_end, found) -> None:
+    def _check_chunk(self, shard, key, chunk, offset, nbytes, data_end, found) -> bool:
+        """Check one index entry; True: it is to be decoded (by :meth:`_decode_coalesced`)."""
         if offset == _EMPTY and nbytes == _EMPTY:
-            return
+            return False
         self.report.chunks += 1
         if offset == _EMPTY or nbytes == _EMPTY or offset + nbytes > data_end:
             found.append(
@@ -280,8 +304,51 @@ class _ShardChecker:
                     f"holds {nbytes} bytes, fewer than {self.codec.name} makes of one tile (at least {self.min_chunk})",
                 )
             )
+        elif self.decode and self.coalesce:
+            return True  # placed plausibly: decoded with its neighbours by _decode_coalesced
         elif self.decode:
             try:  # the codec's decoder never allocates more than one tile
                 self.codec.decode(shard.read(offset, nbytes), self.tile_bytes)
             except codecs.CodecError as exc:
                 found.append(Problem(key, chunk, str(exc)))
+        return False
+
+    def _decode_coalesced(self, shard, key: str, chunks: list[tuple[int, int, int]], found) -> None:
+        """Decode ``(chunk, offset, nbytes)`` (each inside the shard data, of a plausible size)
+        from a few coalesced reads, the decoding on ``workers`` threads, 8 reads in flight."""
+        from .read_plan import DEFAULT_GAP_BYTES, pack_runs
+
+        numbers, offsets, sizes = (np.array(column, dtype=np.int64) for column in zip(*chunks))
+        runs = pack_runs(offsets, sizes, DEFAULT_GAP_BYTES, VERIFY_READ_BYTES)
+        codec, tile_bytes = self.codec, self.tile_bytes
+
+        def decode_run(start: int, data: bytes, positions: np.ndarray) -> list[Problem]:
+            problems = []
+            view = memoryview(data)
+            for p in positions.tolist():
+                begin = int(offsets[p]) - start
+                piece = view[begin : begin + int(sizes[p])]
+                if len(piece) != sizes[p]:
+                    problems.append(Problem(key, int(numbers[p]), "shard changed size while it was read"))
+                    continue
+                try:  # the codec's decoder never allocates more than one tile
+                    codec.decode(piece, tile_bytes)
+                except codecs.CodecError as exc:
+                    problems.append(Problem(key, int(numbers[p]), str(exc)))
+            return problems
+
+        if self.pool is None:
+            self.pool = ThreadPoolExecutor(self.workers, thread_name_prefix="tileshard-verify")
+        pending = []
+        for start, _, positions in runs:
+            stop = int((offsets[positions] + sizes[positions]).max())  # overlapping chunks may end later
+            pending.append(self.pool.submit(decode_run, start, shard.read(start, stop - start), positions))
+            if len(pending) >= 8:
+                found.extend(pending.pop(0).result())
+        for future in pending:
+            found.extend(future.result())
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown()
+            self.pool = None
