@@ -392,8 +392,13 @@ class Dispatcher:
                 continue
             if self._tokens < task.nbytes:
                 continue
-            if self._warm_now() and self._models[worker].predict(task.nbytes) > 10 * deadline:
-                continue  # this worker is itself far too slow to help
+            if self._models[worker].samples and not self._round_lost:
+                # Only a worker predicted to land it first helps: the copy in flight is expected
+                # to take as long again as it has so far (it overran its deadline).
+                (owner,) = task.running
+                owner_end = max(task.running[owner] + self._models[owner].predict(task.nbytes), 2 * now - task.started)
+                if now + self._models[worker].predict(task.nbytes) >= owner_end:
+                    continue
             if over > best_over or best is None:
                 best, best_over = task, over
         if best is None:
@@ -490,6 +495,17 @@ class Dispatcher:
             task.future.set_result(None)
         elif resolve == "error":
             task.future.set_exception(error)
+
+    @property
+    def model_samples(self) -> list[int]:
+        """Measurements each worker's predictor has learnt from (none from a lost round)."""
+        with self._cond:
+            return [model.samples for model in self._models]
+
+    def predict(self, worker: int, nbytes: int) -> float:
+        """The predicted seconds of writing ``nbytes`` on ``worker`` (0 while it has no sample)."""
+        with self._cond:
+            return self._models[worker].predict(nbytes)
 
     # -- life cycle ---------------------------------------------------------------------------
     def shutdown(self, wait: bool = True) -> None:

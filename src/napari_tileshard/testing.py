@@ -36,9 +36,13 @@ class StorageFaults:
       (503 SlowDown) after the service time, without writing;
     * ``telemetry_loss``: that share of dispatcher rounds loses its telemetry
       (:meth:`~napari_tileshard.store.Sink.telemetry_lost`).
+
+    Write faults hit keys matching the glob ``keys`` (default: shards, which go through the I/O
+    dispatcher; ``zarr.json`` is the Publisher's and is left alone unless ``keys="*"``).
     """
 
     seed: int = 0
+    keys: str = "*c/*"
     service_s: float = 0.0
     service_bytes_per_s: float = 0.0
     slow_worker: int | None = None
@@ -130,6 +134,9 @@ class FaultInjectingSink(Sink):
 
     def _faulty_write(self, key: str, buffers: Sequence, attempt: int) -> None:
         faults = self.faults
+        if not fnmatch.fnmatchcase(key, faults.keys):
+            self.inner.write(key, buffers)
+            return
         start = time.perf_counter()
         nbytes = sum(memoryview(b).nbytes for b in buffers)
         service = faults.service_s + (nbytes / faults.service_bytes_per_s if faults.service_bytes_per_s else 0.0)
