@@ -79,6 +79,7 @@ def run_once(inner_factory, payloads, batch, mode, faults, interval_s, workers):
     stats = dispatcher.stats()
     inner = sink.inner
     wrong = [key for key, data in payloads if inner.read(key) != data]
+    inner.discard()  # this run's objects (and directory): the next run starts on an empty store
     lat = sorted(stats.latencies_s)
     return {
         "mode": mode,
@@ -94,6 +95,7 @@ def run_once(inner_factory, payloads, batch, mode, faults, interval_s, workers):
         "duplicate_share": stats.duplicate_bytes / stats.bytes,
         "retries": stats.retries,
         "fallback_rounds": stats.fallback_rounds,
+        "replaced": stats.replaced,
         "wrong_objects": len(wrong),
         "log": list(dispatcher.assignment_log),
     }
@@ -172,8 +174,8 @@ def main(argv=None):
             )
             print(
                 f"{'fault':15} {'mode':9} {'total s':>8} {'p50 ms':>7} {'p99 ms':>7} {'gap s':>6} "
-                f"{'shards/worker':>18} {'moves':>5} {'steals':>6} {'hedges':>6} {'dup %':>5} "
-                f"{'fallbk':>6} {'wrong':>5}"
+                f"{'shards/worker':>22} {'moves':>5} {'steals':>6} {'hedges':>6} {'dup %':>5} "
+                f"{'fallbk':>6} {'repl':>4} {'wrong':>5}"
             )
             for fault in args.faults:
                 faults = StorageFaults(**common, **FAULTS[fault])
@@ -199,9 +201,9 @@ def main(argv=None):
                     results.append(row)
                     print(
                         f"{fault:15} {mode:9} {med['total_s']:8.3f} {med['p50_ms']:7.1f} {med['p99_ms']:7.1f} "
-                        f"{med['gap_s']:6.2f} {str(last['shards_per_worker']):>18} {last['moves']:5d} "
+                        f"{med['gap_s']:6.2f} {str(last['shards_per_worker']):>22} {last['moves']:5d} "
                         f"{last['steals']:6d} {last['hedges']:6d} {100 * row['duplicate_share']:5.1f} "
-                        f"{last['fallback_rounds']:6d} {row['wrong_objects']:5d}",
+                        f"{last['fallback_rounds']:6d} {last['replaced']:4d} {row['wrong_objects']:5d}",
                         flush=True,
                     )
             if server is not None:

@@ -28,6 +28,9 @@ than the others, and the slowest one sets the pace.  Three modes (``mode=``):
     share.  Writes are idempotent: the same key and the same bytes; a local sink writes a
     temporary file and renames it, an object store PUT is atomic, so whichever copy lands last
     replaces identical bytes with identical bytes.
+  - *Replacement*: a worker predicted ``retire_factor`` (4) times slower than the median of the
+    others is retired (it finishes the write in hand) and a fresh worker (thread, connection)
+    takes its queue, so a sick connection costs its share of capacity only until it is found.
   - *Fallback*: while any worker has fewer than ``min_worker_samples`` measurements or the
     telemetry of a round is lost (:meth:`Sink.telemetry_lost`, a fault-injection seam), the
     round is placed statically (round-robin) and the model learns nothing from it.
@@ -131,6 +134,7 @@ class WorkerStats:
     busy_s: float = 0.0
     errors: int = 0
     duplicates: int = 0  # hedged copies this worker wrote
+    retired: bool = False  # replaced for being far slower than the others
     latencies: deque = field(default_factory=lambda: deque(maxlen=1024), repr=False)
 
     def as_dict(self) -> dict:
@@ -142,6 +146,7 @@ class WorkerStats:
             "busy_s": round(self.busy_s, 6),
             "errors": self.errors,
             "duplicates": self.duplicates,
+            "retired": self.retired,
             "throughput_mbps": round(self.bytes / self.busy_s / 1e6, 3) if self.busy_s else 0.0,
             "p50_s": round(_quantile(lat, 0.5), 6),
             "p95_s": round(_quantile(lat, 0.95), 6),
@@ -162,6 +167,7 @@ class DispatchStats:
     retries: int
     rounds: int
     fallback_rounds: int
+    replaced: int  # workers retired and replaced
     latencies_s: list[float] = field(repr=False)  # per shard: first start -> first success
 
     @property
@@ -207,6 +213,8 @@ class Dispatcher:
         max_moves: int = 64,
         max_retries: int = 4,
         retry_backoff_s: float = 0.02,
+        retire_factor: float = 4.0,
+        max_replacements: int | None = None,
         log_size: int = 100_000,
         name: str = "tileshard-io",
     ):
@@ -222,8 +230,12 @@ class Dispatcher:
         self.hedge_fraction, self.hedge_quantile = hedge_fraction, hedge_quantile
         self.warmup_samples, self.min_worker_samples = warmup_samples, min_worker_samples
         self.max_moves, self.max_retries, self.retry_backoff_s = max_moves, max_retries, retry_backoff_s
+        self.retire_factor = retire_factor
+        self.max_replacements = workers if max_replacements is None else max_replacements
+        self._predictor, self._name = predictor, name
         self._models = [PREDICTORS[predictor]() for _ in range(workers)]
         self._telemetry = [WorkerStats(i) for i in range(workers)]
+        self._active = list(range(workers))  # workers that take shards; a retired one finishes its write
         self.assignment_log: deque = deque(maxlen=log_size)  # (worker, key, round, nbytes, seconds, kind)
         self._recent: deque = deque(maxlen=256)  # (seconds, nbytes) of recent first copies
         self._deadline_cache: tuple[float, int] | None = None
@@ -238,13 +250,16 @@ class Dispatcher:
         self._closing = False
         self._tokens = 0.0
         self._counts = dict.fromkeys(("shards", "bytes", "moves", "steals", "hedges", "hedge_wins", "retries"), 0)
-        self._counts.update(duplicate_bytes=0, fallback_rounds=0)
+        self._counts.update(duplicate_bytes=0, fallback_rounds=0, replaced=0)
         self._latencies: list[float] = []
-        self._threads = [
-            threading.Thread(target=self._work, args=(i,), name=f"{name}-{i}", daemon=True) for i in range(workers)
-        ]
-        for thread in self._threads:
-            thread.start()
+        self._threads: list[threading.Thread] = []
+        for i in range(workers):
+            self._start_worker(i)
+
+    def _start_worker(self, worker: int) -> None:
+        thread = threading.Thread(target=self._work, args=(worker,), name=f"{self._name}-{worker}", daemon=True)
+        self._threads.append(thread)
+        thread.start()
 
     # -- the control plane --------------------------------------------------------------------
     def submit(self, writes: Sequence[tuple[str, Sequence]]) -> list[Future]:
@@ -265,8 +280,8 @@ class Dispatcher:
                 if self.mode == "adaptive":
                     self._counts["fallback_rounds"] += 1
                 for task in tasks:
-                    self._place(task, self._rr)
-                    self._rr = (self._rr + 1) % self.n
+                    self._place(task, self._active[self._rr % len(self._active)])
+                    self._rr += 1
             else:
                 self._plan(tasks)
             self._cond.notify_all()
@@ -274,7 +289,7 @@ class Dispatcher:
 
     def _warm(self) -> bool:
         self._round_lost = self.sink.telemetry_lost(self._round)
-        return not self._round_lost and all(m.samples >= self.min_worker_samples for m in self._models)
+        return self._warm_now()
 
     def _place(self, task: _Task, worker: int) -> None:
         task.owner = worker
@@ -299,12 +314,12 @@ class Dispatcher:
         now = time.perf_counter()
         finish = self._finish_times(now)
         for task in sorted(tasks, key=lambda t: -t.nbytes):  # largest first onto the earliest finish
-            worker = min(range(self.n), key=lambda i: finish[i] + self._models[i].predict(task.nbytes))
+            worker = min(self._active, key=lambda i: finish[i] + self._models[i].predict(task.nbytes))
             finish[worker] += self._models[worker].predict(task.nbytes)
             self._place(task, worker)
         for _ in range(self.max_moves):  # greedy straggler relief over everything still queued
-            slowest = max(range(self.n), key=finish.__getitem__)
-            fastest = min(range(self.n), key=finish.__getitem__)
+            slowest = max(self._active, key=finish.__getitem__)
+            fastest = min(self._active, key=finish.__getitem__)
             queue = self._queues[slowest]
             if slowest == fastest or not queue:
                 break
@@ -363,7 +378,7 @@ class Dispatcher:
         return None
 
     def _warm_now(self) -> bool:
-        return not self._round_lost and all(m.samples >= self.min_worker_samples for m in self._models)
+        return not self._round_lost and all(self._models[i].samples >= self.min_worker_samples for i in self._active)
 
     def _deadline(self, nbytes: int) -> float | None:
         """The hedging deadline of a shard of ``nbytes``: the ``hedge_quantile`` of recent write
@@ -414,6 +429,8 @@ class Dispatcher:
         while True:
             with self._cond:
                 while True:
+                    if worker not in self._active and not self._queues[worker] and self.mode == "adaptive":
+                        return  # retired: its replacement carries on
                     now = time.perf_counter()
                     task, duplicate, wait = self._next(worker, now)
                     if task is not None:
@@ -469,6 +486,7 @@ class Dispatcher:
                 stats.latencies.append(seconds)
                 if not self._round_lost:
                     self._models[worker].observe(task.nbytes, seconds)
+                    self._maybe_retire(worker, task.nbytes)
                 if not task.done:
                     task.done = True
                     resolve = "result"
@@ -507,6 +525,40 @@ class Dispatcher:
         with self._cond:
             return self._models[worker].predict(nbytes)
 
+    def _maybe_retire(self, worker: int, nbytes: int) -> None:
+        """Replace a worker predicted ``retire_factor`` times slower than the median of the others
+        by a fresh one (a new thread, i.e. a new connection): its queue moves to the newcomer."""
+        if (
+            self.mode != "adaptive"
+            or worker not in self._active
+            or self._counts["replaced"] >= self.max_replacements
+            or len(self._recent) < self.warmup_samples
+        ):
+            return
+        others = sorted(
+            self._models[i].predict(nbytes) for i in self._active if i != worker and self._models[i].samples
+        )
+        recent = list(self._telemetry[worker].latencies)[-self.min_worker_samples :]
+        if (
+            not others
+            or len(recent) < self.min_worker_samples
+            or self._models[worker].predict(nbytes) < self.retire_factor * others[len(others) // 2]
+            or min(recent) < self.retire_factor * others[len(others) // 2]  # one unlucky write is not enough
+        ):
+            return
+        fresh = len(self._models)
+        self._models.append(PREDICTORS[self._predictor]())
+        self._telemetry.append(WorkerStats(fresh))
+        self._queues.append(deque())
+        self._active[self._active.index(worker)] = fresh
+        self._telemetry[worker].retired = True
+        queued, self._queues[worker] = self._queues[worker], deque()
+        for task in queued:
+            self._place(task, fresh)
+        self._counts["moves"] += len(queued)
+        self._counts["replaced"] += 1
+        self._start_worker(fresh)
+
     # -- life cycle ---------------------------------------------------------------------------
     def shutdown(self, wait: bool = True) -> None:
         """Write everything queued, then stop the workers (hedged copies in flight finish too)."""
@@ -514,8 +566,10 @@ class Dispatcher:
             self._closing = True
             self._cond.notify_all()
         if wait:
-            for thread in self._threads:
-                thread.join()
+            joined = 0
+            while joined < len(self._threads):  # a replacement may start while draining
+                self._threads[joined].join()
+                joined += 1
 
     def stats(self) -> DispatchStats:
         with self._cond:
@@ -533,5 +587,6 @@ class Dispatcher:
                 retries=counts["retries"],
                 rounds=self._round,
                 fallback_rounds=counts["fallback_rounds"],
+                replaced=counts["replaced"],
                 latencies_s=list(self._latencies),
             )

@@ -71,6 +71,7 @@ class WriterStats:
     duplicate_bytes: int = 0
     retries: int = 0  # transient storage errors (503 SlowDown) retried
     fallback_rounds: int = 0  # batches placed statically (model cold or telemetry lost)
+    replaced_workers: int = 0  # workers retired for being far slower than the others, and replaced
 
     @property
     def compression_ratio(self) -> float:
@@ -650,6 +651,7 @@ class Writer:
         stats.io_dispatch, stats.io_workers = io.mode, io.workers
         stats.moves, stats.steals, stats.hedges = io.moves, io.steals, io.hedges
         stats.duplicate_bytes, stats.retries, stats.fallback_rounds = io.duplicate_bytes, io.retries, io.fallback_rounds
+        stats.replaced_workers = io.replaced
 
     def _shard_written(self, nbytes: int) -> None:
         with self._stats_lock:
