@@ -453,3 +453,6 @@ def test_dispatch_faults_against_s3_lose_nothing_and_match_the_fault_free_record
 
     assert objects("faulty.zarr") == objects("clean.zarr")
     assert verify(f"s3://{s3.bucket}/faulty.zarr").ok
+    from napari_tileshard import ShardReader
+
+    np.testing.assert_array_equal(ShardReader(f"s3://{s3.bucket}/faulty.zarr")[...], frames)  # the URL, as typed
