@@ -3,7 +3,8 @@
 It runs one thread.  The caller reserves room (:meth:`Collector.reserve`) *before* a batch
 changes any state, then enqueues the backend's ticket with the stream offset the batch ends at;
 the thread waits for each ticket in order, feeds every level's :class:`ShardAccumulator`, hands
-completed shards to an I/O pool and registers them with the
+completed shards to the I/O :class:`~napari_tileshard.dispatch.Dispatcher` (one batch per shard
+epoch) and registers them with the
 :class:`~napari_tileshard.publish.Publisher` with the rows they make readable (whole rows of the
 batches actually taken in, never of bytes merely received).  While too many shard epochs wait
 on storage it waits too, and so, through the reserved room, does the producer.
@@ -11,12 +12,13 @@ on storage it waits too, and so, through the reserved room, does the producer.
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 from .backends.base import Backend
+from .dispatch import Dispatcher, DispatchStats
 from .publish import Publisher
 from .pyramid import Pyramid
 from .shard import EncodedEpoch, Shard, ShardAccumulator
@@ -49,6 +51,7 @@ class Collector:
         publisher: Publisher,
         *,
         io_threads: int,
+        io_dispatch: str = "adaptive",
         pipeline_limit: int,
         batch_epochs: int,
         failed: Callable[[], BaseException | None],
@@ -73,7 +76,7 @@ class Collector:
         self._queue: queue.Queue = queue.Queue()
         self._epochs_enqueued = 0
         self.bytes_collected = 0  # stream bytes of every batch taken in
-        self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="tileshard-io")
+        self._io = Dispatcher(sink, io_threads, io_dispatch)
         self._thread = threading.Thread(target=self._run, name="tileshard-collector", daemon=True)
         self._thread.start()
 
@@ -137,6 +140,9 @@ class Collector:
         """Wait for every shard write (also after a failure)."""
         self._io.shutdown(wait=True)
 
+    def io_stats(self) -> DispatchStats:
+        return self._io.stats()
+
     # -- the collector thread -----------------------------------------------------------
     def _run(self) -> None:
         while True:
@@ -173,12 +179,20 @@ class Collector:
         self.bytes_collected = stream_end
 
     def _store(self, shards: list[tuple[int, Shard]], rows: int) -> None:
-        """Write ``shards`` (level, shard) on the I/O pool; level-0 rows ``[0, rows)`` are
-        published once they and everything before them are on disk."""
-        if shards:
-            self._publisher.track([self._io.submit(self._write, k, shard) for k, shard in shards], rows)
+        """Write ``shards`` (level, shard) as one dispatcher batch; level-0 rows ``[0, rows)`` are
+        published once they and everything before them are stored."""
+        if not shards:
+            return
+        futures = self._io.submit(
+            [
+                (self._prefixes[k] + self._pyramid.layouts[k].shard_key(shard.coords), shard.buffers + [shard.index])
+                for k, shard in shards
+            ]
+        )
+        for future, (_, shard) in zip(futures, shards, strict=True):  # statistics before publication
+            future.add_done_callback(functools.partial(self._written, shard.nbytes))
+        self._publisher.track(futures, rows)
 
-    def _write(self, level: int, shard: Shard) -> None:
-        key = self._prefixes[level] + self._pyramid.layouts[level].shard_key(shard.coords)
-        self._sink.write(key, shard.buffers + [shard.index])
-        self._on_shard(shard.nbytes)
+    def _written(self, nbytes: int, future) -> None:
+        if future.exception() is None:
+            self._on_shard(nbytes)

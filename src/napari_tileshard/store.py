@@ -403,6 +403,12 @@ class Sink(ABC):
     def release(self) -> None:
         """The recording ended: drop the lock (no-op where there is none)."""
 
+    def telemetry_lost(self, round_index: int) -> bool:
+        """Whether the I/O dispatcher's measurements of batch ``round_index`` are lost (then it
+        places that batch statically and learns nothing from it).  Real sinks never lose them;
+        this is the fault-injection seam of :class:`napari_tileshard.testing.FaultInjectingSink`."""
+        return False
+
     def discard(self) -> None:
         """Setup failed: remove what this sink created (no-op where nothing was)."""
 

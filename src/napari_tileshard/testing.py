@@ -8,11 +8,53 @@ seam as real storage errors, no private attribute is patched.
 from __future__ import annotations
 
 import fnmatch
+import random
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
+from .dispatch import TransientStorageError, current_worker
 from .store import Sink, open_sink
+
+
+class SlowDownError(TransientStorageError):
+    """An injected S3 "503 SlowDown" answer (what an object store says when throttling)."""
+
+
+@dataclass(frozen=True)
+class StorageFaults:
+    """Seeded storage faults for :class:`FaultInjectingSink` (same seed, same faults).
+
+    * ``service_s`` + ``nbytes / service_bytes_per_s``: a simulated storage service time added to
+      every write attempt (a benchmark's stand-in for a network or disk of known speed);
+    * ``slow_worker`` / ``slow_factor``: that I/O dispatcher worker
+      (:func:`napari_tileshard.dispatch.current_worker`) takes ``slow_factor`` times as long;
+    * ``stall_every`` / ``stall_s``: about one write attempt in ``stall_every`` stalls ``stall_s``
+      seconds (periodic stalls: which ones is decided by the seed, the key and the attempt);
+    * ``slowdown_rate``: that share of write attempts is answered with :class:`SlowDownError`
+      (503 SlowDown) after the service time, without writing;
+    * ``telemetry_loss``: that share of dispatcher rounds loses its telemetry
+      (:meth:`~napari_tileshard.store.Sink.telemetry_lost`).
+
+    Write faults hit keys matching the glob ``keys`` (default: shards, which go through the I/O
+    dispatcher; ``zarr.json`` is the Publisher's and is left alone unless ``keys="*"``).
+    """
+
+    seed: int = 0
+    keys: str = "*c/*"
+    service_s: float = 0.0
+    service_bytes_per_s: float = 0.0
+    slow_worker: int | None = None
+    slow_factor: float = 1.0
+    stall_every: int = 0
+    stall_s: float = 0.1
+    slowdown_rate: float = 0.0
+    telemetry_loss: float = 0.0
+
+    def draw(self, *names) -> float:
+        """A uniform number in [0, 1) fixed by the seed and ``names``."""
+        return random.Random(":".join(map(str, (self.seed, *names)))).random()
 
 
 class FaultInjectingSink(Sink):
@@ -22,9 +64,11 @@ class FaultInjectingSink(Sink):
       the exception instead of writing (e.g. ``{"c/3/*": OSError(errno.ENOSPC, "No space")}``);
     * ``delay``: ``{pattern: seconds}``: such writes sleep first (a slow disk);
     * ``hold``: ``{pattern: threading.Event}``: such writes wait until the event is set;
-    * ``before_write``: called with the key before every write (may raise).
+    * ``before_write``: called with the key before every write (may raise);
+    * ``faults``: seeded :class:`StorageFaults` (slow worker, stalls, 503 SlowDown, telemetry loss).
 
-    ``writes`` lists the keys written (in completion order), ``attempts`` every key tried.
+    ``writes`` lists the keys written (in completion order), ``attempts`` every key tried;
+    ``injected`` counts the faults injected by kind.
     """
 
     def __init__(
@@ -36,8 +80,13 @@ class FaultInjectingSink(Sink):
         delay: dict | None = None,
         hold: dict | None = None,
         before_write: Callable[[str], None] | None = None,
+        faults: StorageFaults | None = None,
+        storage_options: dict | None = None,
     ):
-        self.inner = open_sink(inner, overwrite)
+        self.inner = open_sink(inner, overwrite, storage_options)
+        self.faults = faults or StorageFaults()
+        self.injected = {"slow": 0, "stall": 0, "slowdown": 0, "telemetry_loss": 0}
+        self._tries: dict[str, int] = {}
         self.fail = dict(fail or {})
         self.delay = dict(delay or {})
         self.hold = dict(hold or {})
@@ -67,6 +116,7 @@ class FaultInjectingSink(Sink):
     def write(self, key: str, buffers: Sequence) -> None:
         with self._lock:
             self.attempts.append(key)
+            attempt = self._tries[key] = self._tries.get(key, -1) + 1
         if self.before_write is not None:
             self.before_write(key)
         event = self._match(self.hold, key)
@@ -78,9 +128,44 @@ class FaultInjectingSink(Sink):
         exc = self._match(self.fail, key)
         if exc is not None:
             raise exc
-        self.inner.write(key, buffers)
+        self._faulty_write(key, buffers, attempt)
         with self._lock:
             self.writes.append(key)
+
+    def _faulty_write(self, key: str, buffers: Sequence, attempt: int) -> None:
+        faults = self.faults
+        if not fnmatch.fnmatchcase(key, faults.keys):
+            self.inner.write(key, buffers)
+            return
+        start = time.perf_counter()
+        nbytes = sum(memoryview(b).nbytes for b in buffers)
+        service = faults.service_s + (nbytes / faults.service_bytes_per_s if faults.service_bytes_per_s else 0.0)
+        refused = faults.slowdown_rate and faults.draw("slowdown", key, attempt) < faults.slowdown_rate
+        if not refused:
+            self.inner.write(key, buffers)
+        extra = service
+        if faults.stall_every and faults.draw("stall", key, attempt) * faults.stall_every < 1:
+            extra += faults.stall_s
+            self._count("stall")
+        if faults.slow_worker is not None and current_worker() == faults.slow_worker and faults.slow_factor != 1:
+            extra += (faults.slow_factor - 1) * (time.perf_counter() - start + extra)
+            self._count("slow")
+        if extra > 0:
+            time.sleep(extra)
+        if refused:
+            self._count("slowdown")
+            raise SlowDownError(503, f"SlowDown: please reduce your request rate (injected, writing {key!r})")
+
+    def _count(self, kind: str) -> None:
+        with self._lock:
+            self.injected[kind] += 1
+
+    def telemetry_lost(self, round_index: int) -> bool:
+        faults = self.faults
+        lost = bool(faults.telemetry_loss) and faults.draw("telemetry", round_index) < faults.telemetry_loss
+        if lost:
+            self._count("telemetry_loss")
+        return lost or self.inner.telemetry_lost(round_index)
 
     def release(self) -> None:
         self.inner.release()

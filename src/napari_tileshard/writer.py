@@ -25,7 +25,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -33,6 +33,7 @@ from . import codecs
 from .backends import select_backend
 from .backends.base import Backend, MemoryBudget
 from .collector import Collector, in_flight_bytes
+from .dispatch import MODES as DISPATCH_MODES
 from .layout import Layout
 from .ome import group_metadata
 from .publish import Publisher, check_attributes
@@ -61,6 +62,16 @@ class WriterStats:
     shards_written: int = 0
     elapsed_s: float = 0.0
     rows_complete: int = 0  # rows along dim 0 whose shards are all on disk
+    # The I/O dispatcher (dispatch.py), refreshed by sync/flush/close:
+    io_dispatch: str = ""
+    io_workers: list = field(default_factory=list)  # per worker: shards, bytes, busy_s, errors, p50/p95
+    moves: int = 0  # queued shards the planner moved off a predicted straggler
+    steals: int = 0  # queued shards an idle worker took over
+    hedges: int = 0  # duplicate writes of shards past the hedging deadline
+    duplicate_bytes: int = 0
+    retries: int = 0  # transient storage errors (503 SlowDown) retried
+    fallback_rounds: int = 0  # batches placed statically (model cold or telemetry lost)
+    replaced_workers: int = 0  # workers retired for being far slower than the others, and replaced
 
     @property
     def compression_ratio(self) -> float:
@@ -226,6 +237,12 @@ class Writer:
     tile-epoch boundary after that time the complete epochs are submitted anyway, so a slow
     stream still reaches the disk (and survives a crash) within about that time.
 
+    Shards are written by ``io_threads`` workers of the I/O dispatcher
+    (:mod:`napari_tileshard.dispatch`); ``io_dispatch`` picks how shards reach them:
+    ``"adaptive"`` (predicted straggler relief and hedged writes), ``"pull"`` (a shared queue)
+    or ``"static"`` (round-robin).  ``stats`` reports per-worker figures, moves, hedges,
+    duplicate bytes and fallback rounds.
+
     ``ome=True`` writes an OME-Zarr 0.5 group instead of a bare array: level 0 at ``0/`` and a
     pyramid of ``downsample`` levels (``"mean"``, ``"max"``, ``"min"``, ``"decimate"``) over
     ``downsample_dims`` (default the last two dims) at ``1/``, ``2/``, ... computed by the backend
@@ -254,6 +271,7 @@ class Writer:
         max_host_bytes: int | None = None,
         max_device_bytes: int | None = None,
         io_threads: int = 4,
+        io_dispatch: str = "adaptive",
         threads: int | None = None,
         devices=None,
         attributes: dict | None = None,
@@ -283,6 +301,9 @@ class Writer:
         if staging_buffers is not None and (_positive_int("staging_buffers", staging_buffers) < 2):
             raise ValueError(f"staging_buffers must be an integer >= 2, got {staging_buffers!r}")
         io_threads = _positive_int("io_threads", io_threads)
+        if io_dispatch not in DISPATCH_MODES:
+            raise ValueError(f"io_dispatch must be one of {', '.join(DISPATCH_MODES)}, got {io_dispatch!r}")
+        self._io_dispatch = io_dispatch
         threads = _positive_int("threads", threads, allow_none=True)
         batch_bytes = _positive_int("batch_bytes", batch_bytes, allow_none=True)
         budget = MemoryBudget(
@@ -370,6 +391,7 @@ class Writer:
             self._prefixes,
             self._publisher,
             io_threads=io_threads,
+            io_dispatch=self._io_dispatch,
             pipeline_limit=max(staging_buffers, self._backend.batches_in_flight),
             batch_epochs=self.batch_epochs,
             failed=lambda: self._error,
@@ -535,6 +557,7 @@ class Writer:
             self._fail(exc)
         finally:
             self._collector.shutdown()
+            self._refresh_io_stats()
             self._staging.close()
             self._backend.close()
             if self._error is not None:
@@ -658,7 +681,16 @@ class Writer:
     def _drain(self) -> None:
         """Wait until the collector has processed everything submitted and storage caught up."""
         self._collector.drain()
+        self._refresh_io_stats()
         self._raise_if_failed()
+
+    def _refresh_io_stats(self) -> None:
+        io = self._collector.io_stats()
+        stats = self.stats
+        stats.io_dispatch, stats.io_workers = io.mode, io.workers
+        stats.moves, stats.steals, stats.hedges = io.moves, io.steals, io.hedges
+        stats.duplicate_bytes, stats.retries, stats.fallback_rounds = io.duplicate_bytes, io.retries, io.fallback_rounds
+        stats.replaced_workers = io.replaced
 
     def _shard_written(self, nbytes: int) -> None:
         with self._stats_lock:
