@@ -9,7 +9,8 @@ napari viewer (Xvfb), and steps the first dim: ``--steps`` steps forward one fra
 (dragging the slider) and as many random jumps.  Per step: from ``dims.set_current_step`` until
 the canvas has rendered the new plane (``viewer.screenshot(canvas_only=True)``, which draws the
 scene now; its small read-back of the canvas pixels is included, so the figure is an upper
-bound).  ``--reader zarr`` sets ``TILESHARD_READER=zarr`` (zarr-python, the rollback) for an A/B.
+bound).  ``--reader zarr`` sets ``TILESHARD_READER=zarr`` (zarr-python, the rollback) for an A/B;
+``--reader numpy`` loads every level into memory first: what napari itself costs per step.
 """
 
 from __future__ import annotations
@@ -56,10 +57,15 @@ def main() -> int:
     parser.add_argument("--frames", type=int, default=96)
     parser.add_argument("--tile", default="8x128x128")
     parser.add_argument("--steps", type=int, default=50)
-    parser.add_argument("--reader", choices=("tileshard", "zarr"), default="tileshard")
+    parser.add_argument(
+        "--reader",
+        choices=("tileshard", "zarr", "numpy"),
+        default="tileshard",
+        help="zarr: TILESHARD_READER=zarr (the rollback); numpy: every level in memory first (napari's own floor)",
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    os.environ["TILESHARD_READER"] = args.reader
+    os.environ["TILESHARD_READER"] = "zarr" if args.reader == "zarr" else "tileshard"
     tile = tuple(int(v) for v in args.tile.split("x"))
     scratch = None
     path = args.path
@@ -80,7 +86,13 @@ def main() -> int:
     viewer = napari.Viewer(show=True)
     viewer.window.resize(1400, 950)
     app = QApplication.instance()
-    (layer,) = viewer.open(str(path), plugin="napari-tileshard")
+    if args.reader == "numpy":
+        from napari_tileshard._reader import read_zarr
+
+        ((levels, meta, _),) = read_zarr(str(path))
+        layer = viewer.add_image([np.asarray(level) for level in levels], multiscale=True, name=meta["name"])
+    else:
+        (layer,) = viewer.open(str(path), plugin="napari-tileshard")
     viewer.reset_view()
     app.processEvents()
     frames = int(layer.data[0].shape[0] if layer.multiscale else layer.data.shape[0])
