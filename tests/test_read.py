@@ -15,7 +15,7 @@ from zarr.codecs import BloscCodec, GzipCodec, ZstdCodec
 from napari_tileshard import Dim, Layout, ShardReader, Writer
 from napari_tileshard import read as read_module
 from napari_tileshard.backends import gpu_unavailable_reason
-from napari_tileshard.read import ChunkDecodeError, unit_boxes
+from napari_tileshard.read import ChunkDecodeError, LazySelection, unit_boxes
 from napari_tileshard.read_gpu import block_params, plan_batches, slot_elements, untile_emulated, untile_tables
 from napari_tileshard.read_plan import ShardIndexError, pack_runs
 
@@ -514,7 +514,14 @@ def test_napari_reader_uses_shard_reader_and_rolls_back(tmp_path, monkeypatch):
     np.testing.assert_array_equal(np.asarray(layer), data)
     ((levels, meta, _),) = read_zarr(str(tmp_path / "o.zarr"))
     np.testing.assert_array_equal(np.asarray(levels[0][5]), data[5])
-    assert any(isinstance(task, ShardReader) for task in levels[0].dask.values())  # dask reads through it
+    assert isinstance(levels[0], LazySelection)
+    # napari's multiscale slicing: crop every row, then pick one; only the picked row is read
+    reader = levels[0].reader
+    before = reader.stats.chunks_decoded
+    cropped = levels[0][:, 3:30, 5:40]
+    assert cropped.shape == (8, 27, 35) and reader.stats.chunks_decoded == before
+    np.testing.assert_array_equal(np.asarray(cropped[6]), data[6, 3:30, 5:40])
+    assert reader.stats.chunks_decoded - before == 2 * 3  # tiles of 2 rows x 16 x 16 holding it
     monkeypatch.setenv("TILESHARD_READER", "zarr")
     ((layer, _, _),) = read_zarr(str(tmp_path / "a.zarr"))
     assert isinstance(layer, zarr.Array)
@@ -592,3 +599,28 @@ def test_preview_verify_and_inspector_check_read_through_shard_reader(tmp_path, 
     assert results["tileshard"][:2] == results["zarr"][:2]
     assert any("0/c/2/0/0" in p and "chunk 5" in p for p in results["tileshard"][0])
     assert results["tileshard"][2] < results["zarr"][2] / 4  # coalesced: a few reads per shard
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_lazy_selections_compose_like_numpy(tmp_path_factory, data):
+    path = tmp_path_factory.getbasetemp() / "lazy.zarr"
+    if not path.exists():
+        _zarr_array(path, (9, 7, 11), (2, 3, 4), (4, 6, 8), "uint16", "zstd", fill=3)
+    expected = zarr.open_array(path, mode="r")[...]
+    lazy = ShardReader(path, backend="cpu").lazy()
+    for _ in range(data.draw(st.integers(1, 3))):
+        if expected.ndim == 0:
+            break
+        axis = data.draw(st.sampled_from(sorted({0, min(1, expected.ndim - 1), expected.ndim - 1})))
+        size = expected.shape[axis]
+        steps = st.none() | st.sampled_from([1, 2, 3, -1, -2])
+        bounds = st.none() | st.integers(-size - 2, size + 2)
+        ints = st.integers(-size, size - 1) if size else st.nothing()
+        item = data.draw(st.builds(slice, bounds, bounds, steps) | ints)
+        key = (slice(None),) * axis + (item,)
+        if axis == expected.ndim - 1 and data.draw(st.booleans()):
+            key = (Ellipsis, item)
+        expected, lazy = expected[key], lazy[key]
+        assert lazy.shape == expected.shape, key
+    np.testing.assert_array_equal(np.asarray(lazy), expected)

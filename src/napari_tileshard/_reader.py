@@ -182,8 +182,12 @@ def read_zarr(path):
         units = _axis_units(root)
         if units and len(units) == levels[0].ndim:
             meta["units"] = units
-        # Lazy (dask): napari's multiscale slicing crops every row of a level before picking one.
+        # Lazy: napari's multiscale slicing crops every row of a level before picking one.  Our
+        # reader's LazySelection composes those selections and reads the picked row only; levels
+        # zarr-python reads (or partly written ones) are dask arrays.
         import dask.array as da
+
+        from .read import ShardReader
 
         shown, notes = [], []
         for level in levels:
@@ -194,7 +198,10 @@ def read_zarr(path):
                 break  # a coarser level without written rows: napari needs every level non-empty
             if not note:
                 data = fast_array(access, data, level=len(shown))
-            shown.append(da.from_array(data, chunks=level.shards or level.chunks))
+            if isinstance(data, ShardReader):
+                shown.append(data.lazy())
+            else:
+                shown.append(da.from_array(data, chunks=level.shards or level.chunks))
         if notes:
             meta["metadata"]["unwritten_rows"] = "; ".join(notes)
         if not shown:

@@ -241,9 +241,78 @@ def _store_chunk(chunks: np.ndarray, chunk_dtype, i: int, decoded: np.ndarray) -
     chunks[i] = decoded.view(chunk_dtype).reshape(chunks.shape[1:])
 
 
+class LazySelection:
+    """A basic selection of a :class:`ShardReader`'s array, read only when converted
+    (``np.asarray``): indexing composes (ints, slices with any step, Ellipsis) and reads nothing.
+
+    napari's multiscale slicing first crops the displayed region over every row of a level, then
+    picks the current row, then converts: with this array-like only that row's chunks are
+    planned, read and decoded (a dask array does the same with a task per shard and ~20 ms of
+    scheduling per slice).  Index types it cannot compose (arrays, None) read the selection first.
+    """
+
+    def __init__(self, reader: ShardReader, items: tuple):
+        self.reader, self.items = reader, items  # per dim of the reader: a range (kept) or an int
+        self.shape = tuple(len(item) for item in items if isinstance(item, range))
+        self.dtype = reader.dtype
+        self.ndim = len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    def __len__(self) -> int:
+        return self.shape[0] if self.shape else 0
+
+    def __repr__(self):
+        return f"LazySelection(shape={self.shape}, dtype={self.dtype}, of {self.reader!r})"
+
+    def __getitem__(self, key):
+        keys = key if isinstance(key, tuple) else (key,)
+        composable = all(
+            k is Ellipsis or isinstance(k, slice) or (isinstance(k, (int, np.integer)) and not isinstance(k, bool))
+            for k in keys
+        )
+        if not composable or sum(k is Ellipsis for k in keys) > 1:
+            return np.asarray(self)[key]
+        if any(k is Ellipsis for k in keys):
+            at = next(i for i, k in enumerate(keys) if k is Ellipsis)
+            keys = keys[:at] + (slice(None),) * (self.ndim - len(keys) + 1) + keys[at + 1 :]
+        if len(keys) > self.ndim:
+            raise IndexError(f"too many indices for an array of {self.ndim} dimensions: {key!r}")
+        keys = keys + (slice(None),) * (self.ndim - len(keys))
+        composed, next_key = [], iter(keys)
+        for item in self.items:
+            if isinstance(item, range):
+                k = next(next_key)
+                composed.append(item[int(k)] if isinstance(k, (int, np.integer)) else item[k])
+            else:
+                composed.append(item)
+        return LazySelection(self.reader, tuple(composed))
+
+    def __array__(self, dtype=None, copy=None):
+        selection, flip = [], []
+        for item in self.items:
+            if isinstance(item, int):
+                selection.append(item)
+            elif len(item) == 0:
+                selection.append(slice(0, 0))
+            elif item.step > 0:
+                selection.append(slice(item.start, item[-1] + 1, item.step))
+            else:  # read the same elements in increasing order, then reverse
+                selection.append(slice(item[-1], item.start + 1, -item.step))
+                flip.append(len([s for s in selection[:-1] if not isinstance(s, int)]))
+        out = self.reader.read(tuple(selection))
+        if flip:
+            out = np.flip(out, axis=tuple(flip))
+        return np.asarray(out, dtype=dtype)
+
+
 # -- placing decoded chunks -------------------------------------------------------------------
 #: the most decoded bytes one decode task handles (its scratch buffer, reused per thread)
 UNIT_BYTES = 8 << 20
+#: the most bytes of read buffers a reader keeps for reuse
+FREE_BUFFER_BYTES = 256 << 20
 
 
 def unit_boxes(box_shape: tuple[int, ...], max_rows: int) -> list[tuple[tuple[int, int], tuple[tuple[int, int], ...]]]:
@@ -565,6 +634,9 @@ class ShardReader:
         self.backend = self._choose_backend(backend)
         self._gpu = None
         self._local = threading.local()  # per decode thread: its scratch buffer
+        self._free_buffers: list[np.ndarray] = []  # read buffers to reuse (see _take_buffer)
+        self._free_bytes = 0
+        self._buffer_lock = threading.Lock()
 
     # -- configuration ------------------------------------------------------------------
     def _configure(self, array) -> str | None:
@@ -738,6 +810,11 @@ class ShardReader:
     def __array__(self, dtype=None, copy=None):
         return np.asarray(self.read(Ellipsis), dtype=dtype)
 
+    def lazy(self) -> LazySelection:
+        """The whole array as a :class:`LazySelection`: indexing it composes selections and reads
+        nothing; ``np.asarray`` reads just the selected region."""
+        return LazySelection(self, tuple(range(n) for n in self.shape))
+
     def read(self, selection=Ellipsis, device: bool = False):
         """The selection as a NumPy array (``device=True``: a CuPy array, on the GPU backend),
         with zarr-python's dtype, shape and fill value."""
@@ -779,17 +856,39 @@ class ShardReader:
             started = time.perf_counter()
             self._decode_each(read, buffer, functools.partial(_store_chunk, chunks, self.chunk_dtype))
             self.stats.decode_seconds += time.perf_counter() - started
+            self._recycle([buffer])
             yield read, chunks
 
     # -- internals ---------------------------------------------------------------------------
     def _fetch(self, read: Read) -> np.ndarray:
-        buffer = np.empty(read.size, dtype=np.uint8)
+        buffer = self._take_buffer(read.size)
         started = time.perf_counter()
         self._objects.read_into(read.key, read.start, buffer)
         self.stats.read_seconds += time.perf_counter() - started
         self.stats.requests += 1
         self.stats.bytes_read += read.size
         return buffer
+
+    def _take_buffer(self, size: int) -> np.ndarray:
+        """A read buffer of ``size`` bytes: a recycled one when one is large enough.  Reusing
+        buffers saves the page faults of fresh memory on every read (on a VM, touching fresh
+        memory cost more than copying the bytes out of the page cache)."""
+        with self._buffer_lock:
+            fits = [i for i, b in enumerate(self._free_buffers) if b.size >= size]
+            if fits:
+                best = min(fits, key=lambda i: self._free_buffers[i].size)
+                self._free_bytes -= self._free_buffers[best].size
+                return self._free_buffers.pop(best)[:size]
+        return np.empty(size, dtype=np.uint8)
+
+    def _recycle(self, buffers) -> None:
+        """Return read buffers once decoded; at most :data:`FREE_BUFFER_BYTES` are kept."""
+        with self._buffer_lock:
+            for buffer in buffers:
+                base = buffer.base if isinstance(buffer.base, np.ndarray) else buffer
+                if self._free_bytes + base.size <= FREE_BUFFER_BYTES:
+                    self._free_buffers.append(base)
+                    self._free_bytes += base.size
 
     def _fetched(self, reads, fetch=None) -> Iterator[tuple[Read, np.ndarray]]:
         """``(read, buffer)`` in order, up to ``prefetch`` reads fetched ahead, on up to
@@ -834,15 +933,16 @@ class ShardReader:
         unit_bytes = int(min(UNIT_BYTES, max(self.chunk_bytes, total // (self.workers * 4) or 1)))
         fetched = self._fetched(plan.reads)
         pool = self._decode_pool() if self.workers > 1 else None
-        pending: list[tuple[Block, np.ndarray, list, int]] = []
+        pending: list[tuple[Block, np.ndarray, list, int, list]] = []
         in_flight = 0
 
         def finish(entry) -> tuple[Block, np.ndarray]:
             nonlocal in_flight
-            block, out, futures, nbytes = entry
+            block, out, futures, nbytes, buffers = entry
             started = time.perf_counter()
             for future in futures:
                 future.result()
+            self._recycle(buffers)
             self.stats.decode_seconds += time.perf_counter() - started
             in_flight -= nbytes
             return block, out
@@ -866,7 +966,7 @@ class ShardReader:
                     futures = []
                 else:
                     futures = [pool.submit(work, unit) for unit in units]
-                pending.append((block, out, futures, source.nbytes))
+                pending.append((block, out, futures, source.nbytes, [b for _, b in buffers]))
                 in_flight += source.nbytes
                 self.stats.chunks_decoded += source.present
                 self.stats.bytes_decoded += source.present * self.chunk_bytes
@@ -875,7 +975,7 @@ class ShardReader:
             while pending:
                 yield finish(pending.pop(0))
         finally:
-            for _, _, futures, _ in pending:
+            for _, _, futures, _, _ in pending:
                 for future in futures:
                     future.cancel()
 

@@ -437,6 +437,7 @@ class GpuReadPath:
             self._statuses.data.ptr,
             self.stream.ptr,
         )
+        self._in_flight = (device_pointers, device_sizes)  # alive until the next call (stream order)
 
     def _place(self, plan: ReadPlan, batch: DeviceBatch, pool, out, tables, dim_offset) -> None:
         """One un-tiling kernel per block of the batch into ``out``."""
