@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import tempfile
 import threading
 import time
@@ -137,6 +138,7 @@ def main():
     else:
         print(f"first preview not observed: {sorted(seen)}")
     viewer.close()
+    shutil.rmtree(out.parent, ignore_errors=True)  # ~1 GB per session: never leave it in /tmp
 
 
 if __name__ == "__main__":
