@@ -27,7 +27,9 @@ than the others, and the slowest one sets the pace.  Three modes (``mode=``):
     earns ``hedge_fraction`` (5 %) of every submitted byte, so duplicate bytes never exceed that
     share.  Writes are idempotent: the same key and the same bytes; a local sink writes a
     temporary file and renames it, an object store PUT is atomic, so whichever copy lands last
-    replaces identical bytes with identical bytes.
+    replaces identical bytes with identical bytes.  A key written again with other bytes (a
+    flushed shard completed later) is ordered: the new version starts only once every copy of
+    the older one has landed, and only the newest version is hedged.
   - *Replacement*: a worker predicted ``retire_factor`` (4) times slower than the median of the
     others is retired (it finishes the write in hand) and a fresh worker (thread, connection)
     takes its queue, so a sick connection costs its share of capacity only until it is found.
