@@ -177,3 +177,32 @@ def test_writer_fails_cleanly_when_storage_keeps_refusing(tmp_path):
     sink = FaultInjectingSink(tmp_path / "x.zarr", faults=StorageFaults(slowdown_rate=1.0))
     with pytest.raises(WriterError, match="SlowDown"):
         record(sink, io_threads=2)
+
+
+def _seed_where_only_the_first_attempt_stalls() -> int:
+    return next(
+        seed
+        for seed in range(1000)
+        if StorageFaults(seed=seed).draw("stall", "hot/k", 0) * 2 < 1
+        and all(StorageFaults(seed=seed).draw("stall", "hot/k", n) * 2 >= 1 for n in (1, 2, 3))
+    )
+
+
+def test_a_late_hedged_copy_never_lands_over_a_newer_version_of_its_key(tmp_path):
+    """A flushed shard is rewritten later under the same key with more data: a hedged copy of the
+    old version still in flight must not land after the new one."""
+    faults = StorageFaults(seed=_seed_where_only_the_first_attempt_stalls(), keys="hot/*", stall_every=2, stall_s=0.4)
+    sink = FaultInjectingSink(tmp_path / "s", faults=faults)
+    dispatcher = Dispatcher(sink, 3, hedge_quantile=0.5, hedge_fraction=0.5)  # tokens to spare
+    for start in range(0, 64, 8):  # warm up the deadline and the token bucket
+        for future in dispatcher.submit([(f"c/{i}", [bytes(4096)]) for i in range(start, start + 8)]):
+            future.result()
+    old, new = b"1" * 4096, b"2" * 4096
+    (first,) = dispatcher.submit([("hot/k", [old])])
+    first.result(timeout=0.3)  # resolved by the hedged copy while the first copy is stalled
+    assert "hot/k" in [key for _, key, *_, kind in dispatcher.assignment_log if kind == "duplicate"]
+    (second,) = dispatcher.submit([("hot/k", [new])])
+    second.result()
+    dispatcher.shutdown()
+    sink.release()
+    assert (tmp_path / "s" / "hot" / "k").read_bytes() == new

@@ -27,7 +27,9 @@ than the others, and the slowest one sets the pace.  Three modes (``mode=``):
     earns ``hedge_fraction`` (5 %) of every submitted byte, so duplicate bytes never exceed that
     share.  Writes are idempotent: the same key and the same bytes; a local sink writes a
     temporary file and renames it, an object store PUT is atomic, so whichever copy lands last
-    replaces identical bytes with identical bytes.
+    replaces identical bytes with identical bytes.  A key written again with other bytes (a
+    flushed shard completed later) is ordered: the new version starts only once every copy of
+    the older one has landed, and only the newest version is hedged.
   - *Replacement*: a worker predicted ``retire_factor`` (4) times slower than the median of the
     others is retired (it finishes the write in hand) and a fresh worker (thread, connection)
     takes its queue, so a sick connection costs its share of capacity only until it is found.
@@ -242,12 +244,18 @@ class Dispatcher:
         self._queues: list[deque[_Task]] = [deque() for _ in range(workers)]
         self._shared: deque[_Task] = deque()
         self._in_flight: set[_Task] = set()
+        # Versions of one key (a flushed shard rewritten later) are written in order: a task waits
+        # while an older version's copy is still being written, and only the newest is hedged.
+        self._writing: dict[str, int] = {}  # key -> copies being written
+        self._deferred: dict[str, deque[_Task]] = {}
+        self._latest: dict[str, int] = {}  # key -> seq of its newest task not yet finished
         self._cond = threading.Condition()
         self._seq = itertools.count()
         self._rr = 0
         self._round = 0
         self._round_lost = False
         self._closing = False
+        self._idle = 0  # workers waiting for work
         self._tokens = 0.0
         self._counts = dict.fromkeys(("shards", "bytes", "moves", "steals", "hedges", "hedge_wins", "retries"), 0)
         self._counts.update(duplicate_bytes=0, fallback_rounds=0, replaced=0)
@@ -272,6 +280,7 @@ class Dispatcher:
             for key, buffers in writes:
                 nbytes = sum(memoryview(b).nbytes for b in buffers)
                 tasks.append(_Task(key, buffers, nbytes, next(self._seq), self._round))
+                self._latest[key] = tasks[-1].seq
                 self._tokens += self.hedge_fraction * nbytes
                 self._counts["bytes"] += nbytes
             if self.mode == "pull":
@@ -398,6 +407,8 @@ class Dispatcher:
         for task in self._in_flight:
             if task.done or task.hedged or worker in task.running or task.started is None:
                 continue
+            if self._latest.get(task.key) != task.seq:  # a newer version of the key was submitted
+                continue
             deadline = self._deadline(task.nbytes)
             if deadline is None:
                 return None, False, None
@@ -412,7 +423,10 @@ class Dispatcher:
                 # to take as long again as it has so far (it overran its deadline).
                 (owner,) = task.running
                 owner_end = max(task.running[owner] + self._models[owner].predict(task.nbytes), 2 * now - task.started)
-                if now + self._models[worker].predict(task.nbytes) >= owner_end:
+                mine = now + self._models[worker].predict(task.nbytes)
+                if mine >= owner_end:
+                    retry = max(mine - owner_end, 1e-3)  # the owner's estimate grows as it overruns
+                    wait = retry if wait is None else min(wait, retry)
                     continue
             if over > best_over or best is None:
                 best, best_over = task, over
@@ -433,13 +447,21 @@ class Dispatcher:
                         return  # retired: its replacement carries on
                     now = time.perf_counter()
                     task, duplicate, wait = self._next(worker, now)
+                    if task is not None and not duplicate and self._writing.get(task.key):
+                        self._deferred.setdefault(task.key, deque()).append(task)  # after the older copy
+                        continue
                     if task is not None:
                         break
                     if self._closing and not self._pending():
                         return
+                    self._idle += 1
                     self._cond.wait(wait if wait is not None else 0.5)
+                    self._idle -= 1
                 start = time.perf_counter()
                 task.running[worker] = start
+                self._writing[task.key] = self._writing.get(task.key, 0) + 1
+                if self._idle and self.mode == "adaptive":
+                    self._cond.notify_all()  # idle workers time their hedging deadline from this start
                 if task.started is None:
                     task.started = start
                 self._in_flight.add(task)
@@ -448,7 +470,7 @@ class Dispatcher:
             self._finished(worker, task, duplicate, error, start, round_)
 
     def _pending(self) -> bool:
-        return bool(self._shared or self._in_flight or any(self._queues))
+        return bool(self._shared or self._in_flight or self._deferred or any(self._queues))
 
     def _write(self, worker: int, task: _Task) -> BaseException | None:
         for attempt in range(self.max_retries + 1):
@@ -476,6 +498,10 @@ class Dispatcher:
         resolve = None
         with self._cond:
             del task.running[worker]
+            self._writing[task.key] -= 1
+            if not self._writing[task.key]:
+                del self._writing[task.key]
+                self._release_deferred(task.key)
             stats = self._telemetry[worker]
             stats.busy_s += seconds
             kind = "duplicate" if duplicate else "write"
@@ -505,6 +531,9 @@ class Dispatcher:
                     task.done = True
                     resolve = "error"
             self.assignment_log.append((worker, task.key, round_, task.nbytes, seconds, kind))
+            if not task.running and task.done:
+                if self._latest.get(task.key) == task.seq:
+                    del self._latest[task.key]
             if not task.running:
                 self._in_flight.discard(task)
                 task.buffers = ()  # the last copy is done: the shard's memory may go
@@ -524,6 +553,21 @@ class Dispatcher:
         """The predicted seconds of writing ``nbytes`` on ``worker`` (0 while it has no sample)."""
         with self._cond:
             return self._models[worker].predict(nbytes)
+
+    def _release_deferred(self, key: str) -> None:
+        """The last copy of ``key`` landed: its next version may go, first in line."""
+        waiting = self._deferred.pop(key, None)
+        if not waiting:
+            return
+        task = waiting.popleft()
+        if waiting:
+            self._deferred[key] = waiting
+        if self.mode == "pull":
+            self._shared.appendleft(task)
+        else:
+            owner = task.owner if task.owner in self._active else self._active[0]
+            task.owner = owner
+            self._queues[owner].appendleft(task)
 
     def _maybe_retire(self, worker: int, nbytes: int) -> None:
         """Replace a worker predicted ``retire_factor`` times slower than the median of the others

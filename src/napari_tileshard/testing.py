@@ -28,8 +28,9 @@ class StorageFaults:
 
     * ``service_s`` + ``nbytes / service_bytes_per_s``: a simulated storage service time added to
       every write attempt (a benchmark's stand-in for a network or disk of known speed);
-    * ``slow_worker`` / ``slow_factor``: that I/O dispatcher worker
-      (:func:`napari_tileshard.dispatch.current_worker`) takes ``slow_factor`` times as long;
+    * ``slow_worker`` / ``slow_factor``: on that I/O dispatcher worker
+      (:func:`napari_tileshard.dispatch.current_worker`) the simulated time is ``slow_factor`` times
+      as long (the simulated time passes before the bytes land);
     * ``stall_every`` / ``stall_s``: about one write attempt in ``stall_every`` stalls ``stall_s``
       seconds (periodic stalls: which ones is decided by the seed, the key and the attempt);
     * ``slowdown_rate``: that share of write attempts is answered with :class:`SlowDownError`
@@ -137,24 +138,22 @@ class FaultInjectingSink(Sink):
         if not fnmatch.fnmatchcase(key, faults.keys):
             self.inner.write(key, buffers)
             return
-        start = time.perf_counter()
         nbytes = sum(memoryview(b).nbytes for b in buffers)
-        service = faults.service_s + (nbytes / faults.service_bytes_per_s if faults.service_bytes_per_s else 0.0)
-        refused = faults.slowdown_rate and faults.draw("slowdown", key, attempt) < faults.slowdown_rate
-        if not refused:
-            self.inner.write(key, buffers)
-        extra = service
+        # The simulated time passes before the bytes land, as on a slow link or a stuck request:
+        # a slow copy lands late (what a hedged copy races against).
+        delay = faults.service_s + (nbytes / faults.service_bytes_per_s if faults.service_bytes_per_s else 0.0)
         if faults.stall_every and faults.draw("stall", key, attempt) * faults.stall_every < 1:
-            extra += faults.stall_s
+            delay += faults.stall_s
             self._count("stall")
         if faults.slow_worker is not None and current_worker() == faults.slow_worker and faults.slow_factor != 1:
-            extra += (faults.slow_factor - 1) * (time.perf_counter() - start + extra)
+            delay *= faults.slow_factor
             self._count("slow")
-        if extra > 0:
-            time.sleep(extra)
-        if refused:
+        if delay > 0:
+            time.sleep(delay)
+        if faults.slowdown_rate and faults.draw("slowdown", key, attempt) < faults.slowdown_rate:
             self._count("slowdown")
             raise SlowDownError(503, f"SlowDown: please reduce your request rate (injected, writing {key!r})")
+        self.inner.write(key, buffers)
 
     def _count(self, kind: str) -> None:
         with self._lock:
