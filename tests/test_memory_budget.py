@@ -175,3 +175,17 @@ def test_pinned_memory_placed_from_given_cpus_is_zeroed_and_usable():
     host[:] = 7
     device = cupy.asarray(host)
     assert int(device.sum()) == 7 * (64 << 20)
+
+
+def test_warm_up_of_small_frames_encodes_one_tile_epoch_not_a_batch_of_shards(backend):
+    """A batch of 48 x 40 frames is 17 476 frames and 4 369 shards on the CPU (8x that on a GPU),
+    which took warm_up 12 s here (minutes on a GPU): one tile epoch per GPU loads every kernel."""
+    import time
+
+    small = Layout([Dim("t", 0, 4, 2), Dim("y", 48, 16, 2), Dim("x", 40, 16, 2)], "uint16")
+    started = time.perf_counter()
+    estimate = Writer.warm_up(small, backend=backend)
+    assert time.perf_counter() - started < 4
+    assert estimate["host"] > 0
+    bounded = Layout([Dim("t", 3, 4, 2), Dim("y", 48, 16, 2), Dim("x", 40, 16, 2)], "uint16")
+    assert Writer.warm_up(bounded, backend=backend)["host"] > 0  # fewer rows than one epoch: nothing encoded

@@ -430,14 +430,12 @@ class Writer:
         with cls("memory://", layout, **options) as writer:
             # One batch through every GPU: CuPy compiles or loads a kernel into a device the first
             # time it runs there, which took a camera's first frames 50+ ms per GPU (measured on
-            # 2x H200: every drop of a 10 GB/s stream fell there).  The staging buffers' own
-            # contents are encoded: no frame is copied.
+            # 2x H200: every drop of a 10 GB/s stream fell there).  A batch of one tile epoch loads
+            # the same kernels as a full one; a full batch of small frames is 10 000s of shards,
+            # which took minutes.  The staging buffers' own contents are encoded: no frame is copied.
             batches = len(getattr(writer._backend, "devices", ())) or 1
-            frames = batches * max(1, writer.batch_bytes // writer._frame_bytes) if writer._frame_bytes else 0
-            if layout.unbounded or frames <= layout.shape[0]:
-                for _ in range(frames):
-                    with writer.frame_buffer():
-                        pass
+            if layout.unbounded or batches * layout.epoch_rows <= layout.shape[0]:
+                writer._encode_staging_as_is(batches)
             return writer.memory_estimate()
 
     def memory_held(self) -> dict[str, int]:
@@ -517,6 +515,17 @@ class Writer:
         self._filled(frame_bytes)
         if staging.full:
             self._submit_current(self.batch_epochs, block=block)  # not now: at the next frame
+
+    def _encode_staging_as_is(self, batches: int) -> None:
+        """Submit ``batches`` batches of one tile epoch each, of whatever the staging buffers
+        hold (:meth:`warm_up`: the backend hands consecutive batches to its GPUs in turn)."""
+        staging = self._staging
+        for _ in range(batches):
+            staging.acquire(True)
+            staging.commit(self.layout.epoch_bytes)
+            self._filled(self.layout.epoch_bytes)  # may submit it already (a slow stream's epoch)
+            if staging.fill:
+                self._submit_current(staging.fill // self.layout.epoch_bytes)
 
     def sync(self) -> None:
         """Wait until every batch handed to the backend so far is encoded and its complete shard
