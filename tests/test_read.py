@@ -360,7 +360,7 @@ def test_crc_mismatch_and_corrupt_chunk(tmp_path):
     layout=layouts(),
     dtype=st.sampled_from(["uint8", "uint16", "float64"]),
     max_read=st.sampled_from([None, 64]),
-    caps=st.sampled_from([(1, 1), (300, 10**9), (10**9, 10**9)]),
+    caps=st.sampled_from([(1, 1), (300, 10**9), (10**9, 10**9), (2000, 10**9, 8)]),
     data=st.data(),
 )
 def test_device_batches_and_untile_kernel_math_equal_zarr(layout, dtype, max_read, caps, data):
@@ -394,6 +394,20 @@ def test_device_batches_and_untile_kernel_math_equal_zarr(layout, dtype, max_rea
                 slots = batch.slot_table[batch.table_offset[k] :]
                 untile_emulated(out, pool, slots, params, chunk_of, within, len(plan.shape), stride)
         np.testing.assert_array_equal(out.reshape(plan.out_shape), array[selection], err_msg=str(selection))
+
+
+def test_device_batches_ramp_up_from_a_small_first_batch(tmp_path):
+    """A large read starts with a batch of 1/ramp of the caps, doubling up to the caps: the device
+    gets its first chunks after a short read instead of a whole batch."""
+    _zarr_array(tmp_path / "a.zarr", (64, 32, 32), (2, 16, 16), (2, 32, 32), "uint16", "zstd", holes=False)
+    reader = ShardReader(tmp_path / "a.zarr", backend="cpu")
+    plan = reader.plan(...)
+    block_bytes = 4 * reader.chunk_bytes  # 4 chunks of a block (chunk_bytes is 16-byte aligned here)
+    flat = plan_batches(plan, reader.chunk_bytes, 10**9, 8 * block_bytes)
+    ramped = plan_batches(plan, reader.chunk_bytes, 10**9, 8 * block_bytes, ramp=8)
+    assert [len(b.blocks) for b in flat] == [8] * 4
+    assert [len(b.blocks) for b in ramped] == [1, 2, 4, 8, 8, 8, 1]
+    assert [b for batch in ramped for b in batch.blocks] == list(range(32))
 
 
 @settings(max_examples=40, deadline=None)

@@ -5,16 +5,21 @@ cap of decoded bytes (``TILESHARD_GPU_BATCH_BYTES``, 512 MiB) and of compressed 
 cap and ``max_read_bytes``), so that one nvCOMP call sees thousands of chunks (nvCOMP is fast
 only with many chunks per call; one shard is ~64).  Per batch:
 
-1. the prefetch thread reads all its reads into one pinned staging buffer (reused; two of them
-   alternate, so the next batch is read while this one is on the device);
-2. one H2D of the staging buffer; one kernel moves the chunks to nvCOMP's input alignment;
-3. **one** ``nvcompBatchedZstdDecompressAsync`` call decodes every chunk of the batch into its
-   slot of the batch's device pool (slot 0 holds the fill value: absent chunks point there);
-4. one un-tiling kernel per block writes the block's part of the device output, one thread per
-   output element: the inverse of the writer's tile lift, evaluated as a gather from per-dim
-   tables (:func:`untile_tables`, the same ``DimPart.chunk_of``/``within`` the CPU path uses).
+1. prefetch threads read all its reads into one pinned staging buffer (recycled once its H2D
+   is done), ``prefetch`` batches ahead;
+2. one H2D of the staging buffer on the copy stream, into one of two device staging buffers
+   (alternating, so the next batch uploads while this one decodes); the compute stream waits for it;
+3. on the compute stream: one kernel moves the chunks to nvCOMP's input alignment (when needed),
+   **one** ``nvcompBatchedZstdDecompressAsync`` call decodes every chunk of the batch into its
+   slot of the device pool (slot 0 holds the fill value: absent chunks point there), and one
+   un-tiling kernel writes every block's part of the device output: the inverse of the writer's
+   tile lift, a gather from per-dim tables (:func:`untile_tables`, the same
+   ``DimPart.chunk_of``/``within`` the CPU path uses), one thread block per output row so that
+   only the row's position is divided out, not every element's.
 
-D2H only when NumPy output is asked.  The batching and the tables are plain NumPy
+The host never waits for a batch: nvCOMP's statuses stay on the device and are checked once,
+after the last batch.  D2H only when NumPy output is asked, in pieces through two pinned
+buffers while threads copy the previous piece out.  The batching and the tables are plain NumPy
 (:func:`plan_batches`, :func:`block_params`); :func:`untile_emulated` evaluates the kernel's
 arithmetic with NumPy so that the CPU test suite checks them.  Only CuPy is imported here, and
 only when a GPU reader is made.
@@ -27,16 +32,21 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from . import codecs
 from .read_plan import Block, Read, ReadPlan
 
+_H2D = 1  # cudaMemcpyHostToDevice
 _SLOT_ALIGN = 16  # device pool slots and staged reads: nvCOMP needs 8-byte aligned buffers
 #: the most decoded bytes of one batch (its device pool; ``TILESHARD_GPU_BATCH_BYTES``): 512 MiB
 #: is 2048 chunks of 256 KiB per nvCOMP call, and a 4 GiB read still pipelines over 8 batches
 DEFAULT_BATCH_BYTES = 512 << 20
+#: a read larger than one batch starts with a batch of 1/RAMP of it (then 2/RAMP, ...): the first
+#: batch is read from storage before the device has anything to do, so it is kept small
+RAMP = 8
 
 
 def batch_bytes_setting() -> int:
@@ -66,37 +76,66 @@ extern "C" __global__ void realign(const unsigned char* __restrict__ src, unsign
 #: element_strides, dim_offset; then the block's element count
 UNTILE_SOURCE = r"""
 struct __align__(16) e16 { unsigned long long a, b; };
+// One launch per batch; one thread block per output row (all dims but the last) of any of the
+// batch's blocks: the row's block is found by bisection of the blocks' first rows, the row's
+// position is divided out once, then the threads walk the row's elements, whose output addresses
+// are consecutive and whose pool addresses are consecutive within a chunk (coalesced both ways).
 template <typename T>
-__device__ void untile(T* __restrict__ out, const T* __restrict__ pool, const long long* __restrict__ slots,
-                       const long long* __restrict__ p, const long long* __restrict__ chunk_of,
-                       const long long* __restrict__ within, int ndim, long long slot_stride) {
+__device__ void untile_row(T* __restrict__ out, const T* __restrict__ pool, const long long* __restrict__ slots,
+                           const long long* __restrict__ p, const long long* __restrict__ chunk_of,
+                           const long long* __restrict__ within, int ndim, long long slot_stride,
+                           long long row) {
   const long long* out_strides = p;
   const long long* lo = p + ndim;
   const long long* shape = p + 2 * ndim;
   const long long* box_strides = p + 3 * ndim;
   const long long* element_strides = p + 4 * ndim;
   const long long* dim_offset = p + 5 * ndim;
-  const long long count = p[6 * ndim];
-  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < count;
-       i += (long long)gridDim.x * blockDim.x) {
-    long long rest = i, out_index = 0, box = 0, inside = 0;
-    for (int d = ndim - 1; d >= 0; --d) {
-      const long long n = shape[d];
-      const long long pos = lo[d] + rest % n;
-      rest /= n;
-      const long long t = dim_offset[d] + pos;
-      out_index += pos * out_strides[d];
-      box += chunk_of[t] * box_strides[d];
-      inside += within[t] * element_strides[d];
+  if (ndim == 0) {
+    if (threadIdx.x == 0) out[0] = pool[slots[0] * slot_stride];
+    return;
+  }
+  const int last = ndim - 1;
+  long long rest = row, out_row = 0, box_row = 0, inside_row = 0;
+  for (int d = last - 1; d >= 0; --d) {
+    const long long n = shape[d];
+    const long long pos = lo[d] + rest % n;
+    rest /= n;
+    const long long t = dim_offset[d] + pos;
+    out_row += pos * out_strides[d];
+    box_row += chunk_of[t] * box_strides[d];
+    inside_row += within[t] * element_strides[d];
+  }
+  for (long long x = threadIdx.x; x < shape[last]; x += blockDim.x) {
+    const long long pos = lo[last] + x;
+    const long long t = dim_offset[last] + pos;
+    out[out_row + pos * out_strides[last]] =
+        pool[slots[box_row + chunk_of[t] * box_strides[last]] * slot_stride + inside_row +
+             within[t] * element_strides[last]];
+  }
+}
+template <typename T>
+__device__ void untile(T* __restrict__ out, const T* __restrict__ pool, const long long* __restrict__ slot_table,
+                       const long long* __restrict__ params, const long long* __restrict__ table_offset,
+                       const long long* __restrict__ row_start, int blocks, const long long* __restrict__ chunk_of,
+                       const long long* __restrict__ within, int ndim, long long slot_stride) {
+  const long long rows = row_start[blocks];
+  for (long long r = blockIdx.x; r < rows; r += gridDim.x) {
+    int a = 0, b = blocks - 1;  // the last block whose first row is <= r (empty blocks are skipped)
+    while (a < b) {
+      const int m = (a + b + 1) / 2;
+      if (row_start[m] <= r) a = m; else b = m - 1;
     }
-    out[out_index] = pool[slots[box] * slot_stride + inside];
+    untile_row<T>(out, pool, slot_table + table_offset[a], params + (long long)a * (6 * ndim + 1), chunk_of,
+                  within, ndim, slot_stride, r - row_start[a]);
   }
 }
 #define UNTILE(NAME, T) \
-extern "C" __global__ void NAME(T* out, const T* pool, const long long* slots, const long long* p, \
+extern "C" __global__ void NAME(T* out, const T* pool, const long long* slot_table, const long long* params, \
+                                const long long* table_offset, const long long* row_start, int blocks, \
                                 const long long* chunk_of, const long long* within, int ndim, \
                                 long long slot_stride) { \
-  untile<T>(out, pool, slots, p, chunk_of, within, ndim, slot_stride); }
+  untile<T>(out, pool, slot_table, params, table_offset, row_start, blocks, chunk_of, within, ndim, slot_stride); }
 UNTILE(untile1, unsigned char)
 UNTILE(untile2, unsigned short)
 UNTILE(untile4, unsigned int)
@@ -164,22 +203,28 @@ def _aligned(n, align: int = _SLOT_ALIGN):
     return -(-n // align) * align
 
 
-def plan_batches(plan: ReadPlan, chunk_bytes: int, max_compressed: int, max_decoded: int) -> list[DeviceBatch]:
+def plan_batches(
+    plan: ReadPlan, chunk_bytes: int, max_compressed: int, max_decoded: int, ramp: int = 1
+) -> list[DeviceBatch]:
     """Group the plan's blocks (in order, whole blocks) into batches within both caps (a block
     larger than a cap is a batch alone); blocks without reads of ``plan`` (another rank's, or
-    wholly absent) still get their fill-value slots."""
+    wholly absent) still get their fill-value slots.  ``ramp``: the first batch's caps are the
+    caps divided by ``ramp``, doubling from batch to batch up to the caps (the device starts
+    on a small first batch instead of waiting for a whole one to be read)."""
     reads_of: list[list[Read]] = [[] for _ in plan.blocks]
     for read in plan.reads:
         reads_of[read.block].append(read)
     batches: list[DeviceBatch] = []
     current: list[int] = []
     compressed = decoded = 0
+    scale = max(1, ramp)
     for b in range(len(plan.blocks)):
         size = sum(_aligned(r.size) for r in reads_of[b])
         slots = sum(len(r.chunks) for r in reads_of[b]) * _aligned(chunk_bytes)
-        if current and (compressed + size > max_compressed or decoded + slots > max_decoded):
+        if current and (compressed + size > max_compressed // scale or decoded + slots > max_decoded // scale):
             batches.append(_batch(plan, current, reads_of))
             current, compressed, decoded = [], 0, 0
+            scale = max(1, scale // 2)
         current.append(b)
         compressed += size
         decoded += slots
@@ -252,6 +297,17 @@ def block_params(plan: ReadPlan, block: Block, chunk_shape, dim_offset: list[int
     )
 
 
+def batch_rows(plan: ReadPlan, batch: DeviceBatch) -> np.ndarray:
+    """Output rows (elements over the last dim's extent) of each block of ``batch``: one
+    thread block of the un-tiling kernel each."""
+    rows = []
+    for b in batch.blocks:
+        shape = plan.blocks[b].shape
+        count = int(np.prod(shape, dtype=np.int64))
+        rows.append(count // int(shape[-1]) if shape and shape[-1] else (count if not shape else 0))
+    return np.asarray(rows, dtype=np.int64)
+
+
 def untile_emulated(out_flat, pool, slots, params, chunk_of, within, ndim: int, slot_stride: int) -> None:
     """The un-tiling kernel's arithmetic with NumPy (all elements at once): for checking the
     tables and parameters on machines without a GPU."""
@@ -276,13 +332,17 @@ def untile_emulated(out_flat, pool, slots, params, chunk_of, within, ndim: int, 
 class GpuReadPath:
     """Reads a plan on the device for one :class:`~napari_tileshard.read.ShardReader`."""
 
+    #: bytes of one D2H piece for NumPy output (two pinned buffers of it alternate)
+    HOST_PIECE_BYTES = 64 << 20
+
     def __init__(self, reader):
         import cupy
 
         from .backends import _nvcomp
 
         self.reader, self.cupy, self.nvcomp = reader, cupy, _nvcomp
-        self.stream = cupy.cuda.Stream(non_blocking=True)
+        self.stream = cupy.cuda.Stream(non_blocking=True)  # realign, decode, un-tile, D2H
+        self.copy_stream = cupy.cuda.Stream(non_blocking=True)  # H2D of the staged reads
         self.codec = reader.codec
         self.itemsize = reader.dtype.itemsize
         if self.itemsize not in (1, 2, 4, 8, 16):
@@ -291,34 +351,48 @@ class GpuReadPath:
         self.align = _nvcomp.decompress_input_alignment() if self.codec.kind == "zstd" else 1
         self._realign = cupy.RawKernel(REALIGN_SOURCE, "realign")
         self._untile = cupy.RawModule(code=UNTILE_SOURCE).get_function(f"untile{self.itemsize}")
-        self._io = ThreadPoolExecutor(4, thread_name_prefix="tileshard-gpu-read")
-        self._free_pinned: list[np.ndarray] = []
-        self._pinned_lock = threading.Lock()  # the prefetch thread takes buffers, this one returns them
+        # A batch's reads (dozens of shards) are fetched by the reader's ``workers`` threads, as
+        # are the D2H pieces copied into NumPy output: one thread copied only 1-2 GB/s out of
+        # the page cache on the 16-core H100 host, far below what the device decodes.
+        self._threads = max(1, reader.workers)
+        self._io = ThreadPoolExecutor(self._threads, thread_name_prefix="tileshard-gpu-read")
+        self._free_pinned: list[tuple[np.ndarray, Any]] = []  # (buffer, event of its last H2D)
+        self._pinned_lock = threading.Lock()  # the prefetch threads take buffers, this one returns them
         self._device: dict[str, object] = {}  # reused device buffers by role, grown when too small
+        self._consumed: list[Any] = [None, None]  # per device staging buffer: its batch's work is done
+        self._meta_pinned: list[Any] = [None, None]  # per parity: (pinned tables, event of their H2D)
+        self._temp_sizes: dict[int, int] = {}  # nvCOMP's temp bytes by chunk count
+        self._pinned_bytes = 0  # the size of every pinned staging buffer (the largest batch's)
+        self._host_pieces: list[np.ndarray] = []
         fill = np.full(reader.chunk_elements, reader.fill_value, dtype=reader.dtype).view(np.uint8)
         self._fill = cupy.asarray(fill)
 
     def close(self) -> None:
         self._io.shutdown()
         self._free_pinned.clear()
+        self._host_pieces.clear()
         self._device.clear()
 
     def batches(self, plan: ReadPlan) -> list[DeviceBatch]:
         reader = self.reader
         decoded = batch_bytes_setting()
-        return plan_batches(plan, reader.chunk_bytes, min(reader.max_read_bytes, decoded), decoded)
+        ramp = RAMP if plan.reads and sum(r.size for r in plan.reads) > decoded else 1
+        return plan_batches(plan, reader.chunk_bytes, min(reader.max_read_bytes, decoded), decoded, ramp)
 
-    # -- host side (prefetch thread) ----------------------------------------------------
+    # -- host side (prefetch threads) ----------------------------------------------------
     def _fetch(self, batch: DeviceBatch) -> np.ndarray:
-        """All reads of ``batch`` in one pinned buffer (recycled once its H2D is done)."""
-        size = max(batch.staging_bytes, 1)
+        """All reads of ``batch`` in one pinned buffer (recycled once its H2D is done; every
+        buffer is as large as the largest batch seen, so any can be reused for any batch)."""
+        size = max(batch.staging_bytes, self._pinned_bytes, 1)
         with self._pinned_lock:
             # by position, not list.remove(): that compares NumPy arrays element by element
-            found = next((i for i, b in enumerate(self._free_pinned) if b.size >= size), None)
-            buffer = self._free_pinned.pop(found) if found is not None else None
+            found = next((i for i, (b, _) in enumerate(self._free_pinned) if b.size >= size), None)
+            buffer, uploaded = self._free_pinned.pop(found) if found is not None else (None, None)
         if buffer is None:
             memory = self.cupy.cuda.alloc_pinned_memory(size)
             buffer = np.frombuffer(memory, np.uint8, size)
+        elif uploaded is not None:
+            uploaded.synchronize()  # its previous batch's H2D may still be reading it
         reader = self.reader
         started = time.perf_counter()
 
@@ -331,16 +405,20 @@ class GpuReadPath:
         reader.stats.bytes_read += sum(read.size for read in batch.reads)
         return buffer
 
-    def _recycle(self, host: np.ndarray) -> None:
+    def _recycle(self, host: np.ndarray, uploaded=None) -> None:
         with self._pinned_lock:
-            self._free_pinned.append(host)
+            self._free_pinned.append((host, uploaded))
             while len(self._free_pinned) > max(2, self.reader.prefetch + 1):
-                self._free_pinned.pop(0)  # keep a bounded number of pinned buffers
+                _, last_upload = self._free_pinned.pop(0)  # keep a bounded number of pinned buffers
+                if last_upload is not None:
+                    last_upload.synchronize()  # not freed under its own H2D
 
     def _buffer(self, role: str, nbytes: int):
         """A reused device buffer of at least ``nbytes`` (first ``nbytes`` returned)."""
         buffer = self._device.get(role)
         if buffer is None or buffer.size < nbytes:  # type: ignore[attr-defined]
+            if buffer is not None:
+                self.cupy.cuda.Device().synchronize()  # work in flight may still use the old one
             self._device.pop(role, None)
             buffer = self._device[role] = self.cupy.empty(max(nbytes, 1), dtype=self.cupy.uint8)
         return buffer[: max(nbytes, 1)]  # type: ignore[index]
@@ -350,48 +428,124 @@ class GpuReadPath:
         cupy, reader = self.cupy, self.reader
         with self.stream:
             out = cupy.empty(plan.shape, dtype=reader.dtype)
+            checks: list[tuple] = []
             if out.size:
                 chunk_of, within, dim_offset = untile_tables(plan)
                 tables = (cupy.asarray(chunk_of), cupy.asarray(within))
-                for batch, host in reader._fetched(self.batches(plan), self._fetch):
+                batches = self.batches(plan)
+                self._pinned_bytes = max([self._pinned_bytes] + [b.staging_bytes for b in batches])
+                for k, (batch, host) in enumerate(reader._fetched(batches, self._fetch)):
                     started = time.perf_counter()
-                    pool = self._decode(batch, host)
-                    self._place(plan, batch, pool, out, tables, dim_offset)
+                    checks.append(self._decode_and_place(plan, batch, host, k % 2, out, tables, dim_offset))
                     reader.stats.decode_seconds += time.perf_counter() - started
             self.stream.synchronize()
+            self._raise_on_failed_chunks(checks)
         out = out.reshape(plan.out_shape)
-        return out if device else cupy.asnumpy(out, stream=self.stream)
+        return out if device else self._to_host(out)
 
-    def stage(self, batch: DeviceBatch, host: np.ndarray):
-        """One H2D of the batch's staging buffer, then its chunks at nvCOMP's input alignment:
-        (device bytes, per-chunk offsets in them)."""
-        raw = self._buffer("raw", batch.staging_bytes)
-        if batch.staging_bytes:
-            raw[: batch.staging_bytes].set(host[: batch.staging_bytes], stream=self.stream)
-        if self.align > 1 and np.any(batch.chunk_src % self.align):
-            aligned = _aligned(batch.chunk_nbytes, self.align)
-            starts = np.concatenate([[0], np.cumsum(aligned)[:-1]]).astype(np.int64)
-            packed = self._buffer("packed", int(aligned.sum()))
-            self._copy_chunks(raw, batch.chunk_src, packed, starts, batch.chunk_nbytes)
-            return packed, starts
-        return raw, batch.chunk_src
-
-    def _decode(self, batch: DeviceBatch, host: np.ndarray):
-        """Stage the batch and decode all its chunks into the pool by one nvCOMP call; the
-        pinned buffer is recycled once the H2D is done.  Returns the pool (bytes)."""
+    def _decode_and_place(
+        self, plan: ReadPlan, batch: DeviceBatch, host: np.ndarray, parity: int, out, tables, dim_offset
+    ):
+        """Enqueue one batch: its H2D (copy stream, into device staging buffer ``parity``, which
+        the batch two before has finished with), then on the compute stream the realignment,
+        one nvCOMP call into the pool and the un-tiling of its blocks into ``out``.  Every small
+        table the device needs (nvCOMP's pointers and sizes, slots, kernel parameters) travels
+        in the same H2D from pinned memory: a ``cupy.asarray`` of pageable memory may wait for
+        the stream, which kept the host from running ahead of the device.  Returns what
+        :meth:`_raise_on_failed_chunks` checks once the stream is done."""
         cupy, n, chunk_bytes = self.cupy, batch.chunks, self.reader.chunk_bytes
         slot_bytes = self.slot_stride * self.itemsize
         pool = self._buffer("pool", batch.slots * slot_bytes)
-        pool[:chunk_bytes] = self._fill  # slot 0: the fill value
-        staged, starts = self.stage(batch, host)
+        raw = self._buffer(f"raw{parity}", batch.staging_bytes)
+        realign = self.align > 1 and bool(np.any(batch.chunk_src % self.align))
+        staged, starts = raw, batch.chunk_src
+        if realign:
+            aligned = _aligned(batch.chunk_nbytes, self.align)
+            starts = np.concatenate([[0], np.cumsum(aligned)[:-1]]).astype(np.int64)
+            staged = self._buffer("packed", int(aligned.sum()))
         dst = batch.chunk_slot * slot_bytes
-        if self.codec.kind == "none":  # the chunks are the decoded data: copy them into their slots
-            self._copy_chunks(staged, starts, pool, dst, batch.chunk_nbytes)
+        table: dict[str, np.ndarray] = {}
+        if realign:
+            table.update(realign_src=batch.chunk_src, realign_dst=starts, realign_nbytes=batch.chunk_nbytes)
+        if self.codec.kind == "none":  # the chunks are the decoded data: copied into their slots
+            table.update(copy_src=starts, copy_dst=dst, copy_nbytes=batch.chunk_nbytes)
         elif n:
-            self.decompress(staged, starts, batch.chunk_nbytes, pool, dst)
+            table["pointers"] = np.concatenate([staged.data.ptr + starts, pool.data.ptr + dst])
+            table["sizes"] = np.concatenate([batch.chunk_nbytes, np.full(n, chunk_bytes, np.int64)])
+        table["slots"] = batch.slot_table
+        table["params"] = np.concatenate(
+            [block_params(plan, plan.blocks[b], self.reader.chunk_shape, dim_offset) for b in batch.blocks]
+        )
+        rows = batch_rows(plan, batch)
+        table["table_offset"] = np.asarray(batch.table_offset, dtype=np.int64)
+        table["row_start"] = np.concatenate([[0], np.cumsum(rows)]).astype(np.int64)
+        meta = self._upload(batch, host, raw, parity, table)
+        if realign:
+            self._realign((n,), (256,), (raw, staged, meta["realign_src"], meta["realign_dst"], meta["realign_nbytes"]))
+        pool[:chunk_bytes] = self._fill  # slot 0: the fill value
+        check: tuple = (batch, None, None)
+        if "copy_src" in meta and n:
+            self._realign((n,), (256,), (staged, pool, meta["copy_src"], meta["copy_dst"], meta["copy_nbytes"]))
+        elif n:
+            statuses, actual = self._decompress(meta["pointers"], meta["sizes"], n)
+            check = (batch, statuses, actual)
             self.reader.stats.device_decode_calls += 1
-            self.stream.synchronize()  # statuses are on self.stream; one sync per batch
-            status, decoded = cupy.asnumpy(self._statuses[:n]), cupy.asnumpy(self._actual[:n])
+        self._place(plan, batch, pool, out, meta, int(rows.sum()), tables)
+        done = cupy.cuda.Event(block=True, disable_timing=True)
+        done.record(self.stream)
+        self._consumed[parity] = done  # the H2D two batches on may overwrite staging buffer ``parity``
+        self.reader.stats.chunks_decoded += n
+        self.reader.stats.bytes_decoded += n * chunk_bytes
+        return check
+
+    def _upload(self, batch: DeviceBatch, host: np.ndarray, raw, parity: int, table: dict[str, np.ndarray]):
+        """The batch's bytes and its tables (int64, concatenated into pinned memory) in one H2D
+        each on the copy stream; the compute stream waits for them.  Returns the tables as
+        device arrays by name."""
+        cupy = self.cupy
+        names = list(table)
+        sizes = [len(table[k]) for k in names]
+        count = max(1, sum(sizes))
+        pinned = self._meta_pinned[parity]
+        if pinned is not None and pinned[1] is not None:
+            pinned[1].synchronize()  # its previous upload (two batches ago) is done: reuse or free it
+        if pinned is None or pinned[0].size < count:
+            pinned = (np.frombuffer(cupy.cuda.alloc_pinned_memory(8 * count), np.int64, count), None)
+        host_meta = pinned[0]
+        at = 0
+        for name, size in zip(names, sizes):
+            host_meta[at : at + size] = table[name]
+            at += size
+        device_meta = self._buffer(f"meta{parity}", 8 * count).view(cupy.int64)
+        previous = self._consumed[parity]
+        if previous is not None:  # the batch before last still reads these buffers
+            self.copy_stream.wait_event(previous)
+        if batch.staging_bytes:
+            cupy.cuda.runtime.memcpyAsync(
+                raw.data.ptr, host.ctypes.data, batch.staging_bytes, _H2D, self.copy_stream.ptr
+            )
+        cupy.cuda.runtime.memcpyAsync(
+            device_meta.data.ptr, host_meta.ctypes.data, 8 * count, _H2D, self.copy_stream.ptr
+        )
+        uploaded = cupy.cuda.Event(block=True, disable_timing=True)
+        uploaded.record(self.copy_stream)
+        self.stream.wait_event(uploaded)
+        self._recycle(host, uploaded)
+        self._meta_pinned[parity] = (host_meta, uploaded)
+        out, at = {}, 0
+        for name, size in zip(names, sizes):
+            out[name] = device_meta[at : at + size]
+            at += size
+        return out
+
+    def _raise_on_failed_chunks(self, checks) -> None:
+        """After the stream is synchronised: ChunkDecodeError naming the first chunk whose
+        nvCOMP status is an error or whose decoded size is not one chunk."""
+        chunk_bytes = self.reader.chunk_bytes
+        for batch, statuses, actual in checks:
+            if statuses is None:
+                continue
+            status, decoded = self.cupy.asnumpy(statuses), self.cupy.asnumpy(actual)
             bad = np.flatnonzero((status != 0) | (decoded != chunk_bytes))
             if bad.size:
                 from .read import ChunkDecodeError
@@ -405,80 +559,123 @@ class GpuReadPath:
                     f"nvCOMP zstd decode failed (status {int(status[i])}, {int(decoded[i])} bytes decoded, "
                     f"expected {chunk_bytes})",
                 )
-        self.stream.synchronize()  # the H2D from ``host`` is done: it may be refilled
-        self._recycle(host)
-        self.reader.stats.chunks_decoded += n
-        self.reader.stats.bytes_decoded += n * chunk_bytes
-        return pool
 
-    def decompress(self, staged, starts: np.ndarray, nbytes: np.ndarray, pool, dst: np.ndarray) -> None:
-        """Enqueue one batched nvCOMP decompression: chunk ``i`` from ``staged[starts[i]:]``
-        (``nbytes[i]`` bytes) into ``pool[dst[i]:]``; statuses and sizes stay on the device."""
-        cupy, n, chunk_bytes = self.cupy, len(nbytes), self.reader.chunk_bytes
-        pointers = np.concatenate(
-            [np.uint64(staged.data.ptr) + starts.astype(np.uint64), np.uint64(pool.data.ptr) + dst.astype(np.uint64)]
-        )
-        sizes = np.concatenate([nbytes.astype(np.uint64), np.full(n, chunk_bytes, np.uint64)])
-        device_pointers = cupy.asarray(pointers)
-        device_sizes = cupy.asarray(sizes)
-        self._actual = cupy.empty(n, dtype=cupy.uint64)
-        self._statuses = cupy.empty(n, dtype=cupy.int32)
-        temp_size = self.nvcomp.decompress_temp_bytes(n, chunk_bytes, n * chunk_bytes)
+    def _decompress(self, pointers, sizes, n: int):
+        """Enqueue one batched nvCOMP decompression on the compute stream: ``pointers`` (device
+        int64: ``n`` inputs then ``n`` outputs) and ``sizes`` (``n`` compressed sizes, then ``n``
+        output capacities).  Returns the device arrays of statuses and decoded sizes."""
+        cupy, chunk_bytes = self.cupy, self.reader.chunk_bytes
+        actual = cupy.empty(n, dtype=cupy.uint64)
+        statuses = cupy.empty(n, dtype=cupy.int32)
+        temp_size = self._temp_sizes.get(n)
+        if temp_size is None:
+            temp_size = self._temp_sizes[n] = self.nvcomp.decompress_temp_bytes(n, chunk_bytes, n * chunk_bytes)
         temp = self._buffer("temp", temp_size)
         self.nvcomp.decompress_async(
-            device_pointers.data.ptr,
-            device_sizes.data.ptr,
-            device_sizes.data.ptr + 8 * n,
-            self._actual.data.ptr,
+            pointers.data.ptr,
+            sizes.data.ptr,
+            sizes.data.ptr + 8 * n,
+            actual.data.ptr,
             n,
             temp.data.ptr,
             temp_size,
-            device_pointers.data.ptr + 8 * n,
-            self._statuses.data.ptr,
+            pointers.data.ptr + 8 * n,
+            statuses.data.ptr,
             self.stream.ptr,
         )
-        self._in_flight = (device_pointers, device_sizes)  # alive until the next call (stream order)
+        return statuses, actual
 
-    def _place(self, plan: ReadPlan, batch: DeviceBatch, pool, out, tables, dim_offset) -> None:
-        """One un-tiling kernel per block of the batch into ``out``."""
-        cupy, ndim = self.cupy, len(plan.shape)
-        slot_table = cupy.asarray(batch.slot_table)
-        params = cupy.asarray(
-            np.concatenate(
-                [block_params(plan, plan.blocks[b], self.reader.chunk_shape, dim_offset) for b in batch.blocks]
-            )
+    def _place(self, plan: ReadPlan, batch: DeviceBatch, pool, out, meta, rows: int, tables) -> None:
+        """One un-tiling kernel for all blocks of the batch into ``out`` (a thread block per row)."""
+        if not rows:
+            return
+        ndim = len(plan.shape)
+        width = max(int(plan.blocks[b].shape[-1]) if ndim else 1 for b in batch.blocks)
+        threads = 256 if width >= 256 else max(32, -(-width // 32) * 32)
+        args = (
+            out,
+            pool,
+            meta["slots"],
+            meta["params"],
+            meta["table_offset"],
+            meta["row_start"],
+            np.int32(len(batch.blocks)),
+            tables[0],
+            tables[1],
+            np.int32(ndim),
+            np.int64(self.slot_stride),
         )
-        width = 6 * ndim + 1
-        for k, b in enumerate(batch.blocks):
-            count = int(np.prod(plan.blocks[b].shape, dtype=np.int64))
-            if not count:
-                continue
-            grid = min(-(-count // 256), 65535 * 16)
-            args = (
-                out,
-                pool,
-                slot_table[batch.table_offset[k] :],
-                params[k * width : (k + 1) * width],
-                tables[0],
-                tables[1],
-                np.int32(ndim),
-                np.int64(self.slot_stride),
+        self._untile((min(rows, 1 << 22),), (threads,), args, stream=self.stream)
+
+    def _to_host(self, out):
+        """``out`` in a NumPy array: D2H in pieces into two alternating pinned buffers, each
+        piece copied out by several threads while the next one is on the bus (one D2H into
+        fresh pageable memory ran at ~2 GB/s: the page faults of the destination, one thread)."""
+        cupy = self.cupy
+        result = np.empty(out.shape, dtype=out.dtype)
+        total = out.nbytes
+        if not total:
+            return result
+        src, dst = out.data.ptr, result.reshape(-1).view(np.uint8)
+        piece = min(self.HOST_PIECE_BYTES, total)
+        while len(self._host_pieces) < 2 or self._host_pieces[0].size < piece:
+            if self._host_pieces and self._host_pieces[0].size < piece:
+                self._host_pieces.clear()
+            self._host_pieces.append(np.frombuffer(cupy.cuda.alloc_pinned_memory(piece), np.uint8, piece))
+        starts = list(range(0, total, piece))
+        landed = [cupy.cuda.Event(block=True, disable_timing=True) for _ in (0, 1)]
+
+        def enqueue(k: int) -> None:
+            size = min(piece, total - starts[k])
+            cupy.cuda.runtime.memcpyAsync(
+                self._host_pieces[k % 2].ctypes.data,
+                src + starts[k],
+                size,
+                cupy.cuda.runtime.memcpyDeviceToHost,
+                self.stream.ptr,
             )
-            self._untile((grid,), (256,), args, stream=self.stream)
+            landed[k % 2].record(self.stream)
+
+        def copy_out(k: int) -> None:
+            size = min(piece, total - starts[k])
+            bounds = [size * i // self._threads for i in range(self._threads + 1)]
+            host, at = self._host_pieces[k % 2], starts[k]
+            parts = [(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+            list(self._io.map(lambda ab: np.copyto(dst[at + ab[0] : at + ab[1]], host[ab[0] : ab[1]]), parts))
+
+        enqueue(0)
+        for k in range(len(starts)):
+            landed[k % 2].synchronize()
+            if k + 1 < len(starts):
+                enqueue(k + 1)  # into the other buffer, copied out in the previous round
+            copy_out(k)
+        return result
 
     def time_decompress(self, batch: DeviceBatch, repeat: int = 5) -> float:
         """Best seconds of the nvCOMP call alone on ``batch``'s chunks already on the device (the
         ceiling of this path; for benchmarks)."""
+        cupy, n = self.cupy, batch.chunks
         host = self._fetch(batch)
+        slot_bytes = self.slot_stride * self.itemsize
         with self.stream:
-            staged, starts = self.stage(batch, host)
-            slot_bytes = self.slot_stride * self.itemsize
+            raw = self._buffer("raw0", batch.staging_bytes)
+            raw[: batch.staging_bytes].set(host[: batch.staging_bytes])
+            starts, staged = batch.chunk_src, raw
+            if self.align > 1 and np.any(batch.chunk_src % self.align):
+                aligned = _aligned(batch.chunk_nbytes, self.align)
+                starts = np.concatenate([[0], np.cumsum(aligned)[:-1]]).astype(np.int64)
+                staged = self._buffer("packed", int(aligned.sum()))
+                self._copy_chunks(raw, batch.chunk_src, staged, starts, batch.chunk_nbytes)
             pool = self._buffer("pool", batch.slots * slot_bytes)
+            pointers = cupy.asarray(
+                np.concatenate([staged.data.ptr + starts, pool.data.ptr + batch.chunk_slot * slot_bytes])
+            )
+            sizes = cupy.asarray(np.concatenate([batch.chunk_nbytes, np.full(n, self.reader.chunk_bytes, np.int64)]))
             best = float("inf")
             for _ in range(repeat + 1):  # the first call warms up (temp buffer, kernels)
                 self.stream.synchronize()
                 started = time.perf_counter()
-                self.decompress(staged, starts, batch.chunk_nbytes, pool, batch.chunk_slot * slot_bytes)
+                self._decompress(pointers, sizes, n)
                 self.stream.synchronize()
                 best = min(best, time.perf_counter() - started)
         self._recycle(host)
