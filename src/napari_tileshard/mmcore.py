@@ -204,6 +204,7 @@ class TileShardSink:
         total = None if not self._bounded else math.prod(counts)
 
         self._summary = _jsonable(dict(meta or {}))
+        self._warm_up(layout)
         self._open_root(series_names)
         omero = _omero(sequence, dtype, bit_depth)
         try:
@@ -231,6 +232,16 @@ class TileShardSink:
         self._closed = False
         self._thread = threading.Thread(target=self._consume, name="tileshard-mda-sink", daemon=True)
         self._thread.start()
+
+    def _warm_up(self, layout) -> None:
+        """Arm the GPU before the camera starts (setup runs before the MDA's first event): the
+        first batch of a cold GPU loads its kernels (50+ ms), which at 4 GB/s from the camera
+        filled the sink's queue and overflowed pymmcore-plus's 1 GiB buffer (H100, 2048² frames)."""
+        from .backends import gpu_unavailable_reason
+
+        if self.backend in ("gpu", "auto") and gpu_unavailable_reason() is None:
+            options = {k: v for k, v in self.writer_options.items() if k not in ("overwrite", "ome")}
+            Writer.warm_up(layout, codec=self.codec, level=self.level, backend=self.backend, **options)
 
     def append(self, img: np.ndarray, event, meta) -> bool:
         """Queue one frame (on the MDA thread; waits only when ``queue_frames`` frames wait and

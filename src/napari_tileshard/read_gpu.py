@@ -77,57 +77,61 @@ extern "C" __global__ void realign(const unsigned char* __restrict__ src, unsign
 UNTILE_SOURCE = r"""
 struct __align__(16) e16 { unsigned long long a, b; };
 // One launch per batch; one thread block per output row (all dims but the last) of any of the
-// batch's blocks: the row's block is found by bisection of the blocks' first rows, the row's
-// position is divided out once, then the threads walk the row's elements, whose output addresses
-// are consecutive and whose pool addresses are consecutive within a chunk (coalesced both ways).
-template <typename T>
-__device__ void untile_row(T* __restrict__ out, const T* __restrict__ pool, const long long* __restrict__ slots,
-                           const long long* __restrict__ p, const long long* __restrict__ chunk_of,
-                           const long long* __restrict__ within, int ndim, long long slot_stride,
-                           long long row) {
-  const long long* out_strides = p;
-  const long long* lo = p + ndim;
-  const long long* shape = p + 2 * ndim;
-  const long long* box_strides = p + 3 * ndim;
-  const long long* element_strides = p + 4 * ndim;
-  const long long* dim_offset = p + 5 * ndim;
-  if (ndim == 0) {
-    if (threadIdx.x == 0) out[0] = pool[slots[0] * slot_stride];
-    return;
-  }
-  const int last = ndim - 1;
-  long long rest = row, out_row = 0, box_row = 0, inside_row = 0;
-  for (int d = last - 1; d >= 0; --d) {
-    const long long n = shape[d];
-    const long long pos = lo[d] + rest % n;
-    rest /= n;
-    const long long t = dim_offset[d] + pos;
-    out_row += pos * out_strides[d];
-    box_row += chunk_of[t] * box_strides[d];
-    inside_row += within[t] * element_strides[d];
-  }
-  for (long long x = threadIdx.x; x < shape[last]; x += blockDim.x) {
-    const long long pos = lo[last] + x;
-    const long long t = dim_offset[last] + pos;
-    out[out_row + pos * out_strides[last]] =
-        pool[slots[box_row + chunk_of[t] * box_strides[last]] * slot_stride + inside_row +
-             within[t] * element_strides[last]];
-  }
-}
+// batch's blocks.  Its first thread finds the row's block (bisection of the blocks' first rows)
+// and divides the row's position out, once per row, into shared memory; then the threads walk
+// the row's elements, whose output addresses are consecutive and whose pool addresses are
+// consecutive within a chunk (coalesced both ways).
 template <typename T>
 __device__ void untile(T* __restrict__ out, const T* __restrict__ pool, const long long* __restrict__ slot_table,
                        const long long* __restrict__ params, const long long* __restrict__ table_offset,
                        const long long* __restrict__ row_start, int blocks, const long long* __restrict__ chunk_of,
                        const long long* __restrict__ within, int ndim, long long slot_stride) {
+  __shared__ long long row_out, row_box, row_inside;
+  __shared__ int row_block;
   const long long rows = row_start[blocks];
+  const int width = 6 * ndim + 1;
   for (long long r = blockIdx.x; r < rows; r += gridDim.x) {
-    int a = 0, b = blocks - 1;  // the last block whose first row is <= r (empty blocks are skipped)
-    while (a < b) {
-      const int m = (a + b + 1) / 2;
-      if (row_start[m] <= r) a = m; else b = m - 1;
+    if (threadIdx.x == 0) {
+      int a = 0, b = blocks - 1;  // the last block whose first row is <= r (empty blocks are skipped)
+      while (a < b) {
+        const int m = (a + b + 1) / 2;
+        if (row_start[m] <= r) a = m; else b = m - 1;
+      }
+      const long long* p = params + (long long)a * width;
+      long long rest = r - row_start[a], o = 0, x = 0, in = 0;
+      for (int d = ndim - 2; d >= 0; --d) {
+        const long long n = p[2 * ndim + d];  // shape
+        const long long pos = p[ndim + d] + rest % n;  // lo + index
+        rest /= n;
+        const long long t = p[5 * ndim + d] + pos;  // dim_offset + pos
+        o += pos * p[d];
+        x += chunk_of[t] * p[3 * ndim + d];
+        in += within[t] * p[4 * ndim + d];
+      }
+      row_block = a;
+      row_out = o;
+      row_box = x;
+      row_inside = in;
     }
-    untile_row<T>(out, pool, slot_table + table_offset[a], params + (long long)a * (6 * ndim + 1), chunk_of,
-                  within, ndim, slot_stride, r - row_start[a]);
+    __syncthreads();
+    const int a = row_block;
+    const long long* p = params + (long long)a * width;
+    const long long* slots = slot_table + table_offset[a];
+    if (ndim == 0) {
+      if (threadIdx.x == 0) out[0] = pool[slots[0] * slot_stride];
+    } else {
+      const int last = ndim - 1;
+      const long long lo = p[ndim + last], n = p[2 * ndim + last], offset = p[5 * ndim + last];
+      const long long out_stride = p[last], box_stride = p[3 * ndim + last], element_stride = p[4 * ndim + last];
+      const long long o = row_out, x0 = row_box, in = row_inside;
+      for (long long i = threadIdx.x; i < n; i += blockDim.x) {
+        const long long pos = lo + i;
+        const long long t = offset + pos;
+        out[o + pos * out_stride] = pool[slots[x0 + chunk_of[t] * box_stride] * slot_stride + in +
+                                         within[t] * element_stride];
+      }
+    }
+    __syncthreads();  // the row's values are read before the next row replaces them
   }
 }
 #define UNTILE(NAME, T) \
