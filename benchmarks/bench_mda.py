@@ -121,6 +121,7 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="256² frames, 60 timepoints, one repeat, CPU only")
     parser.add_argument("--json", help="also write the rows here")
+    parser.add_argument("--configs", help="comma-separated subset of the configurations (default: all usable)")
     parser.add_argument("--buffer-mb", type=int, help="pymmcore-plus's sequence buffer (default: its own, 1024 MB)")
     args = parser.parse_args(argv)
     if args.quick:
@@ -141,6 +142,8 @@ def main(argv=None) -> None:
     core.mda.run(useq.MDASequence(time_plan={"interval": 0, "loops": 4}))  # renders the camera's bank, warms up
     print(f"# setup {time.perf_counter() - t0:.1f} s; frame {args.frame}² uint16, {args.frames} frames per MDA")
     configs = configurations(args.quick)
+    if args.configs:
+        configs = [c for c in configs if c in args.configs.split(",")]
     rows = []
     for repeat in range(args.repeats):
         for config in configs if repeat % 2 == 0 else configs[::-1]:
