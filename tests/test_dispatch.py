@@ -5,13 +5,14 @@ times are simulated in milliseconds so the whole file runs in a few seconds."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from napari_tileshard import Dim, Layout, Writer, WriterError, verify
-from napari_tileshard.dispatch import Dispatcher, TransientStorageError
+from napari_tileshard.dispatch import PREDICTORS, Dispatcher, RateModel, TransientStorageError
 from napari_tileshard.testing import FaultInjectingSink, SlowDownError, StorageFaults
 
 SERVICE = {"service_s": 0.003, "seed": 7}
@@ -207,3 +208,46 @@ def test_a_late_hedged_copy_never_lands_over_a_newer_version_of_its_key(tmp_path
     dispatcher.shutdown()
     sink.release()
     assert (tmp_path / "s" / "hot" / "k").read_bytes() == new
+
+
+def test_a_submission_costs_the_planner_the_same_whatever_the_backlog(tmp_path, monkeypatch):
+    """The planner's predictions per batch do not grow with the shards already queued (a slow disk
+    or many small shards): counted through a predictor registered in ``PREDICTORS``."""
+    calls = [0]
+
+    class CountingModel(RateModel):
+        def predict(self, nbytes):
+            calls[0] += 1
+            return super().predict(nbytes)
+
+        def predict_many(self, count, nbytes, units):
+            calls[0] += 1
+            return super().predict_many(count, nbytes, units)
+
+    monkeypatch.setitem(PREDICTORS, "counting", CountingModel)
+    release = threading.Event()
+    sink = FaultInjectingSink(tmp_path / "s", hold={"c/held/*": release})
+    dispatcher = Dispatcher(sink, 4, predictor="counting")
+    warm = 0
+    while min(dispatcher.model_samples) < 2:  # every worker measured: batches are planned, not round-robin
+        assert warm < 400, dispatcher.model_samples
+        for future in dispatcher.submit([(f"c/warm/{warm + i}", [bytes(4096)]) for i in range(4)]):
+            future.result()
+        warm += 4
+    futures, per_submit = [], {}
+    for backlog in (0, 2000):
+        while len(futures) < backlog:  # every worker holds one write; the rest stays queued
+            futures += dispatcher.submit([(f"c/held/{len(futures) + i}", [bytes(4096)]) for i in range(4)])
+        fallback, before = dispatcher.stats().fallback_rounds, calls[0]
+        for _ in range(10):
+            futures += dispatcher.submit([(f"c/held/{len(futures) + i}", [bytes(4096)]) for i in range(4)])
+        assert dispatcher.stats().fallback_rounds == fallback  # the planner placed them
+        per_submit[backlog] = (calls[0] - before) / 10
+    release.set()
+    for future in futures:
+        future.result()
+    dispatcher.shutdown()
+    sink.release()
+    # Bounded by the batch, the workers and max_moves (64); it used to sum over every queued shard.
+    assert per_submit[2000] < 500, per_submit
+    assert len(stored_files(tmp_path / "s")) == warm + len(futures)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 import zarr
+from zarr.core.buffer import default_buffer_prototype
 
 from napari_tileshard import Dim, Layout, StoreExistsError, Writer
 from napari_tileshard.store import ZarrStoreSink, open_sink, resolve_store
@@ -39,3 +42,36 @@ def test_unknown_scheme_is_an_error_and_creates_nothing(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="'nosuch'"):
         resolve_store("nosuch://bucket/x.zarr")
     assert list(tmp_path.iterdir()) == []  # no ./nosuch:/bucket/x.zarr
+
+
+def test_a_private_memory_store_is_written_inline_with_the_same_objects():
+    """``memory://``'s MemoryStore is the sink's alone: its coroutines run on the writing thread
+    (no round trip through zarr's event loop per shard), and the objects are those of a
+    recording into a caller's MemoryStore, written through zarr's loop."""
+    from napari_tileshard._zarr_sync import run_inline
+
+    def objects(store) -> dict:
+        async def collect():
+            prototype = default_buffer_prototype()
+            return {key: (await store.get(key, prototype)).to_bytes() async for key in store.list()}
+
+        return asyncio.run(collect())
+
+    private = open_sink("memory://")
+    shared = zarr.storage.MemoryStore()
+    for target in (private, shared):
+        with Writer(target, LAYOUT, backend="cpu") as writer:
+            writer.append(FRAMES)
+    assert objects(private.store) == objects(shared)
+    np.testing.assert_array_equal(zarr.open_array(private.store, mode="r")[:], FRAMES)
+
+    async def steps():
+        await asyncio.sleep(0)  # a bare yield: stepped over
+        return 7
+
+    async def waits():
+        await asyncio.sleep(0.01)  # a timer: needs a running loop
+
+    assert run_inline(steps()) == 7
+    with pytest.raises(RuntimeError):
+        run_inline(waits())

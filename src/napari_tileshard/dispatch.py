@@ -44,6 +44,7 @@ any other error fails the shard's future (the Writer stops, the Publisher claims
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import math
 import threading
@@ -92,6 +93,11 @@ class RateModel:
     def predict(self, nbytes: int) -> float:
         return self._seconds_per_byte * max(nbytes, 1)
 
+    def predict_many(self, count: int, nbytes: int, units: int) -> float:
+        """The predicted seconds of ``count`` writes of ``nbytes`` in all, ``units`` the sum of
+        their ``max(nbytes, 1)``: the sum of :meth:`predict` over them, in O(1)."""
+        return self._seconds_per_byte * units
+
 
 class AffineModel:
     """A richer predictor: seconds = overhead + nbytes / bandwidth, fitted by exponentially
@@ -121,6 +127,21 @@ class AffineModel:
         if slope <= 0 or overhead < 0:
             return self._fallback.predict(nbytes)
         return overhead + slope * nbytes
+
+    def predict_many(self, count: int, nbytes: int, units: int) -> float:
+        """The sum of :meth:`predict` over ``count`` writes of ``nbytes`` in all (``units``: the
+        sum of their ``max(nbytes, 1)``), in O(1)."""
+        if not count:
+            return 0.0
+        w, x, y, xx, xy = self._sums
+        spread = w * xx - x * x
+        if spread <= 1e-9 * max(xx * w, 1.0):
+            return self._fallback.predict_many(count, nbytes, units)
+        slope = (w * xy - x * y) / spread
+        overhead = (y - slope * x) / w
+        if slope <= 0 or overhead < 0:
+            return self._fallback.predict_many(count, nbytes, units)
+        return count * overhead + slope * nbytes
 
 
 PREDICTORS: dict[str, Callable[[], RateModel | AffineModel]] = {"rate": RateModel, "affine": AffineModel}
@@ -185,7 +206,21 @@ def _quantile(ordered: Sequence[float], q: float) -> float:
 
 
 class _Task:
-    __slots__ = ("key", "buffers", "nbytes", "future", "seq", "round", "owner", "running", "started", "hedged", "done")
+    __slots__ = (
+        "key",
+        "buffers",
+        "nbytes",
+        "future",
+        "seq",
+        "round",
+        "owner",
+        "running",
+        "started",
+        "hedged",
+        "done",
+        "queue",
+        "stamp",
+    )
 
     def __init__(self, key, buffers, nbytes, seq, round_):
         self.key, self.buffers, self.nbytes = key, buffers, nbytes
@@ -196,6 +231,106 @@ class _Task:
         self.started: float | None = None
         self.hedged = False
         self.done = False
+        self.queue: _WorkerQueue | None = None  # the queue holding it
+        self.stamp = 0  # which of its entries in that queue's heaps is live (one per push)
+
+
+class _WorkerQueue:
+    """One worker's queued tasks, oldest (lowest ``seq``) first, without scans or re-sorts.
+
+    Two heaps of entries: by ``seq`` (the order a worker takes them) and by size, largest first
+    (what straggler relief moves), plus a front lane for a deferred version released to go first
+    in line.  A task taken out of the middle (moved, stolen) is only marked: its entries die
+    (``task.queue``/``task.stamp`` no longer match) and are dropped when they reach a heap's top,
+    or when dead entries outnumber live ones (the heaps are rebuilt: amortised O(1) per removal).
+    Running totals of the tasks' sizes give a worker's predicted queued work in O(1)
+    (:meth:`RateModel.predict_many`).  Every operation is O(log queued) at most.
+    """
+
+    __slots__ = ("_by_seq", "_by_size", "_front", "_stamps", "count", "bytes", "units")
+
+    def __init__(self):
+        self._by_seq: list[tuple[int, int, _Task]] = []  # (seq, stamp, task)
+        self._by_size: list[tuple[int, int, int, _Task]] = []  # (-nbytes, seq, stamp, task)
+        self._front: deque[tuple[int, _Task]] = deque()  # (stamp, task), first in line
+        self._stamps = itertools.count(1)
+        self.count = 0  # live tasks
+        self.bytes = 0  # their nbytes
+        self.units = 0  # their max(nbytes, 1): what the rate model multiplies
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __bool__(self) -> bool:
+        return self.count > 0
+
+    def _live(self, task: _Task, stamp: int) -> bool:
+        return task.queue is self and task.stamp == stamp
+
+    def _add(self, task: _Task) -> int:
+        assert task.queue is None, "a task is in one queue at a time"
+        task.queue, task.stamp = self, next(self._stamps)
+        self.count += 1
+        self.bytes += task.nbytes
+        self.units += max(task.nbytes, 1)
+        heapq.heappush(self._by_size, (-task.nbytes, task.seq, task.stamp, task))
+        return task.stamp
+
+    def push(self, task: _Task) -> None:
+        """Queue ``task`` in ``seq`` order."""
+        stamp = self._add(task)
+        heapq.heappush(self._by_seq, (task.seq, stamp, task))
+
+    def push_front(self, task: _Task) -> None:
+        """Queue ``task`` first in line (before every other queued task)."""
+        self._front.appendleft((self._add(task), task))
+
+    def remove(self, task: _Task) -> None:
+        """Take ``task`` (queued here) out of the queue."""
+        assert task.queue is self
+        task.queue = None
+        self.count -= 1
+        self.bytes -= task.nbytes
+        self.units -= max(task.nbytes, 1)
+        if len(self._by_seq) + len(self._front) > 2 * self.count + 64:  # mostly dead entries: rebuild
+            self._by_seq = [e for e in self._by_seq if self._live(e[2], e[1])]
+            heapq.heapify(self._by_seq)
+            self._front = deque(e for e in self._front if self._live(e[1], e[0]))
+        if len(self._by_size) > 2 * self.count + 64:
+            self._by_size = [e for e in self._by_size if self._live(e[3], e[2])]
+            heapq.heapify(self._by_size)
+
+    def peek(self) -> _Task | None:
+        """The task this queue's worker takes next (None when empty)."""
+        front, by_seq = self._front, self._by_seq
+        while front and not self._live(front[0][1], front[0][0]):
+            front.popleft()
+        if front:
+            return front[0][1]
+        while by_seq and not self._live(by_seq[0][2], by_seq[0][1]):
+            heapq.heappop(by_seq)
+        return by_seq[0][2] if by_seq else None
+
+    def pop(self) -> _Task | None:
+        """Take the next task (None when empty)."""
+        task = self.peek()
+        if task is not None:
+            self.remove(task)
+        return task
+
+    def largest(self) -> _Task | None:
+        """The largest queued task (the oldest of equal ones), None when empty."""
+        by_size = self._by_size
+        while by_size and not self._live(by_size[0][3], by_size[0][2]):
+            heapq.heappop(by_size)
+        return by_size[0][3] if by_size else None
+
+    def take_all(self) -> list[_Task]:
+        """Empty the queue: its tasks in the order its worker would have taken them."""
+        tasks = []
+        while (task := self.pop()) is not None:
+            tasks.append(task)
+        return tasks
 
 
 class Dispatcher:
@@ -241,7 +376,8 @@ class Dispatcher:
         self.assignment_log: deque = deque(maxlen=log_size)  # (worker, key, round, nbytes, seconds, kind)
         self._recent: deque = deque(maxlen=256)  # (seconds, nbytes) of recent first copies
         self._deadline_cache: tuple[float, int] | None = None
-        self._queues: list[deque[_Task]] = [deque() for _ in range(workers)]
+        self._queues: list[_WorkerQueue] = [_WorkerQueue() for _ in range(workers)]
+        self._current: list[tuple[_Task, float] | None] = [None] * workers  # each worker's write in hand
         self._shared: deque[_Task] = deque()
         self._in_flight: set[_Task] = set()
         # Versions of one key (a flushed shard rewritten later) are written in order: a task waits
@@ -302,22 +438,27 @@ class Dispatcher:
 
     def _place(self, task: _Task, worker: int) -> None:
         task.owner = worker
-        self._queues[worker].append(task)
+        self._queues[worker].push(task)
+
+    def _busy_until(self, worker: int, now: float) -> float:
+        """Predicted time at which ``worker`` is through its write in hand (``now`` when idle)."""
+        current = self._current[worker]
+        if current is None:
+            return now
+        task, started = current
+        expected = started + self._models[worker].predict(task.nbytes)
+        # Overran its prediction (a stall): expect it to take as long again.
+        return max(now, expected if expected > now else 2 * now - started)
+
+    def _queued_work(self, worker: int) -> float:
+        """Predicted seconds of ``worker``'s queue: O(1), from the queue's running totals."""
+        queue = self._queues[worker]
+        return self._models[worker].predict_many(queue.count, queue.bytes, queue.units)
 
     def _finish_times(self, now: float) -> list[float]:
-        """Predicted time at which each worker is through its in-flight write and its queue."""
-        finish = []
-        for i, queue in enumerate(self._queues):
-            model = self._models[i]
-            t = now
-            for task in self._in_flight:
-                if i in task.running:
-                    started = task.running[i]
-                    expected = started + model.predict(task.nbytes)
-                    # Overran its prediction (a stall): expect it to take as long again.
-                    t = max(t, expected if expected > now else 2 * now - started)
-            finish.append(t + sum(model.predict(task.nbytes) for task in queue))
-        return finish
+        """Predicted time at which each worker is through its in-flight write and its queue
+        (O(workers), whatever the backlog)."""
+        return [self._busy_until(i, now) + self._queued_work(i) for i in range(len(self._queues))]
 
     def _plan(self, tasks: list[_Task]) -> None:
         now = time.perf_counter()
@@ -332,20 +473,16 @@ class Dispatcher:
             queue = self._queues[slowest]
             if slowest == fastest or not queue:
                 break
-            task = max(queue, key=lambda t: t.nbytes)
-            landed = finish[fastest] + self._models[fastest].predict(task.nbytes)
+            moved = queue.largest()
+            assert moved is not None
+            landed = finish[fastest] + self._models[fastest].predict(moved.nbytes)
             if landed >= finish[slowest]:  # the fastest would become the new straggler
                 break
-            queue.remove(task)
-            finish[slowest] -= self._models[slowest].predict(task.nbytes)
+            queue.remove(moved)
+            finish[slowest] -= self._models[slowest].predict(moved.nbytes)
             finish[fastest] = landed
-            self._place(task, fastest)
+            self._place(moved, fastest)  # in seq order: oldest first, as a pull queue would write them
             self._counts["moves"] += 1
-        for queue in self._queues:  # oldest first within a queue, as a pull queue would write them
-            if len(queue) > 1:
-                ordered = sorted(queue, key=lambda t: t.seq)
-                queue.clear()
-                queue.extend(ordered)
 
     # -- the data plane -----------------------------------------------------------------------
     def _next(self, worker: int, now: float) -> tuple[_Task | None, bool, float | None]:
@@ -353,7 +490,7 @@ class Dispatcher:
         if self.mode == "pull":
             return (self._shared.popleft() if self._shared else None), False, None
         if self._queues[worker]:
-            return self._queues[worker].popleft(), False, None
+            return self._queues[worker].pop(), False, None
         if self.mode == "static":
             return None, False, None
         stolen = self._steal(worker, now)
@@ -362,22 +499,17 @@ class Dispatcher:
         return self._hedge(worker, now)
 
     def _steal(self, worker: int, now: float) -> _Task | None:
-        candidates = [q[0] for i, q in enumerate(self._queues) if q and i != worker]
+        candidates = [task for i, q in enumerate(self._queues) if i != worker and (task := q.peek()) is not None]
         if not candidates:
             return None
         gated = self._warm_now()
-        finish = self._finish_times(now) if gated else None
         for task in sorted(candidates, key=lambda t: t.seq):
             owner = task.owner
             assert owner is not None
-            if finish is not None:
+            if gated:
                 mine = now + self._models[worker].predict(task.nbytes)
                 # The owner would start it after its current write.
-                theirs = (
-                    finish[owner]
-                    - sum(self._models[owner].predict(t.nbytes) for t in self._queues[owner])
-                    + (self._models[owner].predict(task.nbytes))
-                )
+                theirs = self._busy_until(owner, now) + self._models[owner].predict(task.nbytes)
                 if mine >= theirs:
                     continue
             self._queues[owner].remove(task)
@@ -459,6 +591,7 @@ class Dispatcher:
                     self._idle -= 1
                 start = time.perf_counter()
                 task.running[worker] = start
+                self._current[worker] = (task, start)
                 self._writing[task.key] = self._writing.get(task.key, 0) + 1
                 if self._idle and self.mode == "adaptive":
                     self._cond.notify_all()  # idle workers time their hedging deadline from this start
@@ -498,6 +631,7 @@ class Dispatcher:
         resolve = None
         with self._cond:
             del task.running[worker]
+            self._current[worker] = None
             self._writing[task.key] -= 1
             if not self._writing[task.key]:
                 del self._writing[task.key]
@@ -567,7 +701,7 @@ class Dispatcher:
         else:
             owner = task.owner if task.owner in self._active else self._active[0]
             task.owner = owner
-            self._queues[owner].appendleft(task)
+            self._queues[owner].push_front(task)
 
     def _maybe_retire(self, worker: int, nbytes: int) -> None:
         """Replace a worker predicted ``retire_factor`` times slower than the median of the others
@@ -582,7 +716,8 @@ class Dispatcher:
         others = sorted(
             self._models[i].predict(nbytes) for i in self._active if i != worker and self._models[i].samples
         )
-        recent = list(self._telemetry[worker].latencies)[-self.min_worker_samples :]
+        latencies = self._telemetry[worker].latencies  # the last few, without copying all 1024
+        recent = list(itertools.islice(reversed(latencies), self.min_worker_samples))
         if (
             not others
             or len(recent) < self.min_worker_samples
@@ -593,10 +728,11 @@ class Dispatcher:
         fresh = len(self._models)
         self._models.append(PREDICTORS[self._predictor]())
         self._telemetry.append(WorkerStats(fresh))
-        self._queues.append(deque())
+        self._queues.append(_WorkerQueue())
+        self._current.append(None)
         self._active[self._active.index(worker)] = fresh
         self._telemetry[worker].retired = True
-        queued, self._queues[worker] = self._queues[worker], deque()
+        queued = self._queues[worker].take_all()
         for task in queued:
             self._place(task, fresh)
         self._counts["moves"] += len(queued)

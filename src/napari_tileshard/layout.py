@@ -26,7 +26,9 @@ Vocabulary (``sharding-layer.md``), for an array of rank ``D`` with dims ``0..D-
 
 from __future__ import annotations
 
+import functools
 import math
+import operator
 import re
 from dataclasses import dataclass
 from functools import cached_property
@@ -231,7 +233,13 @@ def lifted_strides(shape, tile_shape, tile_stride: int | None = None) -> LiftedS
     elements).  ``shape[0]`` only sets ``tile_count[0]``: a batch's tile epochs are counted by
     whoever holds the batch.  This is the one definition of the lift's numbers.
     """
-    shape, tile_shape = tuple(int(s) for s in shape), tuple(int(n) for n in tile_shape)
+    return _lifted_strides(tuple(int(s) for s in shape), tuple(int(n) for n in tile_shape), tile_stride)
+
+
+@functools.lru_cache(maxsize=1024)
+def _lifted_strides(shape: tuple[int, ...], tile_shape: tuple[int, ...], tile_stride: int | None) -> LiftedStrides:
+    # Cached: the CPU tile stage asks for the lift of every shard block of every task (a few
+    # block shapes per layout), and the numbers are immutable.
     rank = len(tile_shape)
     tile_count = tuple(_ceil_div(s, n) for s, n in zip(shape, tile_shape))
     tile_stride = tile_stride or math.prod(tile_shape)
@@ -457,11 +465,32 @@ class Layout:
 
     def inner_shard_coords(self, shard: int) -> tuple[int, ...]:
         """Shard coordinates along dims 1.. of inner shard ``shard`` (row-major)."""
-        return tuple(int(c) for c in np.unravel_index(shard, self.shard_count[1:])) if self.rank > 1 else ()
+        # Plain integer arithmetic: asked for every shard of every shard epoch (and by the CPU
+        # backend for every task), where np.unravel_index's overhead showed in profiles.
+        counts = self.shard_count[1:]
+        if not counts:
+            return ()
+        rest = operator.index(shard)
+        if not 0 <= rest < math.prod(counts):
+            raise ValueError(f"inner shard {shard} is out of range for {math.prod(counts)} inner shards")
+        coords = []
+        for n in reversed(counts):
+            rest, c = divmod(rest, n)
+            coords.append(c)
+        return tuple(reversed(coords))
 
     def inner_shard_number(self, coords) -> int:
         """Inverse of :meth:`inner_shard_coords`."""
-        return int(np.ravel_multi_index(tuple(coords), self.shard_count[1:])) if self.rank > 1 else 0
+        counts = self.shard_count[1:]
+        if not counts:
+            return 0
+        coords = tuple(operator.index(c) for c in coords)
+        if len(coords) != len(counts) or not all(0 <= c < n for c, n in zip(coords, counts)):
+            raise ValueError(f"inner shard coordinates {coords} are out of range for {counts} shards")
+        number = 0
+        for c, n in zip(coords, counts):
+            number = number * n + c
+        return number
 
     # -- lifted strides (the one definition of the lift; see LiftedStrides) -----------------
     def lifted_strides(self, tile_stride: int | None = None) -> LiftedStrides:

@@ -51,10 +51,15 @@ class Shard:
     coords: tuple[int, ...]
     buffers: list
     index: bytes
+    #: bytes of ``buffers`` when the caller knows them (the accumulator does); None: counted
+    data_bytes: int | None = None
 
     @property
     def nbytes(self) -> int:
-        return sum(memoryview(b).nbytes for b in self.buffers) + len(self.index)
+        data = self.data_bytes
+        if data is None:
+            data = sum(memoryview(b).nbytes for b in self.buffers)
+        return data + len(self.index)
 
 
 @dataclass
@@ -169,5 +174,5 @@ def _shards(layout: Layout, shard_epoch: int, state: _ShardEpochState) -> list[S
         if not buffers:
             continue
         coords = (shard_epoch,) + layout.inner_shard_coords(j)
-        shards.append(Shard(coords, buffers, encode_index(state.index[j])))
+        shards.append(Shard(coords, buffers, encode_index(state.index[j]), int(state.length[j])))
     return shards

@@ -750,13 +750,17 @@ class _KeyTree:
 
 
 class ZarrStoreSink(Sink):
-    """Objects in any zarr v3 ``Store`` (MemoryStore, FsspecStore, ...), one ``set`` each."""
+    """Objects in any zarr v3 ``Store`` (MemoryStore, FsspecStore, ...), one ``set`` each.
 
-    def __init__(self, store, overwrite: bool = False):
-        from ._zarr_sync import sync
+    ``private``: the sink made ``store`` and no one else holds it (``memory://``): a
+    ``MemoryStore``'s coroutines then run on the calling thread (``_zarr_sync.sync_for``).
+    """
+
+    def __init__(self, store, overwrite: bool = False, *, private: bool = False):
+        from ._zarr_sync import sync_for
 
         self.store = store
-        self._sync = sync
+        self._sync = sync_for(store, private)
         self._written: set[str] = set()
         if getattr(store, "read_only", False):
             raise PermissionError(f"store {store!r} is read-only")
@@ -894,7 +898,7 @@ def _url_sink(url: str, overwrite: bool, storage_options: dict | None) -> Sink:
     if scheme == "memory":
         from zarr.storage import MemoryStore
 
-        return ZarrStoreSink(MemoryStore(), overwrite)
+        return ZarrStoreSink(MemoryStore(), overwrite, private=True)
     # Object stores: each object is one PUT (atomic); there is no rename and no lock, so one
     # writer per prefix is the caller's responsibility.
     if _through_obstore(url):

@@ -73,8 +73,13 @@ def aggregate_cpu(results) -> list[EncodedEpoch]:
     for per_shard in results:
         data, sizes = [], []
         for pieces in per_shard:
-            data.append([chunk for chunks, _ in pieces for chunk in chunks])
-            sizes.append(np.concatenate([s for _, s in pieces]))
+            if len(pieces) == 1:  # the common case (small epochs): no copies, np.stack copies once
+                chunks, padded = pieces[0]
+                data.append(list(chunks))
+                sizes.append(padded)
+            else:
+                data.append([chunk for chunks, _ in pieces for chunk in chunks])
+                sizes.append(np.concatenate([s for _, s in pieces]))
         epochs.append(EncodedEpoch(data, np.stack(sizes)))
     return epochs
 
