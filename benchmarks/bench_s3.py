@@ -48,6 +48,7 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -119,6 +120,15 @@ class MotoProcess:
         self.process.terminate()
         self.process.wait()
         self.log.close()
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far, all its threads (/proc/PID/stat)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def free_ports(count: int) -> list[int]:
@@ -411,9 +421,9 @@ def child(args) -> None:
     for _ in camera.frames(min(frames, 4)):  # the camera's frame bank is made before the clock
         pass
     run = setup(args.child, camera, frames, tuple(args.tile), args.prefix, args.level, os.environ["AWS_ENDPOINT_URL"])
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     run()
-    print(json.dumps({"seconds": time.perf_counter() - start}))
+    print(json.dumps({"seconds": time.perf_counter() - start, "cpu": time.process_time() - cpu}))
 
 
 def check(args) -> None:
@@ -515,6 +525,9 @@ def main(argv=None):
     parser.add_argument(
         "--no-check", action="store_true", help="skip reading each recording back and comparing it with the frames"
     )
+    parser.add_argument(
+        "--child-timeout", type=float, default=180, help="seconds before an engine's run is killed as hung"
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--check", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--prefix", help=argparse.SUPPRESS)
@@ -525,6 +538,8 @@ def main(argv=None):
     if args.child:
         return child(args)
 
+    # a SIGTERM (a job stopped) still runs the finally below: the server stopped, its data removed
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     server: MotoProcess | WeedProcess
     if args.server == "moto":
         server = MotoProcess(args.log)
@@ -559,7 +574,14 @@ def main(argv=None):
         checking = not args.no_check and not (missing("zarr") or missing("obstore"))
         if not args.no_check and not checking:
             print(f"read-back check skipped: {missing('zarr') or missing('obstore')}")
-        header = f"{'engine':<20} {'run':>3} {'GB/s':>6} {'s':>6} {'stored MB':>9} {'requests':>8} {'req/GB':>7}"
+        print(
+            f"CPU s: the engine's process in its timed section (client) and the server's process over the same run,"
+            f" on {os.cpu_count()} cores"
+        )
+        header = (
+            f"{'engine':<20} {'run':>3} {'GB/s':>6} {'s':>6} {'client CPU':>10} {'server CPU':>10} {'stored MB':>9}"
+            f" {'requests':>8} {'req/GB':>7}"
+        )
         if args.server != "moto":
             print(f"requests: {server.counted_from}; 2xx in 'requests', any other status in 'non-2xx'")
             header += f" {'non-2xx':>7}"
@@ -572,33 +594,48 @@ def main(argv=None):
             for engine in engines if repeat % 2 == 0 else engines[::-1]:
                 prefix = f"{engine}-{repeat}.zarr"
                 before, before_other = server.requests()
+                server_cpu = cpu_seconds(server.process.pid)
                 command = [sys.executable, __file__, "--prefix", prefix, "--frames", str(frames), *common]
-                done = subprocess.run([*command, "--child", engine], capture_output=True, text=True)
-                if done.returncode != 0:
+                try:
+                    done = subprocess.run(
+                        [*command, "--child", engine], capture_output=True, text=True, timeout=args.child_timeout
+                    )
+                except subprocess.TimeoutExpired:  # killed by run(); acquire-zarr's close() can deadlock
+                    reason, status = f"hung, killed after {args.child_timeout:.0f} s", "timeout"
+                else:
                     reason = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+                    status = f"exit status {done.returncode}"
+                if status != "exit status 0":
                     time.sleep(0.5)
                     left = server.stored_bytes(prefix) / 1e6
                     print(
-                        f"{engine:<20} {repeat:>3} failed (exit status {done.returncode}): {reason[:160]}"
-                        f" ({left:.1f} MB left stored)",
+                        f"{engine:<20} {repeat:>3} failed ({status}): {reason[:160]} ({left:.1f} MB left stored)",
                         flush=True,
                     )
                     continue
-                seconds = json.loads(done.stdout.strip().splitlines()[-1])["seconds"]
+                result = json.loads(done.stdout.strip().splitlines()[-1])
+                seconds = result["seconds"]
+                server_cpu = cpu_seconds(server.process.pid) - server_cpu
                 time.sleep(0.5)  # the server's log lines land after the responses
                 after, after_other = server.requests()
                 requests = after - before
                 stored = server.stored_bytes(prefix)
                 gb = frames * frame_bytes / 1e9
                 line = (
-                    f"{engine:<20} {repeat:>3} {gb / seconds:6.3f} {seconds:6.2f} {stored / 1e6:9.1f} "
+                    f"{engine:<20} {repeat:>3} {gb / seconds:6.3f} {seconds:6.2f} {result['cpu']:10.2f}"
+                    f" {server_cpu:10.2f} {stored / 1e6:9.1f} "
                     f"{requests:>8} {requests / max(stored / 1e9, 1e-9):7.0f}"
                 )
                 if args.server != "moto":
                     line += f" {after_other - before_other:>7}"
                 if checking:
-                    verdict = subprocess.run([*command, "--check"], capture_output=True, text=True)
-                    outcome = verdict.stdout.strip().splitlines() or [f"check failed: {verdict.stderr.strip()[-120:]}"]
+                    try:
+                        verdict = subprocess.run(
+                            [*command, "--check"], capture_output=True, text=True, timeout=args.child_timeout
+                        )
+                        outcome = verdict.stdout.strip().splitlines() or [f"check failed: {verdict.stderr[-120:]}"]
+                    except subprocess.TimeoutExpired:
+                        outcome = [f"check hung, killed after {args.child_timeout:.0f} s"]
                     line += f"  {outcome[-1]}"
                 print(line, flush=True)
     finally:
