@@ -23,7 +23,6 @@ import argparse
 import functools
 import itertools
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -147,17 +146,10 @@ def main(argv=None):
                 factory = functools.partial(lambda c: tmp / f"run{next(c)}.zarr", counter)
             else:
                 import boto3
-                from bench_s3 import REGION, MotoProcess
+                from bench_s3 import MotoProcess, use_endpoint
 
                 server = MotoProcess(tmp / "moto.log")
-                os.environ.update(
-                    AWS_ENDPOINT_URL=server.endpoint,
-                    AWS_ACCESS_KEY_ID="bench",
-                    AWS_SECRET_ACCESS_KEY="bench",
-                    AWS_REGION=REGION,
-                    AWS_DEFAULT_REGION=REGION,
-                    AWS_ALLOW_HTTP="true",
-                )
+                use_endpoint(server.endpoint)
                 boto3.client("s3", endpoint_url=server.endpoint).create_bucket(Bucket="dispatch")
 
                 factory = functools.partial(lambda c: f"s3://dispatch/run{next(c)}.zarr", counter)

@@ -77,6 +77,19 @@ REGION = "us-east-1"
 ENGINES = ("tileshard-cpu", "tileshard-cpu-s3fs", "tileshard-gpu", "tensorstore", "acquire-zarr")
 
 
+def use_endpoint(endpoint: str) -> None:
+    """The standard variables every client reads (ours, tensorstore, acquire-zarr, boto3): the
+    local server, the bench's credentials, plain HTTP."""
+    os.environ.update(
+        AWS_ENDPOINT_URL=endpoint,
+        AWS_ACCESS_KEY_ID="bench",
+        AWS_SECRET_ACCESS_KEY="bench",
+        AWS_REGION=REGION,
+        AWS_DEFAULT_REGION=REGION,
+        AWS_ALLOW_HTTP="true",
+    )
+
+
 class MotoProcess:
     """``moto_server`` on 127.0.0.1 in a child process, its request log in a file."""
 
@@ -566,14 +579,7 @@ def main(argv=None):
     else:
         server = WeedProcess(args.log, find_weed(args.weed), args.data_dir)
     try:
-        os.environ.update(
-            AWS_ENDPOINT_URL=server.endpoint,
-            AWS_ACCESS_KEY_ID="bench",
-            AWS_SECRET_ACCESS_KEY="bench",
-            AWS_REGION=REGION,
-            AWS_DEFAULT_REGION=REGION,
-            AWS_ALLOW_HTTP="true",
-        )
+        use_endpoint(server.endpoint)
         server.prepare()
         if args.clients:
             clients(server.endpoint)
