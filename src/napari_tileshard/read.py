@@ -761,22 +761,41 @@ class ShardReader:
         strides = np.array([int(np.prod(self.chunks_per_shard[d + 1 :], dtype=np.int64)) for d in range(self.ndim)])
         blocks: list[Block] = []
         runs_per_block = []
-        for parts in product(*per_dim):
+        # Shards along a dim mostly need the same chunks of themselves (all of them, or the same
+        # plane): their boxes (chunk numbers inside the shard) are computed once and shared
+        # (read-only).  Planning a 4 GiB read of 256 shards took 25 ms on the H100 host, most of
+        # it rebuilding the same boxes.
+        local = [
+            [(p.chunks - p.shard * cps) * stride for p in parts]
+            for parts, cps, stride in zip(per_dim, self.chunks_per_shard, strides.tolist())
+        ]
+        local_keys = [[x.tobytes() for x in xs] for xs in local]
+        boxes: dict[tuple, np.ndarray] = {}
+        no_chunks = np.zeros(0, np.int64)
+        for combo in product(*(range(len(parts)) for parts in per_dim)):
+            parts = tuple(per_dim[d][j] for d, j in enumerate(combo))
             shard = tuple(p.shard for p in parts)
-            local = [p.chunks - p.shard * cps for p, cps in zip(parts, self.chunks_per_shard)]
-            box = np.zeros([len(x) for x in local], dtype=np.int64)
-            for d, x in enumerate(local):
-                box += (x * strides[d]).reshape([-1 if e == d else 1 for e in range(self.ndim)])
+            box_key = tuple(local_keys[d][j] for d, j in enumerate(combo))
+            box_chunks = boxes.get(box_key)
+            if box_chunks is None:
+                box = np.zeros([len(local[d][j]) for d, j in enumerate(combo)], dtype=np.int64)
+                for d, j in enumerate(combo):
+                    box += local[d][j].reshape([-1 if e == d else 1 for e in range(self.ndim)])
+                box_chunks = boxes[box_key] = box.ravel()
+                box_chunks.flags.writeable = False
             key = self.shard_key(shard)
-            block = Block(key, shard, tuple(parts), box.ravel())
+            block = Block(key, shard, parts, box_chunks)
             index = self.shard_index(key)
             runs = []
             if index is None:
                 block.missing = np.arange(block.box_chunks.size)
             else:
                 offsets, nbytes = index.offsets[block.box_chunks], index.nbytes[block.box_chunks]
-                present = np.flatnonzero(nbytes >= 0)
-                block.missing = np.flatnonzero(nbytes < 0)
+                if nbytes.size and nbytes.min() >= 0:  # every chunk present: the common case
+                    present, block.missing = np.arange(nbytes.size), no_chunks
+                else:
+                    present = np.flatnonzero(nbytes >= 0)
+                    block.missing = np.flatnonzero(nbytes < 0)
                 if use_cache and self.cache is not None and present.size:
                     chunks = block.box_chunks[present].tolist()
                     places = zip(chunks, offsets[present].tolist(), nbytes[present].tolist())

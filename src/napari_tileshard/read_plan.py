@@ -211,6 +211,8 @@ def pack_runs(
     # Break where the gap is too wide (vectorised); then cut each group at the cap (a walk over
     # the group's chunk ends, which needs the running start, so it is a loop over runs only).
     breaks = np.flatnonzero(starts[1:] - ends[:-1] > gap_bytes) + 1
+    if not breaks.size and int(ends[-1]) - int(starts[0]) <= max_read_bytes:
+        return [(int(starts[0]), int(ends[-1]), order)]  # the common case: one run (a whole shard)
     for group in np.split(np.arange(order.size), breaks):
         first = int(group[0])
         last_possible = int(group[-1])
