@@ -36,12 +36,18 @@ def main():
     parser.add_argument("--batch-mib", type=int, default=None)
     parser.add_argument("--fps", type=float, default=0, help="pace appends like a camera (0: as fast as possible)")
     parser.add_argument("--appends", type=int, default=100, help="appends per recording (first 100 reported apart)")
+    parser.add_argument("--warm-up", action="store_true", help="Writer.warm_up first (widget, MDA sink)")
     args = parser.parse_args()
     h, w = (int(v) for v in args.frame.split("x"))
     tt, ty, tx = (int(v) for v in args.tile.split(","))
     layout = Layout([Dim("t", 0, tt, 1), Dim("y", h, ty, 4), Dim("x", w, tx, 4)], "uint16")
     frames = SyntheticCamera((h, w), "uint16", seed=0).stack(8)
     options = {"batch_bytes": args.batch_mib << 20} if args.batch_mib else {}
+    warm_up_s = None
+    if args.warm_up:
+        t0 = time.perf_counter()
+        Writer.warm_up(layout, backend=args.backend, **options)
+        warm_up_s = time.perf_counter() - t0
     arms = []
     for recording in range(args.recordings):
         profiler = None
@@ -77,6 +83,7 @@ def main():
     result = {
         "backend": writer.stats.backend,
         "import_s": round(imported, 3),
+        "warm_up_s": round(warm_up_s, 3) if warm_up_s is not None else None,
         "arm_s": round(armed, 3),
         "later_arms_s": [round(a, 3) for a in arms[1:]],
         "append_p50_ms": round(float(np.median(latencies)) * 1e3, 2),

@@ -164,12 +164,13 @@ _decoders = threading.local()  # per decode thread: its zstd decompression conte
 
 
 def _zstd_into(src, dest, n: int) -> None:
-    # python-zstandard with a context reused per thread: ~1 us of Python per chunk, against ~10 us
-    # (30 us on the 16-core GPU host) for numcodecs' decompress(src, dest), whose argument checks
-    # run under the GIL: with 16 decode threads that serial part, not libzstd, capped the rate.
-    # The output is then one copy from a buffer still in cache.  A frame that declares another
-    # size is refused before anything is allocated from it; ``allow_extra_data=False`` refuses
-    # bytes after the frame.
+    # python-zstandard with a context reused per thread: ~1 us of Python per call under the GIL,
+    # against ~10 us for numcodecs' decompress(src, dest) (its argument checks; measured on the
+    # 2-core box), paid for by one copy out of a chunk-sized buffer still in cache.  On the 16-core
+    # H100 host the whole-read rate did not change at 256 KiB tiles (libzstd dominates there,
+    # docs/benchmarks.md); less GIL time per chunk is what matters with many small chunks.  A frame
+    # that declares another size is refused before anything is allocated from it;
+    # ``allow_extra_data=False`` refuses bytes after the frame.
     import zstandard
 
     try:
@@ -953,9 +954,9 @@ class ShardReader:
         (reused, so no page faults), then placed into the output by a few strided NumPy copies
         (:func:`untile_into`), one per head/middle/tail piece, never one per chunk.  The
         decoders and the copies release the GIL.  Compressed bytes in flight stay within
-        ``max_read_bytes`` and half the recycled read buffers (at least one block): a read buffer
-        then comes back for the next reads before fresh memory is needed, whose page faults
-        made the fetch threads the bottleneck (2.7 against 3.2 GB/s on 16 cores, 4 GiB)."""
+        ``max_read_bytes`` and half the recycled read buffers (at least one block), so a whole-
+        array read holds at most that much compressed data and reuses its read buffers instead
+        of allocating fresh ones (no measurable change in speed on the 16-core H100 host)."""
         reads_of: list[list[Read]] = [[] for _ in plan.blocks]
         for read in plan.reads:
             reads_of[read.block].append(read)

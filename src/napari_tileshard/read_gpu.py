@@ -461,12 +461,8 @@ class GpuReadPath:
         slot_bytes = self.slot_stride * self.itemsize
         pool = self._buffer("pool", batch.slots * slot_bytes)
         raw = self._buffer(f"raw{parity}", batch.staging_bytes)
-        realign = self.align > 1 and bool(np.any(batch.chunk_src % self.align))
-        staged, starts = raw, batch.chunk_src
-        if realign:
-            aligned = _aligned(batch.chunk_nbytes, self.align)
-            starts = np.concatenate([[0], np.cumsum(aligned)[:-1]]).astype(np.int64)
-            staged = self._buffer("packed", int(aligned.sum()))
+        staged, starts = self._staging_for(batch, raw)
+        realign = staged is not raw
         dst = batch.chunk_slot * slot_bytes
         table: dict[str, np.ndarray] = {}
         if realign:
@@ -474,8 +470,7 @@ class GpuReadPath:
         if self.codec.kind == "none":  # the chunks are the decoded data: copied into their slots
             table.update(copy_src=starts, copy_dst=dst, copy_nbytes=batch.chunk_nbytes)
         elif n:
-            table["pointers"] = np.concatenate([staged.data.ptr + starts, pool.data.ptr + dst])
-            table["sizes"] = np.concatenate([batch.chunk_nbytes, np.full(n, chunk_bytes, np.int64)])
+            table["pointers"], table["sizes"] = self._nvcomp_tables(batch, staged, starts, pool)
         table["slots"] = batch.slot_table
         table["params"] = np.concatenate(
             [block_params(plan, plan.blocks[b], self.reader.chunk_shape, dim_offset) for b in batch.blocks]
@@ -501,6 +496,23 @@ class GpuReadPath:
         self.reader.stats.chunks_decoded += n
         self.reader.stats.bytes_decoded += n * chunk_bytes
         return check
+
+    def _staging_for(self, batch: DeviceBatch, raw):
+        """Where nvCOMP reads the batch's chunks: (device bytes, per-chunk offsets).  ``raw`` as
+        read, or the "packed" buffer when nvCOMP's input alignment needs the chunks moved."""
+        if self.align > 1 and np.any(batch.chunk_src % self.align):
+            aligned = _aligned(batch.chunk_nbytes, self.align)
+            starts = np.concatenate([[0], np.cumsum(aligned)[:-1]]).astype(np.int64)
+            return self._buffer("packed", int(aligned.sum())), starts
+        return raw, batch.chunk_src
+
+    def _nvcomp_tables(self, batch: DeviceBatch, staged, starts: np.ndarray, pool):
+        """nvCOMP's device pointers (inputs, then outputs: the chunks' pool slots) and sizes
+        (compressed, then the output capacity), as host int64 arrays."""
+        outputs = pool.data.ptr + batch.chunk_slot * (self.slot_stride * self.itemsize)
+        pointers = np.concatenate([staged.data.ptr + starts, outputs])
+        sizes = np.concatenate([batch.chunk_nbytes, np.full(batch.chunks, self.reader.chunk_bytes, np.int64)])
+        return pointers, sizes
 
     def _upload(self, batch: DeviceBatch, host: np.ndarray, raw, parity: int, table: dict[str, np.ndarray]):
         """The batch's bytes and its tables (int64, concatenated into pinned memory) in one H2D
@@ -664,17 +676,11 @@ class GpuReadPath:
         with self.stream:
             raw = self._buffer("raw0", batch.staging_bytes)
             raw[: batch.staging_bytes].set(host[: batch.staging_bytes])
-            starts, staged = batch.chunk_src, raw
-            if self.align > 1 and np.any(batch.chunk_src % self.align):
-                aligned = _aligned(batch.chunk_nbytes, self.align)
-                starts = np.concatenate([[0], np.cumsum(aligned)[:-1]]).astype(np.int64)
-                staged = self._buffer("packed", int(aligned.sum()))
+            staged, starts = self._staging_for(batch, raw)
+            if staged is not raw:
                 self._copy_chunks(raw, batch.chunk_src, staged, starts, batch.chunk_nbytes)
             pool = self._buffer("pool", batch.slots * slot_bytes)
-            pointers = cupy.asarray(
-                np.concatenate([staged.data.ptr + starts, pool.data.ptr + batch.chunk_slot * slot_bytes])
-            )
-            sizes = cupy.asarray(np.concatenate([batch.chunk_nbytes, np.full(n, self.reader.chunk_bytes, np.int64)]))
+            pointers, sizes = (cupy.asarray(a) for a in self._nvcomp_tables(batch, staged, starts, pool))
             best = float("inf")
             for _ in range(repeat + 1):  # the first call warms up (temp buffer, kernels)
                 self.stream.synchronize()
