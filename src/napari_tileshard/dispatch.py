@@ -40,12 +40,22 @@ than the others, and the slowest one sets the pace.  Three modes (``mode=``):
 Errors: a :class:`TransientStorageError` (e.g. S3 "503 SlowDown" after the client's own
 retries) is retried by the same worker after an exponential backoff, up to ``max_retries``;
 any other error fails the shard's future (the Writer stops, the Publisher claims nothing more).
+
+Liveness (``docs/reliability.md``): a write that fails for good ends the batch of work, not just
+its shard (``fail_fast``): nothing queued after it could ever be published, so every queued
+write is dropped at once (its future fails with :class:`WriteCancelledError`) and the sink is asked
+to cut off the writes in flight (:meth:`Sink.cancel`: an object store cancels its requests).  A
+watchdog thread fails any write in flight for longer than ``io_timeout`` with
+:class:`StorageTimeoutError` (a frozen endpoint, a hung mount) the same way, and
+:meth:`Dispatcher.shutdown` waits at most ``timeout``: a write that a sink cannot cut off is
+abandoned on its (daemon) thread and named, never waited for forever.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 import math
 import threading
 import time
@@ -54,7 +64,10 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from .errors import StorageTimeoutError, TransientStorageError, WriteCancelledError
 from .store import Sink
+
+log = logging.getLogger(__name__)
 
 MODES = ("static", "pull", "adaptive")
 
@@ -66,10 +79,6 @@ def current_worker() -> int | None:
     through which a test sink (:class:`napari_tileshard.testing.FaultInjectingSink`) makes one
     worker slow."""
     return getattr(_local, "worker", None)
-
-
-class TransientStorageError(OSError):
-    """A write the storage refused for now (S3 "503 SlowDown", throttling): worth retrying."""
 
 
 class RateModel:
@@ -192,11 +201,22 @@ class DispatchStats:
     fallback_rounds: int
     replaced: int  # workers retired and replaced
     latencies_s: list[float] = field(repr=False)  # per shard: first start -> first success
+    dropped: int = 0  # queued writes dropped after a failure (they could never be published)
+    timeouts: int = 0  # writes failed by the io_timeout watchdog
 
     @property
     def straggler_gap_s(self) -> float:
         busy = [w["busy_s"] for w in self.workers]
         return max(busy) - min(busy) if busy else 0.0
+
+
+#: seconds a shut-down dispatcher waits for writes it cut off (an object store's cancelled
+#: requests end at once; a write no sink can cut off is abandoned after it)
+_CANCEL_GRACE_S = 2.0
+
+
+def _cancelled(key: str, reason: BaseException) -> WriteCancelledError:
+    return WriteCancelledError(f"{key!r} was not written: the recording had already failed ({reason})")
 
 
 def _quantile(ordered: Sequence[float], q: float) -> float:
@@ -354,6 +374,8 @@ class Dispatcher:
         max_replacements: int | None = None,
         log_size: int = 100_000,
         name: str = "tileshard-io",
+        io_timeout: float | None = None,
+        fail_fast: bool = True,
     ):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
@@ -363,6 +385,11 @@ class Dispatcher:
             raise ValueError(f"workers must be a positive integer, got {workers!r}")
         if not 0 <= hedge_fraction <= 1:
             raise ValueError(f"hedge_fraction must be within [0, 1], got {hedge_fraction!r}")
+        if io_timeout is not None and not (isinstance(io_timeout, (int, float)) and 0 < io_timeout < math.inf):
+            raise ValueError(f"io_timeout must be a positive number of seconds or None, got {io_timeout!r}")
+        self.io_timeout = None if io_timeout is None else float(io_timeout)
+        self.fail_fast = fail_fast
+        self._failure: BaseException | None = None  # set by abort(): nothing more starts
         self.sink, self.mode, self.n = sink, mode, workers
         self.hedge_fraction, self.hedge_quantile = hedge_fraction, hedge_quantile
         self.warmup_samples, self.min_worker_samples = warmup_samples, min_worker_samples
@@ -394,11 +421,15 @@ class Dispatcher:
         self._idle = 0  # workers waiting for work
         self._tokens = 0.0
         self._counts = dict.fromkeys(("shards", "bytes", "moves", "steals", "hedges", "hedge_wins", "retries"), 0)
-        self._counts.update(duplicate_bytes=0, fallback_rounds=0, replaced=0)
+        self._counts.update(duplicate_bytes=0, fallback_rounds=0, replaced=0, dropped=0, timeouts=0)
         self._latencies: list[float] = []
         self._threads: list[threading.Thread] = []
         for i in range(workers):
             self._start_worker(i)
+        self._watchdog: threading.Thread | None = None
+        if self.io_timeout is not None:
+            self._watchdog = threading.Thread(target=self._watch, name=f"{name}-watchdog", daemon=True)
+            self._watchdog.start()
 
     def _start_worker(self, worker: int) -> None:
         thread = threading.Thread(target=self._work, args=(worker,), name=f"{self._name}-{worker}", daemon=True)
@@ -412,6 +443,13 @@ class Dispatcher:
         with self._cond:
             if self._closing:
                 raise RuntimeError("the dispatcher is shut down")
+            if self._failure is not None:
+                failure = self._failure
+                tasks = [_Task(key, (), 0, next(self._seq), self._round) for key, _ in writes]
+                for task in tasks:
+                    task.done = True
+                    task.future.set_exception(_cancelled(task.key, failure))
+                return [task.future for task in tasks]
             self._round += 1
             for key, buffers in writes:
                 nbytes = sum(memoryview(b).nbytes for b in buffers)
@@ -487,6 +525,8 @@ class Dispatcher:
     # -- the data plane -----------------------------------------------------------------------
     def _next(self, worker: int, now: float) -> tuple[_Task | None, bool, float | None]:
         """(task, is_duplicate, seconds until a hedge may be due) for an idle ``worker``."""
+        if self._failure is not None:
+            return None, False, None
         if self.mode == "pull":
             return (self._shared.popleft() if self._shared else None), False, None
         if self._queues[worker]:
@@ -584,7 +624,7 @@ class Dispatcher:
                         continue
                     if task is not None:
                         break
-                    if self._closing and not self._pending():
+                    if self._closing and not self._startable():
                         return
                     self._idle += 1
                     self._cond.wait(wait if wait is not None else 0.5)
@@ -602,8 +642,13 @@ class Dispatcher:
             error = self._write(worker, task)
             self._finished(worker, task, duplicate, error, start, round_)
 
-    def _pending(self) -> bool:
-        return bool(self._shared or self._in_flight or self._deferred or any(self._queues))
+    def _queued(self) -> int:
+        return len(self._shared) + sum(len(q) for q in self._queues) + sum(len(d) for d in self._deferred.values())
+
+    def _startable(self) -> bool:
+        """Whether an idle worker may still get something to write: queued work, or (unless the
+        dispatcher failed) a write in flight that it may hedge."""
+        return bool(self._queued() or (self._in_flight and self._failure is None))
 
     def _write(self, worker: int, task: _Task) -> BaseException | None:
         for attempt in range(self.max_retries + 1):
@@ -676,6 +721,8 @@ class Dispatcher:
             task.future.set_result(None)
         elif resolve == "error":
             task.future.set_exception(error)
+            if self.fail_fast:
+                self.abort(error)
 
     @property
     def model_samples(self) -> list[int]:
@@ -739,17 +786,128 @@ class Dispatcher:
         self._counts["replaced"] += 1
         self._start_worker(fresh)
 
+    # -- liveness -----------------------------------------------------------------------------
+    @property
+    def failure(self) -> BaseException | None:
+        """The error that stopped the dispatcher (None while it works)."""
+        return self._failure
+
+    def abort(self, reason: BaseException) -> None:
+        """Stop writing: every queued write is dropped (its future fails with
+        :class:`WriteCancelledError` naming ``reason``), nothing more starts, and the sink is asked
+        to cut off the writes in flight (:meth:`Sink.cancel`).  Idempotent: the first reason stays."""
+        with self._cond:
+            if self._failure is not None:
+                return
+            self._failure = reason
+            dropped = list(self._shared) + [task for queue in self._queues for task in queue.take_all()]
+            dropped += [task for waiting in self._deferred.values() for task in waiting]
+            self._shared.clear()
+            self._deferred.clear()
+            for task in dropped:
+                task.done = True
+                task.buffers = ()
+                if self._latest.get(task.key) == task.seq:
+                    del self._latest[task.key]
+            self._counts["dropped"] += len(dropped)
+            in_flight = sum(1 for task in self._in_flight if task.running)
+            self._cond.notify_all()
+        if dropped or in_flight:
+            log.info(
+                "%s: storage failed (%s): %d queued shard writes dropped, %d in flight cut off",
+                self.sink.location,
+                reason,
+                len(dropped),
+                in_flight,
+            )
+        for task in dropped:
+            task.future.set_exception(_cancelled(task.key, reason))
+        try:
+            self.sink.cancel()
+        except Exception as exc:  # noqa: BLE001 - best effort: the first error is what matters
+            log.warning("%s: cancelling the writes in flight failed: %s", self.sink.location, exc)
+
+    def describe(self) -> str:
+        """What the dispatcher holds now, for messages about a stalled pipeline."""
+        with self._cond:
+            queued = self._queued()
+            now = time.perf_counter()
+            running = [(now - min(task.running.values()), task.key) for task in self._in_flight if task.running]
+        text = f"{queued} shard writes queued, {len(running)} in flight"
+        if running:
+            age, key = max(running)
+            text += f" (the oldest, {key!r}, for {age:.1f} s)"
+        return text
+
+    def idle(self) -> bool:
+        """Nothing queued and nothing in flight (late hedged copies aside)."""
+        with self._cond:
+            return not self._queued() and not any(not task.done for task in self._in_flight)
+
+    def _watch(self) -> None:
+        """The I/O deadline: a write in flight for longer than ``io_timeout`` fails its shard with
+        :class:`StorageTimeoutError` and stops the dispatcher (a stuck copy is left on its thread)."""
+        assert self.io_timeout is not None
+        interval = min(0.5, self.io_timeout / 4)
+        while True:
+            with self._cond:
+                if self._closing and (self._failure is not None or not self._in_flight and not self._queued()):
+                    return
+                self._cond.wait(interval)
+                now = time.perf_counter()
+                late = [
+                    task
+                    for task in self._in_flight
+                    if not task.done and task.running and now - min(task.running.values()) > self.io_timeout
+                ]
+                for task in late:
+                    task.done = True
+                    self._counts["timeouts"] += 1
+            if not late:
+                continue
+            errors = []
+            for task in late:
+                where = (f"worker {w}" for w in task.running)
+                error = StorageTimeoutError(
+                    f"writing {task.key!r} to {self.sink.location} got no answer within io_timeout="
+                    f"{self.io_timeout:g} s ({', '.join(where)}): the storage is frozen or unreachable"
+                )
+                errors.append(error)
+                task.future.set_exception(error)
+            self.abort(errors[0])
+
     # -- life cycle ---------------------------------------------------------------------------
-    def shutdown(self, wait: bool = True) -> None:
-        """Write everything queued, then stop the workers (hedged copies in flight finish too)."""
+    def shutdown(self, wait: bool = True, timeout: float | None = None) -> list[str]:
+        """Write everything queued (hedged copies in flight finish too), then stop the workers.
+
+        With ``timeout`` (seconds) it waits at most that long: then it aborts (drops what is
+        queued, cuts off what the sink can cancel), waits briefly for the cut-off writes and
+        abandons whatever is still stuck on its daemon thread.  Returns the keys of the writes
+        abandoned in flight (empty when every worker ended)."""
         with self._cond:
             self._closing = True
             self._cond.notify_all()
-        if wait:
-            joined = 0
-            while joined < len(self._threads):  # a replacement may start while draining
-                self._threads[joined].join()
-                joined += 1
+        if not wait:
+            return []
+        if not self._join(timeout):
+            self.abort(WriteCancelledError(f"shut down with writes still running after {timeout:g} s"))
+            self._join(_CANCEL_GRACE_S)
+        if self._watchdog is not None:
+            self._watchdog.join(_CANCEL_GRACE_S)
+        with self._cond:
+            return sorted({task.key for task in self._in_flight if task.running})
+
+    def _join(self, timeout: float | None) -> bool:
+        """Join every worker (a replacement may start while draining); False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        joined = 0
+        while joined < len(self._threads):
+            thread = self._threads[joined]
+            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if thread.is_alive():
+                return False
+            joined += 1
+        return True
 
     def stats(self) -> DispatchStats:
         with self._cond:
@@ -769,4 +927,6 @@ class Dispatcher:
                 fallback_rounds=counts["fallback_rounds"],
                 replaced=counts["replaced"],
                 latencies_s=list(self._latencies),
+                dropped=counts["dropped"],
+                timeouts=counts["timeouts"],
             )

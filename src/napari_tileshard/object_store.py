@@ -14,6 +14,16 @@
   against a real S3 server: no upload is left listed); an upload cut off by a server that went
   away cannot be aborted and stays until a bucket lifecycle rule removes it.
 * There is no rename and no lock: one writer per prefix is the caller's responsibility.
+* Every write has a deadline (:func:`write_deadline`: ``io_timeout`` plus one second per MB) and
+  can be cut off: the requests run as obstore coroutines on the sink's own event-loop thread, so a
+  frozen endpoint (one that accepts connections and never answers) fails the write with
+  :class:`~napari_tileshard.errors.StorageTimeoutError` instead of holding a thread for minutes,
+  and :meth:`ObjectStoreSink.cancel` (the recording failed) cuts off the requests in flight: a
+  single PUT at once (it leaves nothing behind), a multipart upload after a short grace
+  (``_MULTIPART_GRACE_S``) in which it completes or fails on its own, so obstore aborts it.  An
+  upload cut off after that (a frozen endpoint) cannot be aborted by us (obstore exposes no
+  upload id) and stays listed until a bucket lifecycle rule (AbortIncompleteMultipartUpload)
+  removes it.
 
 Endpoint and credentials come from the standard environment variables (``AWS_ENDPOINT_URL``,
 ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_REGION``, ``AWS_ALLOW_HTTP`` for a
@@ -28,6 +38,8 @@ obstore is imported only when an object store URL is used (``pip install napari-
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import logging
 import os
 import re
@@ -35,6 +47,7 @@ import threading
 from datetime import timedelta
 from typing import Any, cast
 
+from .errors import StorageTimeoutError, WriteCancelledError
 from .store import (
     _METADATA_CAP,
     _OVERWRITE_HINT,
@@ -85,6 +98,23 @@ _ENV_PREFIX = {"gs": "GOOGLE_", "az": "AZURE_", "abfs": "AZURE_", "abfss": "AZUR
 DEFAULT_RETRY = {"max_retries": 8, "retry_timeout": timedelta(seconds=60)}
 _PREFLIGHT_RETRY = {"max_retries": 2, "retry_timeout": timedelta(seconds=10)}
 _PREFLIGHT_CLIENT = {"connect_timeout": "5s", "timeout": "30s"}
+
+
+#: seconds a write may take before it is cut off, besides one second per MB (a shard of a few MB
+#: on a slow link); Writer(io_timeout=) sets it
+DEFAULT_IO_TIMEOUT = 60.0
+#: the deadline of writes after cancel() (the recording failed: zarr.json marked failed)
+_AFTER_CANCEL_S = 5.0
+#: after cancel(), a multipart upload in flight gets this long to end on its own (obstore aborts
+#: an upload whose request fails; a cancelled one would stay listed, billed)
+_MULTIPART_GRACE_S = 10.0
+
+
+def write_deadline(io_timeout: float, nbytes: int) -> float:
+    """Seconds a write of ``nbytes`` may take: ``io_timeout`` plus one second per MB, so that a
+    frozen endpoint is noticed after ``io_timeout`` for shards of a few MB and a large shard on a
+    slow (but working) link is not cut off."""
+    return io_timeout + nbytes / 1e6
 
 
 class ObjectStoreError(OSError):
@@ -218,6 +248,7 @@ class ObjectStoreSink(Sink):
         *,
         part_size: int = DEFAULT_PART_SIZE,
         max_concurrency: int = DEFAULT_MAX_CONCURRENCY,
+        io_timeout: float | None = DEFAULT_IO_TIMEOUT,
     ):
         if not is_object_store_url(url):
             raise ValueError(f"not an object store URL (schemes {sorted(SCHEMES)}): {url!r}")
@@ -227,6 +258,14 @@ class ObjectStoreSink(Sink):
         if not isinstance(max_concurrency, int) or isinstance(max_concurrency, bool) or max_concurrency < 1:
             raise ValueError(f"max_concurrency must be a positive integer, got {max_concurrency!r}")
         self.max_concurrency = max_concurrency
+        if io_timeout is not None and not (
+            isinstance(io_timeout, (int, float)) and not isinstance(io_timeout, bool) and 0 < io_timeout < float("inf")
+        ):
+            raise ValueError(f"io_timeout must be a positive number of seconds or None, got {io_timeout!r}")
+        self.io_timeout = io_timeout
+        self._loop: _EventLoopThread | None = None
+        self._requests: dict[concurrent.futures.Future, bool] = {}  # request -> multipart
+        self._cancelled = False
         self.url = url.rstrip("/")
         self._options = storage_options
         self._store = build_store(self.url, storage_options)
@@ -284,14 +323,19 @@ class ObjectStoreSink(Sink):
         views = [memoryview(b).cast("B") for b in buffers]
         views = [v for v in views if v.nbytes]
         nbytes = sum(v.nbytes for v in views)
-        try:
-            if nbytes <= self.part_size:
-                payload: Any = views[0] if len(views) == 1 else views
-                obstore.put(self._store, key, payload if views else b"", use_multipart=False)
-                parts = 0
-            else:
-                part_size = part_size_for(nbytes, self.part_size)  # before the upload starts
-                obstore.put(
+        if nbytes <= self.part_size:
+            payload: Any = views[0] if len(views) == 1 else views
+            body = payload if views else b""
+
+            def request():
+                return obstore.put_async(self._store, key, body, use_multipart=False)
+
+            parts = 0
+        else:
+            part_size = part_size_for(nbytes, self.part_size)  # before the upload starts
+
+            def request():
+                return obstore.put_async(
                     self._store,
                     key,
                     views,
@@ -299,11 +343,9 @@ class ObjectStoreSink(Sink):
                     chunk_size=part_size,
                     max_concurrency=self.max_concurrency,
                 )
-                parts = -(-nbytes // part_size)
-        except ValueError:
-            raise
-        except Exception as exc:
-            raise ObjectStoreError(describe_failure(f"{self.url}/{key}", "writing", exc, self._options)) from exc
+
+            parts = -(-nbytes // part_size)
+        self._run(request, f"{self.url}/{key}", nbytes)
         with self._lock:
             self._written.add(key)
             self.stats["objects"] += 1
@@ -311,6 +353,57 @@ class ObjectStoreSink(Sink):
             self.stats["multipart_objects"] += parts > 0
             self.stats["parts"] += parts
             self.stats["requests"] += parts + 2 if parts else 1  # create + parts + complete
+
+    def _run(self, request, what: str, nbytes: int) -> None:
+        """Run ``request()`` (an obstore coroutine, made on the loop) under the write deadline."""
+        with self._lock:
+            if self._loop is None:
+                self._loop = _EventLoopThread(f"tileshard-s3-{id(self):x}")
+            future = self._loop.submit(request)
+            self._requests[future] = nbytes > self.part_size
+            cancelled = self._cancelled
+        if cancelled:
+            deadline: float | None = _AFTER_CANCEL_S
+        else:
+            deadline = None if self.io_timeout is None else write_deadline(self.io_timeout, nbytes)
+        try:
+            future.result(timeout=deadline)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise StorageTimeoutError(
+                f"writing {what!r} got no answer within {deadline:g} s (io_timeout): {_endpoint(self._options)} "
+                "is frozen or unreachable"
+            ) from None
+        except concurrent.futures.CancelledError:
+            raise WriteCancelledError(f"writing {what!r} was cut off: the recording had already failed") from None
+        except ValueError:
+            raise
+        except Exception as exc:
+            raise ObjectStoreError(describe_failure(what, "writing", exc, self._options)) from exc
+        finally:
+            with self._lock:
+                self._requests.pop(future, None)
+
+    def cancel(self) -> None:
+        """Cut off the requests in flight (they raise WriteCancelledError): single PUTs at once,
+        multipart uploads after a grace in which obstore can finish or abort them; later writes
+        get a short deadline (zarr.json marked failed)."""
+        with self._lock:
+            self._cancelled = True
+            requests = dict(self._requests)
+            loop = self._loop
+        for future, multipart in requests.items():
+            if multipart and loop is not None:
+                loop.cancel_later(future, _MULTIPART_GRACE_S)
+            else:
+                future.cancel()
+
+    def release(self) -> None:
+        """The recording ended: stop the sink's event loop (requests still in flight are cancelled)."""
+        with self._lock:
+            loop, self._loop = self._loop, None
+        if loop is not None:
+            loop.close()
 
     def read(self, key: str) -> bytes | None:
         import obstore
@@ -331,3 +424,40 @@ class ObjectStoreSink(Sink):
                 obstore.delete(self._store, written[start : start + 1000])
         except Exception as exc:  # best effort: the original error matters more
             log.warning("%s", describe_failure(self.url, "removing what was written to", exc, self._options))
+
+
+class _EventLoopThread:
+    """An asyncio loop on a daemon thread: a request given to it can be waited on with a deadline
+    and cancelled from any thread (a blocking ``obstore.put`` can be neither)."""
+
+    def __init__(self, name: str):
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, request) -> concurrent.futures.Future:
+        """Run ``request()``'s awaitable on the loop (obstore makes its futures on a running loop)."""
+
+        async def run():
+            return await request()
+
+        return asyncio.run_coroutine_threadsafe(run(), self.loop)
+
+    def cancel_later(self, future: concurrent.futures.Future, seconds: float) -> None:
+        self.loop.call_soon_threadsafe(self.loop.call_later, seconds, future.cancel)
+
+    def close(self, timeout: float = 5.0) -> None:
+        async def stop():
+            tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        try:
+            asyncio.run_coroutine_threadsafe(stop(), self.loop).result(timeout)
+        except (concurrent.futures.TimeoutError, RuntimeError):
+            log.warning("requests of an object store sink did not stop within %s s", timeout)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self.loop.close()

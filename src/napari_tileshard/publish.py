@@ -18,6 +18,7 @@ import functools
 import json
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -72,6 +73,8 @@ class Publisher:
         self.rows = 0  # rows of level 0 that the store claims now
         self.error: BaseException | None = None
         self.state = RECORDING
+        #: when the zarr.json write in progress started (time.monotonic), None between writes
+        self.publishing_since: float | None = None
 
     @property
     def layout(self) -> Layout:
@@ -93,34 +96,67 @@ class Publisher:
         for future in futures:
             future.add_done_callback(functools.partial(self._write_done, group))
 
-    def wait(self, max_pending: int = 0) -> None:
-        """Block until at most ``max_pending`` tracked groups are unpublished (or a write failed)."""
+    @property
+    def pending(self) -> int:
+        """Tracked groups not yet published."""
         with self._changed:
-            self._changed.wait_for(lambda: len(self._groups) <= max_pending or self.error is not None)
+            return len(self._groups)
 
-    def finish(self, rows: int | None) -> None:
+    def wait(self, max_pending: int = 0, check: Callable[[], None] | None = None, slice_s: float = 0.5) -> None:
+        """Block until at most ``max_pending`` tracked groups are unpublished (or a write failed).
+
+        ``check`` is called between slices of ``slice_s`` seconds (outside the lock): the caller's
+        liveness check, which may :meth:`fail` the publisher or raise, so no wait is endless."""
+
+        def ready() -> bool:
+            return len(self._groups) <= max_pending or self.error is not None
+
+        while True:
+            with self._changed:
+                if self._changed.wait_for(ready, timeout=slice_s):
+                    return
+            if check is not None:
+                check()
+
+    def fail(self, exc: BaseException) -> None:
+        """Stop publishing for good (``exc`` becomes :attr:`error` unless one is set): waits return."""
+        with self._changed:
+            self._set_error(exc)
+            self._changed.notify_all()
+
+    def finish(self, rows: int | None, check: Callable[[], None] | None = None) -> None:
         """End of the recording: after every tracked group, publish state ``complete`` (``rows``:
         the final row count, when the last group already covers them, None)."""
-        self.wait()
+        self.wait(check=check)
         if self.error is not None:
             return
         with self._publish_lock:
             final = self.rows if rows is None else max(self.rows, rows)
             self._write_metadata(final, COMPLETE)
 
-    def mark_failed(self) -> None:
-        """Best effort: say in zarr.json that the recording stopped on an error (same rows)."""
-        with self._publish_lock:
+    def mark_failed(self, timeout: float | None = None) -> None:
+        """Best effort: say in zarr.json that the recording stopped on an error (same rows).
+        Gives up after ``timeout`` seconds waiting for a zarr.json write still in progress."""
+        if not self._publish_lock.acquire(timeout=-1 if timeout is None else timeout):
+            log.warning("could not mark %s as failed: a zarr.json write is still in progress", self._sink.location)
+            return
+        try:
             if self.state == FAILED:
                 return
-            try:
-                self._write_metadata(self.rows, FAILED)
-            except OSError as exc:  # storage is failing already: the previous zarr.json stays
-                log.warning("could not mark %s as failed: %s", self._sink.location, exc)
+            self._write_metadata(self.rows, FAILED)
+        except Exception as exc:  # noqa: BLE001 - storage is failing already: the previous zarr.json stays
+            log.warning("could not mark %s as failed: %s", self._sink.location, exc)
+        finally:
+            self._publish_lock.release()
 
     # -- internals --------------------------------------------------------------------
     def _write_done(self, group: _Group, future: Future) -> None:
-        exc = future.exception()
+        # A future callback: an exception escaping here would be swallowed by concurrent.futures
+        # and the group never published (a wait without end), so every path ends in a decision.
+        try:
+            exc = future.exception()
+        except BaseException as error:  # noqa: BLE001 - cancelled: counts as a failed write
+            exc = error
         with self._changed:
             group.remaining -= 1
             if exc is not None:  # the first failure ends publishing, even of groups before it
@@ -144,11 +180,14 @@ class Publisher:
             if not done:
                 return
             if rows != self.rows:
+                self.publishing_since = time.monotonic()
                 try:
                     self._write_metadata(rows, RECORDING)
-                except OSError as exc:  # the previous zarr.json stays (atomic replace): stop here
+                except BaseException as exc:  # noqa: BLE001 - the previous zarr.json stays (atomic replace): stop here
                     with self._changed:
                         self._set_error(exc)
+                finally:
+                    self.publishing_since = None
             with self._changed:
                 for _ in range(done):
                     self._groups.popleft()
@@ -157,7 +196,10 @@ class Publisher:
     def _set_error(self, exc: BaseException) -> None:
         if self.error is None:
             self.error = exc
-            self._on_error(exc)
+            try:
+                self._on_error(exc)
+            except Exception:  # noqa: BLE001 - the error is recorded; a failing observer must not hide it
+                log.exception("reporting a storage error of %s failed", self._sink.location)
 
     def _write_metadata(self, rows: int, state: str) -> None:
         pyramid = self._pyramid

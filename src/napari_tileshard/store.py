@@ -412,6 +412,12 @@ class Sink(ABC):
     def discard(self) -> None:
         """Setup failed: remove what this sink created (no-op where nothing was)."""
 
+    def cancel(self) -> None:
+        """The recording failed: cut off the writes in flight where the storage allows it (an
+        object store cancels its requests; they raise :class:`~napari_tileshard.errors.WriteCancelledError`).
+        Best effort; writes that cannot be cut off (a local file) run to their end.  Later writes
+        (``zarr.json`` marked failed) are still allowed, under a short deadline where there is one."""
+
 
 class DirectorySink(Sink):
     """Objects as files under ``root``, each written atomically (temporary file + rename).
@@ -828,18 +834,21 @@ class ZarrStoreSink(Sink):
             self._sync(self.store.delete(key))
 
 
-def open_sink(store, overwrite: bool = False, storage_options: dict | None = None) -> Sink:
+def open_sink(
+    store, overwrite: bool = False, storage_options: dict | None = None, io_timeout: float | None = 60.0
+) -> Sink:
     """A sink for ``store``: a local path, a ``file://`` URL, ``memory://``, an object store URL
     (``s3://``, ``gs://``, ``az://`` through obstore: :class:`~napari_tileshard.object_store.ObjectStoreSink`),
     any URL an installed fsspec filesystem handles, a zarr v3 ``Store``, or a :class:`Sink`
     (returned as it is).  ``storage_options`` configure URL stores (endpoint, credentials, ...).
-    A URL that no installed store handles is an error, never a local directory named after the URL."""
+    A URL that no installed store handles is an error, never a local directory named after the URL.
+    ``io_timeout``: the deadline of one object-store write (see ``object_store.write_deadline``)."""
     from zarr.storage import LocalStore
 
     if isinstance(store, Sink):
         return store
     if isinstance(store, str) and "://" in store:
-        return _url_sink(store, overwrite, storage_options)
+        return _url_sink(store, overwrite, storage_options, io_timeout)
     if isinstance(store, (str, os.PathLike)):
         return DirectorySink(store, overwrite)
     if isinstance(store, LocalStore):
@@ -891,7 +900,7 @@ def _check_scheme(scheme: str) -> None:
         raise ValueError(f"no installed store handles {scheme!r} URLs: {hint or exc}") from None
 
 
-def _url_sink(url: str, overwrite: bool, storage_options: dict | None) -> Sink:
+def _url_sink(url: str, overwrite: bool, storage_options: dict | None, io_timeout: float | None) -> Sink:
     scheme = url.split("://", 1)[0].lower()
     if scheme == "file":  # a local directory: keep the lock, atomic renames and safe overwrite
         return DirectorySink(url[len("file://") :], overwrite)
@@ -904,7 +913,7 @@ def _url_sink(url: str, overwrite: bool, storage_options: dict | None) -> Sink:
     if _through_obstore(url):
         from .object_store import ObjectStoreSink
 
-        return ObjectStoreSink(url, overwrite, storage_options)
+        return ObjectStoreSink(url, overwrite, storage_options, io_timeout=io_timeout)
     return ZarrStoreSink(resolve_store(url, read_only=False, storage_options=storage_options), overwrite)
 
 

@@ -14,7 +14,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from .dispatch import TransientStorageError, current_worker
+from .dispatch import current_worker
+from .errors import TransientStorageError, WriteCancelledError
 from .store import Sink, open_sink
 
 
@@ -64,7 +65,11 @@ class FaultInjectingSink(Sink):
     * ``fail``: ``{pattern: exception}``: a write whose key matches the glob ``pattern`` raises
       the exception instead of writing (e.g. ``{"c/3/*": OSError(errno.ENOSPC, "No space")}``);
     * ``delay``: ``{pattern: seconds}``: such writes sleep first (a slow disk);
-    * ``hold``: ``{pattern: threading.Event}``: such writes wait until the event is set;
+    * ``hold``: ``{pattern: threading.Event}``: such writes wait until the event is set (a write
+      nothing can cut off: a hung local mount);
+    * ``freeze``: ``{pattern: True}``: such writes hang until :meth:`cancel` is called, then raise
+      :class:`~napari_tileshard.errors.WriteCancelledError` (a frozen object-store endpoint, whose
+      requests the sink can cancel);
     * ``before_write``: called with the key before every write (may raise);
     * ``faults``: seeded :class:`StorageFaults` (slow worker, stalls, 503 SlowDown, telemetry loss).
 
@@ -80,6 +85,7 @@ class FaultInjectingSink(Sink):
         fail: dict | None = None,
         delay: dict | None = None,
         hold: dict | None = None,
+        freeze: dict | None = None,
         before_write: Callable[[str], None] | None = None,
         faults: StorageFaults | None = None,
         storage_options: dict | None = None,
@@ -91,6 +97,8 @@ class FaultInjectingSink(Sink):
         self.fail = dict(fail or {})
         self.delay = dict(delay or {})
         self.hold = dict(hold or {})
+        self.freeze = dict(freeze or {})
+        self.cancelled = threading.Event()  # set by cancel(): frozen writes give up
         self.before_write = before_write
         self.writes: list[str] = []
         self.attempts: list[str] = []
@@ -123,6 +131,9 @@ class FaultInjectingSink(Sink):
         event = self._match(self.hold, key)
         if event is not None:
             event.wait()
+        if self._match(self.freeze, key) and not self.cancelled.is_set():
+            self.cancelled.wait()
+            raise WriteCancelledError(f"writing {key!r}: the request was cancelled (injected frozen endpoint)")
         seconds = self._match(self.delay, key)
         if seconds:
             time.sleep(seconds)
@@ -171,3 +182,7 @@ class FaultInjectingSink(Sink):
 
     def discard(self) -> None:
         self.inner.discard()
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+        self.inner.cancel()

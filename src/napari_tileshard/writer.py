@@ -49,6 +49,10 @@ def _is_device_array(array) -> bool:
     return hasattr(array, "__cuda_array_interface__") and not isinstance(array, np.ndarray)
 
 
+#: seconds close() tries to mark a failed recording's zarr.json (storage is failing already)
+_MARK_FAILED_TIMEOUT_S = 10.0
+
+
 class WriterError(RuntimeError):
     """The Writer stopped because storage or a backend failed; what was complete is on disk."""
 
@@ -72,6 +76,8 @@ class WriterStats:
     retries: int = 0  # transient storage errors (503 SlowDown) retried
     fallback_rounds: int = 0  # batches placed statically (model cold or telemetry lost)
     replaced_workers: int = 0  # workers retired for being far slower than the others, and replaced
+    dropped_writes: int = 0  # queued shard writes dropped after a storage failure (never publishable)
+    io_timeouts: int = 0  # shard writes that got no answer within io_timeout
 
     @property
     def compression_ratio(self) -> float:
@@ -251,6 +257,13 @@ class Writer:
     ``image_name`` names the OME image (default: the store's directory name); ``ome_fields`` are
     further keys of the group's ``ome`` object (``omero`` channel names, say).
 
+    ``io_timeout`` (seconds, default 60; None: no deadline) bounds storage: a shard or ``zarr.json``
+    write that gets no answer for that long (plus a second per MB of a large shard) fails the
+    recording with :class:`~napari_tileshard.errors.StorageTimeoutError`.  After any storage
+    failure nothing queued is written (it could never be published), object-store requests in
+    flight are cut off, and :meth:`close` returns within about ``io_timeout``; the store claims
+    exactly the rows it holds (``docs/reliability.md``, liveness).
+
     Every option is checked before the store is touched; a store the Writer creates is removed
     again if setup fails.  A local store is locked for the Writer's life (one writer per store).
     """
@@ -282,6 +295,7 @@ class Writer:
         max_levels: int | None = None,
         image_name: str | None = None,
         ome_fields: dict | None = None,
+        io_timeout: float | None = 60.0,
     ):
         if not isinstance(layout, Layout):
             raise TypeError(f"layout must be a Layout, got {type(layout).__name__}")
@@ -294,6 +308,14 @@ class Writer:
             raise ValueError(f"max_latency_s must be a positive number of seconds, got {max_latency_s!r}")
         if not isinstance(overwrite, bool):
             raise TypeError(f"overwrite must be True or False, got {overwrite!r}")
+        if io_timeout is not None and (
+            not isinstance(io_timeout, (int, float))
+            or isinstance(io_timeout, bool)
+            or not io_timeout > 0
+            or not math.isfinite(io_timeout)
+        ):
+            raise ValueError(f"io_timeout must be a positive number of seconds or None, got {io_timeout!r}")
+        self.io_timeout = None if io_timeout is None else float(io_timeout)
         self.max_latency_s = float(max_latency_s)
         self.layout = layout
         self.codec = codec
@@ -361,7 +383,7 @@ class Writer:
         # Buffers (and the GPU's memory check) before the store is touched: a refusal leaves no trace.
         self._staging = StagingRing(self._backend, self.batch_bytes, staging_buffers)
         try:
-            self._sink = open_sink(store, overwrite)
+            self._sink = open_sink(store, overwrite, io_timeout=self.io_timeout)
             self.stats = WriterStats(backend=self._backend.describe())
             self._prefixes = [f"{k}/" for k in range(self.pyramid.levels)] if self.ome else [""]
             self._publisher = Publisher(
@@ -392,6 +414,7 @@ class Writer:
             self._publisher,
             io_threads=io_threads,
             io_dispatch=self._io_dispatch,
+            io_timeout=self.io_timeout,
             pipeline_limit=max(staging_buffers, self._backend.batches_in_flight),
             batch_epochs=self.batch_epochs,
             failed=lambda: self._error,
@@ -552,28 +575,67 @@ class Writer:
         self._raise_if_failed()
 
     def close(self) -> None:
-        """Write what is left, finalize ``zarr.json`` and release buffers, threads, device and lock."""
+        """Write what is left, finalize ``zarr.json`` and release buffers, threads, device and lock.
+
+        The finishing runs on a helper thread while this one waits, so a Ctrl-C here is safe: the
+        first (KeyboardInterrupt) logs what the close is waiting for and keeps waiting; a second
+        abandons: nothing more is written, the store keeps claiming only rows that are on disk, and
+        :class:`WriterError` says so.  After a storage failure it returns within about
+        ``io_timeout`` (writes that cannot be cut off are abandoned, and named in the log)."""
         if self._closed:
             return
         self._closed = True
+        finisher = threading.Thread(target=self._finish, name="tileshard-close", daemon=True)
+        finisher.start()
+        interrupts = 0
+        while finisher.is_alive():
+            try:
+                finisher.join(0.25)
+            except KeyboardInterrupt:
+                interrupts += 1
+                if interrupts > 1:
+                    self._fail(WriterError("closing was abandoned by a second interrupt (Ctrl-C)"))
+                    break
+                log.warning(
+                    "closing %s: waiting for %s. Press Ctrl-C again to abandon (the store keeps only what is on disk).",
+                    self._sink.location,
+                    self._collector.describe(),
+                )
+        finished = not finisher.is_alive() and self._collector.done
+        self._refresh_io_stats()
+        if finished:  # else a stuck stage may still use them: they go with the process
+            self._staging.close()
+            self._backend.close()
+        if self._error is not None:
+            self._publisher.mark_failed(timeout=_MARK_FAILED_TIMEOUT_S)
+        if finished:  # a write still running keeps the lock: it names this (ending) process
+            self._sink.release()
+        self.stats.elapsed_s = time.perf_counter() - self._start
+        self._raise_if_failed()
+
+    def _finish(self) -> None:
+        """close()'s work (on its helper thread): the last batch, the collector, the I/O."""
         try:
             if self._error is None and self._staging.fill:
                 self._submit_current(
                     self._staging.pad(self.layout.epoch_bytes, self.layout.itemsize), self._rows_in_current()
                 )
             self._collector.finish()
-        except BaseException as exc:  # noqa: BLE001 - recorded and re-raised below
+        except BaseException as exc:  # noqa: BLE001 - recorded and re-raised by close()
             self._fail(exc)
         finally:
-            self._collector.shutdown()
-            self._refresh_io_stats()
-            self._staging.close()
-            self._backend.close()
-            if self._error is not None:
-                self._publisher.mark_failed()
-            self._sink.release()
-            self.stats.elapsed_s = time.perf_counter() - self._start
-        self._raise_if_failed()
+            self._shutdown_io()
+
+    def _shutdown_io(self) -> None:
+        abandoned = self._collector.shutdown(timeout=self.io_timeout)
+        if abandoned:
+            log.error(
+                "%s: %d shard writes did not end within io_timeout=%s s and were abandoned: %s",
+                self._sink.location,
+                len(abandoned),
+                self.io_timeout,
+                ", ".join(abandoned[:5]) + (" ..." if len(abandoned) > 5 else ""),
+            )
 
     def abandon(self) -> None:
         """Undo this Writer instead of finishing it: stop its threads, free its buffers and remove
@@ -584,7 +646,8 @@ class Writer:
         self._closed = True
         self._fail(WriterError("abandoned"))
         try:
-            self._collector.shutdown()
+            self._collector.finish()
+            self._shutdown_io()
         finally:
             self._staging.close()
             self._backend.close()
@@ -700,6 +763,7 @@ class Writer:
         stats.moves, stats.steals, stats.hedges = io.moves, io.steals, io.hedges
         stats.duplicate_bytes, stats.retries, stats.fallback_rounds = io.duplicate_bytes, io.retries, io.fallback_rounds
         stats.replaced_workers = io.replaced
+        stats.dropped_writes, stats.io_timeouts = io.dropped, io.timeouts
 
     def _shard_written(self, nbytes: int) -> None:
         with self._stats_lock:
@@ -716,6 +780,7 @@ class Writer:
             self._error = exc
         collector = getattr(self, "_collector", None)
         if collector is not None:
+            collector.abort(self._error)  # nothing queued can be published any more: don't write it
             collector.wake()  # a producer waiting for room must see the error
 
     def _check_open(self) -> None:
