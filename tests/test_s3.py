@@ -7,8 +7,12 @@ import contextlib
 import http.client
 import http.server
 import json
+import os
 import socket
+import subprocess
+import sys
 import threading
+import time
 import uuid
 from datetime import timedelta
 
@@ -456,3 +460,95 @@ def test_dispatch_faults_against_s3_lose_nothing_and_match_the_fault_free_record
     from napari_tileshard import ShardReader
 
     np.testing.assert_array_equal(ShardReader(f"s3://{s3.bucket}/faulty.zarr")[...], frames)  # the URL, as typed
+
+
+class TcpForwarder:
+    """A TCP forwarder on 127.0.0.1 in front of the S3 server.  ``kill()`` closes it and every
+    connection (the endpoint dies); ``freeze()`` keeps accepting and holding connections but
+    never forwards another byte (a frozen endpoint, as a SIGSTOPped server or a dead link)."""
+
+    def __init__(self, endpoint: str):
+        host, port = endpoint.removeprefix("http://").split(":")
+        self.target = (host, int(port))
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.frozen = threading.Event()
+        self.sockets: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return  # killed
+            self.sockets.append(client)
+            if self.frozen.is_set():
+                continue  # accepted, held, never answered
+            upstream = socket.create_connection(self.target)
+            self.sockets.append(upstream)
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket):
+        try:
+            while data := source.recv(65536):
+                while self.frozen.is_set():
+                    time.sleep(3600)  # the byte never arrives
+                sink.sendall(data)
+        except OSError:
+            pass
+
+    def freeze(self):
+        self.frozen.set()
+
+    def kill(self):
+        self.listener.close()
+        for sock in self.sockets:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
+
+def claimed_rows(s3, bucket: str, prefix: str) -> int:
+    meta = json.loads(s3.client.get_object(Bucket=bucket, Key=f"{prefix}/zarr.json")["Body"].read())
+    return meta["attributes"]["tileshard"]["rows_written"]
+
+
+@pytest.mark.parametrize("fault", ["killed", "frozen"])
+def test_a_recording_stops_promptly_when_its_endpoint_dies_or_freezes(s3, fault, tmp_path):
+    """The evidence (shared/evidence/s3_dead_endpoint_log.txt): the recorder kept running for
+    minutes after the endpoint died, writing queued shards with obstore's full retry budget."""
+    forwarder = TcpForwarder(s3.endpoint)
+    url = f"s3://{s3.bucket}/h.zarr"
+    env = {**os.environ, "AWS_ENDPOINT_URL": forwarder.endpoint}
+    command = [sys.executable, "-m", "napari_tileshard.cli", "record", url, "--shape", "0,64,48", "--tile", "4,32,16"]
+    command += ["--tiles-per-shard", "2,1,2", "--fps", "400", "--backend", "cpu", "--io-timeout", "3", "--no-progress"]
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # until some shard epochs are published
+            with contextlib.suppress(Exception):
+                if claimed_rows(s3, s3.bucket, "h.zarr") >= 16:
+                    break
+            time.sleep(0.1)
+        else:
+            pytest.fail("the recording published nothing")
+        {"killed": forwarder.kill, "frozen": forwarder.freeze}[fault]()
+        broken = time.monotonic()
+        out, err = process.communicate(timeout=60)
+        ended = time.monotonic() - broken
+    finally:
+        if process.poll() is None:
+            process.kill()
+        forwarder.kill()
+    print(f"stopped {ended:.1f} s after the endpoint was {fault}")
+    assert ended < 3 + 20, f"the recorder took {ended:.0f} s to stop after its endpoint {fault}"
+    assert process.returncode == 1, (process.returncode, err[-2000:])
+    assert "frozen or unreachable" in err or "cannot be reached" in err, err[-2000:]
+    assert "Traceback" not in err
+    rows = claimed_rows(s3, s3.bucket, "h.zarr")
+    assert rows >= 16 and rows % 8 == 0  # whole shard epochs only
+    report = verify(url)  # through the server itself: every claimed row is there
+    assert report.ok, report.problems
+    assert zarr.open_array(resolve_store(url), mode="r").shape[0] == rows

@@ -19,9 +19,12 @@ from .layout import SUPPORTED_DTYPES, Dim, Layout
 from .pyramid import DOWNSAMPLE
 from .store import _OVERWRITE_HINT, StoreExistsError
 from .verify import verify
-from .writer import Writer
+from .writer import CloseAbandoned, Writer, WriterError
 
 _SPATIAL_NAMES = ("c", "z", "y", "x")
+#: exit statuses: a usage error (a bad option or value, an existing store), a runtime failure
+#: (disk full, unreachable storage, a store with problems); 128 + signal after Ctrl-C / SIGTERM
+USAGE_ERROR, FAILURE = 2, 1
 
 
 def _positive_int(text: str) -> int:
@@ -121,6 +124,9 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=formatter,
         description="Record camera streams into sharded Zarr v3 arrays (GPU or CPU), check them, "
         "or start napari with the recorder docked.",
+        epilog=f"exit status: 0 success; {FAILURE} a runtime failure (disk full, unreachable or frozen storage, "
+        f"a store with problems); {USAGE_ERROR} a usage error (a bad option or value, an existing store without "
+        "--overwrite); 130 / 143 after Ctrl-C / SIGTERM (the store is finished first).",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log what the writer decides")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_package_version()}")
@@ -226,6 +232,14 @@ def _parser() -> argparse.ArgumentParser:
         "--overwrite",
         action="store_true",
         help="replace an existing recording (only an array or OME group this tool writes)",
+    )
+    record.add_argument(
+        "--io-timeout",
+        type=_positive_float,
+        default=60.0,
+        metavar="SECONDS",
+        help="a shard write with no answer for this long (plus 1 s per MB) stops the recording; "
+        "after a storage failure the command ends within about this time",
     )
     record.add_argument("--no-progress", action="store_true", help="no progress bar")
     check = sub.add_parser(
@@ -388,6 +402,7 @@ def record(args) -> int:
     stops = [f"{frames} frames" if frames is not None else None, f"{args.duration:g} s" if args.duration else None]
     until = " or ".join(filter(None, stops)) or "Ctrl-C"
     interrupted = None
+    writer: Writer | None = None
     previous = signal.signal(signal.SIGTERM, _raise_interrupted) if _main_thread() else None
     try:
         with Writer(
@@ -397,6 +412,7 @@ def record(args) -> int:
             level=args.level,
             backend=args.backend,
             overwrite=args.overwrite,
+            io_timeout=args.io_timeout,
             **pyramid,
         ) as writer:
             print(
@@ -420,10 +436,16 @@ def record(args) -> int:
                 interrupted = signal.SIGTERM
             finally:
                 bar.close()
-                # The store is finished below (close): a second Ctrl-C or SIGTERM must not cut that short.
+                # The store is finished below (close), which handles Ctrl-C itself: the first says
+                # what it waits for, a second abandons.  SIGTERM counts as Ctrl-C there.
                 if _main_thread():
-                    signal.signal(signal.SIGINT, signal.SIG_IGN)
-                    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+                    signal.signal(signal.SIGINT, signal.default_int_handler)
+                    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    except WriterError as exc:
+        if isinstance(exc.__cause__, CloseAbandoned):
+            print(f"napari-tileshard: {exc.__cause__}; {_claimed(writer)}", file=sys.stderr)
+            return 128 + int(interrupted or signal.SIGINT)
+        raise
     finally:
         if _main_thread():
             signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -450,6 +472,16 @@ def _main_thread() -> bool:
 
 def _raise_interrupted(signum, frame):
     raise _Interrupted(signum)
+
+
+def _raise_keyboard_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def _claimed(writer: Writer | None) -> str:
+    if writer is None:
+        return "nothing was recorded"
+    return f"{writer.location} claims {writer.stats.rows_complete} rows, all of them on disk"
 
 
 def gui(args) -> int:
@@ -498,10 +530,13 @@ def main(argv=None) -> int:
         return 0 if report.ok else 1
     except StoreExistsError as exc:  # the Python API's hint names overwrite=True; here it is a flag
         print(f"napari-tileshard: error: {str(exc).replace(_OVERWRITE_HINT, 'use --overwrite')}", file=sys.stderr)
-        return 2
-    except (ValueError, TypeError, OSError, RuntimeError) as exc:
+        return USAGE_ERROR
+    except (ValueError, TypeError) as exc:  # a value the command refused before doing anything
         print(f"napari-tileshard: error: {exc}", file=sys.stderr)
-        return 2
+        return USAGE_ERROR
+    except (OSError, RuntimeError) as exc:  # storage, a device or the data failed while working
+        print(f"napari-tileshard: error: {exc}", file=sys.stderr)
+        return FAILURE
 
 
 if __name__ == "__main__":

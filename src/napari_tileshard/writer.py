@@ -57,6 +57,10 @@ class WriterError(RuntimeError):
     """The Writer stopped because storage or a backend failed; what was complete is on disk."""
 
 
+class CloseAbandoned(WriterError):
+    """close() was abandoned (a second Ctrl-C): the store claims only rows that are on disk."""
+
+
 @dataclass
 class WriterStats:
     backend: str
@@ -585,23 +589,37 @@ class Writer:
         if self._closed:
             return
         self._closed = True
-        finisher = threading.Thread(target=self._finish, name="tileshard-close", daemon=True)
-        finisher.start()
-        interrupts = 0
-        while finisher.is_alive():
+        # Waited on through an Event, not Thread.join: a KeyboardInterrupt inside join() marks a
+        # live thread as stopped on Python 3.11 (bpo-45274's handling of an interrupted join).
+        finished_event = threading.Event()
+
+        def finish() -> None:
             try:
-                finisher.join(0.25)
+                self._finish()
+            finally:
+                finished_event.set()
+
+        threading.Thread(target=finish, name="tileshard-close", daemon=True).start()
+        interrupts = 0
+        while not finished_event.is_set():
+            try:
+                finished_event.wait(0.25)
             except KeyboardInterrupt:
                 interrupts += 1
                 if interrupts > 1:
-                    self._fail(WriterError("closing was abandoned by a second interrupt (Ctrl-C)"))
+                    self._fail(
+                        CloseAbandoned(
+                            f"closing was abandoned by a second interrupt (Ctrl-C) while waiting for "
+                            f"{self._collector.describe()}"
+                        )
+                    )
                     break
                 log.warning(
                     "closing %s: waiting for %s. Press Ctrl-C again to abandon (the store keeps only what is on disk).",
                     self._sink.location,
                     self._collector.describe(),
                 )
-        finished = not finisher.is_alive() and self._collector.done
+        finished = finished_event.is_set() and self._collector.done
         self._refresh_io_stats()
         if finished:  # else a stuck stage may still use them: they go with the process
             self._staging.close()
