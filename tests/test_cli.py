@@ -133,6 +133,16 @@ def test_verify_counts_problems_in_words_and_shows_no_empty_bar(tmp_path, capsys
 def test_refuses_to_start_without_room_for_one_shard_epoch(tmpfs, capsys):
     mount_point = tmpfs("256k", "small")
     # the default layout: one shard epoch of 2048x2048x32 uint16 tiles needs ~256 MiB
-    assert main(["record", str(mount_point / "big.zarr"), "--backend", "cpu", "--no-progress"]) == 2
+    assert main(["record", str(mount_point / "big.zarr"), "--backend", "cpu", "--no-progress"]) == 1  # runtime
     assert "bytes free, but one shard epoch" in capsys.readouterr().err
     assert not (mount_point / "big.zarr").exists()
+
+
+def test_a_disk_that_fills_up_mid_recording_exits_1_not_2(tmpfs, capsys):
+    mount_point = tmpfs("3m", "fills")
+    args = ["record", str(mount_point / "a.zarr"), "--shape", "0,256,256", "--tile", "2,128,128"]
+    args += ["--tiles-per-shard", "1,2,2", "--codec", "none", "--backend", "cpu", "--frames", "200", "--no-progress"]
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert "No space left on device" in err and "Traceback" not in err
+    assert main(["record", str(mount_point / "b.zarr"), "--shape", "0,2,2", "--tile", "1,2"]) == 2  # a usage error
