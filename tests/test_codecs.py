@@ -15,10 +15,10 @@ import zarr
 from conftest import read_back, read_tensorstore
 from zarr.codecs import BloscCodec, ZstdCodec
 
-from napari_tileshard import Dim, Layout, SyntheticCamera, Writer, codecs, verify
+from napari_tileshard import Dim, Layout, SyntheticCamera, Writer, verify
 from napari_tileshard.backends import select_backend
 from napari_tileshard.cli import main
-from napari_tileshard.store import array_metadata
+from napari_tileshard.format import array_metadata, codecs
 
 #: the inner compressors zarr-python is given for each codec at ``level`` and ``itemsize``
 ZARR_CHAIN = {

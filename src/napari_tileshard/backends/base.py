@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import codecs
+from ..format import codecs
 from ..layout import Layout
 from ..pyramid import Pyramid
 from ..shard import EncodedEpoch
