@@ -23,6 +23,7 @@ import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Protocol
 
 import crc32c
@@ -118,11 +119,11 @@ class ShardSpec:
     def ndim(self) -> int:
         return len(self.shape)
 
-    @property
+    @cached_property
     def chunks_per_shard(self) -> tuple[int, ...]:
         return tuple(s // c for s, c in zip(self.shard_shape, self.chunk_shape))
 
-    @property
+    @cached_property
     def chunks(self) -> int:
         """Chunks per shard (index entries)."""
         return math.prod(self.chunks_per_shard)
@@ -136,7 +137,7 @@ class ShardSpec:
     def chunk_elements(self) -> int:
         return math.prod(self.chunk_shape)
 
-    @property
+    @cached_property
     def chunk_bytes(self) -> int:
         """Bytes of one decoded chunk."""
         return self.chunk_elements * self.dtype.itemsize
@@ -151,12 +152,12 @@ class ShardSpec:
         """The dtype of a decoded chunk's bytes."""
         return self.dtype.newbyteorder(">" if self.big_endian else "<") if self.dtype.itemsize > 1 else self.dtype
 
-    @property
+    @cached_property
     def min_chunk_bytes(self) -> int:
         """The fewest bytes a stored chunk may hold (the codec's, for one chunk)."""
         return self.codec.min_encoded_bytes(self.chunk_bytes)
 
-    @property
+    @cached_property
     def max_chunk_bytes(self) -> int:
         """The most bytes a stored chunk may hold (the codec's worst case for one chunk)."""
         return self.codec.max_encoded_bytes(self.chunk_bytes)
@@ -308,7 +309,7 @@ class ShardSpec:
         )
 
     # -- the index -------------------------------------------------------------------------------
-    @property
+    @cached_property
     def index_nbytes(self) -> int:
         return self.chunks * 16 + (4 if self.index_crc else 0)
 
@@ -378,6 +379,15 @@ class ShardSpec:
         offsets, nbytes = np.asarray(offsets), np.asarray(nbytes)
         data_start, data_end = self.data_range(object_size)
         lo, hi = self.min_chunk_bytes, self.max_chunk_bytes
+        if (
+            nbytes.size
+            and lo <= int(nbytes.min())
+            and int(nbytes.max()) <= hi
+            and data_start <= int(offsets.min())
+            and int(offsets.max()) <= data_end
+            and int((offsets + nbytes).max()) <= data_end  # no wrap: both are below 2^63 here
+        ):  # the common case: every chunk stored, plausibly sized, inside the data
+            return np.ones(nbytes.size, dtype=bool), []
         empty_offset, empty_nbytes = offsets == np.uint64(EMPTY), nbytes == np.uint64(EMPTY)
         present = ~(empty_offset & empty_nbytes)
         half = present & (empty_offset | empty_nbytes)
@@ -415,9 +425,11 @@ class ShardSpec:
         if chosen.size < 2:
             return []
         starts = np.asarray(offsets)[chosen].astype(np.int64)
-        ends = starts + np.asarray(nbytes)[chosen].astype(np.int64)
         order = np.argsort(starts, kind="stable")
-        starts, ends, chosen = starts[order], ends[order], chosen[order]
+        starts, chosen = starts[order], chosen[order]
+        ends = starts + np.asarray(nbytes)[chosen].astype(np.int64)
+        if not (starts[1:] < ends[:-1]).any():  # sorted by start, each apart from the next: none overlap
+            return []
         reach = np.maximum.accumulate(ends)
         # which chunk reaches furthest so far: the one an overlapping chunk is named against
         latest = np.maximum.accumulate(np.where(ends == reach, np.arange(ends.size), 0))
@@ -456,7 +468,11 @@ class ShardSpec:
         problems += found
         if limit is None or len(problems) < limit:
             room = None if limit is None else limit - len(problems)
-            problems += self.overlap_problems(key, offsets, nbytes, valid, limit=room)
+            overlaps = self.overlap_problems(key, offsets, nbytes, valid, limit=room)
+            if overlaps:
+                valid = valid.copy()
+                valid[[p.chunk for p in overlaps]] = False
+                problems += overlaps
         starts = np.where(valid, offsets, 0).astype(np.int64)
         sizes = np.where(valid, nbytes, 0).astype(np.int64)
         return ShardIndex(np.where(valid, starts, -1), np.where(valid, sizes, -1)), problems
