@@ -271,3 +271,44 @@ def test_zstd_checksum_frames():
     assert len(chunk) == len(Zstd(level=1).encode(tile)) + 4 <= codec.max_encoded_bytes(tile.nbytes)
     assert codec.decode(chunk, tile.nbytes) == tile.tobytes()
     assert codec.zarr_codecs()[1] == {"name": "zstd", "configuration": {"level": 1, "checksum": True}}
+
+
+# -- moved from tests/test_codecs.py: the writable codecs on their own -----------------------------------
+@pytest.mark.parametrize("name", names())
+@pytest.mark.parametrize("count", [0, 1, 7])
+def test_batch_encode_is_byte_identical_to_one_call_per_tile(name, count):
+    # zstd's batch path is one libzstd call for every tile (multi_compress_to_buffer): its chunks
+    # must be the frames compress() gives one tile at a time, in order, with matching sizes
+    codec = get(name).configure(3 if get(name).level_range else 1, "uint16")
+    smooth = (np.arange(count * 3000) % 251).astype(np.uint16).reshape(count, 3000).view(np.uint8)
+    tiles = np.concatenate([smooth, np.zeros((count, 2000), np.uint8)], 1)
+    noisy = tiles[count // 2 :, ::7]  # the later tiles barely compress
+    noisy[...] = np.random.default_rng(5).integers(0, 256, noisy.shape, dtype=np.uint8)
+    chunks, sizes = codec.encode_tiles(tiles)
+    reference = [bytes(codec.encode(tile)) for tile in tiles]
+    assert sizes == [len(chunk) for chunk in reference]
+    assert b"".join(memoryview(c).cast("B") for c in chunks) == b"".join(reference)
+    assert [codec.decode(chunk, tiles.shape[1]) for chunk in reference] == [tile.tobytes() for tile in tiles]
+
+
+def test_blosc_bytes_are_zarr_pythons():
+    tile = (np.arange(4096) % 300).astype(np.uint16)
+    ours = get("blosc-lz4").configure(5, "uint16").encode(tile.view(np.uint8))
+    theirs = BloscCodec(cname="lz4", clevel=5, shuffle="shuffle", typesize=2, blocksize=0)._blosc_codec.encode(tile)
+    assert bytes(ours) == bytes(theirs)
+
+
+def test_levels_in_range_are_accepted():
+    assert get("zstd").validate_level(np.int64(-7)) == -7
+    assert get("blosc-lz4").validate_level(9) == 9
+    assert get("none").validate_level(99) == 99  # no level: accepted and ignored
+
+
+def test_gpu_support_refuses_blosc_and_names_the_supported_codecs():
+    assert gpu_support("zstd") is None and gpu_support("none") is None
+    reason = gpu_support("blosc-lz4")
+    assert reason == (
+        "codec 'blosc-lz4' is not supported by the GPU backend: nvCOMP cannot produce a Blosc "
+        "bitstream (the GPU backend supports zstd, none); use backend='cpu' or 'auto'"
+    )
+    assert gpu_support(get("blosc-lz4").configure(3, "uint16")) == reason

@@ -473,3 +473,38 @@ def test_codec_objects_of_every_kind_are_specs_codecs():
     for codec in (Zstd(), Raw(), BloscLz4(), Blosc(), Gzip()):
         configured = codec.configure(codec.level, "uint16")
         assert ShardSpec.from_metadata(_ours(codecs=configured.zarr_codecs())).codec == configured
+
+
+# -- verify reports every problem the spec finds ---------------------------------------------------
+def _damaged_store(path):
+    layout = Layout([Dim("t", 0, 2, 2), Dim("y", 8, 4, 2), Dim("x", 4, 4, 1)], "uint16")  # 4 chunks per shard
+    with Writer(path, layout, backend="cpu") as writer:
+        writer.append(SyntheticCamera((8, 4), "uint16", seed=2).stack(4))
+    shard = path / "c/0/0/0"
+    blob = shard.read_bytes()
+    spec = ShardSpec.from_metadata(json.loads((path / "zarr.json").read_text()))
+    offsets, nbytes, _ = spec.index_entries(blob[-spec.index_nbytes :])
+    offsets, nbytes = offsets.copy(), nbytes.copy()
+    nbytes[0] = 10**6  # more than zstd makes of one tile
+    offsets[1] = 2**64 - 8  # outside (wraps in uint64 arithmetic)
+    body = spec.encode_index(offsets, nbytes)[:-4]
+    shard.write_bytes(blob[: -spec.index_nbytes] + body + b"\0\0\0\0")  # and a CRC that does not match
+    return path
+
+
+@pytest.mark.parametrize("block", [None, 2])
+def test_verify_reports_every_index_problem(tmp_path, monkeypatch, block):
+    import sys
+
+    verify_module = sys.modules["napari_tileshard.verify"]  # the package's ``verify`` is the function
+    if block:  # the streamed index of huge shards, checked block by block
+        monkeypatch.setattr(verify_module, "_INDEX_BLOCK_ENTRIES", block)
+    report = verify(_damaged_store(tmp_path / "d.zarr"))
+    assert [(p.key, p.chunk) for p in report.problems] == [("c/0/0/0", None), ("c/0/0/0", 0), ("c/0/0/0", 1)]
+    assert report.problems[0].message == "index CRC32C mismatch"
+    assert report.problems[1].message.startswith("holds 1000000 bytes, more than zstd makes of one tile of 64 bytes")
+    assert report.problems[2].message.startswith(f"(offset {2**64 - 8}, ")
+    assert "lies outside the shard data" in report.problems[2].message
+    assert report.chunks == 4 and report.shards == 1
+    with pytest.raises(ShardIndexError, match="c/0/0/0: index CRC32C mismatch"):
+        ShardReader(tmp_path / "d.zarr", backend="cpu")[...]

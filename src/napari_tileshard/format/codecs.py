@@ -114,7 +114,7 @@ class Codec:
         the chunks in order, encoded size per tile).
 
         The generic path: one :meth:`encode` per tile.  A codec with a native batch encoder
-        overrides it; its output must equal this one's byte for byte (``tests/test_codecs.py``).
+        overrides it; its output must equal this one's byte for byte (``tests/format/test_codec_objects.py``).
         """
         return self.encode_tiles_one_by_one(tiles)
 
