@@ -1,6 +1,6 @@
 """Compress stage: encode tiles with the codec, one chunk per tile.
 
-What a codec's bitstream is lives in :mod:`napari_tileshard.codecs`; here the CPU calls the codec
+What a codec's bitstream is lives in :mod:`napari_tileshard.format.codecs`; here the CPU calls the codec
 object (:func:`compress_cpu`) and the GPU calls nvCOMP's batched C API for every tile of a batch at
 once, leaving sizes and statuses on the device (:func:`compress_gpu`).
 """
