@@ -71,7 +71,7 @@ def engines(path: str, names: str, repeat: int) -> None:
 def timeline(path: str) -> None:
     import cupy
 
-    from napari_tileshard.backends import _nvcomp
+    from napari_tileshard.format import nvcomp as _nvcomp
 
     marks: list[tuple] = []  # (stream, stage, start event, end event)
 

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from napari_tileshard import Dim, Layout, Writer, codecs
+from napari_tileshard import Dim, Layout, Writer
 from napari_tileshard.backends import (
     BACKENDS,
     REGISTRY,
@@ -21,6 +21,7 @@ from napari_tileshard.backends import (
 )
 from napari_tileshard.backends.cpu import CpuBackend, CpuTicket
 from napari_tileshard.backends.gpu import GpuBackend
+from napari_tileshard.format import codecs
 from napari_tileshard.pyramid import plan_pyramid
 
 LAYOUT = Layout([Dim("t", 0, 2, 1), Dim("y", 10, 4, 2), Dim("x", 9, 4, 2)], "uint16")

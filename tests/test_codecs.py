@@ -1,11 +1,11 @@
-"""The codec registry: every registered codec end to end, its metadata against zarr-python's own,
-its errors, the GPU backend's refusal, and verify through the codec's decoder.
+"""The codec registry through the writer: every writable codec end to end, its metadata against
+zarr-python's own, its errors, the GPU backend's refusal, and verify through the codec's decoder
+(the codec objects on their own: tests/format/test_codec_objects.py).
 
 A new codec is added to ``ZARR_CHAIN`` below (its chain written independently of codecs.py) and
 is then covered by every parametrized test here.
 """
 
-import dataclasses
 import json
 
 import crc32c
@@ -15,10 +15,10 @@ import zarr
 from conftest import read_back, read_tensorstore
 from zarr.codecs import BloscCodec, ZstdCodec
 
-from napari_tileshard import Dim, Layout, SyntheticCamera, Writer, codecs, verify
+from napari_tileshard import Dim, Layout, SyntheticCamera, Writer, verify
 from napari_tileshard.backends import select_backend
 from napari_tileshard.cli import main
-from napari_tileshard.store import array_metadata
+from napari_tileshard.format import array_metadata, codecs
 
 #: the inner compressors zarr-python is given for each codec at ``level`` and ``itemsize``
 ZARR_CHAIN = {
@@ -99,42 +99,6 @@ def test_metadata_is_what_zarr_writes_for_the_same_chain(tmp_path, name, dtype):
     ) == codecs.get(name).configure(level, dtype)
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_encode_decode_and_bounds(name):
-    codec = codecs.get(name).configure(_level(name), "uint16")
-    for tile in (
-        np.random.default_rng(2).integers(0, 256, 5000, dtype=np.uint8),  # incompressible
-        np.zeros(4096, np.uint8),
-        np.arange(3, dtype=np.uint8),
-    ):
-        encoded = codec.encode(tile)
-        assert codec.min_encoded_bytes(tile.nbytes) <= len(encoded) <= codec.max_encoded_bytes(tile.nbytes)
-        assert codec.decode(bytes(encoded), tile.nbytes) == tile.tobytes()
-        with pytest.raises(codecs.CodecError):
-            codec.decode(bytes(encoded), tile.nbytes + 1)
-    if codec.checks_content:
-        with pytest.raises(codecs.CodecError):
-            codec.decode(bytes(encoded) + b"\0" * 8, tile.nbytes)  # bytes after the chunk
-
-
-@pytest.mark.parametrize("name", NAMES)
-@pytest.mark.parametrize("count", [0, 1, 7])
-def test_batch_encode_is_byte_identical_to_one_call_per_tile(name, count):
-    # zstd's batch path is one libzstd call for every tile (multi_compress_to_buffer): its chunks
-    # must be the frames compress() gives one tile at a time, in order, with matching sizes
-    codec = codecs.get(name).configure(_level(name), "uint16")
-    tiles = np.concatenate(
-        [_data((count, 3000), "uint16", seed=4).view(np.uint8), np.zeros((count, 2000), np.uint8)], 1
-    )
-    noisy = tiles[count // 2 :, ::7]  # the later tiles barely compress
-    noisy[...] = np.random.default_rng(5).integers(0, 256, noisy.shape, dtype=np.uint8)
-    chunks, sizes = codec.encode_tiles(tiles)
-    reference = [bytes(codec.encode(tile)) for tile in tiles]
-    assert sizes == [len(chunk) for chunk in reference]
-    assert b"".join(memoryview(c).cast("B") for c in chunks) == b"".join(reference)
-    assert [codec.decode(chunk, tiles.shape[1]) for chunk in reference] == [tile.tobytes() for tile in tiles]
-
-
 @pytest.mark.parametrize("name", ["zstd", "none"])
 def test_cpu_backend_shards_are_the_per_tile_reference_bytes(tmp_path, name):
     """Every shard file is, byte for byte, what one independent zstandard/raw call per tile gives:
@@ -169,21 +133,6 @@ def test_cpu_backend_shards_are_the_per_tile_reference_bytes(tmp_path, name):
         assert (tmp_path / "a.zarr" / "c" / key).read_bytes() == expected, key
 
 
-def test_blosc_bytes_are_zarr_pythons():
-    tile = _data((4096,), "uint16")
-    ours = codecs.get("blosc-lz4").configure(5, "uint16").encode(tile.view(np.uint8))
-    theirs = ZARR_CHAIN["blosc-lz4"](5, 2)[0]._blosc_codec.encode(tile)
-    assert bytes(ours) == bytes(theirs)
-
-
-@pytest.mark.parametrize("name", NAMES)
-def test_codecs_are_frozen_and_serialisable(name):
-    codec = codecs.get(name).configure(_level(name), "float32")
-    assert codecs.Codec.from_dict(codec.to_dict()) == codec
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        codec.level = 2
-
-
 @pytest.mark.parametrize(
     "name, level, error, message",
     [
@@ -203,12 +152,6 @@ def test_validate_level_names_the_value_and_range(tmp_path, name, level, error, 
     assert not (tmp_path / "never.zarr").exists()
 
 
-def test_levels_in_range_are_accepted():
-    assert codecs.get("zstd").validate_level(np.int64(-7)) == -7
-    assert codecs.get("blosc-lz4").validate_level(9) == 9
-    assert codecs.get("none").validate_level(99) == 99  # no level: accepted and ignored
-
-
 def test_unknown_codec_lists_the_registry(tmp_path, capsys):
     expected = f"codec 'lz4' is not one of {', '.join(NAMES)}"
     assert expected == "codec 'lz4' is not one of zstd, none, blosc-lz4"
@@ -220,16 +163,6 @@ def test_unknown_codec_lists_the_registry(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["record", str(tmp_path / "x.zarr"), "--codec", "lz4"])
     assert "blosc-lz4" in capsys.readouterr().err  # argparse's choices come from the registry
-
-
-def test_gpu_support_refuses_blosc_and_names_the_supported_codecs():
-    assert codecs.gpu_support("zstd") is None and codecs.gpu_support("none") is None
-    reason = codecs.gpu_support("blosc-lz4")
-    assert reason == (
-        "codec 'blosc-lz4' is not supported by the GPU backend: nvCOMP cannot produce a Blosc "
-        "bitstream (the GPU backend supports zstd, none); use backend='cpu' or 'auto'"
-    )
-    assert codecs.gpu_support(codecs.get("blosc-lz4").configure(3, "uint16")) == reason
 
 
 def test_gpu_refusal_needs_no_gpu_and_auto_falls_back_to_the_cpu(tmp_path):

@@ -281,7 +281,7 @@ def test_save_does_not_follow_the_recorders_settings(widget, qtbot, tmp_path):
 
 
 def test_codec_list_and_level_range_come_from_the_registry(widget):
-    from napari_tileshard import codecs
+    from napari_tileshard.format import codecs
 
     combo = widget.form.codec
     assert list(combo.choices) == list(codecs.names())

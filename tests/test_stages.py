@@ -16,9 +16,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_layout import layouts
 
-from napari_tileshard import Dim, Layout, codecs
+from napari_tileshard import Dim, Layout
 from napari_tileshard.backends.gpu import _ALIGN, _round_up
 from napari_tileshard.backends.stages import aggregate, compress, reduce, tile
+from napari_tileshard.format import codecs
 from napari_tileshard.pyramid import plan_pyramid
 
 LAYOUTS = [  # scripts/sanitize_kernels.py's, plus the README's

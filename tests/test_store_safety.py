@@ -16,6 +16,7 @@ import zarr
 
 from napari_tileshard import Dim, Layout, Writer
 from napari_tileshard.cli import main
+from napari_tileshard.format import array_metadata
 from napari_tileshard.store import (
     LOCK_NAME,
     DirectorySink,
@@ -23,7 +24,6 @@ from napari_tileshard.store import (
     StoreLockedError,
     StoreVanishedError,
     ZarrStoreSink,
-    array_metadata,
     list_shard_keys,
     metadata_bytes,
 )

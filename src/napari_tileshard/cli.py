@@ -13,8 +13,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from . import codecs
 from .camera import SyntheticCamera
+from .format import codecs
 from .layout import SUPPORTED_DTYPES, Dim, Layout
 from .pyramid import DOWNSAMPLE
 from .store import _OVERWRITE_HINT, StoreExistsError

@@ -1,7 +1,8 @@
 """Qt-free core of the shard inspector: what a sharded Zarr v3 array holds, from its indexes only.
 
-For each shard object it reads the object's size and one suffix range (the index at the end,
-``chunks * 16 + 4`` bytes) — never the chunk data — so a store of many shards opens quickly.
+For each shard object it reads the object's size and one range (the index, at the end or the
+start, as the format layer's :class:`~napari_tileshard.format.ShardSpec` says and decodes it) —
+never the chunk data — so a store of many shards opens quickly.
 The result is a per-chunk map of compressed bytes on the chunk (tile) grid, with -1 for empty
 chunks (index ``2^64-1``), and a table of shards with their index CRC status.
 
@@ -18,8 +19,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .format import EMPTY, ShardSpec, UnsupportedArray
 from .safe_read import StoreAccess, UnsafeStoreError
-from .shard import EMPTY, decode_index
 
 EMPTY_CHUNK = -1
 #: the most chunks the per-chunk map holds (8 bytes each); beyond, it covers the first rows only
@@ -104,18 +105,14 @@ def inspect_array(path, previous: Inspection | None = None) -> Inspection:
     access = StoreAccess(path)
     array = open_level0(access)
     meta = array.metadata.to_dict()
-    sharding = [c for c in meta.get("codecs", []) if c.get("name") == "sharding_indexed"]
-    if not sharding:
+    if not any(isinstance(c, dict) and c.get("name") == "sharding_indexed" for c in meta.get("codecs", [])):
         return _inspect_unsharded(access, array, meta)
-    config = sharding[0]["configuration"]
-    if config.get("index_location", "end") != "end":
-        raise ValueError(f"{path}: index_location {config['index_location']!r} is not supported yet")
-    shape = tuple(meta["shape"])
-    shard_shape = tuple(meta["chunk_grid"]["configuration"]["chunk_shape"])
-    chunk_shape = tuple(config["chunk_shape"])
-    per_shard = tuple(s // c for s, c in zip(shard_shape, chunk_shape))
-    chunks = math.prod(per_shard)
-    index_bytes = chunks * 16 + 4
+    try:  # any inner codec: only the indexes are read
+        spec = ShardSpec.from_metadata(meta, opaque=True)
+    except UnsupportedArray as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    shape, shard_shape, chunk_shape = spec.shape, spec.shard_shape, spec.chunk_shape
+    per_shard, chunks, index_bytes = spec.chunks_per_shard, spec.chunks, spec.index_nbytes
     if index_bytes > MAX_INDEX_BYTES:
         raise ValueError(
             f"{path}: {chunks} chunks per shard make an index of {index_bytes} bytes, more than the "
@@ -124,16 +121,10 @@ def inspect_array(path, previous: Inspection | None = None) -> Inspection:
     grid = tuple(math.ceil(s / c) for s, c in zip(shape, chunk_shape))
     prefix = array.store_path.path
     base = f"{prefix}/" if prefix else ""
-    shards, notes = _shard_keys(access, base, len(shape))
+    in_c = spec.chunk_key_encoding == "default" and spec.separator == "/"
+    shards, notes = _shard_keys(access, base, len(shape), "c" if in_c else "", spec.separator)
     chunk_bytes, note = _chunk_map(grid, per_shard, [coords for _, coords in shards], path)
-    result = Inspection(
-        shape,
-        shard_shape,
-        chunk_shape,
-        chunk_bytes,
-        math.prod(chunk_shape) * np.dtype(array.dtype).itemsize,
-        notes=notes + note,
-    )
+    result = Inspection(shape, shard_shape, chunk_shape, chunk_bytes, spec.chunk_bytes, notes=notes + note)
     known = _reusable(previous, result)
     for key, coords in shards:
         try:
@@ -143,7 +134,10 @@ def inspect_array(path, previous: Inspection | None = None) -> Inspection:
                 if earlier is not None and earlier[0].file_bytes == size and _place(chunk_bytes, earlier):
                     result.shards.append(earlier[0])
                     continue
-                tail = obj.read_suffix(index_bytes) if size >= index_bytes else b""
+                if size < index_bytes:
+                    tail = b""
+                else:
+                    tail = obj.read_suffix(index_bytes) if spec.index_at_end else obj.read(0, index_bytes)
         except FileNotFoundError:
             continue  # removed since it was listed
         except (UnsafeStoreError, OSError) as exc:
@@ -153,10 +147,9 @@ def inspect_array(path, previous: Inspection | None = None) -> Inspection:
             result.shards.append(ShardInfo(key, coords, size, 0, chunks, 0, float("nan"), False))
             continue
         result.bytes_read += len(tail)
-        index, crc_ok = decode_index(tail, chunks)
-        nbytes = index[:, 1].astype(np.int64)
-        present = ~((index[:, 0] == EMPTY) & (index[:, 1] == EMPTY))
-        nbytes = np.where(present, nbytes, EMPTY_CHUNK).reshape(per_shard)
+        offsets, sizes, crc_ok = spec.index_entries(tail)
+        present = ~((offsets == np.uint64(EMPTY)) & (sizes == np.uint64(EMPTY)))
+        nbytes = np.where(present, sizes.astype(np.int64), EMPTY_CHUNK).reshape(per_shard)
         # Place the shard's chunks on the map, clipped to the array's extent and the map's.
         region = _region(coords, per_shard, chunk_bytes.shape)
         if all(r.stop > r.start for r in region):

@@ -563,7 +563,7 @@ class Layout:
     def compressed_tile_bound(self, codec=None) -> int:
         """Worst-case bytes of one encoded tile with ``codec`` (a name or Codec); None: with any
         registered codec (a bound for memory estimates made before the codec is known)."""
-        from . import codecs
+        from .format import codecs
 
         candidates = codecs.CODECS.values() if codec is None else [codecs.get(codec)]
         return max(c.max_encoded_bytes(self.tile_bytes) for c in candidates)

@@ -23,9 +23,10 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
+from .format import array_metadata
 from .layout import Layout
 from .pyramid import Pyramid
-from .store import METADATA_KEY, Sink, array_metadata, metadata_bytes
+from .store import METADATA_KEY, Sink, metadata_bytes
 
 log = logging.getLogger(__name__)
 

@@ -8,8 +8,10 @@ writes into a per-thread buffer with the GIL released, then copied once into its
 output.  ``backend="gpu"`` decodes all chunks of a read in one nvCOMP call on the device
 (:mod:`napari_tileshard.read_gpu`).
 
-Arrays whose codecs are not a plain sharded chain (``bytes`` + at most one of zstd, blosc, gzip
-inside ``sharding_indexed``), unsharded arrays, Zarr v2 and ``TILESHARD_READER=zarr`` are read by
+The array's metadata, its shard indexes and its chunk codec are the format layer's
+(:class:`~napari_tileshard.format.ShardSpec`, :mod:`napari_tileshard.format.codecs`): arrays it does
+not read natively (an inner chain other than ``bytes`` + at most one of zstd, blosc, gzip inside
+``sharding_indexed``, unsharded arrays, Zarr v2) and ``TILESHARD_READER=zarr`` are read by
 zarr-python instead (``fallback_reason`` says why), with the same selection semantics.
 """
 
@@ -17,10 +19,8 @@ from __future__ import annotations
 
 import functools
 import os
-import struct
 import threading
 import time
-import zlib
 from collections import OrderedDict
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -29,30 +29,23 @@ from itertools import product
 
 import numpy as np
 
-from . import codecs
+from .format import ChunkDecodeError, Codec, CodecError, ShardIndex, ShardReadError, ShardSpec, UnsupportedArray
+from .read_gpu import GpuReadPath, gpu_read_unavailable_reason
 from .read_plan import (
     DEFAULT_GAP_BYTES,
     Block,
     DimPart,
-    IndexFormat,
     Read,
     ReadPlan,
-    ShardIndex,
-    ShardReadError,
     dim_parts,
     max_read_bytes_setting,
     normalize_selection,
     number_reads,
     pack_runs,
-    parse_index,
 )
 
 #: the most index bytes cached per reader (validated offsets and sizes, 16 bytes per chunk)
 INDEX_CACHE_BYTES = 256 << 20
-
-
-class ChunkDecodeError(ShardReadError):
-    """A chunk whose bytes do not decode to exactly one chunk."""
 
 
 def reader_setting() -> str:
@@ -127,124 +120,6 @@ class ChunkCache:
         with self._lock:
             self._entries.clear()
             self.nbytes = 0
-
-
-# -- chunk decoders ----------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ChunkCodec:
-    """How one chunk of a sharded array is decoded: the inner chain ``bytes`` (+ compressor).
-
-    ``decode_into(src, dest)`` fills ``dest`` (exactly one chunk's bytes) from ``src`` or raises
-    :class:`codecs.CodecError`; it never allocates from sizes in the data.  The compressors'
-    semantics are those of the codec registry (:mod:`napari_tileshard.codecs`): one zstd frame
-    of exactly the chunk's size, nothing after it; a blosc header whose sizes match.
-    """
-
-    kind: str  # "none", "zstd", "blosc", "gzip"
-    chunk_bytes: int
-    min_encoded: int
-    max_encoded: int
-    big_endian: bool = False
-
-    def decode_into(self, src, dest: np.ndarray) -> None:
-        n = self.chunk_bytes
-        if self.kind == "none":
-            if len(src) != n:
-                raise codecs.CodecError(f"raw chunk holds {len(src)} bytes, expected {n}")
-            dest[:] = np.frombuffer(src, np.uint8)
-        elif self.kind == "zstd":
-            _zstd_into(src, dest, n)
-        elif self.kind == "blosc":
-            _blosc_into(src, dest, n)
-        else:
-            _gzip_into(src, dest, n)
-
-
-_decoders = threading.local()  # per decode thread: its zstd decompression context
-
-
-def _zstd_into(src, dest, n: int) -> None:
-    # python-zstandard with a context reused per thread: ~1 us of Python per call under the GIL,
-    # against ~10 us for numcodecs' decompress(src, dest) (its argument checks; measured on the
-    # 2-core box), paid for by one copy out of a chunk-sized buffer still in cache.  On the 16-core
-    # H100 host the whole-read rate did not change at 256 KiB tiles (libzstd dominates there,
-    # docs/benchmarks.md); less GIL time per chunk is what matters with many small chunks.  A frame
-    # that declares another size is refused before anything is allocated from it;
-    # ``allow_extra_data=False`` refuses bytes after the frame.
-    import zstandard
-
-    try:
-        declared = zstandard.frame_content_size(src)
-    except zstandard.ZstdError as exc:
-        raise codecs.CodecError(f"zstd decode failed: {exc}") from None
-    if declared not in (-1, zstandard.CONTENTSIZE_UNKNOWN, n):
-        raise codecs.CodecError(f"zstd frame declares {declared} bytes, expected {n}")
-    context = getattr(_decoders, "zstd", None)
-    if context is None:
-        context = _decoders.zstd = zstandard.ZstdDecompressor()
-    try:
-        data = context.decompress(src, max_output_size=n, allow_extra_data=False)
-    except zstandard.ZstdError as exc:
-        raise codecs.CodecError(f"zstd decode failed: {exc} (expected {n} bytes)") from None
-    if len(data) != n:
-        raise codecs.CodecError(f"zstd frame decodes to {len(data)} bytes, expected {n}")
-    dest[:] = np.frombuffer(data, np.uint8)
-
-
-def _blosc_into(src, dest, n: int) -> None:
-    import numcodecs.blosc
-
-    if len(src) < 16:
-        raise codecs.CodecError(f"{len(src)} bytes are shorter than a blosc header (16)")
-    declared, _, cbytes = struct.unpack_from("<III", src, 4)
-    if declared != n:
-        raise codecs.CodecError(f"blosc header declares {declared} bytes, expected {n}")
-    if cbytes != len(src):
-        raise codecs.CodecError(f"blosc header declares {cbytes} compressed bytes, the chunk holds {len(src)}")
-    try:
-        numcodecs.blosc.decompress(src, dest)
-    except (RuntimeError, ValueError) as exc:
-        raise codecs.CodecError(f"blosc decode failed: {exc}") from None
-
-
-def _gzip_into(src, dest, n: int) -> None:
-    decompressor = zlib.decompressobj(zlib.MAX_WBITS | 32)  # gzip or zlib header
-    try:
-        data = decompressor.decompress(src, n)  # bounded: never more than one chunk
-    except zlib.error as exc:
-        raise codecs.CodecError(f"gzip decode failed: {exc}") from None
-    if len(data) != n or not decompressor.eof or decompressor.unconsumed_tail or decompressor.unused_data:
-        raise codecs.CodecError(f"gzip data does not decode to exactly {n} bytes")
-    dest[:] = np.frombuffer(data, np.uint8)
-
-
-def _gzip_bound(n: int) -> int:
-    # zlib's deflateBound plus the gzip header and trailer (with room for optional header fields)
-    return n + (n >> 12) + (n >> 14) + (n >> 25) + 13 + 18 + 64
-
-
-def chunk_codec(chain: list[dict], dtype: np.dtype, chunk_bytes: int) -> ChunkCodec | str:
-    """The :class:`ChunkCodec` of an inner codec chain, or why it is not supported."""
-    names = [c.get("name") for c in chain]
-    if not names or names[0] != "bytes" or len(names) > 2:
-        return f"inner codecs {names} are not bytes + at most one compressor"
-    endian = (chain[0].get("configuration") or {}).get("endian", "little")
-    big = endian == "big" and dtype.itemsize > 1
-    registered = codecs.from_zarr_codecs(chain, dtype)  # worst cases from the registry
-    if len(names) == 1:
-        return ChunkCodec("none", chunk_bytes, chunk_bytes, chunk_bytes, big)
-    name = names[1]
-    if name == "zstd":
-        bound = codecs.get("zstd").max_encoded_bytes(chunk_bytes) + 4  # + the optional checksum
-        return ChunkCodec("zstd", chunk_bytes, 1, bound, big)
-    if name == "blosc":
-        blosc = registered or codecs.get("blosc-lz4")  # every cname: blosc 1's header bound
-        return ChunkCodec(
-            "blosc", chunk_bytes, blosc.min_encoded_bytes(chunk_bytes), blosc.max_encoded_bytes(chunk_bytes), big
-        )
-    if name == "gzip":
-        return ChunkCodec("gzip", chunk_bytes, 1, _gzip_bound(chunk_bytes), big)
-    return f"compressor {name!r} is not decoded natively"
 
 
 def _store_chunk(chunks: np.ndarray, chunk_dtype, i: int, decoded: np.ndarray) -> None:
@@ -395,7 +270,7 @@ def untile_into(out: np.ndarray, chunks: np.ndarray, block: Block, ranges, chunk
 class _BlockSource:
     """Where each present chunk of a block lies among its fetched reads."""
 
-    def __init__(self, block: Block, fetched: list[tuple[Read, np.ndarray]], codec: ChunkCodec):
+    def __init__(self, block: Block, fetched: list[tuple[Read, np.ndarray]], codec: Codec):
         count = block.box_chunks.size
         self.block, self.codec = block, codec
         self.buffer_of = np.full(count, -1, dtype=np.int64)  # -1: absent, -2: from the cache
@@ -444,7 +319,7 @@ class _BlockSource:
                 continue
             try:
                 decode(views[buffer][offset : offset + nbytes], rows[j])
-            except codecs.CodecError as exc:
+            except CodecError as exc:
                 raise ChunkDecodeError(self.block.key, int(self.block.box_chunks[first + j]), str(exc)) from None
 
 
@@ -470,8 +345,9 @@ class _Objects:
             self.requests += 1
             self.bytes_read += n
 
-    def index(self, key: str, fmt: IndexFormat) -> tuple[int, bytes] | None:
+    def index(self, key: str, spec: ShardSpec) -> tuple[int, bytes] | None:
         """(object size, the index bytes), or None when the shard does not exist."""
+        nbytes = spec.index_nbytes
         if self.local:
             from .safe_read import open_local_file
 
@@ -481,8 +357,7 @@ class _Objects:
                 return None
             try:
                 size = os.fstat(fd).st_size
-                start = size - fmt.nbytes if fmt.at_end else 0
-                raw = os.pread(fd, fmt.nbytes, max(0, start)) if size >= fmt.nbytes else b""
+                raw = os.pread(fd, nbytes, spec.index_offset(size)) if size >= nbytes else b""
             finally:
                 os.close(fd)
             self._count(len(raw))
@@ -493,10 +368,10 @@ class _Objects:
             size = self._sync(self.access.store.getsize(key))
         except FileNotFoundError:
             return None
-        if size < fmt.nbytes:
+        if size < nbytes:
             return size, b""
-        start = size - fmt.nbytes if fmt.at_end else 0
-        return size, self._get(key, RangeByteRequest(start, start + fmt.nbytes)).tobytes()
+        start = spec.index_offset(size)
+        return size, self._get(key, RangeByteRequest(start, start + nbytes)).tobytes()
 
     def read_into(self, key: str, start: int, out: np.ndarray) -> None:
         """Bytes ``start .. start + len(out)`` of ``key`` into ``out``; ShardReadError if short."""
@@ -650,46 +525,29 @@ class ShardReader:
 
     # -- configuration ------------------------------------------------------------------
     def _configure(self, array) -> str | None:
-        """Reads the sharding configuration; returns why zarr-python reads this array, or None."""
+        """Reads the array's spec (:meth:`ShardSpec.from_metadata`); returns why zarr-python reads
+        this array, or None."""
         if reader_setting() == "zarr":
             return "TILESHARD_READER=zarr"
         if array.metadata.zarr_format != 3:
             return "a Zarr v2 array: read by zarr-python"
-        meta = array.metadata.to_dict()
-        chain = list(meta.get("codecs", []))
-        if [c.get("name") for c in chain] != ["sharding_indexed"]:
-            return "not a sharded array (per-chunk reads by zarr-python)"
-        config = chain[0]["configuration"]
-        index_codecs = [c.get("name") for c in config.get("index_codecs", [])]
-        if index_codecs not in (["bytes"], ["bytes", "crc32c"]):
-            return f"index codecs {index_codecs} are not supported"
-        if meta["chunk_grid"].get("name") != "regular":
-            return "not a regular chunk grid"
-        self.shard_shape = tuple(int(s) for s in meta["chunk_grid"]["configuration"]["chunk_shape"])
-        self.chunk_shape = tuple(int(c) for c in config["chunk_shape"])
-        if any(s % c for s, c in zip(self.shard_shape, self.chunk_shape)):
-            return f"shard shape {self.shard_shape} is not a multiple of chunk shape {self.chunk_shape}"
-        self.chunks_per_shard = tuple(s // c for s, c in zip(self.shard_shape, self.chunk_shape))
-        index_endian = (config["index_codecs"][0].get("configuration") or {}).get("endian", "little")
-        self.index_format = IndexFormat(
-            chunks=int(np.prod(self.chunks_per_shard, dtype=np.int64)),
-            at_end=config.get("index_location", "end") == "end",
-            crc=len(index_codecs) == 2,
-            little_endian=index_endian != "big",
-        )
-        self.chunk_elements = int(np.prod(self.chunk_shape, dtype=np.int64))
-        self.chunk_bytes = self.chunk_elements * self.dtype.itemsize
-        codec = chunk_codec(list(config["codecs"]), self.dtype, self.chunk_bytes)
-        if isinstance(codec, str):
-            return codec
-        self.codec = codec
+        try:
+            spec = ShardSpec.from_metadata(array.metadata.to_dict())
+        except UnsupportedArray as exc:
+            return f"{exc}: read by zarr-python"
+        self.spec = spec
+        self.shard_shape, self.chunk_shape = spec.shard_shape, spec.chunk_shape
+        self.chunks_per_shard = spec.chunks_per_shard
+        self.chunk_elements, self.chunk_bytes = spec.chunk_elements, spec.chunk_bytes
+        #: the chunk codec (:mod:`napari_tileshard.format.codecs`), resolved once
+        self.codec = spec.codec
         self._prefix = array.store_path.path
         return None
 
     @property
     def chunk_dtype(self) -> np.dtype:
         """The dtype of a decoded chunk's bytes (the ``bytes`` codec's byte order)."""
-        return self.dtype.newbyteorder(">") if self.codec.big_endian else self.dtype
+        return self.dtype.newbyteorder(">") if self.spec.big_endian else self.dtype
 
     def _choose_backend(self, backend: str) -> str:
         if self.fallback_reason is not None:
@@ -698,9 +556,7 @@ class ShardReader:
             return "cpu"
         if backend == "cpu":
             return "cpu"
-        from .read_gpu import gpu_read_unavailable_reason
-
-        reason = gpu_read_unavailable_reason(self.codec)
+        reason = gpu_read_unavailable_reason(self.spec)
         if reason is None:
             return "gpu"
         if backend == "gpu":
@@ -713,7 +569,7 @@ class ShardReader:
 
     # -- the index -------------------------------------------------------------------------
     def shard_key(self, shard: tuple[int, ...]) -> str:
-        key = self.array.metadata.encode_chunk_key(shard)
+        key = self.spec.shard_key(shard)
         return f"{self._prefix}/{key}" if self._prefix else key
 
     def shard_index(self, key: str) -> ShardIndex | None:
@@ -722,18 +578,18 @@ class ShardReader:
             if key in self._index_cache:
                 self._index_cache.move_to_end(key)
                 return self._index_cache[key]
-        found = self._objects.index(key, self.index_format)
+        found = self._objects.index(key, self.spec)
         self.stats.index_requests += 1
         index = None
         if found is not None:
             size, raw = found
-            index = parse_index(key, raw, self.index_format, size, self.codec.min_encoded, self.codec.max_encoded)
+            index = self.spec.decode_index(key, raw, size)
         with self._cache_lock:
             self._index_cache[key] = index
-            self._index_cache_bytes += 16 * self.index_format.chunks
+            self._index_cache_bytes += 16 * self.spec.chunks
             while self._index_cache_bytes > INDEX_CACHE_BYTES and len(self._index_cache) > 1:
                 self._index_cache.popitem(last=False)
-                self._index_cache_bytes -= 16 * self.index_format.chunks
+                self._index_cache_bytes -= 16 * self.spec.chunks
         return index
 
     def refresh(self) -> None:
@@ -1043,7 +899,7 @@ class ShardReader:
             for i in range(first, stop):
                 try:
                     codec.decode_into(view[offsets[i] : offsets[i] + nbytes[i]], scratch)
-                except codecs.CodecError as exc:
+                except CodecError as exc:
                     raise ChunkDecodeError(read.key, int(read.chunks[i]), str(exc)) from None
                 place(i, scratch)
 
@@ -1067,8 +923,6 @@ class ShardReader:
 
     def _gpu_reader(self):
         if self._gpu is None:
-            from .read_gpu import GpuReadPath
-
             self._gpu = GpuReadPath(self)
         return self._gpu
 

@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from . import codecs
+from .format import ChunkDecodeError, ShardSpec, gpu_decode_support, nvcomp
 from .read_plan import Block, Read, ReadPlan
 
 _H2D = 1  # cudaMemcpyHostToDevice
@@ -148,25 +148,20 @@ UNTILE(untile16, e16)
 """
 
 
-def gpu_read_unavailable_reason(codec) -> str | None:
-    """Why the GPU cannot decode chunks of ``codec`` (a ``read.ChunkCodec``) here, or None."""
-    if codec.kind not in ("zstd", "none"):
-        return f"nvCOMP does not decode {codec.kind!r} chunks (zstd and uncompressed only)"
-    if codec.big_endian:
+def gpu_read_unavailable_reason(spec: ShardSpec) -> str | None:
+    """Why the GPU cannot decode the chunks of the array ``spec`` here, or None: the codec's GPU
+    support (:func:`~napari_tileshard.format.gpu_decode_support`), then the machine."""
+    if spec.big_endian:
         return "big-endian chunks are decoded on the CPU"
-    limit = codecs.get("zstd").gpu.max_chunk_bytes  # type: ignore[union-attr]
-    if codec.kind == "zstd" and codec.chunk_bytes > limit:
-        return f"chunks of {codec.chunk_bytes} bytes are larger than nvCOMP's zstd limit ({limit} bytes)"
+    reason = gpu_decode_support(spec.codec, spec.chunk_bytes)
+    if reason is not None:
+        return reason
     from .backends import gpu_unavailable_reason
 
     reason = gpu_unavailable_reason()
-    if reason is None and codec.kind == "zstd":
-        try:
-            from .backends import _nvcomp
-
-            _nvcomp._decompress_functions()
-        except (ImportError, OSError) as exc:
-            return str(exc)
+    algorithm = spec.codec.gpu.nvcomp if spec.codec.gpu is not None else None
+    if reason is None and algorithm:
+        reason = nvcomp.decompress_unavailable_reason(algorithm)
     return reason
 
 
@@ -342,17 +337,17 @@ class GpuReadPath:
     def __init__(self, reader):
         import cupy
 
-        from .backends import _nvcomp
-
-        self.reader, self.cupy, self.nvcomp = reader, cupy, _nvcomp
+        self.reader, self.cupy, self.nvcomp = reader, cupy, nvcomp
         self.stream = cupy.cuda.Stream(non_blocking=True)  # realign, decode, un-tile, D2H
         self.copy_stream = cupy.cuda.Stream(non_blocking=True)  # H2D of the staged reads
         self.codec = reader.codec
+        #: nvCOMP's algorithm for the chunks; None: they are the decoded bytes, copied into place
+        self.algorithm = reader.codec.gpu.nvcomp if reader.codec.gpu is not None else None
         self.itemsize = reader.dtype.itemsize
         if self.itemsize not in (1, 2, 4, 8, 16):
             raise ValueError(f"{reader.location}: no device un-tiling for items of {self.itemsize} bytes")
         self.slot_stride = slot_elements(reader.chunk_bytes, self.itemsize)
-        self.align = _nvcomp.decompress_input_alignment() if self.codec.kind == "zstd" else 1
+        self.align = nvcomp.decompress_input_alignment() if self.algorithm else 1
         self._realign = cupy.RawKernel(REALIGN_SOURCE, "realign")
         self._untile = cupy.RawModule(code=UNTILE_SOURCE).get_function(f"untile{self.itemsize}")
         # A batch's reads (dozens of shards) are fetched by the reader's ``workers`` threads, as
@@ -467,7 +462,7 @@ class GpuReadPath:
         table: dict[str, np.ndarray] = {}
         if realign:
             table.update(realign_src=batch.chunk_src, realign_dst=starts, realign_nbytes=batch.chunk_nbytes)
-        if self.codec.kind == "none":  # the chunks are the decoded data: copied into their slots
+        if self.algorithm is None:  # the chunks are the decoded data: copied into their slots
             table.update(copy_src=starts, copy_dst=dst, copy_nbytes=batch.chunk_nbytes)
         elif n:
             table["pointers"], table["sizes"] = self._nvcomp_tables(batch, staged, starts, pool)
@@ -564,15 +559,13 @@ class GpuReadPath:
             status, decoded = self.cupy.asnumpy(statuses), self.cupy.asnumpy(actual)
             bad = np.flatnonzero((status != 0) | (decoded != chunk_bytes))
             if bad.size:
-                from .read import ChunkDecodeError
-
                 i = int(bad[0])
                 read = batch.reads[int(batch.chunk_read[i])]
                 number = int(read.chunks[i - int(np.searchsorted(batch.chunk_read, batch.chunk_read[i]))])
                 raise ChunkDecodeError(
                     read.key,
                     number,
-                    f"nvCOMP zstd decode failed (status {int(status[i])}, {int(decoded[i])} bytes decoded, "
+                    f"nvCOMP {self.algorithm} decode failed (status {int(status[i])}, {int(decoded[i])} bytes decoded, "
                     f"expected {chunk_bytes})",
                 )
 

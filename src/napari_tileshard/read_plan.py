@@ -1,11 +1,9 @@
 """The read plan of :class:`~napari_tileshard.read.ShardReader`: pure, deterministic, no I/O.
 
 A sharded array's chunk byte ranges are known from each shard's index (the design source
-``shared/design/chunked-loader.md`` calls it the metadata pass).  This module
+``shared/design/chunked-loader.md`` calls it the metadata pass), which
+:meth:`ShardSpec.decode_index <napari_tileshard.format.ShardSpec.decode_index>` validates.  This module
 
-* validates a shard index read from the store (:func:`parse_index`): every chunk inside the
-  shard's data, no more bytes than its codec can make of one chunk, no two chunks overlapping,
-  the CRC32C right; an error names the shard and the chunk;
 * packs the chunks a selection needs into *reads* (:func:`pack_runs`): contiguous byte ranges of
   one shard, in storage order, that bridge gaps up to ``gap_bytes`` and stop at
   ``max_read_bytes``; a chunk is never split (one larger than the cap gets a read of its own);
@@ -22,29 +20,13 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import crc32c
 import numpy as np
 
-#: the index entry of a chunk that does not exist: offset and nbytes both 2^64-1
-EMPTY = 2**64 - 1
 DEFAULT_MAX_READ_BYTES = 2 << 30
 #: gaps between needed chunks up to this are read through rather than split into two requests.
 #: One request costs ~10-100 µs locally and 10-50 ms on an object store, 1 MiB at 1-5 GB/s about
 #: 0.2-1 ms: bridging 1 MiB is cheaper than a second request on any store.
 DEFAULT_GAP_BYTES = 1 << 20
-
-
-class ShardReadError(ValueError):
-    """Shard data that cannot be trusted; says which shard, which chunk (if one) and why."""
-
-    def __init__(self, key: str, chunk: int | None, message: str):
-        self.key, self.chunk = key, chunk
-        where = key if chunk is None else f"{key} chunk {chunk}"
-        super().__init__(f"{where}: {message}")
-
-
-class ShardIndexError(ShardReadError):
-    """A shard index that fails validation."""
 
 
 def max_read_bytes_setting(value: int | None = None) -> int:
@@ -60,95 +42,6 @@ def max_read_bytes_setting(value: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise ValueError(f"max_read_bytes must be a positive integer, got {value!r}")
     return int(value)
-
-
-@dataclass(frozen=True)
-class IndexFormat:
-    """How a shard stores its index (the ``sharding_indexed`` configuration)."""
-
-    chunks: int  # chunks per shard
-    at_end: bool = True
-    crc: bool = True  # a crc32c index codec follows the bytes codec
-    little_endian: bool = True
-
-    @property
-    def nbytes(self) -> int:
-        return self.chunks * 16 + (4 if self.crc else 0)
-
-
-@dataclass(frozen=True)
-class ShardIndex:
-    """A validated shard index: per chunk ``offset`` and ``nbytes`` (int64; -1 where absent)."""
-
-    offsets: np.ndarray
-    nbytes: np.ndarray
-
-    @property
-    def present(self) -> np.ndarray:
-        return self.nbytes >= 0
-
-
-def parse_index(
-    key: str,
-    raw: bytes,
-    fmt: IndexFormat,
-    object_size: int,
-    min_chunk_bytes: int,
-    max_chunk_bytes: int,
-) -> ShardIndex:
-    """Validate the index bytes ``raw`` of shard ``key`` (an object of ``object_size`` bytes).
-
-    Raises :class:`ShardIndexError` for a short object or index, a CRC32C mismatch, an entry with
-    only one half empty, a chunk outside the shard's data, a chunk holding fewer than
-    ``min_chunk_bytes`` or more than ``max_chunk_bytes`` (the codec's worst case for one chunk),
-    and overlapping chunks.  Nothing is allocated from the entries before they pass.
-    """
-    if object_size < fmt.nbytes or len(raw) != fmt.nbytes:
-        raise ShardIndexError(
-            key, None, f"shard of {object_size} bytes is shorter than its index ({fmt.nbytes} bytes): truncated"
-        )
-    body = raw[: fmt.chunks * 16]
-    if fmt.crc and crc32c.crc32c(body) != int.from_bytes(raw[fmt.chunks * 16 :], "little"):
-        raise ShardIndexError(key, None, "index CRC32C mismatch")
-    entries = np.frombuffer(body, dtype="<u8" if fmt.little_endian else ">u8").reshape(fmt.chunks, 2)
-    offset, nbytes = entries[:, 0], entries[:, 1]
-    empty_offset, empty_nbytes = offset == np.uint64(EMPTY), nbytes == np.uint64(EMPTY)
-    data_start, data_end = (0, object_size - fmt.nbytes) if fmt.at_end else (fmt.nbytes, object_size)
-    present = ~(empty_offset & empty_nbytes)
-    # nbytes bounded first, then offset <= end - nbytes: no uint64 sum that could wrap
-    too_big = present & (nbytes > np.uint64(max_chunk_bytes))
-    too_small = present & ~too_big & (nbytes < np.uint64(min_chunk_bytes))
-    limit = np.uint64(data_end) - np.minimum(nbytes, np.uint64(data_end))
-    outside = present & (empty_offset | empty_nbytes | (nbytes > np.uint64(data_end)) | (offset > limit))
-    outside |= present & (offset < np.uint64(data_start))
-    for mask, why in (
-        (too_big, f"holds more bytes than the codec makes of one chunk (at most {max_chunk_bytes})"),
-        (outside, "lies outside the shard data"),
-        (too_small, f"holds fewer bytes than the codec makes of one chunk (at least {min_chunk_bytes})"),
-    ):
-        if mask.any():
-            chunk = int(np.flatnonzero(mask)[0])
-            raise ShardIndexError(
-                key,
-                chunk,
-                f"(offset {int(offset[chunk])}, {int(nbytes[chunk])} bytes) {why}; data is bytes "
-                f"{data_start}..{data_end} of {object_size}",
-            )
-    offsets = np.where(present, offset, 0).astype(np.int64)
-    sizes = np.where(present, nbytes, 0).astype(np.int64)
-    order = np.flatnonzero(present)[np.argsort(offsets[present], kind="stable")]
-    if order.size > 1:
-        overlap = offsets[order[1:]] < offsets[order[:-1]] + sizes[order[:-1]]
-        if overlap.any():
-            first = int(np.flatnonzero(overlap)[0])
-            a, b = int(order[first]), int(order[first + 1])
-            raise ShardIndexError(
-                key,
-                b,
-                f"(offset {int(offsets[b])}, {int(sizes[b])} bytes) overlaps chunk {a} "
-                f"(offset {int(offsets[a])}, {int(sizes[a])} bytes)",
-            )
-    return ShardIndex(np.where(present, offsets, -1), np.where(present, sizes, -1))
 
 
 @dataclass(eq=False)

@@ -1,8 +1,7 @@
-"""Shard assembly: host-side accumulation of compressed tiles into shards and index encoding.
+"""Shard assembly: host-side accumulation of compressed tiles into shards.
 
-A shard on disk is the concatenated chunk bytes followed by the index: one
-``(offset, nbytes)`` uint64 little-endian pair per chunk in row-major chunk order
-(``2^64-1`` twice for a chunk that does not exist), then the CRC32C of those pairs.
+A shard on disk is the concatenated chunk bytes followed by the index, which
+:class:`~napari_tileshard.format.ShardSpec` encodes (the format layer's one definition of it).
 """
 
 from __future__ import annotations
@@ -10,25 +9,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import crc32c
 import numpy as np
 
+from .format import EMPTY as _EMPTY
+from .format import Raw, ShardSpec
 from .layout import Layout
 
-EMPTY = np.uint64(2**64 - 1)
-
-
-def encode_index(index: np.ndarray) -> bytes:
-    """Serialize an ``(chunks, 2)`` uint64 index and append its CRC32C."""
-    raw = np.ascontiguousarray(index, dtype="<u8").tobytes()
-    return raw + crc32c.crc32c(raw).to_bytes(4, "little")
-
-
-def decode_index(tail: bytes, chunks: int) -> tuple[np.ndarray, bool]:
-    """Parse the ``chunks * 16 + 4`` index bytes at the end of a shard; returns (index, crc_ok)."""
-    raw, stored = tail[: chunks * 16], tail[chunks * 16 : chunks * 16 + 4]
-    index = np.frombuffer(raw, dtype="<u8").reshape(chunks, 2)
-    return index, crc32c.crc32c(raw) == int.from_bytes(stored, "little")
+EMPTY = np.uint64(_EMPTY)
 
 
 @dataclass
@@ -77,6 +64,8 @@ class ShardAccumulator:
 
     def __init__(self, layout: Layout):
         self.layout = layout
+        # the index format of the writer's shards (the codec plays no part in the index)
+        self._encode_index = ShardSpec.from_layout(layout, Raw()).encode_index
         self._shard_epoch = 0
         self._next_epoch = 0
         self._preserved: dict[tuple[int, ...], bytes] = {}  # flushed files of unopened shard epochs
@@ -121,6 +110,7 @@ class ShardAccumulator:
         """
         clone = ShardAccumulator.__new__(ShardAccumulator)
         clone.layout, clone._shard_epoch, clone._next_epoch = self.layout, self._shard_epoch, self._next_epoch
+        clone._encode_index = self._encode_index
         clone._preserved = dict(self._preserved)
         clone._state = self._state.copy()
         shards = []
@@ -143,7 +133,7 @@ class ShardAccumulator:
         return self._take() if self.has_pending else []
 
     def _take(self) -> list[Shard]:
-        shards = _shards(self.layout, self._shard_epoch, self._state)
+        shards = _shards(self.layout, self._shard_epoch, self._state, self._encode_index)
         self._shard_epoch += 1
         self._next_epoch = self._shard_epoch * self.layout.tiles_per_shard[0]
         self._state = self._fresh_state()
@@ -168,11 +158,12 @@ def _add_to_state(layout: Layout, state: _ShardEpochState, epoch: int, encoded: 
             shard_buffers.append(data)
 
 
-def _shards(layout: Layout, shard_epoch: int, state: _ShardEpochState) -> list[Shard]:
+def _shards(layout: Layout, shard_epoch: int, state: _ShardEpochState, encode_index) -> list[Shard]:
     shards = []
     for j, buffers in enumerate(state.data):
         if not buffers:
             continue
         coords = (shard_epoch,) + layout.inner_shard_coords(j)
-        shards.append(Shard(coords, buffers, encode_index(state.index[j]), int(state.length[j])))
+        index = encode_index(state.index[j, :, 0], state.index[j, :, 1])
+        shards.append(Shard(coords, buffers, index, int(state.length[j])))
     return shards

@@ -1,4 +1,4 @@
-"""The zarr store and metadata layer: array ``zarr.json`` and atomic writes of shards.
+"""The zarr store layer: atomic writes of shards and ``zarr.json`` (made by :mod:`napari_tileshard.format`).
 
 Two sinks share one small interface (``write(key, buffers)``, ``release``, ``discard``):
 
@@ -34,8 +34,6 @@ from typing import Any
 
 import numpy as np
 
-from .layout import Layout
-
 log = logging.getLogger(__name__)
 
 METADATA_KEY = "zarr.json"
@@ -48,42 +46,6 @@ _METADATA_CAP = 16 << 20
 _TEMP_NAME = re.compile(r"\.[^/]+\.[0-9a-f]{12}\.tmp")
 _CHUNK_NAME = re.compile(r"[0-9]+")
 _OVERWRITE_HINT = "use overwrite=True (--overwrite on the command line)"
-
-
-def array_metadata(layout: Layout, codec, level: int, shape0: int, attributes=None) -> dict:
-    """Standard Zarr v3 array metadata with the ``sharding_indexed`` codec for ``layout``;
-    ``codec``: a codec name or :class:`~napari_tileshard.codecs.Codec`."""
-    from . import codecs
-
-    inner_codecs = codecs.get(codec).configure(level, layout.dtype).zarr_codecs()
-    shape = [int(shape0)] + [int(s) for s in layout.shape[1:]]
-    fill_value = 0.0 if layout.dtype.kind == "f" else 0
-    return {
-        "zarr_format": 3,
-        "node_type": "array",
-        "shape": shape,
-        "data_type": layout.dtype.name,
-        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(layout.shard_shape)}},
-        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
-        "fill_value": fill_value,
-        "codecs": [
-            {
-                "name": "sharding_indexed",
-                "configuration": {
-                    "chunk_shape": list(layout.tile_shape),
-                    "codecs": inner_codecs,
-                    "index_codecs": [
-                        {"name": "bytes", "configuration": {"endian": "little"}},
-                        {"name": "crc32c"},
-                    ],
-                    "index_location": "end",
-                },
-            }
-        ],
-        "attributes": dict(attributes or {}),
-        "dimension_names": list(layout.names),
-        "storage_transformers": [],
-    }
 
 
 def metadata_bytes(metadata: dict) -> bytes:

@@ -6,10 +6,12 @@ on disk, never what ``zarr.json`` declares: metadata is read through
 shard objects that exist are listed without following symlinks (a bogus huge ``shape`` costs
 nothing; a symlink out of the store is reported, not read), and each shard is streamed: its index
 with one suffix read (in blocks for huge indexes), then each chunk's byte range, one at a time.
-For each shard it checks the index size and CRC32C, that every chunk lies inside the shard
-(offsets as Python integers: a uint64 sum would wrap), holds a plausible number of bytes for its
-codec, and decodes, with the codec's own decoder, to exactly one tile (never more is decoded; for
-zstd: one standard zstd frame).  The chunks that pass the placement checks are read as
+The array's metadata and each shard index are checked by the format layer's
+:class:`~napari_tileshard.format.ShardSpec`, as the reader checks them, but every problem is
+reported, not just the first: the index size and CRC32C, that every chunk lies inside the shard
+(without uint64 sums that could wrap), holds a plausible number of bytes for its codec and overlaps
+no other; then each chunk decodes, with the codec's own bounded decoder, to exactly one tile
+(never more is decoded; for zstd: one standard zstd frame).  The chunks that pass the placement checks are read as
 :class:`~napari_tileshard.read.ShardReader` reads them, in a few coalesced range reads per shard
 (:func:`~napari_tileshard.read_plan.pack_runs`, 16 MiB at most each), and decoded on threads;
 ``TILESHARD_READER=zarr`` goes back to one read per chunk.
@@ -20,21 +22,18 @@ checked too: rows inside the published shape that were never written are a probl
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
 
 import crc32c
 import numpy as np
 
-from . import codecs
+from .format import EMPTY, CodecError, ShardIndexError, ShardSpec, UnsupportedArray
 from .safe_read import StoreAccess, UnsafeStoreError, recording_state
 
 #: the largest tile verify decompresses to check it (a declared tile beyond it is reported)
 MAX_DECODED_TILE_BYTES = 1 << 28
-_EMPTY = 2**64 - 1
 _INDEX_BLOCK_ENTRIES = 1 << 16  # index entries read at a time: 1 MiB
 #: the most bytes of one coalesced read of the decode check (and of reads in flight: 8 of them)
 VERIFY_READ_BYTES = 16 << 20
@@ -65,6 +64,11 @@ class VerifyReport:
     @property
     def ok(self) -> bool:
         return not self.problems
+
+    @classmethod
+    def problem(cls, error: ShardIndexError) -> Problem:
+        """The record of a format-layer index error."""
+        return Problem(error.key, error.chunk, error.reason)
 
     def __str__(self):
         count = len(self.problems)
@@ -143,27 +147,14 @@ def _check_recording_state(report: VerifyReport, meta: dict, label: str) -> None
 def _check_array(report: VerifyReport, access: StoreAccess, array, label: str, progress) -> None:
     meta = array.metadata.to_dict()
     _check_recording_state(report, meta, label)
-    sharding = [c for c in meta.get("codecs", []) if c.get("name") == "sharding_indexed"]
-    if not sharding:
-        report.problems.append(Problem("zarr.json", None, "array is not sharded (no sharding_indexed codec)"))
+    try:
+        spec = ShardSpec.from_metadata(meta)
+    except UnsupportedArray as exc:
+        report.problems.append(Problem("zarr.json", None, f"{exc}: not checked"))
         return
-    config = sharding[0]["configuration"]
-    codec = codecs.from_zarr_codecs(list(config["codecs"]), array.dtype)
-    if (
-        config.get("index_location", "end") != "end"
-        or [c["name"] for c in config["index_codecs"]] != ["bytes", "crc32c"]
-        or codec is None
-    ):
-        report.problems.append(Problem("zarr.json", None, f"unsupported sharding configuration {config}"))
-        return
-    shape = meta["shape"]
-    shard_shape = meta["chunk_grid"]["configuration"]["chunk_shape"]
-    chunk_shape = config["chunk_shape"]
-    tile_bytes = math.prod(chunk_shape) * np.dtype(array.dtype).itemsize
-    chunks_per_shard = math.prod(s // c for s, c in zip(shard_shape, chunk_shape))
-    grid = [math.ceil(s / n) for s, n in zip(shape, shard_shape)]
-    decode = codec.checks_content and tile_bytes <= MAX_DECODED_TILE_BYTES
-    if codec.checks_content and not decode:
+    tile_bytes = spec.chunk_bytes
+    decode = spec.codec.checks_content and tile_bytes <= MAX_DECODED_TILE_BYTES
+    if spec.codec.checks_content and not decode:
         report.problems.append(
             Problem(
                 "zarr.json",
@@ -179,9 +170,9 @@ def _check_array(report: VerifyReport, access: StoreAccess, array, label: str, p
     for key, reason in listing.refused:
         report.problems.append(Problem(key[len(base) :], None, reason))
     keys = sorted(k[len(base) :] for k in listing.keys)
-    checker = _ShardChecker(report, chunks_per_shard, tile_bytes, codec, decode)
+    checker = _ShardChecker(report, spec, decode)
     try:
-        _check_shards(report, access, base, keys, grid, shape, checker, progress)
+        _check_shards(report, access, base, keys, list(spec.shard_grid), list(spec.shape), checker, progress)
     finally:
         checker.close()
 
@@ -216,102 +207,81 @@ def _check_shards(report, access, base, keys, grid, shape, checker, progress) ->
 
 
 class _ShardChecker:
-    def __init__(self, report, chunks_per_shard, tile_bytes, codec, decode):
-        self.report = report
-        self.chunks = chunks_per_shard
-        self.index_bytes = chunks_per_shard * 16 + 4
-        self.tile_bytes = tile_bytes
-        self.codec, self.decode = codec, decode
-        self.min_chunk = codec.min_encoded_bytes(tile_bytes)
-        self.max_chunk = codec.max_encoded_bytes(tile_bytes)
+    def __init__(self, report, spec: ShardSpec, decode: bool):
+        self.report, self.spec = report, spec
+        self.codec, self.tile_bytes, self.decode = spec.codec, spec.chunk_bytes, decode
         from .read import reader_setting, workers_setting
 
         self.coalesce = reader_setting() != "zarr"
         self.workers = workers_setting()
         self.pool: ThreadPoolExecutor | None = None
+        self._scratch = threading.local()  # per decode thread: one tile's buffer
 
     def check(self, key: str, shard) -> None:
-        report, size = self.report, shard.size
-        if size < self.index_bytes:
-            report.problems.append(
-                Problem(
-                    key, None, f"shard of {size} bytes is shorter than its index ({self.index_bytes} bytes): truncated"
-                )
-            )
+        spec, size = self.spec, shard.size
+        truncated = spec.truncated_error(key, size)
+        if truncated is not None:
+            self.report.problems.append(VerifyReport.problem(truncated))
             return
-        data_end = size - self.index_bytes
         found: list[Problem] = []
-        crc = 0
-        if self.chunks <= _INDEX_BLOCK_ENTRIES:  # the usual case: the whole index in one suffix read
-            tail = shard.read_suffix(self.index_bytes)
-            blocks: Iterable[tuple[int, int, Any]] = [(0, self.chunks, tail[:-4])]
-            stored_crc = tail[-4:]
-        else:  # a huge index is streamed, so memory stays bounded whatever the shard declares
-            blocks = (
-                (first, n, shard.read(data_end + first * 16, n * 16))
-                for first in range(0, self.chunks, _INDEX_BLOCK_ENTRIES)
-                for n in [min(_INDEX_BLOCK_ENTRIES, self.chunks - first)]
-            )
-            stored_crc = None
-        for first, n, raw in blocks:
-            if len(raw) != n * 16:
+        at = spec.index_offset(size)
+        if spec.chunks <= _INDEX_BLOCK_ENTRIES:  # the usual case: the whole index in one read
+            raw = shard.read_suffix(spec.index_nbytes) if spec.index_at_end else shard.read(0, spec.index_nbytes)
+            if len(raw) != spec.index_nbytes:
                 found.append(Problem(key, None, "shard changed size while it was read"))
-                break
-            crc = crc32c.crc32c(raw, crc)
-            to_decode: list[tuple[int, int, int]] = []
-            # tolist(): Python ints, so offset + nbytes cannot wrap around 2^64
-            for i, (offset, nbytes) in enumerate(np.frombuffer(raw, "<u8").reshape(-1, 2).tolist()):
-                if self._check_chunk(shard, key, first + i, offset, nbytes, data_end, found):
-                    to_decode.append((first + i, offset, nbytes))
-            if to_decode:
-                self._decode_coalesced(shard, key, to_decode, found)
-                found.sort(key=lambda p: -1 if p.chunk is None else p.chunk)  # stable: chunk order
-        if stored_crc is None:
-            stored_crc = shard.read(size - 4, 4)
-        if crc != int.from_bytes(stored_crc, "little"):
-            found.insert(0, Problem(key, None, "index CRC32C mismatch"))
-        report.problems.extend(found)
+            else:
+                index, problems = spec.index_problems(key, raw, size)
+                found += [VerifyReport.problem(p) for p in problems]
+                self.report.chunks += int(np.count_nonzero(_listed(spec, raw[: spec.chunks * 16])))
+                if index is not None:
+                    self._decode_valid(shard, key, index.offsets, index.nbytes, 0, found)
+        else:  # a huge index is streamed, so memory stays bounded whatever the shard declares
+            # (chunks are checked block by block: overlaps across blocks are not looked for)
+            crc = 0
+            for first in range(0, spec.chunks, _INDEX_BLOCK_ENTRIES):
+                n = min(_INDEX_BLOCK_ENTRIES, spec.chunks - first)
+                body = shard.read(at + first * 16, n * 16)
+                if len(body) != n * 16:
+                    found.append(Problem(key, None, "shard changed size while it was read"))
+                    break
+                crc = crc32c.crc32c(body, crc)
+                offsets, nbytes = spec.entries(body)
+                valid, problems = spec.entry_problems(key, offsets, nbytes, size, first=first)
+                found += [VerifyReport.problem(p) for p in problems]
+                self.report.chunks += int(np.count_nonzero(_listed(spec, body)))
+                self._decode_valid(
+                    shard, key, np.where(valid, offsets, 0), np.where(valid, nbytes, 0), first, found, valid
+                )
+            else:
+                mismatch = spec.crc_error(key, crc, shard.read(at + spec.chunks * 16, 4)) if spec.index_crc else None
+                if mismatch is not None:
+                    found.append(VerifyReport.problem(mismatch))
+        found.sort(key=lambda p: -1 if p.chunk is None else p.chunk)  # stable: the index's, then by chunk
+        self.report.problems.extend(found)
 
-    def _check_chunk(self, shard, key, chunk, offset, nbytes, data_end, found) -> bool:
-        """Check one index entry; True: it is to be decoded (by :meth:`_decode_coalesced`)."""
-        if offset == _EMPTY and nbytes == _EMPTY:
-            return False
-        self.report.chunks += 1
-        if offset == _EMPTY or nbytes == _EMPTY or offset + nbytes > data_end:
-            found.append(
-                Problem(
-                    key,
-                    chunk,
-                    f"chunk (offset {offset}, {nbytes} bytes) lies outside the shard data ({data_end} bytes)",
-                )
-            )
-        elif self.min_chunk == self.max_chunk != nbytes:
-            found.append(Problem(key, chunk, f"holds {nbytes} bytes, a tile is {self.tile_bytes}"))
-        elif nbytes > self.max_chunk:
-            found.append(
-                Problem(
-                    key,
-                    chunk,
-                    f"holds {nbytes} bytes, more than {self.codec.name} makes of one tile "
-                    f"of {self.tile_bytes} bytes (at most {self.max_chunk})",
-                )
-            )
-        elif nbytes < self.min_chunk:
-            found.append(
-                Problem(
-                    key,
-                    chunk,
-                    f"holds {nbytes} bytes, fewer than {self.codec.name} makes of one tile (at least {self.min_chunk})",
-                )
-            )
-        elif self.decode and self.coalesce:
-            return True  # placed plausibly: decoded with its neighbours by _decode_coalesced
-        elif self.decode:
+    def _decode_valid(self, shard, key, offsets, nbytes, first, found, valid=None) -> None:
+        """Decode the chunks ``first + i`` that passed the index checks (``nbytes >= 0``, or
+        ``valid``) and add what fails."""
+        if not self.decode:
+            return
+        chosen = np.flatnonzero(valid if valid is not None else np.asarray(nbytes) >= 0)
+        chunks = [(first + i, int(offsets[i]), int(nbytes[i])) for i in chosen.tolist()]
+        if not chunks:
+            return
+        if self.coalesce:
+            self._decode_coalesced(shard, key, chunks, found)
+            return
+        for chunk, offset, size in chunks:  # TILESHARD_READER=zarr: one read per chunk
             try:  # the codec's decoder never allocates more than one tile
-                self.codec.decode(shard.read(offset, nbytes), self.tile_bytes)
-            except codecs.CodecError as exc:
+                self.codec.decode_into(shard.read(offset, size), self._tile())
+            except CodecError as exc:
                 found.append(Problem(key, chunk, str(exc)))
-        return False
+
+    def _tile(self) -> np.ndarray:
+        tile = getattr(self._scratch, "tile", None)
+        if tile is None:
+            tile = self._scratch.tile = np.empty(self.tile_bytes, dtype=np.uint8)
+        return tile
 
     def _decode_coalesced(self, shard, key: str, chunks: list[tuple[int, int, int]], found) -> None:
         """Decode ``(chunk, offset, nbytes)`` (each inside the shard data, of a plausible size)
@@ -320,7 +290,7 @@ class _ShardChecker:
 
         numbers, offsets, sizes = (np.array(column, dtype=np.int64) for column in zip(*chunks))
         runs = pack_runs(offsets, sizes, DEFAULT_GAP_BYTES, VERIFY_READ_BYTES)
-        codec, tile_bytes = self.codec, self.tile_bytes
+        codec = self.codec
 
         def decode_run(start: int, data: bytes, positions: np.ndarray) -> list[Problem]:
             problems = []
@@ -332,8 +302,8 @@ class _ShardChecker:
                     problems.append(Problem(key, int(numbers[p]), "shard changed size while it was read"))
                     continue
                 try:  # the codec's decoder never allocates more than one tile
-                    codec.decode(piece, tile_bytes)
-                except codecs.CodecError as exc:
+                    codec.decode_into(piece, self._tile())
+                except CodecError as exc:
                     problems.append(Problem(key, int(numbers[p]), str(exc)))
             return problems
 
@@ -352,3 +322,9 @@ class _ShardChecker:
         if self.pool is not None:
             self.pool.shutdown()
             self.pool = None
+
+
+def _listed(spec: ShardSpec, body) -> np.ndarray:
+    """Which entries of index entries ``body`` list a chunk (not both halves empty)."""
+    offsets, nbytes = spec.entries(body)
+    return ~((offsets == np.uint64(EMPTY)) & (nbytes == np.uint64(EMPTY)))

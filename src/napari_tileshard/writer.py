@@ -29,11 +29,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import codecs
 from .backends import select_backend
 from .backends.base import Backend, MemoryBudget
 from .collector import Collector, in_flight_bytes
 from .dispatch import MODES as DISPATCH_MODES
+from .format import codecs
 from .layout import Layout
 from .ome import group_metadata
 from .publish import Publisher, check_attributes

@@ -26,8 +26,8 @@ from qtpy.QtWidgets import (
     QWidget,
 )
 
-from .. import codecs
 from ..backends import gpu_unavailable_reason
+from ..format import codecs
 from ..layout import SUPPORTED_DTYPES
 from ..pyramid import DOWNSAMPLE
 from ..recorder import POLICIES, RecorderSettings

@@ -22,7 +22,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .. import codecs
+from ..format import codecs
 from .base import Backend, Ticket
 
 log = logging.getLogger(__name__)
@@ -101,6 +101,7 @@ def select_backend(name: str, layout, codec, level: int, **options) -> Backend:
     an option it does not take (``TypeError``)."""
     if name not in BACKENDS:
         raise ValueError(f"backend {name!r} is not one of {', '.join(BACKENDS)}")
+    codec = codecs.get(codec)  # a name resolved once, here
     devices = options.pop("devices", None)
     if devices is not None:  # GPUs named: the GPU backend on them, or an error (never the CPU)
         if name not in ("gpu", "auto"):
@@ -109,7 +110,7 @@ def select_backend(name: str, layout, codec, level: int, **options) -> Backend:
         devices = resolve_devices(devices)
         if len(devices) > 1:
             entry = REGISTRY["gpu"]
-            refusal = entry.refuses(codecs.get(codec)) or entry.is_available()
+            refusal = entry.refuses(codec) or entry.is_available()
             if refusal:
                 raise RuntimeError(f"devices={devices!r} was requested but the GPU backend is not usable: {refusal}")
             from .multi_gpu import MultiGpuBackend
@@ -118,7 +119,7 @@ def select_backend(name: str, layout, codec, level: int, **options) -> Backend:
         options["device"] = devices[0]
     if name != "auto":
         entry = REGISTRY[name]
-        refusal = entry.refuses(codecs.get(codec))  # asked first: the same answer on any machine
+        refusal = entry.refuses(codec)  # asked first: the same answer on any machine
         if refusal:
             raise ValueError(refusal)
         reason = entry.is_available()
@@ -128,7 +129,7 @@ def select_backend(name: str, layout, codec, level: int, **options) -> Backend:
         return _make(entry, layout, codec, level, options)
     reasons: list[str] = []
     for entry in REGISTRY.values():
-        reason = entry.refuses(codecs.get(codec)) or entry.is_available()
+        reason = entry.refuses(codec) or entry.is_available()
         if reason is None:
             if reasons:
                 log.info("backend=auto: using the %s backend (%s)", entry.name.upper(), "; ".join(reasons))

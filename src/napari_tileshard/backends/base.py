@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import codecs
+from ..format import codecs
 from ..layout import Layout
 from ..pyramid import Pyramid
 from ..shard import EncodedEpoch
@@ -63,7 +63,7 @@ class Backend(ABC):
     def __init__(
         self, layout: Layout, codec: str | codecs.Codec = "zstd", level: int = 1, pyramid: Pyramid | None = None
     ):
-        #: the configured :class:`~napari_tileshard.codecs.Codec` (level and element size applied)
+        #: the configured :class:`~napari_tileshard.format.codecs.Codec` (level and element size applied)
         self.codec = codecs.get(codec).configure(level, layout.dtype)
         if layout.tile_bytes > self.codec.max_chunk_bytes:
             raise ValueError(

@@ -29,9 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from .. import codecs
 from ..collector import pending_shard_epochs
-from . import _nvcomp
+from ..format import codecs, nvcomp
 from .base import Backend, MemoryBudget
 from .pinned import PinnedRecycler, gpu_numa_cpus, pin
 from .stages.aggregate import (
@@ -224,13 +223,14 @@ class GpuBackend(Backend):
     ):
         # ``threads`` is the CPU backend's option, taken here so that one set of Writer options
         # works with either backend; the GPU runs no encode threads of its own.
+        codec = codecs.get(codec)
         refusal = codecs.gpu_support(codec)  # before CuPy: the refusal does not depend on the machine
         if refusal:
             raise ValueError(refusal)
-        support = codecs.get(codec).gpu
+        support = codec.gpu
         assert support is not None  # gpu_support() refuses exactly the codecs without it
-        if support.nvcomp not in (None, *_nvcomp.ALGORITHMS):  # else _nvcomp would write zstd under its name
-            raise ValueError(f"nvCOMP's {support.nvcomp} is not bound in backends/_nvcomp.py")
+        if support.nvcomp not in (None, *nvcomp.ALGORITHMS):  # else nvcomp.py would write zstd under its name
+            raise ValueError(f"nvCOMP's {support.nvcomp} is not bound in format/nvcomp.py")
         import cupy
 
         super().__init__(layout, codec, level, pyramid)

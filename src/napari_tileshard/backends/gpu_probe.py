@@ -11,6 +11,8 @@ import functools
 import importlib.util
 import os
 
+from ..format import nvcomp
+
 
 def _cheap_reason() -> str | None:
     try:
@@ -41,9 +43,7 @@ def unavailable_reason() -> str | None:
     if count < 1:
         return "no CUDA device found"
     try:
-        from . import _nvcomp
-
-        _nvcomp.load()
+        nvcomp.load()
     except Exception as exc:
         return f"nvCOMP is not usable ({exc}); install nvidia-nvcomp-cu12 or -cu13"
     return None

@@ -1,6 +1,6 @@
 """Compress stage: encode tiles with the codec, one chunk per tile.
 
-What a codec's bitstream is lives in :mod:`napari_tileshard.codecs`; here the CPU calls the codec
+What a codec's bitstream is lives in :mod:`napari_tileshard.format.codecs`; here the CPU calls the codec
 object (:func:`compress_cpu`) and the GPU calls nvCOMP's batched C API for every tile of a batch at
 once, leaving sizes and statuses on the device (:func:`compress_gpu`).
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import _nvcomp
+from ...format import nvcomp
 
 
 def compress_cpu(codec, tiles: np.ndarray) -> tuple[list, list[int]]:
@@ -25,14 +25,14 @@ def gpu_output_stride(algorithm: str | None, tile_bytes: int, tile_stride_bytes:
     (``algorithm`` None: tiles are stored as they are, in the tile pool itself)."""
     if not algorithm:
         return tile_stride_bytes
-    return -(-_nvcomp.max_output_chunk_bytes(tile_bytes) // align) * align
+    return -(-nvcomp.max_output_chunk_bytes(tile_bytes) // align) * align
 
 
 def gpu_temp_bytes(algorithm: str | None, chunks: int, tile_bytes: int, stream_ptr: int) -> int:
     """Device scratch nvCOMP needs to compress ``chunks`` tiles in one call."""
     if not algorithm:
         return 0
-    return _nvcomp.temp_bytes(chunks, tile_bytes, stream_ptr)
+    return nvcomp.temp_bytes(chunks, tile_bytes, stream_ptr)
 
 
 def compress_gpu(
@@ -46,7 +46,7 @@ def compress_gpu(
     """
     with stream:
         if algorithm:
-            _nvcomp.compress_async(
+            nvcomp.compress_async(
                 slot.input_ptrs.data.ptr,
                 chunk_bytes.data.ptr,
                 tile_bytes,
@@ -68,7 +68,7 @@ def check_gpu_statuses(algorithm: str | None, statuses: np.ndarray) -> None:
         return
     failed = np.flatnonzero(statuses)
     if failed.size:
-        raise _nvcomp.NvcompError(
+        raise nvcomp.NvcompError(
             f"nvCOMP could not compress {failed.size} tiles (first: tile {int(failed[0])}, "
             f"status {int(statuses[failed[0]])})"
         )

@@ -1,4 +1,6 @@
-"""nvCOMP batched zstd through its low-level C API (ctypes on libnvcomp).
+"""nvCOMP batched zstd through its low-level C API (ctypes on libnvcomp): the GPU side of the
+codecs (:mod:`.codecs`' ``gpu.nvcomp``), compression for the writer's GPU backend and
+decompression for the reader's GPU path.  Loading the library needs no CuPy and no GPU.
 
 Why the C API and not ``nvidia.nvcomp``'s Python ``encode()``: the C call takes device arrays
 of pointers and sizes and leaves the compressed sizes and statuses on the device, so a batch
@@ -177,6 +179,18 @@ def _decompress_functions():
     ]
     decompress.restype = ctypes.c_int
     return temp, decompress
+
+
+def decompress_unavailable_reason(algorithm: str = "zstd") -> str | None:
+    """Why nvCOMP cannot decompress ``algorithm`` here (no libnvcomp, or one without batched
+    decompression), or None when it can."""
+    if algorithm not in ALGORITHMS:
+        return f"nvCOMP's {algorithm} is not bound in format/nvcomp.py"
+    try:
+        _decompress_functions()
+    except (ImportError, OSError) as exc:
+        return str(exc)
+    return None
 
 
 def decompress_input_alignment() -> int:

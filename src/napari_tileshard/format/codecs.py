@@ -1,0 +1,562 @@
+"""Chunk codecs: the one module that knows a codec's levels, bounds, bitstream and Zarr metadata.
+
+Each codec is a small frozen dataclass, as zarr-python's are, whose fields are its configuration
+(``level``, ``typesize``, ...); :data:`REGISTRY` holds one default instance per name, in the order
+an inner codec chain is matched against them.  One object serves both directions and both devices:
+
+* the writer: :meth:`Codec.configure` makes the one a writer uses, :meth:`Codec.encode_tiles`
+  encodes a batch of tiles, :meth:`Codec.zarr_codecs` is the chain written to ``zarr.json``;
+* the reader and verify: :func:`from_zarr_codecs` resolves an inner chain to a codec once, then
+  :meth:`Codec.decode_into` decodes a chunk into a caller's buffer, bounded (never more than the
+  destination; a chunk that does not decode to exactly one chunk is a :class:`CodecError`), and
+  :meth:`Codec.min_encoded_bytes`/:meth:`Codec.max_encoded_bytes` bound what a shard index may
+  claim for a chunk;
+* the GPU: ``gpu`` says what nvCOMP does for the codec (its batched algorithm, used to encode and
+  to decode; :mod:`napari_tileshard.format.nvcomp` binds it), described here, never imported.
+
+``writable``: the codecs the writer offers (:data:`CODECS`, the CLI's and the widget's choices,
+what :func:`get` returns).  The others (gzip, blosc with another compressor or shuffle) are read,
+never written.  The ``bytes`` codec's byte order is the array's, not the codec's: it lives in
+:class:`~napari_tileshard.format.shard_spec.ShardSpec`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import re
+import struct
+import threading
+import zlib
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar
+
+import numcodecs.blosc
+import numpy as np
+import zstandard
+from zarr.codecs import BloscCodec, GzipCodec, ZstdCodec
+
+_MAX_CHUNK_BYTES = 2**31 - 1  # the Layout's tile limit
+_local = threading.local()  # zstandard contexts are not thread-safe: one per thread (and level)
+
+
+class CodecError(ValueError):
+    """A chunk that does not decode to exactly one chunk of the expected size; says why."""
+
+
+@dataclass(frozen=True)
+class GpuSupport:
+    """What the GPU does for a codec, in both directions: the writer's GPU backend encodes with
+    nvCOMP's batched ``nvcomp`` algorithm, the reader's GPU path decodes with it."""
+
+    nvcomp: str | None  # nvCOMP's batched algorithm; None: the chunks are the tiles as they are
+    max_chunk_bytes: int = _MAX_CHUNK_BYTES
+    levels: bool = True  # False: nvCOMP has no level, the level is recorded but not applied
+
+
+@dataclass(frozen=True)
+class Codec:
+    """A chunk codec: ``bytes`` serialisation plus at most one compressor."""
+
+    name: ClassVar[str]
+    #: the compressor's name in zarr metadata; None: none (the ``bytes`` codec alone)
+    zarr_name: ClassVar[str | None] = None
+    #: True: the writer offers it; False: read only
+    writable: ClassVar[bool] = True
+    #: inclusive range of ``level``; None: the level is accepted and ignored
+    level_range: ClassVar[tuple[int, int] | None] = None
+    max_chunk_bytes: ClassVar[int] = _MAX_CHUNK_BYTES
+    #: None: the GPU cannot encode nor decode this codec's bitstream (``gpu_unsupported_reason`` says why)
+    gpu: ClassVar[GpuSupport | None] = None
+    gpu_unsupported_reason: ClassVar[str] = ""
+    #: False when any chunk of the right size is valid, so decoding it proves nothing
+    checks_content: ClassVar[bool] = True
+
+    level: int = 1
+    typesize: int = 1
+
+    def validate_level(self, level) -> int:
+        if not isinstance(level, (int, np.integer)) or isinstance(level, bool):
+            raise TypeError(f"level must be an integer, got {level!r}")
+        if self.level_range and not self.level_range[0] <= level <= self.level_range[1]:
+            low, high = self.level_range
+            raise ValueError(f"{self.name} level must be in {low}..{high}, got {level}")
+        return int(level)
+
+    def configure(self, level, dtype) -> Codec:
+        """This codec at ``level`` for elements of ``dtype`` (validated)."""
+        return replace(self, level=self.validate_level(level), typesize=np.dtype(dtype).itemsize)
+
+    # -- bounds --------------------------------------------------------------------------------
+    def max_encoded_bytes(self, nbytes: int) -> int:
+        """Worst-case encoded size of one chunk of ``nbytes`` (what a shard index may claim)."""
+        raise NotImplementedError
+
+    def min_encoded_bytes(self, nbytes: int) -> int:
+        return 1
+
+    # -- encoding ------------------------------------------------------------------------------
+    def encode(self, buffer):
+        """One chunk's encoded bytes (compressors release the GIL: backends call this from threads)."""
+        return self._encoder()(buffer)
+
+    def _encoder(self):
+        """buffer -> encoded bytes, for the calling thread (fetched once per batch of tiles)."""
+        raise NotImplementedError(f"{self.name} chunks are read, not written")
+
+    #: True when :meth:`encode_tiles` may return views of its input (the caller must then keep the
+    #: tiles alive and unchanged until the chunks are written)
+    encoded_tiles_alias_input: ClassVar[bool] = False
+
+    def encode_tiles(self, tiles: np.ndarray) -> tuple[list, list[int]]:
+        """Encode each row of ``tiles`` (uint8, one tile per row): (buffers whose concatenation is
+        the chunks in order, encoded size per tile).
+
+        The generic path: one :meth:`encode` per tile.  A codec with a native batch encoder
+        overrides it; its output must equal this one's byte for byte (``tests/format/test_codec_objects.py``).
+        """
+        return self.encode_tiles_one_by_one(tiles)
+
+    def encode_tiles_one_by_one(self, tiles: np.ndarray) -> tuple[list, list[int]]:
+        """:meth:`encode_tiles` with one encoder call per tile (the reference of batch encoders)."""
+        encode = self._encoder()
+        chunks = [encode(tile) for tile in tiles]
+        return chunks, [len(c) for c in chunks]
+
+    # -- decoding ------------------------------------------------------------------------------
+    def decode_into(self, src, dest: np.ndarray) -> None:
+        """Decode the chunk ``src`` (bytes-like) into ``dest`` (contiguous uint8, exactly one
+        chunk's bytes), or raise :class:`CodecError`.  Never allocates from sizes in the data:
+        at most ``len(dest)`` bytes are ever produced; anything else than exactly one chunk
+        (shorter, longer, bytes after it) is refused."""
+        raise NotImplementedError
+
+    def decode(self, data, nbytes: int) -> bytes:
+        """Exactly ``nbytes`` decoded bytes, or :class:`CodecError`; never allocates more."""
+        dest = np.empty(nbytes, dtype=np.uint8)
+        self.decode_into(data, dest)
+        return dest.tobytes()
+
+    # -- metadata ------------------------------------------------------------------------------
+    def compressors(self) -> list[dict]:
+        """The compressors after the ``bytes`` codec, as zarr-python's own codec classes write them."""
+        return []
+
+    def zarr_codecs(self, endian: str | None = "little") -> list[dict]:
+        """The sharding codec's inner chain: ``bytes`` (with ``endian``; None: no configuration)
+        then the compressors."""
+        serializer: dict[str, Any] = {"name": "bytes"}
+        if endian is not None:
+            serializer["configuration"] = {"endian": endian}
+        return [serializer, *self.compressors()]
+
+    @classmethod
+    def from_zarr_codecs(cls, chain, dtype) -> Codec | None:
+        """This codec, configured as the inner chain ``chain`` (zarr's dict form) of a ``dtype``
+        array says, or None when the chain is not this codec's."""
+        if not _is_chain(chain) or chain[0]["name"] != "bytes":
+            return None
+        compressors = list(chain[1:])
+        typesize = np.dtype(dtype).itemsize
+        if cls.zarr_name is None:
+            return cls(typesize=typesize) if not compressors else None
+        if len(compressors) != 1 or compressors[0]["name"] != cls.zarr_name:
+            return None
+        config = compressors[0].get("configuration") or {}
+        if not isinstance(config, dict):
+            return None
+        return cls._from_config(config, typesize)
+
+    @classmethod
+    def _from_config(cls, config: dict, typesize: int) -> Codec | None:
+        """This codec from its compressor's zarr configuration (None: not this codec)."""
+        return cls(typesize=typesize)
+
+    def to_dict(self) -> dict:
+        """``{"name", "configuration"}``: every field (:func:`from_dict` makes the same codec)."""
+        return {"name": self.name, "configuration": dataclasses.asdict(self)}
+
+    @staticmethod
+    def from_dict(data: dict) -> Codec:
+        """The registered codec ``data`` names with the fields it holds (types checked)."""
+        codec = REGISTRY.get(str(data.get("name"))) if isinstance(data, dict) else None
+        if codec is None:
+            raise ValueError(f"{data!r} does not name a codec of {', '.join(REGISTRY)}")
+        config = data.get("configuration") or {}
+        fields = {f.name: f for f in dataclasses.fields(codec)}
+        unknown = sorted(set(config) - set(fields))
+        if unknown:
+            raise ValueError(f"codec {codec.name!r} has no field {unknown[0]!r}")
+        values = {}
+        for key, value in config.items():
+            kind = type(getattr(codec, key))
+            if kind is int and _int(value):
+                value = int(value)
+            elif type(value) is not kind:  # bool is not int here, nor int bool
+                raise TypeError(f"{codec.name} {key} must be {kind.__name__}, got {value!r}")
+            values[key] = value
+        return replace(codec, **values)
+
+
+def _is_chain(chain) -> bool:
+    return (
+        isinstance(chain, (list, tuple))
+        and bool(chain)
+        and all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in chain)
+    )
+
+
+def _int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class Raw(Codec):
+    """The ``bytes`` codec alone: a chunk is the tile's bytes."""
+
+    name = "none"
+    gpu = GpuSupport(nvcomp=None)
+    checks_content = False
+    encoded_tiles_alias_input = True
+
+    def max_encoded_bytes(self, nbytes):
+        return nbytes
+
+    def min_encoded_bytes(self, nbytes):
+        return nbytes
+
+    def _encoder(self):
+        return lambda buffer: buffer
+
+    def encode_tiles(self, tiles):
+        # One buffer for all of them, as they are contiguous already; no buffer for no tiles (a
+        # zero-row array cannot be cast to bytes when the shard is written).
+        return ([tiles] if len(tiles) else []), [tiles.shape[1]] * len(tiles)
+
+    def decode_into(self, src, dest):
+        if len(src) != len(dest):
+            raise CodecError(f"raw chunk holds {len(src)} bytes, expected {len(dest)}")
+        dest[:] = np.frombuffer(src, np.uint8)
+
+
+@dataclass(frozen=True)
+class Zstd(Codec):
+    """One standard zstd frame per chunk (python-zstandard, libzstd)."""
+
+    name = "zstd"
+    zarr_name = "zstd"
+    level_range = (-7, 22)
+    gpu = GpuSupport(nvcomp="zstd", max_chunk_bytes=16 << 20, levels=False)
+
+    #: a content checksum after each frame (zarr's ``checksum``; the writer writes none)
+    checksum: bool = False
+
+    def max_encoded_bytes(self, nbytes):
+        # libzstd's ZSTD_COMPRESSBOUND (python-zstandard does not expose it), + 4 for the
+        # checksum zarr's ``checksum`` adds after the frame
+        bound = nbytes + (nbytes >> 8) + (((128 << 10) - nbytes) >> 11 if nbytes < (128 << 10) else 0)
+        return bound + 4 * self.checksum
+
+    def _encoder(self):
+        return self._compressor().compress
+
+    def _compressor(self) -> zstandard.ZstdCompressor:
+        contexts = _local.__dict__.setdefault("zstd-c", {})
+        key = (self.level, self.checksum)
+        context = contexts.get(key)
+        if context is None:
+            context = contexts[key] = zstandard.ZstdCompressor(level=self.level, write_checksum=self.checksum)
+        return context
+
+    def encode_tiles(self, tiles):
+        # One call for all the tiles: libzstd compresses them one frame each, with the GIL
+        # released for the whole batch (per-tile calls contend for the GIL on many-core hosts).
+        # threads=1: the caller's thread does the work, the CPU backend already runs one task per
+        # core.  Same parameters and one frame per tile, so the bytes equal compress()'s.
+        count, tile_bytes = tiles.shape
+        if count == 0:
+            return [], []
+        compressed = self._compressor().multi_compress_to_buffer(
+            zstandard.BufferWithSegments(tiles, _segments(count, tile_bytes)), threads=1
+        )
+        chunks = list(compressed)  # views into the few buffers libzstd filled, no copy
+        return chunks, list(map(len, chunks))
+
+    def decode_into(self, src, dest):
+        # python-zstandard with a context reused per thread: ~1 us of Python per call under the
+        # GIL, against ~10 us for numcodecs' decompress(src, dest) (its argument checks; measured
+        # on the 2-core box), paid for by one copy out of a chunk-sized buffer still in cache.  On
+        # the 16-core H100 host the whole-read rate did not change at 256 KiB tiles (libzstd
+        # dominates there, docs/benchmarks.md); less GIL time per chunk is what matters with many
+        # small chunks.  zarr-python's codec cannot bound its output (a small frame may expand to
+        # gigabytes) nor tell that bytes follow the first frame: a frame that declares another
+        # size is refused before anything is allocated from it; ``allow_extra_data=False``
+        # refuses bytes after the frame.
+        n = len(dest)
+        try:
+            declared = zstandard.frame_content_size(src)
+        except zstandard.ZstdError as exc:
+            raise CodecError(f"zstd decode failed: {exc}") from None
+        if declared not in (-1, zstandard.CONTENTSIZE_UNKNOWN, n):
+            raise CodecError(f"zstd frame declares {declared} bytes, expected {n}")
+        context = getattr(_local, "zstd_d", None)
+        if context is None:
+            context = _local.zstd_d = zstandard.ZstdDecompressor()
+        try:
+            data = context.decompress(src, max_output_size=n, allow_extra_data=False)
+        except zstandard.ZstdError as exc:
+            trailing = re.search(r"contains (\d+) bytes of unused data", str(exc))
+            if trailing:
+                raise CodecError(f"zstd: {trailing.group(1)} bytes follow the first frame") from None
+            raise CodecError(f"zstd decode failed: {exc} (expected {n} bytes)") from None
+        if len(data) != n:
+            raise CodecError(f"zstd frame decodes to {len(data)} bytes, expected {n}")
+        dest[:] = np.frombuffer(data, np.uint8)
+
+    def compressors(self):
+        return [ZstdCodec(level=self.level, checksum=self.checksum).to_dict()]
+
+    @classmethod
+    def _from_config(cls, config, typesize):
+        level, checksum = config.get("level", 0), config.get("checksum", False)  # zarr's defaults
+        if not _int(level) or not isinstance(checksum, bool):
+            return None
+        return cls(level=int(level), typesize=typesize, checksum=checksum)
+
+
+@functools.lru_cache(maxsize=64)
+def _segments(count: int, nbytes: int) -> bytes:
+    """``BufferWithSegments``' (offset, length) uint64 pairs of ``count`` back-to-back pieces of ``nbytes``."""
+    segments = np.empty((count, 2), dtype=np.uint64)
+    segments[:, 0] = np.arange(count, dtype=np.uint64) * np.uint64(nbytes)
+    segments[:, 1] = nbytes
+    return segments.tobytes()
+
+
+_SHUFFLES = {"noshuffle": numcodecs.blosc.NOSHUFFLE, "shuffle": numcodecs.blosc.SHUFFLE}
+_SHUFFLES["bitshuffle"] = numcodecs.blosc.BITSHUFFLE
+
+
+@dataclass(frozen=True)
+class Blosc(Codec):
+    """Blosc 1 (numcodecs' Blosc, as zarr-python's BloscCodec encodes), any compressor and shuffle:
+    read, not written (the writer writes :class:`BloscLz4`)."""
+
+    name = "blosc"
+    zarr_name = "blosc"
+    writable = False
+    level_range = (0, 9)
+    max_chunk_bytes = _MAX_CHUNK_BYTES - 16  # blosc 1 takes at most INT_MAX - its header
+    gpu_unsupported_reason = "nvCOMP cannot produce a Blosc bitstream"
+    _HEADER: ClassVar[int] = 16  # BLOSC_MAX_OVERHEAD: a stored (incompressible) chunk is its input plus the header
+
+    cname: str = "zstd"
+    shuffle: str = "noshuffle"
+    blocksize: int = 0
+
+    def __post_init__(self):
+        if self.shuffle not in _SHUFFLES:
+            raise ValueError(f"blosc shuffle must be one of {', '.join(_SHUFFLES)}, got {self.shuffle!r}")
+        if self.cname not in numcodecs.blosc.list_compressors():
+            raise ValueError(
+                f"blosc cname must be one of {', '.join(numcodecs.blosc.list_compressors())}, got {self.cname!r}"
+            )
+
+    def max_encoded_bytes(self, nbytes):
+        return nbytes + self._HEADER
+
+    def min_encoded_bytes(self, nbytes):
+        return self._HEADER
+
+    def _encoder(self):
+        # typesize passed explicitly: the tiles reach the codec as uint8 views
+        cname, level, shuffle = self.cname.encode(), self.level, _SHUFFLES[self.shuffle]
+        blocksize, typesize, compress = self.blocksize, self.typesize, numcodecs.blosc.compress
+        return lambda buffer: compress(buffer, cname, level, shuffle, blocksize, typesize)
+
+    def decode_into(self, src, dest):
+        n = len(dest)
+        if len(src) < self._HEADER:
+            raise CodecError(f"{len(src)} bytes are shorter than a blosc header ({self._HEADER})")
+        # the header's sizes, checked before blosc trusts them (it reads cbytes, writes nbytes)
+        declared, _, cbytes = struct.unpack_from("<III", src, 4)
+        if declared != n:
+            raise CodecError(f"blosc header declares {declared} bytes, expected {n}")
+        if cbytes != len(src):
+            raise CodecError(f"blosc header declares {cbytes} compressed bytes, the chunk holds {len(src)}")
+        try:
+            numcodecs.blosc.decompress(src, dest)
+        except (RuntimeError, ValueError) as exc:
+            raise CodecError(f"blosc decode failed: {exc}") from None
+
+    def compressors(self):
+        codec = BloscCodec(
+            cname=self.cname, clevel=self.level, shuffle=self.shuffle, typesize=self.typesize, blocksize=self.blocksize
+        )
+        return [codec.to_dict()]
+
+    @classmethod
+    def _from_config(cls, config, typesize):
+        # zarr-python's defaults for what the configuration leaves out
+        cname, level = config.get("cname", "zstd"), config.get("clevel", 5)
+        shuffle, blocksize = config.get("shuffle", "noshuffle"), config.get("blocksize", 0)
+        declared = config.get("typesize", typesize)
+        if not all(_int(v) for v in (level, blocksize, declared)) or not declared > 0:
+            return None
+        try:
+            return cls(cname=cname, level=int(level), shuffle=shuffle, blocksize=int(blocksize), typesize=int(declared))
+        except ValueError:  # another cname or shuffle than this class's
+            return None
+
+
+@dataclass(frozen=True)
+class BloscLz4(Blosc):
+    """Blosc 1 with LZ4 and byte shuffle: the blosc the writer writes."""
+
+    name = "blosc-lz4"
+    writable = True
+
+    cname: str = "lz4"
+    shuffle: str = "shuffle"
+    blocksize: int = 0
+
+    def __post_init__(self):
+        if (self.cname, self.shuffle, self.blocksize) != ("lz4", "shuffle", 0):
+            raise ValueError("blosc-lz4 is cname 'lz4', shuffle 'shuffle', blocksize 0 (Blosc is any other)")
+
+
+@dataclass(frozen=True)
+class Gzip(Codec):
+    """Gzip (or zlib) streams, as zarr-python's GzipCodec writes them: read, not written."""
+
+    name = "gzip"
+    zarr_name = "gzip"
+    writable = False
+    level_range = (0, 9)
+    gpu_unsupported_reason = "nvCOMP's deflate is not bound here"
+
+    def max_encoded_bytes(self, nbytes):
+        # zlib's deflateBound plus the gzip header and trailer (with room for optional header fields)
+        return nbytes + (nbytes >> 12) + (nbytes >> 14) + (nbytes >> 25) + 13 + 18 + 64
+
+    def _encoder(self):
+        level = self.level
+
+        def encode(buffer):
+            compressor = zlib.compressobj(level, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
+            return compressor.compress(buffer) + compressor.flush()
+
+        return encode
+
+    def decode_into(self, src, dest):
+        n = len(dest)
+        decompressor = zlib.decompressobj(zlib.MAX_WBITS | 32)  # gzip or zlib header
+        try:
+            data = decompressor.decompress(src, n)  # bounded: never more than one chunk
+        except zlib.error as exc:
+            raise CodecError(f"gzip decode failed: {exc}") from None
+        if len(data) != n or not decompressor.eof or decompressor.unconsumed_tail or decompressor.unused_data:
+            raise CodecError(f"gzip data does not decode to exactly {n} bytes")
+        dest[:] = np.frombuffer(data, np.uint8)
+
+    def compressors(self):
+        return [GzipCodec(level=self.level).to_dict()]
+
+    @classmethod
+    def _from_config(cls, config, typesize):
+        level = config.get("level", 5)  # zarr-python's default
+        return cls(level=int(level), typesize=typesize) if _int(level) else None
+
+
+@dataclass(frozen=True)
+class Opaque(Codec):
+    """An inner chain that no registered codec is, kept as zarr.json holds it (``chain``, JSON):
+    what :meth:`ShardSpec.from_metadata(meta, opaque=True) <napari_tileshard.format.ShardSpec.from_metadata>`
+    gives where only the shards' indexes are read (the inspector).  Never registered, never decoded."""
+
+    name = "opaque"
+    writable = False
+    checks_content = False
+    gpu_unsupported_reason = "not a codec decoded here"
+
+    chain: str = "[]"
+
+    def max_encoded_bytes(self, nbytes):
+        return 2**63 - 1
+
+    def min_encoded_bytes(self, nbytes):
+        return 0
+
+    def decode_into(self, src, dest):
+        raise CodecError(f"inner codecs {self.zarr_codecs(None)} are not decoded natively")
+
+    def zarr_codecs(self, endian: str | None = "little") -> list[dict]:
+        return json.loads(self.chain)
+
+
+#: every codec, by name, in the order :func:`from_zarr_codecs` tries them (the writable form first)
+REGISTRY: dict[str, Codec] = {codec.name: codec for codec in (Zstd(), Raw(), BloscLz4(), Blosc(), Gzip())}
+#: the codecs the writer offers (the CLI's and the widget's choices)
+CODECS: dict[str, Codec] = {name: codec for name, codec in REGISTRY.items() if codec.writable}
+
+
+def names() -> tuple[str, ...]:
+    """The writable codecs' names."""
+    return tuple(CODECS)
+
+
+def get(codec) -> Codec:
+    """The writable codec ``codec`` names (a writable Codec is returned as it is): the writer's
+    one lookup, at its edge."""
+    found = codec if isinstance(codec, Codec) else CODECS.get(codec) if isinstance(codec, str) else None
+    if found is not None and found.writable:
+        return found
+    name = codec.name if isinstance(codec, Codec) else codec
+    read_only = f" ({name} is read, not written)" if name in REGISTRY else ""
+    raise ValueError(f"codec {name!r} is not one of {', '.join(CODECS)}{read_only}")
+
+
+def from_zarr_codecs(chain, dtype) -> Codec | None:
+    """The registered codec, configured, that this inner codec chain is (None: none is)."""
+    for codec in REGISTRY.values():
+        found = codec.from_zarr_codecs(chain, dtype)
+        if found is not None:
+            return found
+    return None
+
+
+def chain_refusal(chain) -> str:
+    """Why :func:`from_zarr_codecs` finds no codec for ``chain`` (a sentence)."""
+    names = [c.get("name") if isinstance(c, dict) else c for c in chain] if isinstance(chain, (list, tuple)) else chain
+    if not _is_chain(chain) or chain[0]["name"] != "bytes" or len(chain) > 2:
+        return f"inner codecs {names} are not bytes + at most one compressor"
+    if not any(c.zarr_name == chain[1]["name"] for c in REGISTRY.values()):
+        return f"compressor {chain[1]['name']!r} is not decoded natively"
+    return f"compressor configuration {chain[1].get('configuration')!r} is not decoded natively"
+
+
+def gpu_support(codec) -> str | None:
+    """Why the GPU backend refuses to write ``codec``, or None when it encodes it."""
+    codec = get(codec)
+    if codec.gpu is not None:
+        return None
+    supported = ", ".join(c.name for c in CODECS.values() if c.gpu is not None)
+    return (
+        f"codec {codec.name!r} is not supported by the GPU backend: {codec.gpu_unsupported_reason} "
+        f"(the GPU backend supports {supported}); use backend='cpu' or 'auto'"
+    )
+
+
+def gpu_decode_support(codec: Codec, chunk_bytes: int) -> str | None:
+    """Why the GPU cannot decode chunks of ``chunk_bytes`` of ``codec``, or None when nvCOMP (or
+    a copy) does; says nothing about the machine."""
+    if codec.gpu is None:
+        supported = ", ".join(c.name for c in REGISTRY.values() if c.gpu is not None)
+        return f"nvCOMP does not decode {codec.name!r} chunks (the GPU reader decodes {supported})"
+    if codec.gpu.nvcomp and chunk_bytes > codec.gpu.max_chunk_bytes:
+        return (
+            f"chunks of {chunk_bytes} bytes are larger than nvCOMP's {codec.gpu.nvcomp} limit "
+            f"({codec.gpu.max_chunk_bytes} bytes)"
+        )
+    return None
