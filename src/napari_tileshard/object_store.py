@@ -28,12 +28,19 @@ obstore is imported only when an object store URL is used (``pip install napari-
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import functools
 import logging
 import os
 import re
 import threading
+from collections.abc import AsyncGenerator, Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
+
+from zarr.storage import ObjectStore
 
 from .store import (
     _METADATA_CAP,
@@ -46,7 +53,12 @@ from .store import (
     _Unreadable,
 )
 
+if TYPE_CHECKING:
+    from zarr.abc.store import ByteRequest
+    from zarr.core.buffer import Buffer, BufferPrototype
+
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 #: URL schemes written and read through obstore.
 SCHEMES = frozenset({"s3", "s3a", "gs", "az", "abfs", "abfss", "azure"})
@@ -154,10 +166,180 @@ def build_store(url: str, storage_options: dict | None = None, *, preflight: boo
 
 
 def reader_store(url: str, storage_options: dict | None = None, read_only: bool = True):
-    """zarr's ``ObjectStore`` over obstore, for readers (verify, the napari reader, the inspector)."""
-    from zarr.storage import ObjectStore
+    """A zarr ``ObjectStore`` over obstore, for readers (verify, the napari reader, the inspector)
+    and for zarr-python: a :class:`ThreadedObjectStore` (see there why not zarr's own)."""
+    return ThreadedObjectStore(build_store(url, storage_options), read_only=read_only)
 
-    return ObjectStore(build_store(url, storage_options), read_only=read_only)
+
+# -- a zarr Store whose requests never make obstore's threads call into Python -------------------
+#
+# zarr's ObjectStore awaits obstore's ``*_async`` functions.  Each of those completes on a tokio
+# thread (pyo3-async-runtimes' ``set_result``) that attaches to the interpreter and calls the
+# event loop's ``call_soon_threadsafe``: the callback is queued, then the loop is woken by a
+# ``socket.send`` that releases the GIL.  The awaiting coroutine can finish, ``sync()`` return and
+# the program end while that thread still waits to take the GIL back.  If the interpreter has begun
+# to finalize by then, CPython ends the thread with ``pthread_exit``; glibc's forced unwind cannot
+# pass obstore's Rust frames and calls ``abort()``: "Fatal Python error: Aborted", no Python frame,
+# after the command had printed its result (core dumps: the aborting thread is a tokio blocking
+# thread in pyo3_async_runtimes::generic::set_result -> sock_send -> take_gil -> pthread_exit).
+# No Python code can wait for that thread: it is not Python's, it is not listed, and its last step
+# happens after the result it delivers is visible.
+#
+# So every request goes through obstore's blocking functions instead, on threads of a Python
+# thread pool (``run_in_executor`` from zarr's loop).  Rust then only runs on Python's own threads
+# (``block_on`` with the GIL released); tokio's threads do pure Rust I/O and never touch the
+# interpreter.  The pool's threads are joined by ``threading._shutdown`` before ``atexit`` and
+# finalization, as every ThreadPoolExecutor's are, so none is inside obstore when the interpreter
+# finalizes.  ObjectStoreSink (the Writer's sink) already uses the blocking functions on the
+# Writer's threads.
+
+#: requests in flight at once through ThreadedObjectStore (zarr's ``async.concurrency`` is 10)
+OBJECT_STORE_THREADS = 32
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+_ALLOWED_MISSING = (FileNotFoundError, IsADirectoryError, NotADirectoryError)  # zarr: "no such key"
+
+
+def _object_store_pool() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(OBJECT_STORE_THREADS, thread_name_prefix="tileshard-obstore")
+        return _pool
+
+
+def _forget_pool_after_fork() -> None:  # the child has none of the parent's threads
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool_after_fork)
+
+
+async def _blocking(function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``function(*args, **kwargs)`` (an obstore blocking call) on a thread of the pool."""
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(_object_store_pool(), functools.partial(function, *args, **kwargs))
+
+
+def _get_bytes(store, key: str, byte_range) -> Any:
+    """The bytes of ``key`` (a ``zarr.abc.store.ByteRequest`` or None), as zarr's ObjectStore
+    asks obstore for them, through the blocking functions; FileNotFoundError if it is missing."""
+    import obstore
+    from zarr.abc.store import OffsetByteRequest, RangeByteRequest, SuffixByteRequest
+
+    if byte_range is None:
+        return obstore.get(store, key).bytes()
+    if isinstance(byte_range, RangeByteRequest):
+        return obstore.get_range(store, key, start=byte_range.start, end=byte_range.end)
+    if isinstance(byte_range, OffsetByteRequest):
+        return obstore.get(store, key, options={"range": {"offset": byte_range.offset}}).bytes()
+    if isinstance(byte_range, SuffixByteRequest):
+        try:
+            return obstore.get(store, key, options={"range": {"suffix": byte_range.suffix}}).bytes()
+        except obstore.exceptions.NotSupportedError:  # Azure: no suffix requests
+            size = obstore.head(store, key)["size"]
+            if size == 0 or byte_range.suffix == 0:
+                return b""
+            start = max(0, size - byte_range.suffix)
+            return obstore.get_range(store, key, start=start, end=size)
+    raise ValueError(f"Unexpected byte_range, got {byte_range}")
+
+
+def _next_batch(stream) -> list | None:
+    return next(stream, None)  # StopIteration cannot cross a Future
+
+
+def _relative(path: str, prefix: str) -> str:
+    if not prefix:
+        return path
+    if not path.startswith(prefix + "/"):
+        raise ValueError(f"the listing of {prefix!r} returned {path!r}, which is not under it")
+    return path[len(prefix) + 1 :]
+
+
+class ThreadedObjectStore(ObjectStore):
+    """zarr-python's ``ObjectStore``, each request made with obstore's blocking functions on a
+    Python thread pool instead of awaiting obstore's ``*_async`` functions, so that obstore's own
+    threads never call into the interpreter (see the comment above: they can abort the process as
+    it exits).  Same results and errors as zarr's ``ObjectStore``."""
+
+    async def get(self, key: str, prototype: BufferPrototype, byte_range: ByteRequest | None = None) -> Buffer | None:
+        try:
+            data = await _blocking(_get_bytes, self.store, key, byte_range)
+        except _ALLOWED_MISSING:
+            return None
+        return prototype.buffer.from_bytes(data)
+
+    async def get_partial_values(
+        self, prototype: BufferPrototype, key_ranges: Iterable[tuple[str, ByteRequest | None]]
+    ) -> list[Buffer | None]:
+        return list(await asyncio.gather(*(self.get(key, prototype, byte_range) for key, byte_range in key_ranges)))
+
+    async def exists(self, key: str) -> bool:
+        import obstore
+
+        try:
+            await _blocking(obstore.head, self.store, key)
+        except FileNotFoundError:
+            return False
+        return True
+
+    async def set(self, key: str, value: Buffer) -> None:
+        import obstore
+
+        self._check_writable()
+        await _blocking(obstore.put, self.store, key, value.as_buffer_like())
+
+    async def set_if_not_exists(self, key: str, value: Buffer) -> None:
+        import obstore
+
+        self._check_writable()
+        with contextlib.suppress(obstore.exceptions.AlreadyExistsError):
+            await _blocking(obstore.put, self.store, key, value.as_buffer_like(), mode="create")
+
+    async def delete(self, key: str) -> None:
+        import obstore
+
+        self._check_writable()
+        with contextlib.suppress(FileNotFoundError):  # as zarr's: a missing key is no error
+            await _blocking(obstore.delete, self.store, key)
+
+    async def delete_dir(self, prefix: str) -> None:
+        import obstore
+
+        self._check_writable()
+        if prefix and not prefix.endswith("/"):
+            prefix += "/"
+        keys = [meta["path"] async for meta in self._list(prefix)]
+        for start in range(0, len(keys), 1000):
+            with contextlib.suppress(FileNotFoundError):
+                await _blocking(obstore.delete, self.store, keys[start : start + 1000])
+
+    async def _list(self, prefix: str | None = None) -> AsyncGenerator[Any, None]:
+        import obstore
+
+        stream = await _blocking(obstore.list, self.store, prefix=prefix, chunk_size=1000)
+        while (batch := await _blocking(_next_batch, stream)) is not None:
+            for meta in batch:
+                yield meta
+
+    def list_dir(self, prefix: str) -> AsyncGenerator[str, None]:
+        return self._list_dir(prefix)
+
+    async def _list_dir(self, prefix: str) -> AsyncGenerator[str, None]:
+        import obstore
+
+        result = await _blocking(obstore.list_with_delimiter, self.store, prefix=prefix)
+        prefix = prefix.rstrip("/")
+        for path in [*result["common_prefixes"], *(meta["path"] for meta in result["objects"])]:
+            yield _relative(path, prefix)
+
+    async def getsize(self, key: str) -> int:
+        import obstore
+
+        return (await _blocking(obstore.head, self.store, key))["size"]
 
 
 def _first_line(exc: BaseException) -> str:
