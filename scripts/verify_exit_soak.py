@@ -23,6 +23,11 @@ pins each run to one CPU shared with a busy loop (as a loaded machine does), and
 keeps every such thread away from the GIL until the interpreter finalizes (the worst case of
 that scheduling, certain instead of rare): with the cause present every run aborts, without it
 none does, and the hook reports whether any thread Python did not start called into the loop.
+
+Measured (2 shared cores, 200 runs each; before: zarr's ObjectStore, after: ThreadedObjectStore):
+plain 200/200 clean before and after (the race is rare on its own); --contend 196/200 before
+(3 SIGABRT, 1 SIGBUS: faulthandler faulting while it dumps the aborting thread), 200/200 after;
+--hold 0/200 before (170 SIGABRT, 30 SIGBUS), 200/200 after, and 200/200 with --problems (exit 1).
 """
 
 from __future__ import annotations
