@@ -552,3 +552,130 @@ def test_a_recording_stops_promptly_when_its_endpoint_dies_or_freezes(s3, fault,
     report = verify(url)  # through the server itself: every claimed row is there
     assert report.ok, report.problems
     assert zarr.open_array(resolve_store(url), mode="r").shape[0] == rows
+# -- exiting: obstore's threads must never be inside the interpreter when it finalizes -------------
+# obstore's *_async functions complete on a tokio thread that calls the event loop's
+# call_soon_threadsafe and, inside it, gives up the GIL to wake the loop; an interpreter that
+# finalizes before that thread takes the GIL back ends it with pthread_exit, which aborts the
+# process in obstore's Rust frames ("Fatal Python error: Aborted" after verify's report).  The
+# hook keeps such a thread away from the GIL until the interpreter finalizes: the worst case of
+# that scheduling, certain instead of rare.  See object_store.ThreadedObjectStore.
+HOLD_HOOK = """
+import sys, threading, time, asyncio.selector_events as _se
+_write_to_self, _said = _se.BaseSelectorEventLoop._write_to_self, []
+def _held(self):
+    _write_to_self(self)
+    if threading.get_ident() not in threading._active:  # a thread Python did not start
+        if not _said:
+            _said.append(sys.stderr.write("HOOK: foreign thread in the event loop\\n"))
+        while True:
+            time.sleep(0.002)
+_se.BaseSelectorEventLoop._write_to_self = _held
+"""
+
+
+@pytest.fixture
+def foreign_loop_calls(monkeypatch):
+    """Counts calls into an asyncio loop's wake-up made by threads that Python did not start."""
+    import asyncio.selector_events
+
+    calls = []
+    original = asyncio.selector_events.BaseSelectorEventLoop._write_to_self
+
+    def recording(loop):
+        original(loop)
+        if threading.get_ident() not in threading._active:  # type: ignore[attr-defined]
+            calls.append(threading.get_ident())
+
+    monkeypatch.setattr(asyncio.selector_events.BaseSelectorEventLoop, "_write_to_self", recording)
+    return calls
+
+
+def test_no_obstore_thread_calls_into_python_when_recording_verifying_or_reading_s3(s3, foreign_loop_calls):
+    from napari_tileshard import ShardReader
+    from napari_tileshard._reader import napari_get_reader
+    from napari_tileshard.object_store import ThreadedObjectStore
+
+    url = f"s3://{s3.bucket}/quiet.zarr"
+    with Writer(url, LAYOUT, backend="cpu", ome=True) as writer:
+        writer.append(FRAMES)
+    assert verify(url).ok
+    store = resolve_store(url)
+    assert isinstance(store, ThreadedObjectStore)
+    np.testing.assert_array_equal(zarr.open_group(store, mode="r")["0"][:], FRAMES)
+    np.testing.assert_array_equal(ShardReader(url, level=0)[...], FRAMES)
+    [(data, _, _)] = napari_get_reader(url)(url)
+    np.testing.assert_array_equal(np.asarray(data[0]), FRAMES)
+    assert foreign_loop_calls == []
+
+
+def test_threaded_object_store_answers_as_zarrs_object_store(s3, foreign_loop_calls):
+    """The same answers as zarr's ObjectStore (ranges, missing keys, listings relative to the
+    prefix, idempotent deletes, read-only refusal), none of them delivered by obstore's threads."""
+    from zarr.abc.store import OffsetByteRequest, RangeByteRequest, SuffixByteRequest
+    from zarr.core.buffer import default_buffer_prototype
+    from zarr.core.sync import sync
+
+    url = f"s3://{s3.bucket}/kv"
+    store, proto = resolve_store(url, read_only=False), default_buffer_prototype()
+    buf, data = proto.buffer.from_bytes, bytes(range(100))
+    for key, value in {"a/zarr.json": b"{}", "a/c/0": data, "b": b"x", "d/e/f": b""}.items():
+        sync(store.set(key, buf(value)))
+    sync(store.set_if_not_exists("b", buf(b"not written")))
+
+    def get(key, request=None):
+        found = sync(store.get(key, proto, request))
+        return None if found is None else found.to_bytes()
+
+    async def collect(method, *args):
+        return sorted([k async for k in getattr(store, method)(*args)])
+
+    assert get("b") == b"x" and get("d/e/f") == b"" and get("missing") is None
+    assert get("a/c/0", RangeByteRequest(10, 20)) == data[10:20]
+    assert get("a/c/0", OffsetByteRequest(95)) == data[95:]
+    assert get("a/c/0", SuffixByteRequest(7)) == data[-7:]
+    partial = sync(store.get_partial_values(proto, [("b", None), ("a/c/0", RangeByteRequest(0, 2)), ("no", None)]))
+    assert [p if p is None else p.to_bytes() for p in partial] == [b"x", data[:2], None]
+    assert sync(store.exists("b")) and not sync(store.exists("c"))
+    assert sync(store.getsize("a/c/0")) == 100 and sync(store.getsize_prefix("a")) == 102
+    assert sync(collect("list")) == ["a/c/0", "a/zarr.json", "b", "d/e/f"]
+    assert sync(collect("list_prefix", "a/")) == ["a/c/0", "a/zarr.json"]
+    assert sync(collect("list_dir", "")) == ["a", "b", "d"]
+    assert sync(collect("list_dir", "a")) == sync(collect("list_dir", "a/")) == ["c", "zarr.json"]
+    sync(store.delete("b"))
+    sync(store.delete("b"))  # a missing key is no error
+    sync(store.delete_dir("a"))
+    assert sync(collect("list")) == ["d/e/f"]
+    with pytest.raises(ValueError, match="read-only"):
+        sync(resolve_store(url).set("x", buf(b"1")))
+    assert store.with_read_only(True).read_only and type(store.with_read_only(True)) is type(store)
+    assert foreign_loop_calls == []
+
+
+@pytest.mark.slow
+def test_verify_s3_exits_with_its_verdict_even_when_obstore_threads_are_late_in_20_runs(s3):
+    """Fresh interpreters, the hook making the exit race certain: every run prints its report and
+    exits with the verdict's code (0, or 1 for the damaged store), never SIGABRT."""
+    import os
+    import subprocess
+    import sys
+
+    good, bad = f"s3://{s3.bucket}/exit.zarr", f"s3://{s3.bucket}/exit-bad.zarr"
+    for url in (good, bad):
+        with Writer(url, LAYOUT, backend="cpu") as writer:
+            writer.append(FRAMES)
+    damaged = bytearray(s3.client.get_object(Bucket=s3.bucket, Key="exit-bad.zarr/c/0/0/0")["Body"].read())
+    damaged[10] ^= 0xFF
+    s3.client.put_object(Bucket=s3.bucket, Key="exit-bad.zarr/c/0/0/0", Body=bytes(damaged))
+    code = (
+        "import runpy\n" + HOLD_HOOK + "runpy.run_module('napari_tileshard.cli', run_name='__main__', alter_sys=True)"
+    )
+    env = dict(os.environ, PYTHONFAULTHANDLER="1")
+    outcomes = []
+    for run in range(20):
+        url, verdict = (good, 0) if run % 2 == 0 else (bad, 1)
+        proc = subprocess.run([sys.executable, "-c", code, "verify", url], env=env, capture_output=True, text=True)
+        assert "chunks checked" in proc.stdout, proc.stderr[-2000:]
+        outcomes.append((proc.returncode, verdict, "HOOK:" in proc.stderr, proc.stderr[-1500:]))
+    failures = [o for o in outcomes if o[0] != o[1]]
+    assert not failures, f"{len(failures)} of 20 runs did not exit with the verdict: {failures[0]}"
+    assert not any(o[2] for o in outcomes)  # no thread but Python's called into the event loop

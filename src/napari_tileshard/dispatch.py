@@ -45,7 +45,7 @@ Liveness (``docs/reliability.md``): a write that fails for good ends the batch o
 its shard (``fail_fast``): nothing queued after it could ever be published, so every queued
 write is dropped at once (its future fails with :class:`WriteCancelledError`) and the sink is asked
 to cut off the writes in flight (:meth:`Sink.cancel`: an object store cancels its requests).  A
-watchdog thread fails any write in flight for longer than ``io_timeout`` with
+watchdog thread fails any write in flight for longer than ``io_timeout`` (+ 1 s per MB) with
 :class:`StorageTimeoutError` (a frozen endpoint, a hung mount) the same way, and
 :meth:`Dispatcher.shutdown` waits at most ``timeout``: a write that a sink cannot cut off is
 abandoned on its (daemon) thread and named, never waited for forever.
@@ -65,7 +65,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from .errors import StorageTimeoutError, TransientStorageError, WriteCancelledError
-from .store import Sink
+from .store import Sink, write_deadline
 
 log = logging.getLogger(__name__)
 
@@ -858,7 +858,9 @@ class Dispatcher:
                 late = [
                     task
                     for task in self._in_flight
-                    if not task.done and task.running and now - min(task.running.values()) > self.io_timeout
+                    if not task.done
+                    and task.running
+                    and now - min(task.running.values()) > write_deadline(self.io_timeout, task.nbytes)
                 ]
                 for task in late:
                     task.done = True
@@ -868,9 +870,11 @@ class Dispatcher:
             errors = []
             for task in late:
                 where = (f"worker {w}" for w in task.running)
+                deadline = write_deadline(self.io_timeout, task.nbytes)
                 error = StorageTimeoutError(
-                    f"writing {task.key!r} to {self.sink.location} got no answer within io_timeout="
-                    f"{self.io_timeout:g} s ({', '.join(where)}): the storage is frozen or unreachable"
+                    f"writing {task.key!r} ({task.nbytes} bytes) to {self.sink.location} got no answer within "
+                    f"{deadline:.3g} s (io_timeout={self.io_timeout:g} s + 1 s per MB; {', '.join(where)}): "
+                    "the storage is frozen or unreachable"
                 )
                 errors.append(error)
                 task.future.set_exception(error)

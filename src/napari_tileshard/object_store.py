@@ -14,16 +14,15 @@
   against a real S3 server: no upload is left listed); an upload cut off by a server that went
   away cannot be aborted and stays until a bucket lifecycle rule removes it.
 * There is no rename and no lock: one writer per prefix is the caller's responsibility.
-* Every write has a deadline (:func:`write_deadline`: ``io_timeout`` plus one second per MB) and
-  can be cut off: the requests run as obstore coroutines on the sink's own event-loop thread, so a
-  frozen endpoint (one that accepts connections and never answers) fails the write with
-  :class:`~napari_tileshard.errors.StorageTimeoutError` instead of holding a thread for minutes,
-  and :meth:`ObjectStoreSink.cancel` (the recording failed) cuts off the requests in flight: a
-  single PUT at once (it leaves nothing behind), a multipart upload after a short grace
-  (``_MULTIPART_GRACE_S``) in which it completes or fails on its own, so obstore aborts it.  An
-  upload cut off after that (a frozen endpoint) cannot be aborted by us (obstore exposes no
-  upload id) and stays listed until a bucket lifecycle rule (AbortIncompleteMultipartUpload)
-  removes it.
+* Every write has a deadline: obstore's own per-request ``timeout`` and retry budget are set from
+  the Writer's ``io_timeout`` (half of it each, unless ``storage_options`` set them), so a frozen
+  endpoint (one that accepts connections and never answers) fails the write with an error within
+  ``io_timeout`` instead of holding a thread for minutes, and a failed multipart upload is
+  aborted by obstore.  Writes use obstore's blocking functions on the Writer's own I/O threads:
+  no obstore (tokio) thread ever calls into Python, which at interpreter exit aborts the process
+  (see :class:`ThreadedObjectStore`).  After :meth:`ObjectStoreSink.cancel` (the recording
+  failed) writes in flight end within their deadline and later ones (``zarr.json`` marked failed)
+  get a short one (``_AFTER_CANCEL_S``).
 
 Endpoint and credentials come from the standard environment variables (``AWS_ENDPOINT_URL``,
 ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_REGION``, ``AWS_ALLOW_HTTP`` for a
@@ -39,15 +38,19 @@ obstore is imported only when an object store URL is used (``pip install napari-
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
+import contextlib
+import functools
 import logging
 import os
 import re
 import threading
+from collections.abc import AsyncGenerator, Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
-from .errors import StorageTimeoutError, WriteCancelledError
+from zarr.storage import ObjectStore
+
 from .store import (
     _METADATA_CAP,
     _OVERWRITE_HINT,
@@ -59,7 +62,12 @@ from .store import (
     _Unreadable,
 )
 
+if TYPE_CHECKING:
+    from zarr.abc.store import ByteRequest
+    from zarr.core.buffer import Buffer, BufferPrototype
+
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 #: URL schemes written and read through obstore.
 SCHEMES = frozenset({"s3", "s3a", "gs", "az", "abfs", "abfss", "azure"})
@@ -100,21 +108,10 @@ _PREFLIGHT_RETRY = {"max_retries": 2, "retry_timeout": timedelta(seconds=10)}
 _PREFLIGHT_CLIENT = {"connect_timeout": "5s", "timeout": "30s"}
 
 
-#: seconds a write may take before it is cut off, besides one second per MB (a shard of a few MB
-#: on a slow link); Writer(io_timeout=) sets it
+#: seconds one write may take (Writer(io_timeout=) sets it): half per request, half for retries
 DEFAULT_IO_TIMEOUT = 60.0
 #: the deadline of writes after cancel() (the recording failed: zarr.json marked failed)
 _AFTER_CANCEL_S = 5.0
-#: after cancel(), a multipart upload in flight gets this long to end on its own (obstore aborts
-#: an upload whose request fails; a cancelled one would stay listed, billed)
-_MULTIPART_GRACE_S = 10.0
-
-
-def write_deadline(io_timeout: float, nbytes: int) -> float:
-    """Seconds a write of ``nbytes`` may take: ``io_timeout`` plus one second per MB, so that a
-    frozen endpoint is noticed after ``io_timeout`` for shards of a few MB and a large shard on a
-    slow (but working) link is not cut off."""
-    return io_timeout + nbytes / 1e6
 
 
 class ObjectStoreError(OSError):
@@ -150,9 +147,11 @@ def _check_part_size(part_size) -> int:
     return part_size
 
 
-def build_store(url: str, storage_options: dict | None = None, *, preflight: bool = False):
+def build_store(url: str, storage_options: dict | None = None, *, preflight: bool = False, deadline=None):
     """An obstore store for ``url`` (bucket and prefix from the URL), configured from the
-    environment and ``storage_options``."""
+    environment and ``storage_options``.  ``deadline`` (seconds): unless the options set them,
+    each request times out after half of it and retries stop after the other half, so one
+    operation ends within about ``deadline`` whatever the endpoint does."""
     try:
         from obstore.store import from_url
     except ImportError:
@@ -174,6 +173,11 @@ def build_store(url: str, storage_options: dict | None = None, *, preflight: boo
         value = os.environ.get(env_prefix + key.upper())
         if value:
             client[key] = value
+    if deadline is not None:
+        if "retry_config" not in (storage_options or {}):
+            retry = {**retry, "retry_timeout": timedelta(seconds=deadline / 2)}
+        client.setdefault("timeout", f"{deadline / 2:g}s")
+        client.setdefault("connect_timeout", f"{min(5.0, deadline / 4):g}s")
     if preflight:
         client = {**_PREFLIGHT_CLIENT, **client}
         retry = {**retry, **_PREFLIGHT_RETRY}
@@ -184,10 +188,180 @@ def build_store(url: str, storage_options: dict | None = None, *, preflight: boo
 
 
 def reader_store(url: str, storage_options: dict | None = None, read_only: bool = True):
-    """zarr's ``ObjectStore`` over obstore, for readers (verify, the napari reader, the inspector)."""
-    from zarr.storage import ObjectStore
+    """A zarr ``ObjectStore`` over obstore, for readers (verify, the napari reader, the inspector)
+    and for zarr-python: a :class:`ThreadedObjectStore` (see there why not zarr's own)."""
+    return ThreadedObjectStore(build_store(url, storage_options), read_only=read_only)
 
-    return ObjectStore(build_store(url, storage_options), read_only=read_only)
+
+# -- a zarr Store whose requests never make obstore's threads call into Python -------------------
+#
+# zarr's ObjectStore awaits obstore's ``*_async`` functions.  Each of those completes on a tokio
+# thread (pyo3-async-runtimes' ``set_result``) that attaches to the interpreter and calls the
+# event loop's ``call_soon_threadsafe``: the callback is queued, then the loop is woken by a
+# ``socket.send`` that releases the GIL.  The awaiting coroutine can finish, ``sync()`` return and
+# the program end while that thread still waits to take the GIL back.  If the interpreter has begun
+# to finalize by then, CPython ends the thread with ``pthread_exit``; glibc's forced unwind cannot
+# pass obstore's Rust frames and calls ``abort()``: "Fatal Python error: Aborted", no Python frame,
+# after the command had printed its result (core dumps: the aborting thread is a tokio blocking
+# thread in pyo3_async_runtimes::generic::set_result -> sock_send -> take_gil -> pthread_exit).
+# No Python code can wait for that thread: it is not Python's, it is not listed, and its last step
+# happens after the result it delivers is visible.
+#
+# So every request goes through obstore's blocking functions instead, on threads of a Python
+# thread pool (``run_in_executor`` from zarr's loop).  Rust then only runs on Python's own threads
+# (``block_on`` with the GIL released); tokio's threads do pure Rust I/O and never touch the
+# interpreter.  The pool's threads are joined by ``threading._shutdown`` before ``atexit`` and
+# finalization, as every ThreadPoolExecutor's are, so none is inside obstore when the interpreter
+# finalizes.  ObjectStoreSink (the Writer's sink) already uses the blocking functions on the
+# Writer's threads.
+
+#: requests in flight at once through ThreadedObjectStore (zarr's ``async.concurrency`` is 10)
+OBJECT_STORE_THREADS = 32
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+_ALLOWED_MISSING = (FileNotFoundError, IsADirectoryError, NotADirectoryError)  # zarr: "no such key"
+
+
+def _object_store_pool() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(OBJECT_STORE_THREADS, thread_name_prefix="tileshard-obstore")
+        return _pool
+
+
+def _forget_pool_after_fork() -> None:  # the child has none of the parent's threads
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool_after_fork)
+
+
+async def _blocking(function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``function(*args, **kwargs)`` (an obstore blocking call) on a thread of the pool."""
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(_object_store_pool(), functools.partial(function, *args, **kwargs))
+
+
+def _get_bytes(store, key: str, byte_range) -> Any:
+    """The bytes of ``key`` (a ``zarr.abc.store.ByteRequest`` or None), as zarr's ObjectStore
+    asks obstore for them, through the blocking functions; FileNotFoundError if it is missing."""
+    import obstore
+    from zarr.abc.store import OffsetByteRequest, RangeByteRequest, SuffixByteRequest
+
+    if byte_range is None:
+        return obstore.get(store, key).bytes()
+    if isinstance(byte_range, RangeByteRequest):
+        return obstore.get_range(store, key, start=byte_range.start, end=byte_range.end)
+    if isinstance(byte_range, OffsetByteRequest):
+        return obstore.get(store, key, options={"range": {"offset": byte_range.offset}}).bytes()
+    if isinstance(byte_range, SuffixByteRequest):
+        try:
+            return obstore.get(store, key, options={"range": {"suffix": byte_range.suffix}}).bytes()
+        except obstore.exceptions.NotSupportedError:  # Azure: no suffix requests
+            size = obstore.head(store, key)["size"]
+            if size == 0 or byte_range.suffix == 0:
+                return b""
+            start = max(0, size - byte_range.suffix)
+            return obstore.get_range(store, key, start=start, end=size)
+    raise ValueError(f"Unexpected byte_range, got {byte_range}")
+
+
+def _next_batch(stream) -> list | None:
+    return next(stream, None)  # StopIteration cannot cross a Future
+
+
+def _relative(path: str, prefix: str) -> str:
+    if not prefix:
+        return path
+    if not path.startswith(prefix + "/"):
+        raise ValueError(f"the listing of {prefix!r} returned {path!r}, which is not under it")
+    return path[len(prefix) + 1 :]
+
+
+class ThreadedObjectStore(ObjectStore):
+    """zarr-python's ``ObjectStore``, each request made with obstore's blocking functions on a
+    Python thread pool instead of awaiting obstore's ``*_async`` functions, so that obstore's own
+    threads never call into the interpreter (see the comment above: they can abort the process as
+    it exits).  Same results and errors as zarr's ``ObjectStore``."""
+
+    async def get(self, key: str, prototype: BufferPrototype, byte_range: ByteRequest | None = None) -> Buffer | None:
+        try:
+            data = await _blocking(_get_bytes, self.store, key, byte_range)
+        except _ALLOWED_MISSING:
+            return None
+        return prototype.buffer.from_bytes(data)
+
+    async def get_partial_values(
+        self, prototype: BufferPrototype, key_ranges: Iterable[tuple[str, ByteRequest | None]]
+    ) -> list[Buffer | None]:
+        return list(await asyncio.gather(*(self.get(key, prototype, byte_range) for key, byte_range in key_ranges)))
+
+    async def exists(self, key: str) -> bool:
+        import obstore
+
+        try:
+            await _blocking(obstore.head, self.store, key)
+        except FileNotFoundError:
+            return False
+        return True
+
+    async def set(self, key: str, value: Buffer) -> None:
+        import obstore
+
+        self._check_writable()
+        await _blocking(obstore.put, self.store, key, value.as_buffer_like())
+
+    async def set_if_not_exists(self, key: str, value: Buffer) -> None:
+        import obstore
+
+        self._check_writable()
+        with contextlib.suppress(obstore.exceptions.AlreadyExistsError):
+            await _blocking(obstore.put, self.store, key, value.as_buffer_like(), mode="create")
+
+    async def delete(self, key: str) -> None:
+        import obstore
+
+        self._check_writable()
+        with contextlib.suppress(FileNotFoundError):  # as zarr's: a missing key is no error
+            await _blocking(obstore.delete, self.store, key)
+
+    async def delete_dir(self, prefix: str) -> None:
+        import obstore
+
+        self._check_writable()
+        if prefix and not prefix.endswith("/"):
+            prefix += "/"
+        keys = [meta["path"] async for meta in self._list(prefix)]
+        for start in range(0, len(keys), 1000):
+            with contextlib.suppress(FileNotFoundError):
+                await _blocking(obstore.delete, self.store, keys[start : start + 1000])
+
+    async def _list(self, prefix: str | None = None) -> AsyncGenerator[Any, None]:
+        import obstore
+
+        stream = await _blocking(obstore.list, self.store, prefix=prefix, chunk_size=1000)
+        while (batch := await _blocking(_next_batch, stream)) is not None:
+            for meta in batch:
+                yield meta
+
+    def list_dir(self, prefix: str) -> AsyncGenerator[str, None]:
+        return self._list_dir(prefix)
+
+    async def _list_dir(self, prefix: str) -> AsyncGenerator[str, None]:
+        import obstore
+
+        result = await _blocking(obstore.list_with_delimiter, self.store, prefix=prefix)
+        prefix = prefix.rstrip("/")
+        for path in [*result["common_prefixes"], *(meta["path"] for meta in result["objects"])]:
+            yield _relative(path, prefix)
+
+    async def getsize(self, key: str) -> int:
+        import obstore
+
+        return (await _blocking(obstore.head, self.store, key))["size"]
 
 
 def _first_line(exc: BaseException) -> str:
@@ -263,12 +437,10 @@ class ObjectStoreSink(Sink):
         ):
             raise ValueError(f"io_timeout must be a positive number of seconds or None, got {io_timeout!r}")
         self.io_timeout = io_timeout
-        self._loop: _EventLoopThread | None = None
-        self._requests: dict[concurrent.futures.Future, bool] = {}  # request -> multipart
-        self._cancelled = False
         self.url = url.rstrip("/")
         self._options = storage_options
-        self._store = build_store(self.url, storage_options)
+        self._store = build_store(self.url, storage_options, deadline=io_timeout)
+        self._cancelled = False
         self._written: set[str] = set()
         self._lock = threading.Lock()
         self.stats = {"objects": 0, "bytes": 0, "multipart_objects": 0, "parts": 0, "requests": 0}
@@ -323,29 +495,22 @@ class ObjectStoreSink(Sink):
         views = [memoryview(b).cast("B") for b in buffers]
         views = [v for v in views if v.nbytes]
         nbytes = sum(v.nbytes for v in views)
-        if nbytes <= self.part_size:
-            payload: Any = views[0] if len(views) == 1 else views
-            body = payload if views else b""
-
-            def request():
-                return obstore.put_async(self._store, key, body, use_multipart=False)
-
-            parts = 0
-        else:
-            part_size = part_size_for(nbytes, self.part_size)  # before the upload starts
-
-            def request():
-                return obstore.put_async(
-                    self._store,
-                    key,
-                    views,
-                    use_multipart=True,
-                    chunk_size=part_size,
-                    max_concurrency=self.max_concurrency,
+        store = self._after_cancel if self._cancelled else self._store
+        try:
+            if nbytes <= self.part_size:
+                payload: Any = views[0] if len(views) == 1 else views
+                obstore.put(store, key, payload if views else b"", use_multipart=False)
+                parts = 0
+            else:
+                part_size = part_size_for(nbytes, self.part_size)  # before the upload starts
+                obstore.put(
+                    store, key, views, use_multipart=True, chunk_size=part_size, max_concurrency=self.max_concurrency
                 )
-
-            parts = -(-nbytes // part_size)
-        self._run(request, f"{self.url}/{key}", nbytes)
+                parts = -(-nbytes // part_size)
+        except ValueError:
+            raise
+        except Exception as exc:
+            raise ObjectStoreError(describe_failure(f"{self.url}/{key}", "writing", exc, self._options)) from exc
         with self._lock:
             self._written.add(key)
             self.stats["objects"] += 1
@@ -354,56 +519,14 @@ class ObjectStoreSink(Sink):
             self.stats["parts"] += parts
             self.stats["requests"] += parts + 2 if parts else 1  # create + parts + complete
 
-    def _run(self, request, what: str, nbytes: int) -> None:
-        """Run ``request()`` (an obstore coroutine, made on the loop) under the write deadline."""
-        with self._lock:
-            if self._loop is None:
-                self._loop = _EventLoopThread(f"tileshard-s3-{id(self):x}")
-            future = self._loop.submit(request)
-            self._requests[future] = nbytes > self.part_size
-            cancelled = self._cancelled
-        if cancelled:
-            deadline: float | None = _AFTER_CANCEL_S
-        else:
-            deadline = None if self.io_timeout is None else write_deadline(self.io_timeout, nbytes)
-        try:
-            future.result(timeout=deadline)
-        except concurrent.futures.TimeoutError:
-            future.cancel()
-            raise StorageTimeoutError(
-                f"writing {what!r} got no answer within {deadline:g} s (io_timeout): {_endpoint(self._options)} "
-                "is frozen or unreachable"
-            ) from None
-        except concurrent.futures.CancelledError:
-            raise WriteCancelledError(f"writing {what!r} was cut off: the recording had already failed") from None
-        except ValueError:
-            raise
-        except Exception as exc:
-            raise ObjectStoreError(describe_failure(what, "writing", exc, self._options)) from exc
-        finally:
-            with self._lock:
-                self._requests.pop(future, None)
-
     def cancel(self) -> None:
-        """Cut off the requests in flight (they raise WriteCancelledError): single PUTs at once,
-        multipart uploads after a grace in which obstore can finish or abort them; later writes
-        get a short deadline (zarr.json marked failed)."""
+        """The recording failed: writes in flight end within their deadline (obstore's requests
+        cannot be interrupted from Python without a thread of its calling into the interpreter);
+        later writes (``zarr.json`` marked failed) get a short deadline of their own."""
         with self._lock:
-            self._cancelled = True
-            requests = dict(self._requests)
-            loop = self._loop
-        for future, multipart in requests.items():
-            if multipart and loop is not None:
-                loop.cancel_later(future, _MULTIPART_GRACE_S)
-            else:
-                future.cancel()
-
-    def release(self) -> None:
-        """The recording ended: stop the sink's event loop (requests still in flight are cancelled)."""
-        with self._lock:
-            loop, self._loop = self._loop, None
-        if loop is not None:
-            loop.close()
+            if not self._cancelled:
+                self._after_cancel = build_store(self.url, self._options, deadline=_AFTER_CANCEL_S)
+                self._cancelled = True
 
     def read(self, key: str) -> bytes | None:
         import obstore
@@ -424,40 +547,3 @@ class ObjectStoreSink(Sink):
                 obstore.delete(self._store, written[start : start + 1000])
         except Exception as exc:  # best effort: the original error matters more
             log.warning("%s", describe_failure(self.url, "removing what was written to", exc, self._options))
-
-
-class _EventLoopThread:
-    """An asyncio loop on a daemon thread: a request given to it can be waited on with a deadline
-    and cancelled from any thread (a blocking ``obstore.put`` can be neither)."""
-
-    def __init__(self, name: str):
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
-        self._thread.start()
-
-    def submit(self, request) -> concurrent.futures.Future:
-        """Run ``request()``'s awaitable on the loop (obstore makes its futures on a running loop)."""
-
-        async def run():
-            return await request()
-
-        return asyncio.run_coroutine_threadsafe(run(), self.loop)
-
-    def cancel_later(self, future: concurrent.futures.Future, seconds: float) -> None:
-        self.loop.call_soon_threadsafe(self.loop.call_later, seconds, future.cancel)
-
-    def close(self, timeout: float = 5.0) -> None:
-        async def stop():
-            tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-        try:
-            asyncio.run_coroutine_threadsafe(stop(), self.loop).result(timeout)
-        except (concurrent.futures.TimeoutError, RuntimeError):
-            log.warning("requests of an object store sink did not stop within %s s", timeout)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout)
-        if not self._thread.is_alive():
-            self.loop.close()

@@ -342,6 +342,12 @@ def _delete_local(root: Path, plan: _Plan) -> None:
         os.close(root_fd)
 
 
+def write_deadline(io_timeout: float, nbytes: int) -> float:
+    """Seconds a write of ``nbytes`` may take before it counts as stuck: ``io_timeout`` plus one
+    second per MB, so a large shard on a slow (but working) link is not cut off."""
+    return io_timeout + nbytes / 1e6
+
+
 class Sink(ABC):
     """Where the Writer puts objects (shards, ``zarr.json``): the one storage seam.
 
