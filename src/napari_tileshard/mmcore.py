@@ -44,6 +44,7 @@ import numpy as np
 
 from .layout import Dim, Layout
 from .recorder import POLICIES
+from .store import check_store_path
 from .writer import Writer
 
 log = logging.getLogger(__name__)
@@ -120,6 +121,7 @@ class TileShardSink:
         for name, mapping in (("tile", tile), ("tiles_per_shard", tiles_per_shard)):
             if mapping is not None and not isinstance(mapping, dict):
                 raise TypeError(f"{name} must map axis names to sizes, got {mapping!r}")
+        check_store_path(path)  # "" would put the series at /0, /1, ...
         self.path = str(path).rstrip("/")
         self.codec, self.level, self.backend = codec, level, backend
         self.tile = dict(tile or {})
@@ -710,6 +712,7 @@ class MDARecorder:
     record them).  ``sink_options`` go to each :class:`TileShardSink`."""
 
     def __init__(self, core, output, *, on_finished: Callable[[TileShardSink], None] | None = None, **sink_options):
+        check_store_path(output)
         self.core = core
         self.output = str(output)
         self.sink_options = sink_options

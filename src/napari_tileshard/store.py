@@ -423,6 +423,7 @@ class DirectorySink(Sink):
     """
 
     def __init__(self, root, overwrite: bool = False, keep_existing: bool = False):
+        check_store_path(root)
         self.root = Path(root).expanduser().resolve()
         self._keep_existing = keep_existing  # resuming into our own store: nothing is checked or removed
         self._lock_path = self.root / LOCK_NAME
@@ -828,6 +829,26 @@ class ZarrStoreSink(Sink):
             self._sync(self.store.delete(key))
 
 
+def check_store_path(store) -> None:
+    """Refuse an empty store path: ``""`` (or only whitespace, or ``file://`` with nothing after
+    it) would otherwise resolve to the current directory and write or read there.  A ValueError
+    naming the value; anything else (a Store, a Sink, a non-empty path) passes unchanged."""
+    if isinstance(store, os.PathLike):
+        store = os.fspath(store)
+    if isinstance(store, bytes):
+        text = store.decode(errors="replace")
+    elif isinstance(store, str):
+        text = store
+    else:
+        return
+    path = text[len("file://") :] if text[:7].lower() == "file://" else text
+    if not path.strip():
+        raise ValueError(
+            f"the store path {store!r} is empty: give a directory such as 'recording.zarr' or a store URL "
+            "(an empty path would mean the current directory)"
+        )
+
+
 def open_sink(store, overwrite: bool = False, storage_options: dict | None = None) -> Sink:
     """A sink for ``store``: a local path, a ``file://`` URL, ``memory://``, an object store URL
     (``s3://``, ``gs://``, ``az://`` through obstore: :class:`~napari_tileshard.object_store.ObjectStoreSink`),
@@ -838,6 +859,7 @@ def open_sink(store, overwrite: bool = False, storage_options: dict | None = Non
 
     if isinstance(store, Sink):
         return store
+    check_store_path(store)
     if isinstance(store, str) and "://" in store:
         return _url_sink(store, overwrite, storage_options)
     if isinstance(store, (str, os.PathLike)):
@@ -853,6 +875,7 @@ def open_sink(store, overwrite: bool = False, storage_options: dict | None = Non
 
 def resolve_store(store, *, read_only: bool = True, storage_options: dict | None = None):
     """The zarr Store (or local path) that readers use for the same inputs as :func:`open_sink`."""
+    check_store_path(store)
     if isinstance(store, str) and "://" in store:
         scheme = store.split("://", 1)[0].lower()
         if scheme == "file":
