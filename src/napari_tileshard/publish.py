@@ -116,7 +116,7 @@ class Publisher:
             try:
                 self._write_metadata(self.rows, FAILED)
             except OSError as exc:  # storage is failing already: the previous zarr.json stays
-                log.warning("could not mark %s as failed: %s", self._sink.location, exc)
+                log.warning("also: could not mark %s as failed: %s", self._sink.location, exc)
 
     # -- internals --------------------------------------------------------------------
     def _write_done(self, group: _Group, future: Future) -> None:

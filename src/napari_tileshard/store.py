@@ -401,7 +401,9 @@ class Sink(ABC):
         """Store ``buffers`` (bytes-like, concatenated) as object ``key``, atomically."""
 
     def release(self) -> None:
-        """The recording ended: drop the lock (no-op where there is none)."""
+        """The recording ended: drop the lock (no-op where there is none).  Best effort: a lock
+        that cannot be removed (the disk went read-only, say) is logged, never raised, so that it
+        never hides how the recording itself ended."""
 
     def telemetry_lost(self, round_index: int) -> bool:
         """Whether the I/O dispatcher's measurements of batch ``round_index`` are lost (then it
@@ -432,6 +434,7 @@ class DirectorySink(Sink):
         self._dirs: set[str] = set()
         self._made_dirs: list[str] = []  # directories inside root this sink made
         self._written: set[str] = set()
+        self._write_error: BaseException | None = None  # the first failed write: later failures are secondary
         if self.root.exists() and not self.root.is_dir():
             raise StoreExistsError(f"output path {self.location!r} exists and is not a directory")
         if self.root.is_dir():
@@ -456,6 +459,7 @@ class DirectorySink(Sink):
         sink._lock_path = sink.root / LOCK_NAME
         sink._lock_id = None
         sink._created, sink._dirs, sink._made_dirs, sink._written = [], set(), [], set()
+        sink._write_error = None
         st = os.stat(sink.root)
         sink._identity = (st.st_dev, st.st_ino)
         sink._keep_existing = True
@@ -622,9 +626,24 @@ class DirectorySink(Sink):
             ours = self._lock_in_place() and _read_capped(self._lock_path, 1 << 16) == self._lock_id[2]
         except (OSError, _Unreadable):
             ours = False
-        if ours:
-            self._lock_path.unlink(missing_ok=True)
         self._lock_id = None
+        if not ours:
+            return
+        try:
+            self._lock_path.unlink(missing_ok=True)
+        except OSError as exc:
+            # Secondary: storage that failed a write (read-only remount, vanished mount) fails this
+            # too, and the first failure is what the Writer reports.  Left behind, the lock of a
+            # dead process on this host is taken over by the next writer.
+            if self._write_error is not None:
+                log.warning("also: could not remove the lock file %s: %s", self._lock_path, exc.strerror or exc)
+            else:
+                log.warning(
+                    "could not remove the lock file %s: %s; what was recorded is complete, "
+                    "delete the lock once no writer is running",
+                    self._lock_path,
+                    exc.strerror or exc,
+                )
 
     def discard(self) -> None:
         same = self._same_root()
@@ -667,6 +686,14 @@ class DirectorySink(Sink):
             )
 
     def write(self, key: str, buffers) -> None:
+        try:
+            self._write(key, buffers)
+        except BaseException as exc:
+            if self._write_error is None:
+                self._write_error = exc
+            raise
+
+    def _write(self, key: str, buffers) -> None:
         self._check_root()
         parts = key.split("/")
         try:
