@@ -166,3 +166,61 @@ def test_metadata_write_error_keeps_the_last_published_shape(tmp_path, backend, 
     report = verify(path)
     assert report.ok, str(report)
     assert not list(path.glob("**/.*.tmp"))  # no temporary file left behind
+
+
+EMPTY_PATHS = ["", "   ", "\t\n", "file://", "file://  "]
+
+
+@pytest.mark.parametrize("path", EMPTY_PATHS)
+def test_an_empty_store_path_is_refused_everywhere_and_nothing_lands_in_the_current_directory(
+    tmp_path, monkeypatch, layout, path
+):
+    """'' (or whitespace) used to mean the current directory: a recording into the working directory."""
+    from napari_tileshard import ShardReader
+    from napari_tileshard.multi_writer import MultiWriter
+    from napari_tileshard.store import DirectorySink, open_sink, resolve_store
+
+    monkeypatch.chdir(tmp_path)
+    calls = [
+        lambda: Writer(path, layout, backend="cpu"),
+        lambda: open_sink(path),
+        lambda: DirectorySink(path),
+        lambda: resolve_store(path),
+        lambda: MultiWriter(path, {"a": layout}, backend="cpu"),
+        lambda: FaultInjectingSink(path),
+        lambda: ShardReader(path),
+        lambda: verify(path),
+    ]
+    for call in calls:
+        with pytest.raises(ValueError, match="the store path .* is empty") as info:
+            call()
+        assert repr(path) in str(info.value)  # the value, as given
+    assert list(tmp_path.iterdir()) == []  # no lock file, no zarr.json in the working directory
+
+
+def test_an_empty_path_for_the_mmcore_sink_is_refused(tmp_path, monkeypatch):
+    from napari_tileshard.mmcore import MDARecorder, TileShardSink
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="the store path '' is empty"):
+        TileShardSink("")  # its series would have gone to /0, /1, ...
+    with pytest.raises(ValueError, match="the store path ' ' is empty"):
+        MDARecorder(object(), " ")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["record", ""], ["record", "  "], ["verify", ""], ["convert", "", "x.zarr"]],
+    ids=["record", "record-blank", "verify", "convert"],
+)
+def test_the_command_line_refuses_an_empty_store_path(tmp_path, monkeypatch, capsys, argv):
+    from napari_tileshard.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "is empty" in err and repr(argv[1]) in err
+    assert list(tmp_path.iterdir()) == []

@@ -228,3 +228,64 @@ def test_unsupported_dtypes(dtype):
 def test_tile_larger_than_size_is_fine():
     layout = Layout([Dim("t", 3, 8), Dim("x", 5, 64)], "uint16")
     assert layout.tile_count == (1, 1)
+
+
+@pytest.mark.parametrize(
+    "name, unit, kind, expected",
+    [
+        ("y", "micrometer", None, "micrometer"),  # the spec's names as they are
+        ("t", "millisecond", None, "millisecond"),
+        ("z", "angstrom", None, "angstrom"),
+        ("x", "um", None, "micrometer"),  # what microscopists type: stored as the spec's name
+        ("x", "µm", None, "micrometer"),  # micro sign
+        ("x", "\u03bcm", None, "micrometer"),  # Greek mu
+        ("x", "micron", None, "micrometer"),
+        ("x", "Micrometers", None, "micrometer"),
+        ("x", "micrometre", None, "micrometer"),
+        ("y", " nm ", None, "nanometer"),
+        ("y", "mm", None, "millimeter"),
+        ("y", "Mm", None, "megameter"),  # symbols are case-sensitive, as in SI
+        ("y", "Å", None, "angstrom"),
+        ("t", "s", None, "second"),
+        ("t", "sec", None, "second"),
+        ("t", "seconds", None, "second"),
+        ("t", "ms", None, "millisecond"),
+        ("t", "us", None, "microsecond"),
+        ("t", "min", None, "minute"),
+        ("t", "h", None, "hour"),
+        ("frame", "s", "time", "second"),  # the axis type is the kind's where one is given
+        ("lam", "nm", "other", "nm"),  # no list for other axes: kept as given
+        ("c", "a.u.", None, "a.u."),
+    ],
+)
+def test_units_are_ome_zarr_names_and_common_symbols_are_normalised(name, unit, kind, expected):
+    assert Dim(name, 8, 4, kind=kind, unit=unit).unit == expected
+
+
+@pytest.mark.parametrize(
+    "name, unit, kind, message",
+    [
+        ("y", "mircometer", None, "unit 'mircometer' is not an OME-Zarr space unit: did you mean 'micrometer'?"),
+        ("t", "milisecond", None, "unit 'milisecond' is not an OME-Zarr time unit: did you mean 'millisecond'?"),
+        ("t", "seconde", None, "did you mean 'second'?"),
+        ("y", "furlong", None, "unit 'furlong' is not an OME-Zarr space unit: use one of angstrom, attometer"),
+        ("y", "second", None, "unit 'second' is a time unit ('second'), not one of a space axis"),
+        ("t", "um", None, "unit 'um' is a space unit ('micrometer'), not one of a time axis"),
+        ("d", "s", "space", "dimension 'd' (kind='space'): unit 's' is a time unit"),
+        ("x", "pixel", None, "unit 'pixel' is not a physical unit: leave the unit out (None)"),
+        ("x", "px", None, "leave the unit out"),
+    ],
+)
+def test_a_unit_ome_zarr_does_not_know_for_the_axis_is_refused_with_a_suggestion(name, unit, kind, message):
+    with pytest.raises(ValueError) as info:
+        Dim(name, 8, 4, kind=kind, unit=unit)
+    assert message in str(info.value)
+    assert f"dimension {name!r}" in str(info.value)
+
+
+def test_unit_lists_are_the_ome_zarr_specs():
+    from napari_tileshard.layout import SPACE_UNITS, TIME_UNITS
+
+    assert len(SPACE_UNITS) == 26 and len(TIME_UNITS) == 23
+    assert {"micrometer", "nanometer", "angstrom", "inch", "foot", "yard", "mile", "parsec"} <= set(SPACE_UNITS)
+    assert {"second", "millisecond", "minute", "hour", "day"} <= set(TIME_UNITS)

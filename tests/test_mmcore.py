@@ -9,6 +9,7 @@ import itertools
 import json
 import logging
 import random
+import time
 from pathlib import Path
 
 import numpy as np
@@ -366,3 +367,175 @@ def test_append_outside_a_run_is_refused(tmp_path):
     with pytest.raises(RuntimeError, match="after close"):
         sink.append(frame, event, {})
     assert zarr.open_array(tmp_path / "z.ome.zarr" / "0", mode="r")[0, 0, 0] == 7
+
+
+def _assert_stopped_run_is_complete(out, sink, capture):
+    """What the sink received before the stop is written where its event index says, the rest of
+    the sequence is absent (not claimed), the store verifies and the frame table matches."""
+    received = sink.stats.received
+    assert 0 < received == sink.stats.written == len(capture.frames)
+    level0 = zarr.open_array(out / "0", mode="r")
+    assert level0.shape == (received, *SHAPE)  # the rows acquired; none claimed that never came
+    for t in range(received):
+        np.testing.assert_array_equal(level0[t], capture.frames[(("t", t),)])
+    report = verify(out / "0")
+    assert report.ok, str(report)
+    rows = zarr.open_array(out / "frame_metadata", mode="r")[...]
+    assert rows.shape == (received, len(FRAME_COLUMNS))
+    assert sorted(rows[:, FRAME_COLUMNS.index("frame")].astype(int)) == list(range(received))
+    assert (rows[:, FRAME_COLUMNS.index("stored")] == 1).all()
+    assert len(zarr.open_array(out / "frame_metadata_json", mode="r")[...]) == received
+    attrs = zarr.open_group(out, mode="r").attrs["tileshard_mmcore"]
+    assert attrs["state"] == "stopped" and attrs["stopped"] == sink.stats.error
+    assert attrs["fill_frames"]["0"] == {"skipped": [], "dropped": [], "missing": []}
+    assert attrs["stats"]["received"] == received
+
+
+def _assert_explains_the_rates_and_the_buffer(message: str, buffer_mb: int):
+    import re
+
+    rate = r"\d+\.\d+ [MG]B/s"
+    assert re.search(rf"the sink sustained {rate} \(\d+ frames/s of 80x48 uint16\)", message), message
+    assert re.search(rf"the camera delivered {rate} \(\d+ frames/s\)", message), message
+    assert f"the buffer of {buffer_mb} MiB" in message
+    assert "core.setCircularBufferMemoryFootprint(MiB)" in message and "throttle the camera" in message
+
+
+@pytest.fixture
+def small_buffer(core):
+    """pymmcore-plus's sequence buffer cut to 1 MiB (136 frames of 48x80 uint16): an unthrottled
+    Python camera fills it within a fraction of a second on this box."""
+    before = core.getCircularBufferMemoryFootprint()
+    core.setCircularBufferMemoryFootprint(1)
+    yield 1
+    core.setCircularBufferMemoryFootprint(before)
+
+
+def _slow_sink(out, **options):
+    return TileShardSink(
+        out,
+        backend="cpu",
+        ome=False,
+        queue_frames=4,
+        tiles_per_shard={"t": 1},
+        writer_options={"batch_bytes": 1},
+        store_for=lambda location: FaultInjectingSink(location, delay={"c/*": 0.01}),  # < 100 frames/s
+        **options,
+    )
+
+
+def test_a_camera_faster_than_the_sink_stops_the_mda_with_rates_and_the_buffer_setting(
+    core, capture, small_buffer, tmp_path, caplog
+):
+    """An unthrottled camera, hardware-sequenced, into a sink that writes slower: instead of
+    pymmcore-plus's bare "MemoryError: Buffer overflowed" the sink stops the MDA before the buffer
+    overflows and says why (which side was slow: with this Python camera and small frames it is
+    often the MDA thread itself, see the metadata-driven test for both verdicts); what it received
+    is complete and verifies."""
+    sequence = useq.MDASequence(time_plan={"interval": 0, "loops": 3000})
+    out = tmp_path / "fast.ome.zarr"
+    sink = _slow_sink(out)
+    detach = sink.attach(core)  # the core: the sink may stop its MDA
+    try:
+        with caplog.at_level(logging.ERROR, logger="napari_tileshard.mmcore"):
+            core.mda.run(sequence)  # stopped, not a MemoryError
+    finally:
+        detach()
+    message = sink.stats.error
+    assert message and "The MDA is stopped" in message
+    assert "the sink could not keep up" in message or "the MDA thread itself was slow" in message
+    _assert_explains_the_rates_and_the_buffer(message, small_buffer)
+    assert any(r.getMessage() == message for r in caplog.records)  # said once, when it happened
+    assert sink.stats.received < 3000 and sink.stats.max_camera_buffer <= 136
+    _assert_stopped_run_is_complete(out, sink, capture)
+
+
+def test_without_the_core_the_overflow_still_comes_with_the_explanation(core, capture, small_buffer, tmp_path, caplog):
+    """Attached to the events alone the sink cannot stop the MDA: pymmcore-plus's MemoryError ends
+    it, but the log says why first, and the store is as complete and consistent."""
+    sequence = useq.MDASequence(time_plan={"interval": 0, "loops": 3000})
+    out = tmp_path / "overflow.ome.zarr"
+    sink = _slow_sink(out)
+    detach = sink.attach(core.mda.events)
+    try:
+        with caplog.at_level(logging.ERROR, logger="napari_tileshard.mmcore"):
+            with pytest.raises(MemoryError, match="Buffer overflowed"):
+                core.mda.run(sequence)
+    finally:
+        detach()
+    message = sink.stats.error
+    assert message and "give the sink the core" in message
+    _assert_explains_the_rates_and_the_buffer(message, small_buffer)
+    assert any(r.getMessage() == message for r in caplog.records)
+    _assert_stopped_run_is_complete(out, sink, capture)
+
+
+class _Runner:
+    def __init__(self):
+        self.cancelled = 0
+
+    def cancel(self):
+        self.cancelled += 1
+
+
+class _Core:
+    """What the sink asks of a core: its MDA runner's cancel()."""
+
+    def __init__(self):
+        self.mda = _Runner()
+
+
+@pytest.mark.parametrize(
+    "store_delay_s, verdict",
+    [
+        (0.03, "the sink's queue was full for 100% of the latest frames: the sink could not keep up"),
+        (0.0, "the sink's queue had room for 100% of the latest frames: the MDA thread itself was slow"),
+    ],
+    ids=["slow-sink", "slow-mda-thread"],
+)
+def test_the_stop_decision_and_message_from_the_frame_metadata_alone(tmp_path, store_delay_s, verdict):
+    """Driven as a SinkProtocol sink with pymmcore-plus's metadata (a 2 MiB buffer of 16 frames of
+    128x512 uint16; the camera at 1000 frames/s): the MDA is stopped once 12 frames wait (three
+    quarters of the buffer), once; the message says whether the sink (its queue full) or the MDA
+    thread was slow; close() raises it; the store holds every frame received and verifies."""
+    from napari_tileshard.mmcore import SinkFellBehindError
+
+    meta = {
+        "image_infos": [{"width": 512, "height": 128, "dtype": "uint16", "pixel_size_um": 1.0}],
+        "system_info": {"sequence_buffer_size_mb": 2},
+    }
+    core = _Core()
+    out = tmp_path / "meta.ome.zarr"
+    sink = TileShardSink(
+        out,
+        backend="cpu",
+        ome=False,
+        core=core,
+        queue_frames=1,
+        tiles_per_shard={"t": 1},
+        writer_options={"batch_bytes": 1, "io_threads": 1},
+        store_for=lambda location: FaultInjectingSink(location, delay={"c/*": store_delay_s}),
+    )
+    sink.setup(useq.MDASequence(time_plan={"interval": 0, "loops": 100}), meta)
+    frame = np.ones((128, 512), np.uint16)
+    # a start-up burst (14) is not judged; later the buffer fills: 12 of 16 waiting stops the MDA
+    waiting_counts = [14] + [2] * 24 + [8, 11, 12, 10, 14]
+    stop_at = waiting_counts.index(12, 1)
+    for t, waiting in enumerate(waiting_counts):
+        while not store_delay_s and sink.stats.written < t:  # the sink keeps up: the MDA thread is slow
+            time.sleep(0.001)
+        frame_meta = {"runner_time_ms": t * 1.0, "images_remaining_in_buffer": waiting, "hardware_triggered": True}
+        sink.append(frame * t, useq.MDAEvent(index={"t": t}), frame_meta)
+        assert core.mda.cancelled == (1 if t >= stop_at else 0)
+    with pytest.raises(SinkFellBehindError) as info:
+        sink.close()
+    message = str(info.value)
+    assert message == sink.stats.error
+    assert verdict in message
+    assert "the camera delivered 0.13 GB/s (1000 frames/s)" in message and "frames/s of 512x128 uint16" in message
+    assert "the buffer of 2 MiB (16 frames) held 12 waiting frames. The MDA is stopped" in message
+    level0 = zarr.open_array(out / "0", mode="r")
+    assert level0.shape == (len(waiting_counts), 128, 512)
+    np.testing.assert_array_equal(level0[-1], frame * (len(waiting_counts) - 1))
+    assert verify(out / "0").ok
+    assert zarr.open_group(out, mode="r").attrs["tileshard_mmcore"]["state"] == "stopped"

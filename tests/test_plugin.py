@@ -296,3 +296,23 @@ def test_codec_list_and_level_range_come_from_the_registry(widget):
 def test_the_output_keeps_a_store_url_as_typed(widget):
     widget.form.output.line_edit.value = "s3://bucket/run.zarr"  # the magicgui file field, typed into
     assert widget.settings.output == "s3://bucket/run.zarr"  # not a Path, which would drop a slash
+
+
+def test_the_unit_column_takes_symbols_and_explains_a_unit_ome_zarr_does_not_know(widget, tmp_path):
+    widget.settings = RecorderSettings(output=str(tmp_path / "u.zarr"), layout=small_layout(), backend="cpu", ome=True)
+    form = widget.form
+    form.table.item(0, 5).setText("ms")
+    form.table.item(1, 5).setText("µm")
+    form.table.item(2, 5).setText("um")
+    assert widget.start_button.isEnabled(), form.message.text()
+    assert [d.unit for d in widget.settings.layout.dims] == ["millisecond", "micrometer", "micrometer"]
+    form.table.item(2, 5).setText("microns per pixel")
+    assert not widget.start_button.isEnabled()
+    assert "dimension 'x'" in form.message.text() and "'microns per pixel'" in form.message.text()
+    form.table.item(2, 5).setText("mircometer")
+    assert "did you mean 'micrometer'?" in form.message.text()
+    form.table.item(0, 5).setText("um")  # a space unit on the time axis
+    assert "dimension 't'" in form.message.text() and "is a space unit" in form.message.text()
+    form.table.item(0, 5).setText("")
+    form.table.item(2, 5).setText("micrometer")
+    assert widget.start_button.isEnabled(), form.message.text()

@@ -147,3 +147,95 @@ def test_huge_declared_shape_is_refused_without_allocating(tmp_path):
     assert report.shards == 4 and [p.message for p in report.problems] == [  # the edit claims rows never written
         "rows 2..999999999999 of 1000000000000 were never written (recording state: complete)"
     ]
+
+
+def _remount_read_only(point) -> None:
+    result = subprocess.run(["mount", "-o", "remount,ro", str(point)], capture_output=True, text=True)
+    if result.returncode != 0:
+        pytest.skip(f"cannot remount a tmpfs read-only here: {result.stderr.strip() or result.returncode}")
+
+
+def test_a_read_only_remount_reports_the_first_failure_not_the_lock(tmpfs, caplog):
+    """The disk turns read-only mid-recording: the Writer raises the write that failed first; the
+    lock (and the failed-state zarr.json) that can then not be written either are logged as "also"."""
+    from napari_tileshard import Dim, Layout, Writer, WriterError
+
+    disk = tmpfs("32m", "ro")
+    out = disk / "rec.zarr"
+    layout = Layout([Dim("t", 0, 2, 1), Dim("y", 32, 16, 2), Dim("x", 32, 16, 2)], "uint16")
+    frames = SyntheticCamera((32, 32), "uint16", seed=3).stack(12)
+    writer = Writer(out, layout, backend="cpu", batch_bytes=1)
+    writer.append(frames[:6])
+    writer.sync()
+    _remount_read_only(disk)
+    with caplog.at_level("WARNING"):
+        try:
+            writer.append(frames[6:])  # may already see the failure, or only close will
+        except WriterError:
+            pass
+        with pytest.raises(WriterError) as info:
+            writer.close()
+    message = str(info.value)
+    assert "Read-only file system" in message
+    assert ".tileshard.lock" not in message and "/c/" in message  # a shard: the first write that failed
+    lock_lines = [r.getMessage() for r in caplog.records if ".tileshard.lock" in r.getMessage()]
+    assert lock_lines and all(line.startswith("also: ") for line in lock_lines)
+    errors = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert errors and all(".tileshard.lock" not in r.getMessage() for r in errors)
+    array = zarr.open_array(out, mode="r")  # what was published before the remount stays readable
+    assert array.shape[0] >= 6
+    np.testing.assert_array_equal(array[:6], frames[:6])
+
+
+def test_record_on_a_disk_remounted_read_only_ends_with_the_first_failure(tmpfs):
+    """The reported case: `record` while the disk is remounted read-only; its last line named the
+    lock file (whose removal failed last) instead of the write that failed first."""
+    disk = tmpfs("64m", "ro")
+    out = disk / "rec.zarr"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "napari_tileshard.cli",
+            "record",
+            str(out),
+            "--shape",
+            "0,64,64",
+            "--tile",
+            "1,32,32",
+            "--tiles-per-shard",
+            "1,2,2",
+            "--frames",
+            "100000",
+            "--fps",
+            "200",
+            "--backend",
+            "cpu",
+            "--no-progress",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            time.sleep(0.2)
+            try:
+                if zarr.open_array(out, mode="r").shape[0] >= 20:
+                    break
+            except Exception:  # noqa: BLE001 - the store may not exist yet
+                pass
+        _remount_read_only(disk)
+        err = proc.communicate(timeout=60)[1]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+    assert proc.returncode == 1, err  # a runtime failure
+    lines = err.strip().splitlines()
+    assert lines[-1].startswith("napari-tileshard: error: writing ") and "Read-only file system" in lines[-1]
+    assert ".tileshard.lock" not in lines[-1]
+    for line in lines:
+        if ".tileshard.lock" in line:
+            assert line.startswith("also: "), line

@@ -552,6 +552,8 @@ def test_a_recording_stops_promptly_when_its_endpoint_dies_or_freezes(s3, fault,
     report = verify(url)  # through the server itself: every claimed row is there
     assert report.ok, report.problems
     assert zarr.open_array(resolve_store(url), mode="r").shape[0] == rows
+
+
 # -- exiting: obstore's threads must never be inside the interpreter when it finalizes -------------
 # obstore's *_async functions complete on a tokio thread that calls the event loop's
 # call_soon_threadsafe and, inside it, gives up the GIL to wake the loop; an interpreter that

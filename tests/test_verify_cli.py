@@ -155,3 +155,18 @@ def test_record_cli_ome_pyramid_with_units(tmp_path, capsys):
     assert main(["verify", str(out)]) == 0
     assert main(["record", str(tmp_path / "bad.zarr"), "--scale", "q=1", "--no-progress"]) == 2
     assert "'q', which is not one of the dims" in capsys.readouterr().err
+
+
+def test_record_cli_units_take_symbols_and_refuse_unknown_ones(tmp_path, capsys):
+    small = ["--shape", "0,32,32", "--tile", "1,32,32", "--tiles-per-shard", "1,1,1", "--frames", "2"]
+    out = tmp_path / "u.zarr"
+    args = ["--backend", "cpu", "--ome", "--no-progress", "--scale", "t=0.1,y=0.65,x=0.65"]
+    assert main(["record", str(out), *small, *args, "--unit", "t=ms,y=um,x=µm"]) == 0
+    multiscale = zarr.open_group(out, mode="r").attrs["ome"]["multiscales"][0]
+    assert [a.get("unit") for a in multiscale["axes"]] == ["millisecond", "micrometer", "micrometer"]
+    capsys.readouterr()
+    bad = tmp_path / "bad.zarr"
+    assert main(["record", str(bad), *small, *args, "--unit", "t=second,y=mircons"]) == 2
+    err = capsys.readouterr().err
+    assert "napari-tileshard: error: dimension 'y'" in err and "'mircons'" in err and "'micrometer'" in err
+    assert not bad.exists()

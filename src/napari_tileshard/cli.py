@@ -17,7 +17,7 @@ from .camera import SyntheticCamera
 from .format import codecs
 from .layout import SUPPORTED_DTYPES, Dim, Layout
 from .pyramid import DOWNSAMPLE
-from .store import _OVERWRITE_HINT, StoreExistsError
+from .store import _OVERWRITE_HINT, StoreExistsError, check_store_path
 from .verify import verify
 from .writer import CloseAbandoned, Writer, WriterError
 
@@ -45,6 +45,15 @@ def _positive_float(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be positive, got {text}")
     return value
+
+
+def _store_path(text: str) -> str:
+    """A store path or URL argument; an empty one is refused (it would mean the current directory)."""
+    try:
+        check_store_path(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def _int_list(text: str) -> list[int]:
@@ -137,7 +146,7 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=formatter,
         help="start napari with the Tile/Shard Recorder docked (synthetic camera selected)",
     )
-    gui.add_argument("--output", default=None, help="where recordings go (default: ./recording.zarr)")
+    gui.add_argument("--output", type=_store_path, default=None, help="where recordings go (default: ./recording.zarr)")
     record = sub.add_parser(
         "record",
         parents=[verbose],
@@ -147,7 +156,7 @@ def _parser() -> argparse.ArgumentParser:
         "starting with 0) records until Ctrl-C, --frames, --duration or --max-bytes; Ctrl-C or "
         "SIGTERM finish the store and print the summary.",
     )
-    record.add_argument("output", help="output store path or URL, e.g. demo.zarr")
+    record.add_argument("output", type=_store_path, help="output store path or URL, e.g. demo.zarr")
     record.add_argument(
         "--shape",
         type=_int_list,
@@ -245,7 +254,7 @@ def _parser() -> argparse.ArgumentParser:
     check = sub.add_parser(
         "verify", parents=[verbose], formatter_class=formatter, help="check every shard's index, CRC32C and chunks"
     )
-    check.add_argument("path", help="store path or URL")
+    check.add_argument("path", type=_store_path, help="store path or URL")
     conv = sub.add_parser(
         "convert",
         parents=[verbose],
@@ -256,8 +265,8 @@ def _parser() -> argparse.ArgumentParser:
         "written by two tasks; zarr.json only ever covers finished shard epochs; --resume continues an "
         "interrupted conversion.",
     )
-    conv.add_argument("src", help="input path or URL")
-    conv.add_argument("dst", help="output path or URL")
+    conv.add_argument("src", type=_store_path, help="input path or URL")
+    conv.add_argument("dst", type=_store_path, help="output path or URL")
     conv.add_argument("--tile", default=None, help="tile size per dim, e.g. 8,256,256 (default: 8,...,256,256)")
     conv.add_argument("--tiles-per-shard", default=None, help="tiles per shard per dim (default: 1,...,4,4)")
     conv.add_argument("--codec", default="zstd", help="tile codec")

@@ -69,6 +69,172 @@ _DEFAULT_KINDS = {
 }
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]{0,63}$")
 
+#: The units OME-Zarr (NGFF 0.4 and 0.5, ``axes`` -> ``unit``) names for a space axis: UDUNITS-2 names.
+SPACE_UNITS = (
+    "angstrom",
+    "attometer",
+    "centimeter",
+    "decimeter",
+    "exameter",
+    "femtometer",
+    "foot",
+    "gigameter",
+    "hectometer",
+    "inch",
+    "kilometer",
+    "megameter",
+    "meter",
+    "micrometer",
+    "mile",
+    "millimeter",
+    "nanometer",
+    "parsec",
+    "petameter",
+    "picometer",
+    "terameter",
+    "yard",
+    "yoctometer",
+    "yottameter",
+    "zeptometer",
+    "zettameter",
+)
+#: ... and for a time axis.
+TIME_UNITS = (
+    "attosecond",
+    "centisecond",
+    "day",
+    "decisecond",
+    "exasecond",
+    "femtosecond",
+    "gigasecond",
+    "hectosecond",
+    "hour",
+    "kilosecond",
+    "megasecond",
+    "microsecond",
+    "millisecond",
+    "minute",
+    "nanosecond",
+    "petasecond",
+    "picosecond",
+    "second",
+    "terasecond",
+    "yoctosecond",
+    "yottasecond",
+    "zeptosecond",
+    "zettasecond",
+)
+_SI_PREFIXES = {
+    "atto": "a",
+    "centi": "c",
+    "deci": "d",
+    "exa": "E",
+    "femto": "f",
+    "giga": "G",
+    "hecto": "h",
+    "kilo": "k",
+    "mega": "M",
+    "micro": "µ",
+    "milli": "m",
+    "nano": "n",
+    "peta": "P",
+    "pico": "p",
+    "tera": "T",
+    "yocto": "y",
+    "yotta": "Y",
+    "zepto": "z",
+    "zetta": "Z",
+    "": "",
+}
+
+
+def _symbols(names, base: str, symbol: str, extra: dict) -> dict:
+    """SI symbols (case-sensitive: ``Mm`` is not ``mm``) of the prefixed ``base`` units in
+    ``names``, with ``u`` and Greek mu as well as the micro sign, plus ``extra``."""
+    table = {}
+    for name in names:
+        prefix = name[: -len(base)] if name.endswith(base) else None
+        if prefix in _SI_PREFIXES:
+            table[_SI_PREFIXES[prefix] + symbol] = name
+    for micro in ("u", "\u03bc"):
+        table[micro + symbol] = "micro" + base
+    return {**table, **extra}
+
+
+_UNIT_SYMBOLS = {
+    "space": _symbols(
+        SPACE_UNITS,
+        "meter",
+        "m",
+        {"\u00c5": "angstrom", "\u212b": "angstrom", "ft": "foot", "in": "inch", "yd": "yard", "mi": "mile"}
+        | {"pc": "parsec"},
+    ),
+    "time": _symbols(
+        TIME_UNITS, "second", "s", {"sec": "second", "min": "minute", "h": "hour", "hr": "hour", "d": "day"}
+    ),
+}
+_UNIT_WORDS = {  # spellings matched without regard to case (after a plural "s" is dropped)
+    "space": {"micron": "micrometer", "feet": "foot", "inche": "inch"},
+    "time": {"sec": "second", "msec": "millisecond", "usec": "microsecond", "hr": "hour", "min": "minute"},
+}
+_NO_UNIT = ("pixel", "pixels", "px", "pix", "frame", "frames")
+
+
+def normalize_unit(unit: str, axis_kind: str) -> str:
+    """The OME-Zarr unit name for ``unit`` on an axis of ``axis_kind`` (``"space"``, ``"time"``).
+
+    Accepted: the spec's names (:data:`SPACE_UNITS`, :data:`TIME_UNITS`); the same without regard
+    to case, in the plural or with British "-metre" (``Micrometers``, ``micrometre``); SI symbols,
+    case-sensitive (``um``, ``µm``, ``μm``, ``nm``, ``mm``, ``Å``, ``s``, ``ms``, ``us``, ``min``,
+    ``h``, ...) and ``micron``, ``sec``, ``msec``.  Anything else is a ValueError naming the
+    value and the nearest spec name.
+    """
+    import difflib
+
+    names = SPACE_UNITS if axis_kind == "space" else TIME_UNITS
+    other_kind, other_names = ("time", TIME_UNITS) if axis_kind == "space" else ("space", SPACE_UNITS)
+    example = "micrometer" if axis_kind == "space" else "second"
+    text = unit.strip()
+    found = _lookup(text, axis_kind, names)
+    if found:
+        return found
+    other = _lookup(text, other_kind, other_names)
+    if other:
+        raise ValueError(
+            f"unit {unit!r} is a {other_kind} unit ({other!r}), not one of a {axis_kind} axis: use a {axis_kind} "
+            f"unit such as {example!r}, or give the dimension kind={other_kind!r}"
+        )
+    if text.lower() in _NO_UNIT:
+        raise ValueError(
+            f"unit {unit!r} is not a physical unit: leave the unit out (None) for a {axis_kind} axis "
+            "counted in pixels or frames"
+        )
+    candidates = {**{n: n for n in names}, **_UNIT_SYMBOLS[axis_kind], **_UNIT_WORDS[axis_kind]}
+    close = difflib.get_close_matches(text, candidates, n=1, cutoff=0.6) or difflib.get_close_matches(
+        text.lower(), candidates, n=1, cutoff=0.6
+    )
+    symbols = "um, nm, mm" if axis_kind == "space" else "s, ms, us, min, h"
+    if close:
+        hint = f"did you mean {candidates[close[0]]!r}? (OME-Zarr's names, or a symbol: {symbols})"
+    else:
+        hint = f"use one of {', '.join(names)} (or a symbol: {symbols})"
+    raise ValueError(f"unit {unit!r} is not an OME-Zarr {axis_kind} unit: {hint}")
+
+
+def _lookup(text: str, axis_kind: str, names) -> str | None:
+    if text in names:
+        return text
+    symbol = _UNIT_SYMBOLS[axis_kind].get(text)
+    if symbol:
+        return symbol
+    word = text.lower().replace("metre", "meter")
+    for candidate in (word, word[:-1] if word.endswith("s") else word):
+        if candidate in names:
+            return candidate
+        if candidate in _UNIT_WORDS[axis_kind]:
+            return _UNIT_WORDS[axis_kind][candidate]
+    return None
+
 
 def is_valid_name(name) -> bool:
     """A dimension name that is safe as a key and a path component (no separators, no ``..``)."""
@@ -90,6 +256,14 @@ class Dim:
     ``size=0`` marks the unbounded append dimension (allowed for dim 0 only).  ``kind``,
     ``unit`` and ``scale`` (pixel size, frame interval) describe the axis in OME-Zarr output;
     ``kind=None`` means the default for the name (t time, c channel, z/y/x space).
+
+    ``unit`` on a space or time axis must be one OME-Zarr allows there (UDUNITS-2 names:
+    :data:`SPACE_UNITS`, :data:`TIME_UNITS`).  What microscopists type is accepted and stored
+    as the spec's name: ``um``/``µm``/``micron`` -> ``micrometer``, ``nm`` -> ``nanometer``,
+    ``s``/``sec`` -> ``second``, ``ms`` -> ``millisecond``, ``min``, ``h``; names without regard to
+    case, plural or "-metre" (:func:`normalize_unit`).  Anything else (a time unit on a space axis,
+    ``pixel``, a typo) is a ValueError naming the value and suggesting the nearest name.  On a
+    channel or other axis OME-Zarr prescribes no unit list: any non-empty text is kept as given.
     """
 
     name: str
@@ -128,6 +302,15 @@ class Dim:
             raise ValueError(f"dimension {self.name!r}: kind {self.kind!r} is not one of {', '.join(AXIS_KINDS)}")
         if self.unit is not None and (not isinstance(self.unit, str) or not self.unit.strip()):
             raise TypeError(f"dimension {self.name!r}: unit must be a non-empty string, got {self.unit!r}")
+        if self.unit is not None and self.axis_kind in ("space", "time"):
+            try:
+                unit = normalize_unit(self.unit, self.axis_kind)
+            except ValueError as exc:
+                how = f"kind={self.kind!r}" if self.kind else f"a {self.axis_kind} axis by its name"
+                raise ValueError(f"dimension {self.name!r} ({how}): {exc}") from None
+            object.__setattr__(self, "unit", unit)
+        elif self.unit is not None:
+            object.__setattr__(self, "unit", self.unit.strip())
         if (
             not isinstance(self.scale, (int, float, np.integer, np.floating))
             or isinstance(self.scale, bool)

@@ -23,7 +23,14 @@ Writer needs; frames that arrive early wait (at most ``reorder_frames`` of them)
 never come (``skip``, dropped, cancelled) are written as the fill value and listed in the root
 group's ``tileshard_mmcore`` attributes.  Per-frame metadata (everything pymmcore-plus records:
 times, stage position, exposure, properties) goes into the ``frame_metadata`` (numbers) and
-``frame_metadata_json`` (the full record) arrays beside the series.
+``frame_metadata_json`` (the full record) arrays beside the series.  Each image's first axis
+grows as its rows complete, so a run that stops early keeps exactly the rows it acquired.
+
+A camera faster than the sink fills pymmcore-plus's sequence buffer (``images_remaining_in_buffer``
+in each frame's metadata, its size in the summary metadata): before it overflows (which ends the
+MDA in ``MemoryError: Buffer overflowed``) the sink stops the MDA, when it knows the core
+(``core=``, ``attach(core)``), and says why: the rate the sink sustained, the rate the camera
+delivered and how to raise the buffer (:class:`SinkFellBehindError`).
 
 pymmcore-plus is never imported here: the sink only reads the objects it is handed.
 """
@@ -36,6 +43,7 @@ import math
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +52,7 @@ import numpy as np
 
 from .layout import Dim, Layout
 from .recorder import POLICIES
+from .store import check_store_path
 from .writer import Writer
 
 log = logging.getLogger(__name__)
@@ -54,6 +63,25 @@ _STOP = object()
 _DEFAULT_TILE = 512
 _DEFAULT_SHARD_PIXELS = 4096  # a shard spans up to this many pixels along y and x
 _UNBOUNDED_ROWS_PER_SHARD = 16
+
+
+class SinkFellBehindError(RuntimeError):
+    """The camera delivered frames faster than the sink wrote them, until pymmcore-plus's sequence
+    buffer was (nearly) full: the MDA was stopped.  What the sink received is written and complete."""
+
+
+#: frames the sink receives before it may stop the MDA: the camera's and its own rates are
+#: measured by then (a buffer that overflows meanwhile is still draining: the stop lands in time)
+_FRAMES_TO_JUDGE = 8
+
+
+def _buffer_stop_level(capacity: int) -> int:
+    """Frames waiting in pymmcore-plus's buffer at which the sink stops the MDA: three quarters of
+    its capacity.  The buffer absorbs hiccups; one this full under an unthrottled camera overflows
+    within moments, and waiting longer is not safe: the waiting count is seen only as frames are
+    taken (a fast camera fills many slots in between), and the slots a buffer really holds can be
+    fewer than its size in frames (a 1 MiB buffer of 136 frames overflowed at 121)."""
+    return max(1, capacity - capacity // 4)
 
 
 @dataclass
@@ -68,6 +96,7 @@ class SinkStats:
     late: int = 0  # arrived after their place had been filled: discarded
     append_s: float = 0.0  # time spent inside append() on the caller's (MDA) thread
     max_queue: int = 0
+    max_camera_buffer: int = 0  # most frames seen waiting in pymmcore-plus's sequence buffer
     error: str | None = None
 
 
@@ -92,6 +121,13 @@ class TileShardSink:
     waits, ``"drop"`` the frame is discarded and counted (it reads as the fill value).
     ``writer_options`` go to each :class:`~napari_tileshard.writer.Writer`; ``store_for`` maps a
     series' location to the store its Writer writes (a wrapping Sink, say; default: the location).
+
+    ``core``: the ``CMMCorePlus`` (or ``UniMMCore``) whose MDA this sink records
+    (:meth:`attach` with a core sets it).  With it the sink stops the MDA when it falls so far behind a
+    hardware-sequenced camera that pymmcore-plus's sequence buffer is about to overflow, and says so
+    (:class:`SinkFellBehindError` from :meth:`close`, ``stats.error``, the log, and the root group's
+    ``tileshard_mmcore``); without it pymmcore-plus ends the MDA itself once the buffer overflows
+    (``MemoryError: Buffer overflowed``), after the sink has logged the same explanation.
     """
 
     def __init__(
@@ -111,6 +147,7 @@ class TileShardSink:
         reorder_frames: int | None = None,
         writer_options: dict | None = None,
         store_for: Callable[[str], Any] | None = None,
+        core=None,
     ):
         if policy not in POLICIES:
             raise ValueError(f"policy {policy!r} is not one of {', '.join(POLICIES)}")
@@ -120,6 +157,7 @@ class TileShardSink:
         for name, mapping in (("tile", tile), ("tiles_per_shard", tiles_per_shard)):
             if mapping is not None and not isinstance(mapping, dict):
                 raise TypeError(f"{name} must map axis names to sizes, got {mapping!r}")
+        check_store_path(path)  # "" would put the series at /0, /1, ...
         self.path = str(path).rstrip("/")
         self.codec, self.level, self.backend = codec, level, backend
         self.tile = dict(tile or {})
@@ -130,6 +168,7 @@ class TileShardSink:
         self.reorder_frames = reorder_frames or queue_frames
         self.writer_options = dict(writer_options or {})
         self.store_for = store_for  # series location -> the Writer's store (a path, zarr Store or Sink)
+        self.core = core  # whose MDA to stop when the sink falls behind (None: it cannot)
         self.stats = SinkStats()
         self.series: list[_Series] = []
         self.axes: tuple[str, ...] = ()  # the image axes (without p/g, with y, x)
@@ -156,6 +195,17 @@ class TileShardSink:
         self._failure: BaseException | None = None
         self._started = 0.0
         self._closed = False
+        # Keeping up with the camera (pymmcore-plus's sequence buffer):
+        self._frame_bytes = 0
+        self._frame_text = ""
+        self._buffer_mb: float | None = None
+        self._buffer_frames: int | None = None
+        self._first_append: float | None = None
+        self._camera_first_ms: float | None = None  # runner_time_ms of the first frame
+        self._camera_last_ms = 0.0  # ... and of the latest one
+        self._timed = 0  # frames with a runner_time_ms
+        self._arrivals_full: deque[bool] = deque(maxlen=16)  # whether the latest frames found the queue full
+        self._fell_behind: str | None = None
 
     @property
     def recording(self) -> bool:
@@ -179,6 +229,11 @@ class TileShardSink:
         dtype = np.dtype(info["dtype"])
         pixel_um = float(info.get("pixel_size_um") or 0.0)
         bit_depth = _bit_depth(meta, dtype)
+        self._frame_bytes = height * width * dtype.itemsize
+        self._frame_text = f"{width}x{height} {dtype.name}"
+        self._buffer_mb = _buffer_mb(meta)
+        if self._buffer_mb:
+            self._buffer_frames = int(self._buffer_mb * 2**20 // self._frame_bytes)
 
         sizes, axis_order = _bounded_sizes(sequence)
         self._bounded = sizes is not None
@@ -254,6 +309,8 @@ class TileShardSink:
         self.stats.received += 1
         item = (series, frame, np.asarray(img), meta)
         accepted = True
+        self._arrivals_full.append(self._queue.full())
+        self._watch_camera(meta)
         if self.policy == "block":
             self._queue.put(item)
         else:
@@ -269,6 +326,86 @@ class TileShardSink:
             self.stats.max_queue = max(self.stats.max_queue, self._queue.qsize())
         self.stats.append_s += time.perf_counter() - start
         return accepted
+
+    def _watch_camera(self, meta) -> None:
+        """Follow the camera's pace and pymmcore-plus's sequence buffer (frame metadata:
+        ``runner_time_ms``, the camera's time for a hardware-sequenced frame, and
+        ``images_remaining_in_buffer``); stop the MDA before the buffer overflows."""
+        if self._first_append is None:
+            self._first_append = time.perf_counter()
+        if not isinstance(meta, dict):
+            return
+        when = meta.get("runner_time_ms")
+        if isinstance(when, (int, float)) and math.isfinite(when):
+            if self._camera_first_ms is None:
+                self._camera_first_ms = float(when)
+            self._camera_last_ms = float(when)
+            self._timed += 1
+        waiting = meta.get("images_remaining_in_buffer")
+        if not isinstance(waiting, int) or isinstance(waiting, bool):
+            return
+        self.stats.max_camera_buffer = max(self.stats.max_camera_buffer, waiting)
+        capacity = self._buffer_frames
+        if (
+            self._fell_behind is None
+            and capacity
+            and capacity >= 2
+            and waiting >= _buffer_stop_level(capacity)
+            and self.stats.received >= _FRAMES_TO_JUDGE  # rates measured, not a start-up burst
+        ):
+            self._stop_falling_behind(waiting)
+
+    def _stop_falling_behind(self, waiting: int) -> None:
+        """Say why (rates, the buffer and how to raise it) and stop the MDA if the core is known."""
+        elapsed = time.perf_counter() - (self._first_append or self._started)
+        frame_bytes = self._frame_bytes
+        sink_fps = self.stats.written / elapsed if elapsed > 0 else 0.0
+        first = self._camera_first_ms
+        span_s = (self._camera_last_ms - first) / 1000 if first is not None else 0.0
+        camera_fps = (self._timed - 1) / span_s if span_s > 0 else None
+        capacity = self._buffer_frames or 0
+        camera = (
+            f"the camera delivered {_rate(camera_fps * frame_bytes)} ({camera_fps:.0f} frames/s)"
+            if camera_fps
+            else "the camera delivered them faster"
+        )
+        # Who is slow: a sink that cannot keep up has its queue full when frames arrive; one that
+        # keeps up with what it is handed has room, and the MDA thread itself took frames too slowly.
+        recent = self._arrivals_full
+        full = sum(recent) / len(recent) if recent else 0.0
+        bottleneck = (
+            f"the sink's queue was full for {full:.0%} of the latest frames: the sink could not keep up"
+            if full >= 0.5
+            else f"the sink's queue had room for {1 - full:.0%} of the latest frames: the MDA thread itself was slow"
+        )
+        need = ""
+        total = self.series[0].total if self.series else None
+        taken_fps = self.stats.received / elapsed if elapsed > 0 else 0.0  # frames leaving the buffer
+        if camera_fps and taken_fps < camera_fps and total is not None:
+            frames = math.ceil(total * len(self.series) * (1 - taken_fps / camera_fps))
+            need = f" (this run would need about {math.ceil(frames * frame_bytes / 2**20)} MiB)"
+        stop = (
+            "The MDA is stopped"
+            if self.core is not None
+            else "pymmcore-plus ends the MDA when it overflows (MemoryError: Buffer overflowed); give the sink "
+            "the core (TileShardSink(..., core=core) or sink.attach(core)) to stop it first"
+        )
+        message = (
+            f"{self.path}: frames left pymmcore-plus's sequence buffer slower than the camera filled it "
+            f"({bottleneck}): the sink sustained {_rate(sink_fps * frame_bytes)} ({sink_fps:.0f} frames/s "
+            f"of {self._frame_text}) while {camera}, and the buffer of {self._buffer_mb:g} MiB ({capacity} frames) "
+            f"held {waiting} waiting frames. {stop}; every frame received up to then is written. Raise the "
+            f"buffer with core.setCircularBufferMemoryFootprint(MiB){need}, throttle the camera (a longer "
+            "exposure or an interval in the time plan), or acquire fewer frames."
+        )
+        self._fell_behind = message
+        self.stats.error = message
+        log.error("%s", message)
+        if self.core is not None:
+            try:
+                self.core.mda.cancel()
+            except Exception:  # noqa: BLE001 - the explanation stands; pymmcore-plus ends the run then
+                log.exception("%s: could not stop the MDA", self.path)
 
     def skip(self, *, frames: int = 1) -> None:
         """The next ``frames`` events of the sequence produced no image: they read as the fill
@@ -310,6 +447,8 @@ class TileShardSink:
         if failure is not None:
             self.stats.error = str(failure)
             raise failure
+        if self._fell_behind is not None:
+            raise SinkFellBehindError(self._fell_behind)
 
     def get_view(self):
         """A lazy (dask) array of what is on disk now: the series stacked along a leading
@@ -335,13 +474,19 @@ class TileShardSink:
     def sequenceFinished(self, sequence=None) -> None:  # noqa: N802
         try:
             self.close()
+        except SinkFellBehindError:
+            pass  # logged when it happened; in stats.error and the store's metadata
         except Exception:
             log.exception("%s: closing the recording failed", self.path)
 
     def attach(self, mda_events) -> Callable[[], None]:
         """Connect to ``core.mda.events`` directly: every MDA started on that core is recorded,
-        its frames handed over on the MDA thread itself (through the bounded queue).  Returns
-        the function that disconnects again."""
+        its frames handed over on the MDA thread itself (through the bounded queue).  Given the
+        core itself (``attach(core)``), the sink can also stop its MDA when it falls behind
+        (``core=``).  Returns the function that disconnects again."""
+        if hasattr(mda_events, "mda"):  # a CMMCorePlus / UniMMCore
+            self.core = mda_events
+            mda_events = mda_events.mda.events
         return _connect(mda_events, self, ("sequenceStarted", "frameReady", "sequenceFinished"))
 
     # -- placement ------------------------------------------------------------------
@@ -530,10 +675,12 @@ class TileShardSink:
             s.name: {reason: sorted(f for f, r in s.fill_reasons.items() if r == reason) for reason in _REASONS}
             for s in self.series
         }
+        state = "failed" if self._failure else "stopped" if self._fell_behind else "complete"
         root.attrs.update(
             {
                 "tileshard_mmcore": {
-                    "state": "failed" if self._failure else "complete",
+                    "state": state,
+                    **({"stopped": self._fell_behind} if self._fell_behind and not self._failure else {}),
                     "series": [s.name for s in self.series],
                     "axes": list(self.axes),
                     "fill_frames": fills,
@@ -552,6 +699,10 @@ class TileShardSink:
             kind, unit, scale = _axis_description(axis, sequence)
             if k == 0:
                 default_shard = _UNBOUNDED_ROWS_PER_SHARD if size == 0 else 1
+                # The first axis grows as rows complete (the series' Writer is unbounded): a run
+                # that stops early (cancelled, fell behind) keeps the rows it has, and the store
+                # claims no row it never wrote.  The sink still places frames by the sequence's sizes.
+                size = 0
             else:
                 default_shard = size
             dims.append(
@@ -598,6 +749,19 @@ def _bit_depth(meta, dtype: np.dtype) -> int | None:
     except (TypeError, KeyError, ValueError):
         pass
     return None
+
+
+def _rate(bytes_per_s: float) -> str:
+    return f"{bytes_per_s / 1e9:.2f} GB/s" if bytes_per_s >= 1e8 else f"{bytes_per_s / 1e6:.1f} MB/s"
+
+
+def _buffer_mb(meta) -> float | None:
+    """pymmcore-plus's sequence (circular) buffer in MiB, from the summary metadata."""
+    try:
+        value = float(meta["system_info"]["sequence_buffer_size_mb"])
+    except (TypeError, KeyError, ValueError):
+        return None
+    return value if value > 0 and math.isfinite(value) else None
 
 
 def _image_info(meta) -> dict:
@@ -710,6 +874,7 @@ class MDARecorder:
     record them).  ``sink_options`` go to each :class:`TileShardSink`."""
 
     def __init__(self, core, output, *, on_finished: Callable[[TileShardSink], None] | None = None, **sink_options):
+        check_store_path(output)
         self.core = core
         self.output = str(output)
         self.sink_options = sink_options
@@ -748,7 +913,7 @@ class MDARecorder:
         from .recorder_form import next_output
 
         path = self.output if not self.sinks else next_output(self.sinks[-1].path)
-        sink = TileShardSink(path, **self.sink_options)
+        sink = TileShardSink(path, core=self.core, **self.sink_options)
         self.sinks.append(sink)
         sink.setup(sequence, meta)
 

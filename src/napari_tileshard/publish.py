@@ -139,14 +139,16 @@ class Publisher:
         """Best effort: say in zarr.json that the recording stopped on an error (same rows).
         Gives up after ``timeout`` seconds waiting for a zarr.json write still in progress."""
         if not self._publish_lock.acquire(timeout=-1 if timeout is None else timeout):
-            log.warning("could not mark %s as failed: a zarr.json write is still in progress", self._sink.location)
+            log.warning(
+                "also: could not mark %s as failed: a zarr.json write is still in progress", self._sink.location
+            )
             return
         try:
             if self.state == FAILED:
                 return
             self._write_metadata(self.rows, FAILED)
         except Exception as exc:  # noqa: BLE001 - storage is failing already: the previous zarr.json stays
-            log.warning("could not mark %s as failed: %s", self._sink.location, exc)
+            log.warning("also: could not mark %s as failed: %s", self._sink.location, exc)
         finally:
             self._publish_lock.release()
 

@@ -396,6 +396,9 @@ class StoreAccess:
             if isinstance(location, LocalStore):
                 self.root = Path(location.root)
         elif isinstance(location, (str, os.PathLike)):
+            from .store import check_store_path
+
+            check_store_path(location)  # "" would read the current directory
             text: Any = os.fspath(location)
             if isinstance(text, str) and "://" in text:
                 from .store import resolve_store  # obstore for s3/gs/az, fsspec for other URLs

@@ -369,7 +369,9 @@ class Sink(ABC):
         """Store ``buffers`` (bytes-like, concatenated) as object ``key``, atomically."""
 
     def release(self) -> None:
-        """The recording ended: drop the lock (no-op where there is none)."""
+        """The recording ended: drop the lock (no-op where there is none).  Best effort: a lock
+        that cannot be removed (the disk went read-only, say) is logged, never raised, so that it
+        never hides how the recording itself ended."""
 
     def telemetry_lost(self, round_index: int) -> bool:
         """Whether the I/O dispatcher's measurements of batch ``round_index`` are lost (then it
@@ -397,6 +399,7 @@ class DirectorySink(Sink):
     """
 
     def __init__(self, root, overwrite: bool = False, keep_existing: bool = False):
+        check_store_path(root)
         self.root = Path(root).expanduser().resolve()
         self._keep_existing = keep_existing  # resuming into our own store: nothing is checked or removed
         self._lock_path = self.root / LOCK_NAME
@@ -405,6 +408,7 @@ class DirectorySink(Sink):
         self._dirs: set[str] = set()
         self._made_dirs: list[str] = []  # directories inside root this sink made
         self._written: set[str] = set()
+        self._write_error: BaseException | None = None  # the first failed write: later failures are secondary
         if self.root.exists() and not self.root.is_dir():
             raise StoreExistsError(f"output path {self.location!r} exists and is not a directory")
         if self.root.is_dir():
@@ -429,6 +433,7 @@ class DirectorySink(Sink):
         sink._lock_path = sink.root / LOCK_NAME
         sink._lock_id = None
         sink._created, sink._dirs, sink._made_dirs, sink._written = [], set(), [], set()
+        sink._write_error = None
         st = os.stat(sink.root)
         sink._identity = (st.st_dev, st.st_ino)
         sink._keep_existing = True
@@ -595,9 +600,24 @@ class DirectorySink(Sink):
             ours = self._lock_in_place() and _read_capped(self._lock_path, 1 << 16) == self._lock_id[2]
         except (OSError, _Unreadable):
             ours = False
-        if ours:
-            self._lock_path.unlink(missing_ok=True)
         self._lock_id = None
+        if not ours:
+            return
+        try:
+            self._lock_path.unlink(missing_ok=True)
+        except OSError as exc:
+            # Secondary: storage that failed a write (read-only remount, vanished mount) fails this
+            # too, and the first failure is what the Writer reports.  Left behind, the lock of a
+            # dead process on this host is taken over by the next writer.
+            if self._write_error is not None:
+                log.warning("also: could not remove the lock file %s: %s", self._lock_path, exc.strerror or exc)
+            else:
+                log.warning(
+                    "could not remove the lock file %s: %s; what was recorded is complete, "
+                    "delete the lock once no writer is running",
+                    self._lock_path,
+                    exc.strerror or exc,
+                )
 
     def discard(self) -> None:
         same = self._same_root()
@@ -640,6 +660,14 @@ class DirectorySink(Sink):
             )
 
     def write(self, key: str, buffers) -> None:
+        try:
+            self._write(key, buffers)
+        except BaseException as exc:
+            if self._write_error is None:
+                self._write_error = exc
+            raise
+
+    def _write(self, key: str, buffers) -> None:
         self._check_root()
         parts = key.split("/")
         try:
@@ -802,6 +830,26 @@ class ZarrStoreSink(Sink):
             self._sync(self.store.delete(key))
 
 
+def check_store_path(store) -> None:
+    """Refuse an empty store path: ``""`` (or only whitespace, or ``file://`` with nothing after
+    it) would otherwise resolve to the current directory and write or read there.  A ValueError
+    naming the value; anything else (a Store, a Sink, a non-empty path) passes unchanged."""
+    if isinstance(store, os.PathLike):
+        store = os.fspath(store)
+    if isinstance(store, bytes):
+        text = store.decode(errors="replace")
+    elif isinstance(store, str):
+        text = store
+    else:
+        return
+    path = text[len("file://") :] if text[:7].lower() == "file://" else text
+    if not path.strip():
+        raise ValueError(
+            f"the store path {store!r} is empty: give a directory such as 'recording.zarr' or a store URL "
+            "(an empty path would mean the current directory)"
+        )
+
+
 def open_sink(
     store, overwrite: bool = False, storage_options: dict | None = None, io_timeout: float | None = 60.0
 ) -> Sink:
@@ -815,6 +863,7 @@ def open_sink(
 
     if isinstance(store, Sink):
         return store
+    check_store_path(store)
     if isinstance(store, str) and "://" in store:
         return _url_sink(store, overwrite, storage_options, io_timeout)
     if isinstance(store, (str, os.PathLike)):
@@ -830,6 +879,7 @@ def open_sink(
 
 def resolve_store(store, *, read_only: bool = True, storage_options: dict | None = None):
     """The zarr Store (or local path) that readers use for the same inputs as :func:`open_sink`."""
+    check_store_path(store)
     if isinstance(store, str) and "://" in store:
         scheme = store.split("://", 1)[0].lower()
         if scheme == "file":

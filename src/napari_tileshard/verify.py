@@ -31,6 +31,7 @@ import numpy as np
 
 from .format import EMPTY, CodecError, ShardIndexError, ShardSpec, UnsupportedArray
 from .safe_read import StoreAccess, UnsafeStoreError, recording_state
+from .store import check_store_path
 
 #: the largest tile verify decompresses to check it (a declared tile beyond it is reported)
 MAX_DECODED_TILE_BYTES = 1 << 28
@@ -85,6 +86,7 @@ def verify(path, progress=None) -> VerifyReport:
 
     from .ome import _levels
 
+    check_store_path(path)  # an argument error, not a finding: "" would check the current directory
     report = VerifyReport(str(path))
     try:
         access = StoreAccess(path)

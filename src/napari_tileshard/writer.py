@@ -627,7 +627,13 @@ class Writer:
         if self._error is not None:
             self._publisher.mark_failed(timeout=_MARK_FAILED_TIMEOUT_S)
         if finished:  # a write still running keeps the lock: it names this (ending) process
-            self._sink.release()
+            try:
+                self._sink.release()
+            except Exception as exc:  # noqa: BLE001 - never hides how the recording ended
+                if self._error is None:
+                    self._fail(exc)
+                else:
+                    log.warning("also: releasing %s failed: %s", self._sink.location, exc)
         self.stats.elapsed_s = time.perf_counter() - self._start
         self._raise_if_failed()
 
