@@ -239,7 +239,7 @@ def assert_convert_workers(client):
 def test_the_local_cluster_convert_starts_runs_its_workers_with_the_profiler_off():
     from napari_tileshard.convert import local_cluster
 
-    with local_cluster(1, dashboard_address=None) as cluster, distributed.Client(cluster) as own_client:
+    with local_cluster(1) as cluster, distributed.Client(cluster) as own_client:
         assert_convert_workers(own_client)
         # a worker the nanny restarts (a new process) gets the same
         own_client.restart()
@@ -279,7 +279,7 @@ def test_a_cluster_of_yours_with_the_profiler_on_gets_one_warning(tmp_path, capl
 
     a = data((8, 40, 50))
     with dask.config.set({"distributed.worker.profile.enabled": True}):  # Dask's default
-        cluster = distributed.LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=None)
+        cluster = distributed.LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0")
     with (
         cluster,
         distributed.Client(cluster) as profiled,

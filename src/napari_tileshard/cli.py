@@ -374,7 +374,7 @@ def _interrupted_summary(exc) -> str:
     return (
         f"interrupted: {report.epochs_done} of {report.epochs} shard epochs are done ({report.epochs_written} by "
         f"this run: {report.shards} shards, {report.bytes_in / 1e9:.3f} GB in {report.seconds:.2f} s); "
-        f"{report.destination} claims rows 0-{report.rows_claimed} of {report.rows}"
+        f"{report.destination} claims its first {report.rows_claimed} of {report.rows} rows"
     )
 
 

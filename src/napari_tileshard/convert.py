@@ -601,9 +601,7 @@ def convert(
     except _Stopped as stop:
         started = stop.started
         exc = stop.cause
-    except ConvertInterrupted:
-        raise
-    except KeyboardInterrupt as interrupt:
+    except KeyboardInterrupt as interrupt:  # before the destination was opened
         exc = interrupt
     report.interrupted = True
     report.seconds = report.seconds or time.perf_counter() - start
@@ -731,12 +729,15 @@ def _convert(
             finished[e].set_result(None)
         todo = [e for e in range(epochs) if e not in done]
         if todo:
-            if client is None and gpu_list is not None:
-                own_cluster = gpu_cluster(gpu_list)
-                client = Client(own_cluster)
-            elif client is None:
-                own_cluster = local_cluster(local_workers or max(1, min(4, (os.cpu_count() or 1) // 2)))
-                client = Client(own_cluster)
+            if client is None:
+                # Ctrl-C waits until the cluster is up (then lands here, with own_cluster set, and
+                # stops it cleanly); the worker processes are born ignoring it.
+                with _interrupts_deferred():
+                    if gpu_list is not None:
+                        own_cluster = gpu_cluster(gpu_list)
+                    else:
+                        own_cluster = local_cluster(local_workers or max(1, min(4, (os.cpu_count() or 1) // 2)))
+                    client = Client(own_cluster)
             else:
                 warn_if_the_profiler_can_deadlock(client)
             if announce is not None:
@@ -852,6 +853,40 @@ def _plan(source: Source, layout: Layout, dst: str, storage_options, options: di
     return spec, pyramid, prefixes
 
 
+@contextlib.contextmanager
+def _interrupts_deferred():
+    """Ctrl-C and SIGTERM deferred to the end of the block (main thread: their handlers record them,
+    then run), and SIGINT blocked in this thread and in the threads it starts meanwhile, so in the
+    processes those start (a signal mask survives fork and exec): they are born ignoring a Ctrl-C
+    for the whole process group (dask_setup then ignores it for good)."""
+    pending: list[int] = []
+    handlers: dict = {}
+    if threading.current_thread() is threading.main_thread():
+        for s in (signal.SIGINT, signal.SIGTERM):
+            handlers[s] = signal.signal(s, lambda signum, frame: pending.append(signum))
+    previous_mask = None
+    if hasattr(signal, "pthread_sigmask"):
+        # The resource tracker first: when started later (by Dask's first multiprocessing queue), it
+        # unblocks SIGINT and SIGTERM in the thread that starts it.
+        from multiprocessing import resource_tracker
+
+        resource_tracker.ensure_running()
+        previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        if previous_mask is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)  # a blocked Ctrl-C lands now: recorded
+        for s, handler in handlers.items():
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+        if pending:
+            handler = handlers.get(pending[0])
+            if callable(handler):
+                handler(pending[0], None)  # e.g. KeyboardInterrupt
+            elif handler == signal.SIG_DFL:
+                signal.raise_signal(pending[0])
+
+
 def _ignore_interrupts():
     """Ignore SIGINT and SIGTERM (main thread only); returns what restores the handlers."""
     if threading.current_thread() is not threading.main_thread():
@@ -926,6 +961,8 @@ def dask_setup(worker) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if hasattr(signal, "pthread_sigmask"):  # born with it blocked (see convert): ignored from now on
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     import dask
 
     level = dask.config.get(_LOG_LEVEL_KEY, default=None)
