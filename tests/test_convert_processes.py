@@ -90,6 +90,14 @@ def assert_group_ends(process, timeout: float = 5) -> None:
     """Every process of ``process``'s group ends within ``timeout`` s of it (killed otherwise)."""
     try:
         wait_until(lambda: not group(process.pid), timeout, "end of every process convert started")
+    except BaseException:
+        left = []
+        for p in group(process.pid):
+            try:
+                left.append(f"{p.pid} {p.status()} {' '.join(p.cmdline())[-80:]}")
+            except psutil.Error:
+                pass
+        pytest.fail(f"still running {timeout} s after convert: {left}")
     finally:
         for p in group(process.pid):
             p.kill()
@@ -150,6 +158,7 @@ def test_ctrl_c_stops_convert_cleanly_and_resume_finishes_it(tmp_path, source):
     assert "Traceback" not in text and "CancelledError" not in text
     lines = [line for line in text.replace("\r", "\n").splitlines() if line and not line.startswith("converting")]
     summary, hint = lines[-2:]
+    assert [line for line in lines if not line.startswith("dashboard: ")] == [summary, hint]  # no Dask logging
     assert summary.startswith("interrupted: ") and "shard epochs are done" in summary, lines
     assert hint == f"continue with: napari-tileshard convert {src} {dst} --resume --local 1"
     done = epochs_done(dst)
