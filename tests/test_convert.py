@@ -486,3 +486,20 @@ def test_cli_storage_failure_exits_1(tmpfs, tmp_path, capsys, client, monkeypatc
 def test_report_of_a_resume_with_nothing_left():
     report = ConvertReport("x", epochs=3, epochs_skipped=3)
     assert report.epochs_done == 3 and np.isnan(report.compression_ratio)
+
+
+def test_a_manifest_of_the_previous_format_still_resumes(tmp_path, client, caplog):
+    """Written before the source and options were recorded: its options (then called identity)
+    are reused and the source is not checked, with a warning."""
+    a = data()
+    out = stopped_conversion(tmp_path, client, a, layout=layout_for(a), backend="cpu", level=3)
+    manifest = json.loads((out / MANIFEST_KEY).read_text())
+    options = {k: v for k, v in manifest["options"].items() if k not in ("backend", "attributes")}
+    (out / MANIFEST_KEY).write_text(json.dumps({"identity": options, "epochs_done": manifest["epochs_done"]}))
+    with caplog.at_level("WARNING", logger="napari_tileshard.convert"):
+        report = convert(a, out, client=client, resume=True)
+    assert report.verified.ok and report.epochs_skipped == len(manifest["epochs_done"])
+    assert "did not record its source" in caplog.text
+    assert json.loads((out / "zarr.json").read_text())["codecs"][0]["configuration"]["codecs"][1]["configuration"][
+        "level"
+    ] == 3  # fmt: skip
