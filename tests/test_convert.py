@@ -126,7 +126,7 @@ def test_a_worker_process_killed_mid_task_is_retried_and_the_result_verifies(tmp
     a = data(seed=5)
     marker = tmp_path / "killed"
     with (
-        distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as cluster,
+        distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster,
         distributed.Client(cluster) as process_client,
     ):
         report = convert(
