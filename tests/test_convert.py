@@ -2,6 +2,7 @@
 
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -16,16 +17,19 @@ from napari_tileshard.cli import main as cli_main
 distributed = pytest.importorskip("distributed", reason="the convert extra (dask distributed) is not installed")
 tifffile = pytest.importorskip("tifffile", reason="the convert extra (tifffile) is not installed")
 
-from napari_tileshard.convert import MANIFEST_KEY, convert  # noqa: E402
+from napari_tileshard.convert import MANIFEST_KEY, ConvertReport, ResumeMismatch, convert  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def client():
-    """Two workers, as on the 2-core CI machine (threads: a process cluster is tested by the CLI)."""
-    with (
-        distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=None) as cluster,
-        distributed.Client(cluster) as client,
-    ):
+    """Two workers, as on the 2-core CI machine (threads: a process cluster is tested by the CLI),
+    with Dask's profiler off as convert's own clusters have it: on Python < 3.11.9 it can deadlock
+    the whole test process (CPython gh-106883, see tests/test_convert_processes.py)."""
+    import dask
+
+    with dask.config.set({"distributed.worker.profile.enabled": False}):  # read when the workers start
+        cluster = distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=None)
+    with cluster, distributed.Client(cluster) as client:
         yield client
 
 
@@ -89,14 +93,15 @@ def test_default_layout_and_dims_from_an_array_like(tmp_path, client):
 
 
 class FailingRows:
-    """An array-like source whose rows from ``fail_from`` on cannot be read (a dying input)."""
+    """An array-like source whose rows from ``fail_from`` on cannot be read by a task (a dying
+    input); the single rows convert samples for the source's identity stay readable."""
 
     def __init__(self, array, fail_from):
         self.array, self.fail_from = array, fail_from
         self.shape, self.dtype = array.shape, array.dtype
 
     def __getitem__(self, rows):
-        if rows.stop > self.fail_from:
+        if rows.stop > self.fail_from and rows.stop - rows.start > 1:
             time.sleep(0.3)  # the epochs before it finish first (their order on the workers is not fixed)
             raise OSError(f"input unreadable from row {self.fail_from}")
         return self.array[rows]
@@ -121,7 +126,7 @@ def test_a_worker_process_killed_mid_task_is_retried_and_the_result_verifies(tmp
     a = data(seed=5)
     marker = tmp_path / "killed"
     with (
-        distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as cluster,
+        distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster,
         distributed.Client(cluster) as process_client,
     ):
         report = convert(
@@ -211,6 +216,34 @@ def test_gpu_workers_each_see_only_their_gpu():
         seen = gpu_client.run(lambda: os.environ["CUDA_VISIBLE_DEVICES"])
         assert sorted(seen.values()) == ["0", "1"]
         assert [info["nthreads"] for info in gpu_client.scheduler_info()["workers"].values()] == [2, 2]
+        assert_convert_workers(gpu_client)
+
+
+def assert_convert_workers(client):
+    """The workers of a cluster convert starts: profiler off (CPython gh-106883), SIGKILL when
+    convert dies (PR_SET_PDEATHSIG), Ctrl-C left to convert."""
+    import signal
+
+    from napari_tileshard.convert import _worker_state
+
+    states = client.run(_worker_state)
+    assert states
+    for state in states.values():
+        assert state["profile_config"] is False and state["profiler"] is False, state
+        assert state["sigint_ignored"], state
+        if sys.platform.startswith("linux"):
+            assert state["death_signal"] == signal.SIGKILL, state
+        assert state["pid"] != os.getpid()
+
+
+def test_the_local_cluster_convert_starts_runs_its_workers_with_the_profiler_off():
+    from napari_tileshard.convert import local_cluster
+
+    with local_cluster(1) as cluster, distributed.Client(cluster) as own_client:
+        assert_convert_workers(own_client)
+        # a worker the nanny restarts (a new process) gets the same
+        own_client.restart()
+        assert_convert_workers(own_client)
 
 
 def test_gpus_without_a_usable_gpu_is_one_clear_error_before_anything(tmp_path):
@@ -237,3 +270,236 @@ def test_a_full_disk_is_a_clear_error_and_the_store_claims_only_written_rows(tmp
     claimed = zarr.open_array(out).attrs["tileshard"]["rows_written"]
     assert claimed < 37
     np.testing.assert_array_equal(zarr.open_array(out)[:claimed], a[:claimed])  # what it claims is there
+
+
+# -- the profiler on a cluster of yours (CPython gh-106883) -----------------------------------------
+@pytest.mark.skipif(sys.version_info >= (3, 11, 9), reason="CPython gh-106883 is fixed in 3.11.9")
+def test_a_cluster_of_yours_with_the_profiler_on_gets_one_warning(tmp_path, caplog, client):
+    import dask
+
+    a = data((8, 40, 50))
+    with dask.config.set({"distributed.worker.profile.enabled": True}):  # Dask's default
+        cluster = distributed.LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0")
+    with (
+        cluster,
+        distributed.Client(cluster) as profiled,
+        caplog.at_level("WARNING", logger="napari_tileshard.convert"),
+    ):
+        convert(a, tmp_path / "a.zarr", layout_for(a), client=profiled, backend="cpu")
+    warnings = [r.getMessage() for r in caplog.records if "gh-106883" in r.getMessage()]
+    assert len(warnings) == 1
+    assert "distributed.worker.profile.enabled: False" in warnings[0] and "3.11.9" in warnings[0]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="napari_tileshard.convert"):  # the fixture's workers: profiler off
+        convert(a, tmp_path / "b.zarr", layout_for(a), client=client, backend="cpu")
+    assert not [r for r in caplog.records if "gh-106883" in r.getMessage()]
+
+
+# -- resume: the same source, the same options ---------------------------------------------------------
+def stopped_conversion(tmp_path, client, a, **options) -> Path:
+    """``a`` converted into out.zarr until row 24 (the epochs after it fail): a conversion to resume."""
+    out = tmp_path / "out.zarr"
+    with pytest.raises(OSError, match="input unreadable"):
+        convert(FailingRows(a, 24), out, client=client, retries=0, **options)
+    assert json.loads((out / MANIFEST_KEY).read_text())["epochs_done"]
+    return out
+
+
+def test_resume_reuses_the_options_the_conversion_started_with(tmp_path, client):
+    a = data()
+    options = dict(tile=[4, 32, 32], tiles_per_shard=[2, 2, 2], codec="zstd", level=5, backend="cpu", ome=True)
+    out = stopped_conversion(tmp_path, client, a, downsample="max", **options)
+    manifest = json.loads((out / MANIFEST_KEY).read_text())
+    assert manifest["source"]["kind"] == "array" and manifest["source"]["shape"] == [37, 70, 90]
+    assert manifest["options"]["level"] == 5 and manifest["options"]["downsample"] == "max"
+    report = convert(a, out, client=client, resume=True)  # nothing given: all reused
+    assert report.verified.ok and report.epochs_skipped
+    with Writer(tmp_path / "ref.zarr", layout_for(a), backend="cpu", ome=True, level=5, downsample="max") as writer:
+        writer.append(a)
+    assert shard_files(out) == shard_files(tmp_path / "ref.zarr")  # the same layout, codec level and pyramid
+
+
+def test_resume_with_a_conflicting_option_names_it(tmp_path, client):
+    a = data()
+    out = stopped_conversion(tmp_path, client, a, layout=layout_for(a), backend="cpu")
+    with pytest.raises(ResumeMismatch, match=r"^level=3, but this conversion used 1$"):
+        convert(a, out, client=client, resume=True, level=3)
+    with pytest.raises(ResumeMismatch, match=r"tile=\[8, 32, 32\], but this conversion used \[4, 32, 32\]"):
+        convert(a, out, client=client, resume=True, tile=[8, 32, 32])
+    with pytest.raises(ResumeMismatch, match="^ome=True, but this conversion used False$"):
+        convert(a, out, client=client, resume=True, ome=True)
+    # what agrees is accepted; the backend may change (it decides where tasks run, not what they write)
+    report = convert(a, out, client=client, resume=True, level=1, codec="zstd", tile=[4, 32, 32], backend="auto")
+    assert report.verified.ok
+    np.testing.assert_array_equal(zarr.open_array(out)[...], a)
+
+
+def test_cli_resume_conflict_is_one_line_naming_the_flag(tmp_path, client, capsys):
+    a = data((16, 32, 32))
+    source = zarr.create_array(tmp_path / "in.zarr", shape=a.shape, chunks=(4, 32, 32), dtype=a.dtype)
+    source[...] = a
+    out = tmp_path / "out.zarr"
+    convert(tmp_path / "in.zarr", out, client=client, backend="cpu", tile=[4, 32, 32], verify=False)
+    capsys.readouterr()
+    assert cli_main(["convert", str(tmp_path / "in.zarr"), str(out), "--resume", "--level", "3"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "Traceback" not in err
+    assert err.startswith("napari-tileshard: error: --level 3, but this conversion used 1")
+    assert cli_main(["convert", str(tmp_path / "in.zarr"), str(out), "--resume", "--tile", "8,32,32"]) == 2
+    assert "--tile 8,32,32, but this conversion used 4,32,32" in capsys.readouterr().err
+
+
+def test_resume_refuses_another_zarr_source_naming_what_differs(tmp_path, client):
+    a = data((24, 32, 32))
+    src, out = tmp_path / "in.zarr", tmp_path / "out.zarr"
+    zarr.create_array(src, shape=a.shape, chunks=(4, 32, 32), dtype=a.dtype)[...] = a
+    convert(src, out, layout_for(a), client=client, backend="cpu", verify=False)
+    assert convert(src, out, client=client, resume=True).epochs_written == 0  # the same source: fine
+    zarr.create_array(src, shape=(16, 32, 32), chunks=(4, 32, 32), dtype=a.dtype, overwrite=True)[...] = a[:16]
+    with pytest.raises(ValueError, match=r"the source differs from the one this conversion started from: shape "
+                       r"\(16, 32, 32\) vs \(24, 32, 32\)"):  # fmt: skip
+        convert(src, out, client=client, resume=True)
+    # the same shape, dtype and chunks, other metadata
+    zarr.create_array(src, shape=a.shape, chunks=(4, 32, 32), dtype=a.dtype, overwrite=True)[...] = a
+    zarr.open_array(src).attrs["note"] = "another array"
+    with pytest.raises(ValueError, match=r"differs .*: metadata hash \w+ vs \w+ \(now vs then\)"):
+        convert(src, out, client=client, resume=True)
+    # the same array at another path
+    zarr.create_array(src, shape=a.shape, chunks=(4, 32, 32), dtype=a.dtype, overwrite=True)[...] = a
+    assert convert(src, out, client=client, resume=True).epochs_written == 0
+    src.rename(tmp_path / "moved.zarr")
+    with pytest.raises(ValueError, match=r"started from: location \S+moved.zarr vs \S+in.zarr \(now vs then\)"):
+        convert(tmp_path / "moved.zarr", out, client=client, resume=True)
+    assert not (out / ".tileshard.lock").exists()  # a refused resume leaves the store unlocked
+
+
+def test_resume_refuses_another_tiff_folder_tiff_file_or_array(tmp_path, client):
+    a = data((9, 40, 50), seed=1)
+    (tmp_path / "frames").mkdir()
+    for i, frame in enumerate(a):
+        tifffile.imwrite(tmp_path / "frames" / f"frame_{i:03d}.tif", frame)
+    tifffile.imwrite(tmp_path / "stack.tif", a)
+    for src in ("frames", "stack.tif"):
+        convert(tmp_path / src, tmp_path / f"{src}.zarr", layout_for(a), client=client, backend="cpu", verify=False)
+    tifffile.imwrite(tmp_path / "frames" / "frame_004.tif", a[0])  # same size, new contents and time
+    with pytest.raises(ValueError, match="file sizes and modification times hash"):
+        convert(tmp_path / "frames", tmp_path / "frames.zarr", client=client, resume=True)
+    tifffile.imwrite(tmp_path / "frames" / "frame_009.tif", a[0])
+    with pytest.raises(ValueError, match=r"shape \(10, 40, 50\) vs \(9, 40, 50\).*files 10 vs 9"):
+        convert(tmp_path / "frames", tmp_path / "frames.zarr", client=client, resume=True)
+    tifffile.imwrite(tmp_path / "stack.tif", a[::-1], description="another stack")
+    with pytest.raises(ValueError, match="header hash"):
+        convert(tmp_path / "stack.tif", tmp_path / "stack.tif.zarr", client=client, resume=True)
+    # an array-like: no location; its shape, dtype, chunks and first and last rows identify it
+    out = stopped_conversion(tmp_path, client, data(), layout=layout_for(data()), backend="cpu")
+    other = data()
+    other[-1] += 1
+    with pytest.raises(ValueError, match="hash of its first and last rows"):
+        convert(other, out, client=client, resume=True)
+    assert convert(data(), out, client=client, resume=True).verified.ok
+
+
+# -- what a stopped conversion leaves, and what each command says about it ----------------------------
+def test_messages_about_a_stopped_conversion_say_what_to_do(tmp_path, client, capsys):
+    a = data()
+    src = str(tmp_path / "in.zarr")
+    zarr.create_array(src, shape=a.shape, chunks=(8, 70, 90), dtype=a.dtype)[...] = a
+    out = stopped_conversion(tmp_path, client, a, layout=layout_for(a), backend="cpu")
+    with pytest.raises(FileExistsError, match=r"stopped after \d+ of 5 shard epochs: continue it with resume=True"):
+        convert(a, out, client=client)
+    assert cli_main(["convert", src, str(out)]) == 2
+    assert "continue it with --resume, or use --overwrite to start over" in capsys.readouterr().err
+    assert convert(a, out, client=client, resume=True).verified.ok
+    with pytest.raises(FileExistsError, match="holds a finished conversion .*use overwrite=True"):
+        convert(a, out, client=client)
+    # a destination without a manifest (not made by convert, or a convert killed before writing it)
+    (tmp_path / "empty.zarr").mkdir()
+    assert cli_main(["convert", src, str(tmp_path / "empty.zarr"), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "nothing to resume" in err and "run it with --overwrite instead of --resume" in err
+    assert cli_main(["convert", src, str(tmp_path / "missing.zarr"), "--resume"]) == 2
+    assert "does not exist: nothing to resume; run it without --resume" in capsys.readouterr().err
+    assert not (tmp_path / "missing.zarr").exists()
+
+
+def test_a_manifest_with_no_epoch_done_resumes(tmp_path, client):
+    a = data()
+    out = tmp_path / "out.zarr"
+    with pytest.raises(OSError, match="input unreadable"):
+        convert(FailingRows(a, 0), out, layout_for(a), client=client, backend="cpu", retries=0)
+    assert json.loads((out / MANIFEST_KEY).read_text())["epochs_done"] == []
+    report = convert(a, out, client=client, resume=True)
+    assert report.verified.ok and report.epochs_skipped == 0 and report.epochs_written == 5
+
+
+# -- the command line's output and exit status ---------------------------------------------------------
+def test_cli_output_of_a_conversion_and_of_resuming_a_finished_one(tmp_path, capsys, client, monkeypatch):
+    a = data((16, 32, 32), seed=3)
+    zarr.create_array(tmp_path / "in.zarr", shape=a.shape, chunks=(4, 32, 32), dtype=a.dtype)[...] = a
+    args = ["convert", str(tmp_path / "in.zarr"), str(tmp_path / "out.zarr"), "--tile", "4,32,32", "--backend", "cpu"]
+    code = run_cli_on(client, args, monkeypatch)
+    out = capsys.readouterr().out.splitlines()
+    assert code == 0 and out[0].startswith(f"converted into {tmp_path / 'out.zarr'}: ")
+    assert out[1].endswith("0 problems")  # the verify line on its own line
+    assert run_cli_on(client, [*args[:3], "--resume"], monkeypatch) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"nothing left to convert in {tmp_path / 'out.zarr'}: all 4 shard epochs were done"
+    assert "nan" not in out[0] and out[1].endswith("0 problems")
+
+
+def run_cli_on(client, argv, monkeypatch):
+    """``cli_main(argv)`` with its conversion on ``client`` (a cluster of threads: fast)."""
+    import napari_tileshard.convert as module
+
+    real = module.convert
+
+    def on_client(*args, **kwargs):
+        kwargs.update(client=client, local_workers=None, announce=None)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, "convert", on_client)
+    try:
+        return cli_main(argv)
+    finally:
+        monkeypatch.setattr(module, "convert", real)
+
+
+def test_cli_missing_source_is_a_usage_error_without_a_progress_bar(tmp_path, capsys):
+    code = cli_main(["convert", str(tmp_path / "missing.zarr"), str(tmp_path / "out.zarr"), "--local", "1"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.strip() == f"napari-tileshard: error: no such file or directory: {tmp_path / 'missing.zarr'}"
+    assert not (tmp_path / "out.zarr").exists()
+
+
+def test_cli_storage_failure_exits_1(tmpfs, tmp_path, capsys, client, monkeypatch):
+    disk = tmpfs("200k")
+    rng = np.random.default_rng(1)
+    a = rng.integers(0, 2**16, (37, 70, 90), dtype=np.uint16)  # incompressible: the disk fills up
+    zarr.create_array(tmp_path / "in.zarr", shape=a.shape, chunks=(8, 70, 90), dtype=a.dtype)[...] = a
+    args = ["convert", str(tmp_path / "in.zarr"), str(disk / "out.zarr"), "--tile", "4,32,32", "--backend", "cpu"]
+    code = run_cli_on(client, args, monkeypatch)
+    err = capsys.readouterr().err
+    assert code == 1 and "No space left on device" in err and "Traceback" not in err
+
+
+def test_report_of_a_resume_with_nothing_left():
+    report = ConvertReport("x", epochs=3, epochs_skipped=3)
+    assert report.epochs_done == 3 and np.isnan(report.compression_ratio)
+
+
+def test_a_manifest_of_the_previous_format_still_resumes(tmp_path, client, caplog):
+    """Written before the source and options were recorded: its options (then called identity)
+    are reused and the source is not checked, with a warning."""
+    a = data()
+    out = stopped_conversion(tmp_path, client, a, layout=layout_for(a), backend="cpu", level=3)
+    manifest = json.loads((out / MANIFEST_KEY).read_text())
+    options = {k: v for k, v in manifest["options"].items() if k not in ("backend", "attributes")}
+    (out / MANIFEST_KEY).write_text(json.dumps({"identity": options, "epochs_done": manifest["epochs_done"]}))
+    with caplog.at_level("WARNING", logger="napari_tileshard.convert"):
+        report = convert(a, out, client=client, resume=True)
+    assert report.verified.ok and report.epochs_skipped == len(manifest["epochs_done"])
+    assert "did not record its source" in caplog.text
+    assert json.loads((out / "zarr.json").read_text())["codecs"][0]["configuration"]["codecs"][1]["configuration"][
+        "level"
+    ] == 3  # fmt: skip

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import shutil
 import signal
@@ -258,22 +259,23 @@ def _parser() -> argparse.ArgumentParser:
     conv = sub.add_parser(
         "convert",
         parents=[verbose],
-        formatter_class=formatter,
+        formatter_class=_ConvertHelpFormatter,
         help="re-tile / recompress / add a pyramid to existing data (zarr v2/v3, OME-Zarr, TIFF) on Dask",
         description="Convert SRC (a zarr v2/v3 array or OME-Zarr, a TIFF/OME-TIFF file or a folder of TIFF "
         "frames) into a sharded Zarr v3 array or OME-Zarr at DST. One Dask task per shard epoch: no shard is "
         "written by two tasks; zarr.json only ever covers finished shard epochs; --resume continues an "
-        "interrupted conversion.",
+        "interrupted conversion of the same SRC with the options it started with (an option given with "
+        "--resume must agree with them; --backend may change). Ctrl-C or SIGTERM stop it cleanly.",
     )
     conv.add_argument("src", type=_store_path, help="input path or URL")
     conv.add_argument("dst", type=_store_path, help="output path or URL")
     conv.add_argument("--tile", default=None, help="tile size per dim, e.g. 8,256,256 (default: 8,...,256,256)")
     conv.add_argument("--tiles-per-shard", default=None, help="tiles per shard per dim (default: 1,...,4,4)")
-    conv.add_argument("--codec", default="zstd", help="tile codec")
-    conv.add_argument("--level", type=int, default=1, help="codec level")
-    conv.add_argument("--backend", default="auto", help="auto, gpu or cpu (per task)")
-    conv.add_argument("--ome", action="store_true", help="write OME-Zarr with a pyramid")
-    conv.add_argument("--downsample", default="mean", help="pyramid method (mean, max, min, decimate)")
+    conv.add_argument("--codec", default=None, help="tile codec (default: zstd)")
+    conv.add_argument("--level", type=int, default=None, help="codec level (default: 1)")
+    conv.add_argument("--backend", default=None, help="auto, gpu or cpu, per task (default: auto)")
+    conv.add_argument("--ome", action="store_true", default=None, help="write OME-Zarr with a pyramid")
+    conv.add_argument("--downsample", default=None, help="pyramid method: mean, max, min, decimate (default: mean)")
     where = conv.add_mutually_exclusive_group()
     where.add_argument("--scheduler", default=None, help="address of a running Dask scheduler (tcp://...)")
     where.add_argument("--local", type=int, default=None, help="workers of a local Dask cluster (default: cores/2)")
@@ -282,7 +284,9 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="a local cluster of one worker per GPU: 'all', a count, or GPU numbers such as 0,1 (default: none)",
     )
-    conv.add_argument("--resume", action="store_true", help="continue an interrupted conversion into DST")
+    conv.add_argument(
+        "--resume", action="store_true", help="continue an interrupted conversion of SRC into DST, with its options"
+    )
     conv.add_argument("--overwrite", action="store_true", help="replace DST (only data this tool wrote)")
     conv.add_argument("--no-verify", action="store_true", help="skip verifying the output")
     return parser
@@ -304,52 +308,186 @@ def _gpus(text: str | None):
     return numbers[0] if len(numbers) == 1 else numbers
 
 
-def convert_command(args) -> int:
-    from .convert import convert
+class _ConvertHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """convert's options default to None (the default, or on --resume the value the conversion
+    started with): their help says the default itself, so no "(default: None)"."""
 
-    client = None
+    def _get_help_string(self, action):
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM during convert: it stops the conversion as Ctrl-C does (exit status 143)."""
+
+    signum = signal.SIGTERM
+
+
+def _raise_terminated(signum, frame):
+    raise _Terminated()
+
+
+#: convert's Python-API wording in its errors -> the command line's
+_CLI_WORDING = (
+    (
+        "to start over, convert with overwrite=True (--overwrite on the command line) instead of resuming",
+        "to start over, run it with --overwrite instead of --resume",
+    ),
+    ("convert without resume=True (--resume) to start a conversion", "run it without --resume to start a conversion"),
+    ("resume=True (--resume on the command line)", "--resume"),
+    (_OVERWRITE_HINT, "use --overwrite"),
+)
+_CONVERT_FLAGS = {"tile": "--tile", "tiles_per_shard": "--tiles-per-shard", "codec": "--codec", "level": "--level"}
+_CONVERT_FLAGS.update(backend="--backend", ome="--ome", downsample="--downsample")
+
+
+def _cli_wording(text: str) -> str:
+    for api, cli in _CLI_WORDING:
+        text = text.replace(api, cli)
+    return text
+
+
+def _cli_value(value) -> str:
+    if isinstance(value, (list, tuple)):
+        return ",".join(map(str, value))
+    return str(value)
+
+
+def _resume_mismatch(exc) -> str:
+    """``--level 3, but this conversion used 1`` (what to do next on the same line)."""
+    flag = _CONVERT_FLAGS.get(exc.option)
+    if flag is None:  # only the Python API has it
+        return str(exc)
+    if exc.option == "ome":
+        head = "--ome, but this conversion was started without --ome"
+    else:
+        head = f"{flag} {_cli_value(exc.given)}, but this conversion used {_cli_value(exc.used)}"
+    return f"{head} (leave {flag} out to continue it, or start over with --overwrite instead of --resume)"
+
+
+def _quiet_dask() -> None:
+    """Dask's INFO lines (cluster start and stop, scheduler chatter, "stale lock file" purges) and
+    its shutdown noise are not for the user of convert: only its errors show, unless -v."""
+    with contextlib.suppress(ImportError):
+        import distributed  # noqa: F401 - it sets its loggers' levels when imported: first, then ours
+    for name in ("distributed", "tornado", "bokeh"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+def _resume_command(args) -> str:
+    import shlex
+
+    words = ["napari-tileshard", "convert", args.src, args.dst, "--resume"]
     if args.scheduler:
-        from distributed import Client
+        words += ["--scheduler", args.scheduler]
+    elif args.gpus:
+        words += ["--gpus", args.gpus]
+    elif args.local:
+        words += ["--local", str(args.local)]
+    return shlex.join(words)
 
-        client = Client(args.scheduler)
-        print(f"dashboard: {client.dashboard_link}", file=sys.stderr)
-    bar = tqdm(unit="shard epoch", desc="converting", file=sys.stderr)
+
+def _interrupted_summary(exc) -> str:
+    report = exc.report
+    if not exc.started:
+        return "interrupted before the conversion started: nothing was written"
+    if report.epochs and report.epochs_done >= report.epochs:
+        return f"interrupted after all {report.epochs} shard epochs were converted into {report.destination}"
+    return (
+        f"interrupted: {report.epochs_done} of {report.epochs} shard epochs are done ({report.epochs_written} by "
+        f"this run: {report.shards} shards, {report.bytes_in / 1e9:.3f} GB in {report.seconds:.2f} s); "
+        f"{report.destination} claims its first {report.rows_claimed} of {report.rows} rows"
+    )
+
+
+def _is_usage_error(exc: BaseException) -> bool:
+    """An error about what was asked (exit status 2) rather than one met while doing it (1)."""
+    from .store import StoreLockedError
+
+    if isinstance(exc, StoreLockedError):
+        return False
+    return isinstance(exc, (ValueError, TypeError, StoreExistsError, FileNotFoundError, NotADirectoryError))
+
+
+def convert_command(args) -> int:
+    """``napari-tileshard convert``: exit status 0, 1 (failed while converting, e.g. storage), 2
+    (usage: options, source, destination), 130 / 143 (stopped by SIGINT / SIGTERM)."""
+    from .convert import ConvertInterrupted, ResumeMismatch, convert
+
+    if not getattr(args, "verbose", False):
+        _quiet_dask()
+    bars: list = []  # made when the work starts, so an error before it shows no progress bar
 
     def progress(done, total):
-        bar.total = total
-        bar.n = done
-        bar.refresh()
+        if not bars:
+            bars.append(tqdm(total=total, initial=done, unit="shard epoch", desc="converting", file=sys.stderr))
+        bars[0].total = total
+        bars[0].n = done
+        bars[0].refresh()
 
+    previous = signal.signal(signal.SIGTERM, _raise_terminated) if _main_thread() else None
+    client = None
     try:
-        report = convert(
-            args.src,
-            args.dst,
-            tile=_ints(args.tile, "--tile"),
-            tiles_per_shard=_ints(args.tiles_per_shard, "--tiles-per-shard"),
-            codec=args.codec,
-            level=args.level,
-            backend=args.backend,
-            ome=args.ome,
-            downsample=args.downsample,
-            client=client,
-            local_workers=args.local,
-            gpus=_gpus(args.gpus),
-            announce=None if client is not None else lambda link: print(f"dashboard: {link}", file=sys.stderr),
-            resume=args.resume,
-            overwrite=args.overwrite,
-            verify=not args.no_verify,
-            progress=progress,
-        )
+        try:
+            if args.scheduler:
+                from distributed import Client
+
+                client = Client(args.scheduler)
+                print(f"dashboard: {client.dashboard_link}", file=sys.stderr)
+            report = convert(
+                args.src,
+                args.dst,
+                tile=_ints(args.tile, "--tile"),
+                tiles_per_shard=_ints(args.tiles_per_shard, "--tiles-per-shard"),
+                codec=args.codec,
+                level=args.level,
+                backend=args.backend,
+                ome=args.ome,
+                downsample=args.downsample,
+                client=client,
+                local_workers=args.local,
+                gpus=_gpus(args.gpus),
+                announce=None if client is not None else lambda link: print(f"dashboard: {link}", file=sys.stderr),
+                resume=args.resume,
+                overwrite=args.overwrite,
+                verify=not args.no_verify,
+                progress=progress,
+            )
+        finally:
+            for bar in bars:
+                bar.close()
+            if client is not None:
+                client.close()
+    except ConvertInterrupted as exc:
+        print(_interrupted_summary(exc), file=sys.stderr)
+        if exc.started:
+            print(f"continue with: {_resume_command(args)}", file=sys.stderr)
+        return 128 + exc.signum
+    except KeyboardInterrupt as exc:  # while connecting to the scheduler or closing the client
+        print("napari-tileshard: interrupted", file=sys.stderr)
+        return 128 + int(getattr(exc, "signum", signal.SIGINT))
+    except ResumeMismatch as exc:
+        print(f"napari-tileshard: error: {_resume_mismatch(exc)}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # noqa: BLE001 - one line, no traceback; -v logs it
+        logging.getLogger(__name__).info("convert failed", exc_info=True)
+        print(f"napari-tileshard: error: {_cli_wording(str(exc)) or type(exc).__name__}", file=sys.stderr)
+        return 1 if bars or not _is_usage_error(exc) else 2
     finally:
-        bar.close()
-        if client is not None:
-            client.close()
-    print(
-        f"converted into {report.destination}: {report.bytes_in / 1e9:.3f} GB in {report.seconds:.2f} s, "
-        f"{report.gbps:.2f} GB/s, compression ratio {report.compression_ratio:.2f}, {report.shards} shards"
-        + (f" ({report.epochs_skipped} shard epochs already done)" if report.epochs_skipped else "")
-        + (f", {report.verified}" if report.verified is not None else "")
-    )
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    if report.epochs_written == 0 and report.epochs_skipped:
+        print(f"nothing left to convert in {report.destination}: all {report.epochs} shard epochs were done")
+    else:
+        ratio = f", compression ratio {report.compression_ratio:.2f}" if report.bytes_out else ""
+        print(
+            f"converted into {report.destination}: {report.bytes_in / 1e9:.3f} GB in {report.seconds:.2f} s, "
+            f"{report.gbps:.2f} GB/s{ratio}, {report.shards} shards"
+            + (f" ({report.epochs_skipped} shard epochs were already done)" if report.epochs_skipped else "")
+        )
+    if report.verified is not None:
+        print(report.verified)
     return 0
 
 
