@@ -6,10 +6,12 @@ that fails for good (ENOSPC), a frozen shard write (cut off by ``io_timeout``) o
 nothing can cut off; appends, flushes, syncs and closes come in random order.  A watchdog dumps
 every thread's stack and exits 3 when one call waits longer than ``--max-wait`` seconds (a hang).
 After each Writer the store is checked: ``verify`` passes, the rows it claims read back as
-appended.  Optionally (``--conversions``) short conversions run the same way on a local Dask
-cluster.  Prints one summary line (iterations, calls, failures seen, worst and p99 wait).
+appended.  ``--conversions N`` then runs N short conversions of random sources and layouts on one
+local Dask cluster of two worker processes (convert's own, profiler off), each call timed the
+same way and its output compared with the source.  Prints one summary line (iterations, calls,
+failures seen, worst and p99 wait).
 
-    python scripts/stress_liveness.py --iterations 500            # the long version
+    python scripts/stress_liveness.py --iterations 500 --conversions 100   # the long version
     python scripts/stress_liveness.py --iterations 60 --max-wait 5  # what CI runs (tests/test_liveness.py)
 """
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import errno
 import faulthandler
+import functools
 import json
 import logging
 import os
@@ -145,9 +148,36 @@ def one_writer(rng: random.Random, root: str, watchdog: Watchdog, i: int) -> str
     return outcome
 
 
+def conversions(count: int, rng: random.Random, root: str, watchdog: Watchdog) -> int:
+    """``count`` short conversions on one local cluster; returns how many ran."""
+    import zarr
+    from distributed import Client
+
+    from napari_tileshard.convert import convert, local_cluster
+
+    with local_cluster(2) as cluster, Client(cluster) as client:
+        for i in range(count):
+            shape = (rng.randint(1, 40), rng.choice([32, 48, 64]), rng.choice([16, 40]))
+            data = np.random.default_rng(i).integers(0, 500, shape, dtype=np.uint16)
+            src = os.path.join(root, f"src{i}.zarr")
+            zarr.create_array(src, shape=shape, chunks=(max(1, shape[0] // 3), *shape[1:]), dtype="uint16")[:] = data
+            dst = os.path.join(root, f"dst{i}.zarr")
+            tile = [rng.choice([1, 2, 4]), 16, 16]
+            per_shard = [rng.choice([1, 2]), rng.choice([1, 2]), 1]
+            watchdog.call(
+                "convert", functools.partial(convert, src, dst, tile=tile, tiles_per_shard=per_shard, client=client)
+            )
+            if not np.array_equal(zarr.open_array(dst, mode="r")[:], data):
+                raise AssertionError(f"conversion {i} differs from its source")
+            shutil.rmtree(src, ignore_errors=True)
+            shutil.rmtree(dst, ignore_errors=True)
+    return count
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--iterations", type=int, default=300)
+    parser.add_argument("--conversions", type=int, default=0, help="short conversions after the Writers")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-wait", type=float, default=5.0, help="a call waiting longer is a hang")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -165,11 +195,13 @@ def main(argv=None) -> int:
             outcome = one_writer(rng, root, watchdog, i)
             outcomes[outcome] = outcomes.get(outcome, 0) + 1
             shutil.rmtree(os.path.join(root, f"s{i}.zarr"), ignore_errors=True)
+        converted = conversions(args.conversions, rng, root, watchdog) if args.conversions else 0
     finally:
         shutil.rmtree(root, ignore_errors=True)
     waits = sorted(watchdog.waits)
     summary = {
         "iterations": args.iterations,
+        "conversions": converted,
         "calls": len(waits),
         "outcomes": outcomes,
         "worst_wait_s": round(waits[-1], 3) if waits else 0.0,

@@ -183,13 +183,15 @@ def test_ctrl_c_during_close_says_what_it_waits_for_and_a_second_abandons(tmp_pa
 
 
 @pytest.mark.slow
-def test_stress_many_short_writers_under_faults_never_wait_long():
+def test_stress_many_short_writers_and_conversions_under_faults_never_wait_long():
     result = subprocess.run(
         [
             sys.executable,
             str(ROOT / "scripts" / "stress_liveness.py"),
             "--iterations",
             "60",
+            "--conversions",
+            "10",
             "--max-wait",
             "5",
             "--json",
@@ -200,6 +202,6 @@ def test_stress_many_short_writers_under_faults_never_wait_long():
     )
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads(result.stdout.strip().splitlines()[-1])
-    assert summary["iterations"] == 60 and summary["calls"] > 200
+    assert summary["iterations"] == 60 and summary["conversions"] == 10 and summary["calls"] > 200
     assert summary["worst_wait_s"] < 5
     assert set(summary["outcomes"]) - {"ok"}, "no fault hit any recording: the stress tested nothing"
