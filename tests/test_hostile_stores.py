@@ -18,8 +18,8 @@ import pytest
 import zarr
 
 from napari_tileshard import Dim, Layout, SyntheticCamera, Writer, verify
-from napari_tileshard._reader import FirstRows, napari_get_reader, open_lazy
-from napari_tileshard.inspect_shards import EMPTY_CHUNK, inspect_array
+from napari_tileshard.apps.inspect_shards import EMPTY_CHUNK, inspect_array
+from napari_tileshard.apps.napari_reader import FirstRows, napari_get_reader, open_lazy
 
 posix_only = pytest.mark.skipif(sys.platform == "win32", reason="FIFOs, /dev/zero and symlinks are POSIX")
 
@@ -55,8 +55,8 @@ _CHILD = textwrap.dedent("""
     limit = int(sys.argv[2])
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     from napari_tileshard import verify
-    from napari_tileshard._reader import napari_get_reader
-    from napari_tileshard.inspect_shards import inspect_array
+    from napari_tileshard.apps.napari_reader import napari_get_reader
+    from napari_tileshard.apps.inspect_shards import inspect_array
 
     def summary(name, value):
         if name == "verify":
