@@ -12,6 +12,7 @@ import pytest
 from napari_tileshard import Dim, Layout, Writer
 from napari_tileshard.engine.backends import (
     BACKENDS,
+    REGISTRY,
     available_backends,
     gpu_unavailable_reason,
     is_available,
@@ -20,7 +21,6 @@ from napari_tileshard.engine.backends import (
 from napari_tileshard.engine.backends.cpu import CpuBackend, CpuTicket
 from napari_tileshard.engine.backends.gpu import GpuBackend
 from napari_tileshard.format import codecs
-from napari_tileshard.format.codecs import REGISTRY
 from napari_tileshard.format.pyramid import plan_pyramid
 from napari_tileshard.gpu import probe as gpu_probe
 

@@ -297,7 +297,7 @@ def test_inspector_map_is_sized_by_the_shards_that_exist(tmp_path, dim):
 
 
 def test_inspector_map_above_its_cap_is_cut_and_says_so(tmp_path, monkeypatch):
-    from napari_tileshard import inspect_shards
+    from napari_tileshard.apps import inspect_shards
 
     path = write_store(tmp_path / "cap.zarr")
     monkeypatch.setattr(inspect_shards, "MAX_MAP_CHUNKS", 8)  # the map would be 4 x 2 x 2 = 16

@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 from zarr.codecs import BloscCodec, GzipCodec, ZstdCodec
 
 from napari_tileshard import Dim, Layout, ShardReader, Writer
-from napari_tileshard import read as read_module
 from napari_tileshard.engine.backends import gpu_unavailable_reason
 from napari_tileshard.format.shard_spec import ChunkDecodeError, ShardIndexError
+from napari_tileshard.reader import shard_reader as read_module
 from napari_tileshard.reader.gpu import block_params, plan_batches, slot_elements, untile_emulated, untile_tables
 from napari_tileshard.reader.plan import pack_runs
 from napari_tileshard.reader.shard_reader import LazySelection, unit_boxes
