@@ -4,8 +4,8 @@ One command writes the source first (``--gib`` of 2048x2048 uint16 camera frames
 chunks 32x512x512, blosc lz4 + shuffle: what older rigs left behind), then converts it into the
 same sharded layout (tiles 8x256x256 = 1 MiB, shards 32x1024x1024) with:
 
-* ``gpu1`` / ``gpu2``: napari_tileshard.convert on a cluster of one worker per GPU (gpu_cluster);
-* ``cpu``: napari_tileshard.convert with our CPU backend on CPU workers;
+* ``gpu1`` / ``gpu2``: napari_tileshard.apps.convert on a cluster of one worker per GPU (gpu_cluster);
+* ``cpu``: napari_tileshard.apps.convert with our CPU backend on CPU workers;
 * ``dask``: ``dask.array`` from the source, rechunked to whole shards, stored into a zarr-python
   v3 sharded array (shard-aligned: each task writes whole shards);
 * ``tensorstore``: the same Dask tasks (one per shard epoch), each writing its rows through
@@ -86,7 +86,7 @@ def du(path: Path) -> int:
 
 
 def ours(src, dst, layout, client, backend):
-    from napari_tileshard.convert import convert
+    from napari_tileshard.apps.convert import convert
 
     report = convert(src, dst, layout, client=client, backend=backend, verify=False)
     return {
@@ -222,7 +222,7 @@ def main():
         dst = root / f"{case}.zarr"
         t0 = time.perf_counter()
         if case.startswith("gpu"):
-            from napari_tileshard.convert import gpu_cluster
+            from napari_tileshard.apps.convert import gpu_cluster
 
             cluster = gpu_cluster(list(range(int(case[3:]))))
         else:

@@ -1,7 +1,7 @@
 """Shard-write dispatch under storage faults: static round-robin vs shared pull queue vs adaptive.
 
 Pre-encoded shard bytes (random, no compression) go through the I/O dispatcher
-(``napari_tileshard.dispatch``) into a local directory and into a local S3 server (moto, its own
+(``napari_tileshard.engine.dispatch``) into a local directory and into a local S3 server (moto, its own
 process), wrapped in the public fault seam ``testing.FaultInjectingSink(faults=StorageFaults(...))``:
 a simulated service time per write (``--service-ms`` + size / ``--service-mbps``) on top of the real
 write, and per fault one worker 2x/5x/10x slower, ~1 write in 20 stalling 100 ms, 5 % of writes
@@ -34,8 +34,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from napari_tileshard.dispatch import MODES, PREDICTORS, Dispatcher  # noqa: E402
-from napari_tileshard.testing import FaultInjectingSink, StorageFaults  # noqa: E402
+from napari_tileshard.engine.dispatch import MODES, PREDICTORS, Dispatcher
+from napari_tileshard.testing import FaultInjectingSink, StorageFaults
 
 MEDIANS = ("total_s", "p50_ms", "p99_ms", "gap_s")
 FAULTS = {

@@ -32,7 +32,7 @@ from pathlib import Path
 
 
 def configurations(quick: bool) -> list[str]:
-    from napari_tileshard.backends import is_available
+    from napari_tileshard.engine.backends import is_available
 
     configs = ["none"]
     if is_available("gpu") is None and not quick:
@@ -52,7 +52,7 @@ def configurations(quick: bool) -> list[str]:
 def run_once(core, sequence, config: str, out: Path, frame_bytes: int) -> dict:
     from ome_writers import AcquisitionSettings
 
-    from napari_tileshard.mmcore import TileShardSink
+    from napari_tileshard.apps.mmcore import TileShardSink
 
     path = out / f"{config}.ome.zarr"
     shutil.rmtree(path, ignore_errors=True)
@@ -129,7 +129,7 @@ def main(argv=None) -> None:
     logging.getLogger("pymmcore-plus").setLevel(logging.CRITICAL)
     import useq
 
-    from napari_tileshard.mmcore_demo import demo_core
+    from napari_tileshard.apps.mmcore_demo import demo_core
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -33,7 +33,7 @@ sys.path.insert(0, str(HERE))
 from bench_write import layout_for, tile_cases  # noqa: E402
 
 from napari_tileshard import MultiWriter, SyntheticCamera, Writer, release_gpu_memory  # noqa: E402
-from napari_tileshard.store import Sink  # noqa: E402
+from napari_tileshard.storage.sinks import Sink  # noqa: E402
 
 
 class DiscardSink(Sink):

@@ -44,7 +44,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from napari_tileshard import Dim, Layout, ShardReader, SyntheticCamera, Writer  # noqa: E402
+from napari_tileshard import Dim, Layout, ShardReader, SyntheticCamera, Writer
 
 TILES = {"64k": (8, 64, 64), "256k": (8, 128, 128), "1m": (32, 128, 128)}
 ENGINES = ("tileshard-cpu", "tileshard-gpu-host", "tileshard-gpu-device", "tensorstore", "zarr-python", "zarrs")

@@ -69,8 +69,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_write import layout_for, slabs  # noqa: E402
 
-from napari_tileshard import SyntheticCamera, Writer  # noqa: E402
-from napari_tileshard.backends import is_available  # noqa: E402
+from napari_tileshard import SyntheticCamera, Writer
+from napari_tileshard.engine.backends import is_available
 
 BUCKET = "bench"
 REGION = "us-east-1"

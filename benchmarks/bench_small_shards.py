@@ -36,9 +36,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from napari_tileshard import Dim, Layout, Writer  # noqa: E402
-from napari_tileshard.dispatch import Dispatcher  # noqa: E402
-from napari_tileshard.store import Sink, open_sink  # noqa: E402
+from napari_tileshard import Dim, Layout, Writer
+from napari_tileshard.engine.dispatch import Dispatcher
+from napari_tileshard.storage.sinks import Sink
+from napari_tileshard.storage.urls import open_sink
 
 
 def cpu_seconds() -> float:

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from napari_tileshard import Dim, Layout, SyntheticCamera, Writer  # noqa: E402
+from napari_tileshard import Dim, Layout, SyntheticCamera, Writer
 
 ENGINES = ("tileshard-gpu", "tileshard-cpu", "tensorstore", "zarr-python", "acquire-zarr")
 # Pyramid cases (OME-Zarr, 2x mean over y/x until a level fits one tile): not in the default set.

@@ -33,7 +33,7 @@ def one_case(tile_name: str, batch_mib: int | None, budget: str | None, gib: flo
     from bench_write import layout_for
 
     from napari_tileshard import SyntheticCamera, Writer
-    from napari_tileshard.backends.gpu import GpuBackend
+    from napari_tileshard.engine.backends.gpu import GpuBackend
 
     if slots:
         GpuBackend.default_slots = slots

@@ -17,7 +17,7 @@ import numpy as np
 def measure(camera, frames, layout, level, repeats: int = 5, batch_bytes: int | None = None):
     import cupy
 
-    from napari_tileshard.backends.gpu import GpuBackend
+    from napari_tileshard.engine.backends.gpu import GpuBackend
 
     backend = GpuBackend(layout, "zstd", level, batch_bytes=batch_bytes)
     batch_bytes = backend.preferred_batch_bytes

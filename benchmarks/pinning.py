@@ -41,7 +41,7 @@ def main():
         return keep
 
     timed("cudaHostAlloc (cupy.alloc_pinned_memory)", lambda: cupy.cuda.alloc_pinned_memory(n))
-    from napari_tileshard.backends.pinned import pin
+    from napari_tileshard.gpu.pinned import pin
 
     timed("napari_tileshard pin() (THP + cudaHostRegister)", lambda: pin(n))
 

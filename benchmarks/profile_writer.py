@@ -16,13 +16,14 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from napari_tileshard import SyntheticCamera, Writer  # noqa: E402
-from napari_tileshard.backends.cpu import CpuBackend  # noqa: E402
-from napari_tileshard.collector import Collector  # noqa: E402
-from napari_tileshard.publish import Publisher  # noqa: E402
-from napari_tileshard.shard import ShardAccumulator  # noqa: E402
-from napari_tileshard.staging import StagingRing  # noqa: E402
-from napari_tileshard.store import Sink, open_sink  # noqa: E402
+from napari_tileshard import SyntheticCamera, Writer
+from napari_tileshard.engine.backends.cpu import CpuBackend
+from napari_tileshard.engine.collector import Collector
+from napari_tileshard.engine.publish import Publisher
+from napari_tileshard.engine.shards import ShardAccumulator
+from napari_tileshard.engine.staging import StagingRing
+from napari_tileshard.storage.sinks import Sink
+from napari_tileshard.storage.urls import open_sink
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_write import layout_for  # noqa: E402
@@ -103,7 +104,7 @@ def main():
     backend_class = (
         CpuBackend
         if args.backend == "cpu"
-        else __import__("napari_tileshard.backends.gpu", fromlist=["GpuBackend"]).GpuBackend
+        else __import__("napari_tileshard.engine.backends.gpu", fromlist=["GpuBackend"]).GpuBackend
     )
     for name in ("submit", "result", "staging_free"):
         timed(backend_class, name, f"backend.{name}")

@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from napari_tileshard import ShardReader  # noqa: E402
+from napari_tileshard import ShardReader
 
 
 def engines(path: str, names: str, repeat: int) -> None:
@@ -71,7 +71,7 @@ def engines(path: str, names: str, repeat: int) -> None:
 def timeline(path: str) -> None:
     import cupy
 
-    from napari_tileshard.format import nvcomp as _nvcomp
+    from napari_tileshard.gpu import nvcomp as _nvcomp
 
     marks: list[tuple] = []  # (stream, stage, start event, end event)
 

@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from napari_tileshard import Dim, Layout, verify  # noqa: E402
-from napari_tileshard.recorder import Recorder, RecorderSettings  # noqa: E402
+from napari_tileshard import Dim, Layout, verify
+from napari_tileshard.apps.recorder import Recorder, RecorderSettings
 
 
 def rss_mib() -> float:

@@ -55,7 +55,7 @@ def main():
     from qtpy.QtWidgets import QApplication
 
     from napari_tileshard import Dim, Layout
-    from napari_tileshard.recorder import RecorderSettings
+    from napari_tileshard.apps.recorder import RecorderSettings
 
     h, w = (int(v) for v in args.frame.split("x"))
     viewer = napari.Viewer(show=True)

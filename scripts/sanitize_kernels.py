@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from napari_tileshard import Dim, Layout  # noqa: E402
-from napari_tileshard.backends import select_backend  # noqa: E402
-from napari_tileshard.pyramid import plan_pyramid  # noqa: E402
+from napari_tileshard import Dim, Layout
+from napari_tileshard.engine.backends import select_backend
+from napari_tileshard.format.pyramid import plan_pyramid
 
 LAYOUTS = [
     Layout([Dim("t", 0, 3, 2), Dim("y", 37, 8, 3), Dim("x", 29, 16, 1)], "uint16"),

@@ -87,7 +87,7 @@ def main() -> int:
     viewer.window.resize(1400, 950)
     app = QApplication.instance()
     if args.reader == "numpy":
-        from napari_tileshard._reader import read_zarr
+        from napari_tileshard.apps.napari_reader import read_zarr
 
         ((levels, meta, _),) = read_zarr(str(path))
         layer = viewer.add_image([np.asarray(level) for level in levels], multiscale=True, name=meta["name"])

@@ -153,7 +153,7 @@ def conversions(count: int, rng: random.Random, root: str, watchdog: Watchdog) -
     import zarr
     from distributed import Client
 
-    from napari_tileshard.convert import convert, local_cluster
+    from napari_tileshard.apps.convert import convert, local_cluster
 
     with local_cluster(2) as cluster, Client(cluster) as client:
         for i in range(count):

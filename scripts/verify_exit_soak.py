@@ -17,7 +17,7 @@ The crash this soak was written for: obstore's ``*_async`` functions complete on
 that calls ``loop.call_soon_threadsafe`` and, inside it, releases the GIL to wake the loop; when
 the command had finished and the interpreter was finalizing before that thread took the GIL
 back, CPython ended the thread with ``pthread_exit`` and the unwind through obstore's Rust frames
-aborted the process (see ``napari_tileshard.object_store.ThreadedObjectStore``).  It needs that
+aborted the process (see ``napari_tileshard.storage.object_store.ThreadedObjectStore``).  It needs that
 thread to be descheduled at the wrong moment, so it is rare on an idle machine: ``--contend``
 pins each run to one CPU shared with a busy loop (as a loaded machine does), and ``--hold``
 keeps every such thread away from the GIL until the interpreter finalizes (the worst case of
@@ -143,7 +143,7 @@ def soak(runs: int, src: Path, *, problems: bool = False, hold: bool = False, co
         command = [
             sys.executable,
             "-c",
-            head + "runpy.run_module('napari_tileshard.cli', run_name='__main__', alter_sys=True)",
+            head + "runpy.run_module('napari_tileshard.apps.cli', run_name='__main__', alter_sys=True)",
             "verify",
             url,
         ]

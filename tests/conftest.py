@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import zarr
 
-from napari_tileshard.backends import gpu_unavailable_reason
+from napari_tileshard.engine.backends import gpu_unavailable_reason
 
 
 def _gpu_param():
@@ -18,7 +18,7 @@ def backend(request, monkeypatch):
         reason = gpu_unavailable_reason()
         if reason:
             pytest.skip(f"GPU backend not usable here: {reason}")
-        from napari_tileshard.backends.gpu import GpuBackend
+        from napari_tileshard.engine.backends.gpu import GpuBackend
 
         # Small batches keep hundreds of tiny test writers cheap (pinned + device memory per writer).
         monkeypatch.setattr(GpuBackend, "default_batch_bytes", 4 << 20)

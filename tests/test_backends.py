@@ -10,19 +10,19 @@ import numpy as np
 import pytest
 
 from napari_tileshard import Dim, Layout, Writer
-from napari_tileshard.backends import (
+from napari_tileshard.engine.backends import (
     BACKENDS,
     REGISTRY,
     available_backends,
-    gpu_probe,
     gpu_unavailable_reason,
     is_available,
     select_backend,
 )
-from napari_tileshard.backends.cpu import CpuBackend, CpuTicket
-from napari_tileshard.backends.gpu import GpuBackend
+from napari_tileshard.engine.backends.cpu import CpuBackend, CpuTicket
+from napari_tileshard.engine.backends.gpu import GpuBackend
 from napari_tileshard.format import codecs
-from napari_tileshard.pyramid import plan_pyramid
+from napari_tileshard.format.pyramid import plan_pyramid
+from napari_tileshard.gpu import probe as gpu_probe
 
 LAYOUT = Layout([Dim("t", 0, 2, 1), Dim("y", 10, 4, 2), Dim("x", 9, 4, 2)], "uint16")
 
@@ -37,10 +37,11 @@ def test_importing_the_backends_and_stages_needs_no_cupy():
     out = _run(
         "import sys\n"
         "sys.modules['cupy'] = None\n"
-        "import napari_tileshard.backends, napari_tileshard.backends.cpu, napari_tileshard.backends.gpu\n"
-        "from napari_tileshard.backends.stages import tile, reduce, compress, aggregate\n"
-        "import napari_tileshard.writer\n"
-        "print(napari_tileshard.writer.estimate_memory(napari_tileshard.Layout(\n"
+        "import napari_tileshard.engine.backends, napari_tileshard.engine.backends.cpu\n"
+        "import napari_tileshard.engine.backends.gpu\n"
+        "from napari_tileshard.engine.backends.stages import tile, reduce, compress, aggregate\n"
+        "import napari_tileshard.engine.writer\n"
+        "print(napari_tileshard.engine.writer.estimate_memory(napari_tileshard.Layout(\n"
         "    [napari_tileshard.Dim('t', 0, 2), napari_tileshard.Dim('x', 8, 4)]))['gpu_device'] > 0)"
     )
     assert out.strip() == "True"
@@ -50,7 +51,7 @@ def test_importing_the_backends_and_stages_needs_no_cupy():
 def test_without_cupy_the_probe_answers_without_importing_anything():
     out = _run(
         "import sys\n"
-        "from napari_tileshard.backends import available_backends\n"
+        "from napari_tileshard.engine.backends import available_backends\n"
         "print(available_backends()['gpu']); print('cupy' in sys.modules)"
     )
     reason, imported = out.strip().splitlines()
@@ -85,7 +86,7 @@ def test_registry_lists_every_backend_with_a_reason():
 
 
 def test_auto_takes_the_first_usable_backend_and_says_why(caplog):
-    with caplog.at_level(logging.INFO, logger="napari_tileshard.backends"):
+    with caplog.at_level(logging.INFO, logger="napari_tileshard.engine.backends"):
         backend = select_backend("auto", LAYOUT, "blosc-lz4", 1)
     try:
         assert backend.name == "cpu"

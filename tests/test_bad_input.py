@@ -177,8 +177,9 @@ def test_an_empty_store_path_is_refused_everywhere_and_nothing_lands_in_the_curr
 ):
     """'' (or whitespace) used to mean the current directory: a recording into the working directory."""
     from napari_tileshard import ShardReader
-    from napari_tileshard.multi_writer import MultiWriter
-    from napari_tileshard.store import DirectorySink, open_sink, resolve_store
+    from napari_tileshard.engine.multi_writer import MultiWriter
+    from napari_tileshard.storage.sinks import DirectorySink
+    from napari_tileshard.storage.urls import open_sink, resolve_store
 
     monkeypatch.chdir(tmp_path)
     calls = [
@@ -199,7 +200,7 @@ def test_an_empty_store_path_is_refused_everywhere_and_nothing_lands_in_the_curr
 
 
 def test_an_empty_path_for_the_mmcore_sink_is_refused(tmp_path, monkeypatch):
-    from napari_tileshard.mmcore import MDARecorder, TileShardSink
+    from napari_tileshard.apps.mmcore import MDARecorder, TileShardSink
 
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ValueError, match="the store path '' is empty"):
@@ -215,7 +216,7 @@ def test_an_empty_path_for_the_mmcore_sink_is_refused(tmp_path, monkeypatch):
     ids=["record", "record-blank", "verify", "convert"],
 )
 def test_the_command_line_refuses_an_empty_store_path(tmp_path, monkeypatch, capsys, argv):
-    from napari_tileshard.cli import main
+    from napari_tileshard.apps.cli import main
 
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as info:

@@ -12,13 +12,13 @@ import pytest
 import zarr
 
 from napari_tileshard import SyntheticCamera
-from napari_tileshard.cli import main
+from napari_tileshard.apps.cli import main
 
 SMALL = ["--shape", "0,32,32", "--tile", "2,16,16", "--tiles-per-shard", "1,1,1", "--backend", "cpu"]
 
 
 def cli(*args):
-    return [sys.executable, "-m", "napari_tileshard.cli", *args]
+    return [sys.executable, "-m", "napari_tileshard", *args]
 
 
 @pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])

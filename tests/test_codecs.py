@@ -16,9 +16,10 @@ from conftest import read_back, read_tensorstore
 from zarr.codecs import BloscCodec, ZstdCodec
 
 from napari_tileshard import Dim, Layout, SyntheticCamera, Writer, verify
-from napari_tileshard.backends import select_backend
-from napari_tileshard.cli import main
-from napari_tileshard.format import array_metadata, codecs
+from napari_tileshard.apps.cli import main
+from napari_tileshard.engine.backends import select_backend
+from napari_tileshard.format import codecs
+from napari_tileshard.format.shard_spec import array_metadata
 
 #: the inner compressors zarr-python is given for each codec at ``level`` and ``itemsize``
 ZARR_CHAIN = {
@@ -166,7 +167,7 @@ def test_unknown_codec_lists_the_registry(tmp_path, capsys):
 
 
 def test_gpu_refusal_needs_no_gpu_and_auto_falls_back_to_the_cpu(tmp_path):
-    from napari_tileshard.backends.gpu import GpuBackend
+    from napari_tileshard.engine.backends.gpu import GpuBackend
 
     layout = Layout([Dim("t", 0, 2, 1), Dim("x", 64, 16, 2)], "uint16")
     reason = codecs.gpu_support("blosc-lz4")

@@ -1,4 +1,4 @@
-"""napari_tileshard.convert: existing data into sharded Zarr v3 / OME-Zarr on a Dask cluster."""
+"""napari_tileshard.apps.convert: existing data into sharded Zarr v3 / OME-Zarr on a Dask cluster."""
 
 import json
 import os
@@ -12,12 +12,12 @@ import zarr
 from conftest import read_tensorstore
 
 from napari_tileshard import Dim, Layout, Writer, WriterError
-from napari_tileshard.cli import main as cli_main
+from napari_tileshard.apps.cli import main as cli_main
 
 distributed = pytest.importorskip("distributed", reason="the convert extra (dask distributed) is not installed")
 tifffile = pytest.importorskip("tifffile", reason="the convert extra (tifffile) is not installed")
 
-from napari_tileshard.convert import MANIFEST_KEY, ConvertReport, ResumeMismatch, convert  # noqa: E402
+from napari_tileshard.apps.convert import MANIFEST_KEY, ConvertReport, ResumeMismatch, convert  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -194,7 +194,7 @@ def test_cli_convert_on_a_local_process_cluster(tmp_path, capsys):
 
 @pytest.mark.gpu
 def test_gpu_tasks_convert_with_the_gpu_backend(tmp_path, client):
-    from napari_tileshard.backends import gpu_unavailable_reason
+    from napari_tileshard.engine.backends import gpu_unavailable_reason
 
     reason = gpu_unavailable_reason()
     if reason:
@@ -210,7 +210,7 @@ def test_gpu_workers_each_see_only_their_gpu():
     (checked here without a GPU: the environment the workers run with)."""
     from distributed import Client
 
-    from napari_tileshard.convert import gpu_cluster
+    from napari_tileshard.apps.convert import gpu_cluster
 
     with gpu_cluster([1, 0], threads_per_gpu=2) as cluster, Client(cluster) as gpu_client:
         seen = gpu_client.run(lambda: os.environ["CUDA_VISIBLE_DEVICES"])
@@ -224,7 +224,7 @@ def assert_convert_workers(client):
     convert dies (PR_SET_PDEATHSIG), Ctrl-C left to convert."""
     import signal
 
-    from napari_tileshard.convert import _worker_state
+    from napari_tileshard.apps.convert import _worker_state
 
     states = client.run(_worker_state)
     assert states
@@ -237,7 +237,7 @@ def assert_convert_workers(client):
 
 
 def test_the_local_cluster_convert_starts_runs_its_workers_with_the_profiler_off():
-    from napari_tileshard.convert import local_cluster
+    from napari_tileshard.apps.convert import local_cluster
 
     with local_cluster(1) as cluster, distributed.Client(cluster) as own_client:
         assert_convert_workers(own_client)
@@ -247,7 +247,7 @@ def test_the_local_cluster_convert_starts_runs_its_workers_with_the_profiler_off
 
 
 def test_gpus_without_a_usable_gpu_is_one_clear_error_before_anything(tmp_path):
-    from napari_tileshard.backends import gpu_unavailable_reason
+    from napari_tileshard.engine.backends import gpu_unavailable_reason
 
     source = tmp_path / "in.zarr"
     zarr.create_array(source, shape=(4, 8), chunks=(2, 8), dtype="uint16", zarr_format=2)[:] = 1
@@ -283,14 +283,14 @@ def test_a_cluster_of_yours_with_the_profiler_on_gets_one_warning(tmp_path, capl
     with (
         cluster,
         distributed.Client(cluster) as profiled,
-        caplog.at_level("WARNING", logger="napari_tileshard.convert"),
+        caplog.at_level("WARNING", logger="napari_tileshard.apps.convert"),
     ):
         convert(a, tmp_path / "a.zarr", layout_for(a), client=profiled, backend="cpu")
     warnings = [r.getMessage() for r in caplog.records if "gh-106883" in r.getMessage()]
     assert len(warnings) == 1
     assert "distributed.worker.profile.enabled: False" in warnings[0] and "3.11.9" in warnings[0]
     caplog.clear()
-    with caplog.at_level("WARNING", logger="napari_tileshard.convert"):  # the fixture's workers: profiler off
+    with caplog.at_level("WARNING", logger="napari_tileshard.apps.convert"):  # the fixture's workers: profiler off
         convert(a, tmp_path / "b.zarr", layout_for(a), client=client, backend="cpu")
     assert not [r for r in caplog.records if "gh-106883" in r.getMessage()]
 
@@ -449,7 +449,7 @@ def test_cli_output_of_a_conversion_and_of_resuming_a_finished_one(tmp_path, cap
 
 def run_cli_on(client, argv, monkeypatch):
     """``cli_main(argv)`` with its conversion on ``client`` (a cluster of threads: fast)."""
-    import napari_tileshard.convert as module
+    import napari_tileshard.apps.convert as module
 
     real = module.convert
 
@@ -496,7 +496,7 @@ def test_a_manifest_of_the_previous_format_still_resumes(tmp_path, client, caplo
     manifest = json.loads((out / MANIFEST_KEY).read_text())
     options = {k: v for k, v in manifest["options"].items() if k not in ("backend", "attributes")}
     (out / MANIFEST_KEY).write_text(json.dumps({"identity": options, "epochs_done": manifest["epochs_done"]}))
-    with caplog.at_level("WARNING", logger="napari_tileshard.convert"):
+    with caplog.at_level("WARNING", logger="napari_tileshard.apps.convert"):
         report = convert(a, out, client=client, resume=True)
     assert report.verified.ok and report.epochs_skipped == len(manifest["epochs_done"])
     assert "did not record its source" in caplog.text

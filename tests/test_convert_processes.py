@@ -18,7 +18,7 @@ import zarr
 pytest.importorskip("distributed", reason="the convert extra (dask distributed) is not installed")
 psutil = pytest.importorskip("psutil")
 
-from napari_tileshard.convert import MANIFEST_KEY  # noqa: E402
+from napari_tileshard.apps.convert import MANIFEST_KEY  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 
@@ -35,7 +35,7 @@ def start(argv, cwd=None, env=None) -> subprocess.Popen:
 
 
 def cli(*args) -> list[str]:
-    return [sys.executable, "-m", "napari_tileshard.cli", "convert", *map(str, args)]
+    return [sys.executable, "-m", "napari_tileshard", "convert", *map(str, args)]
 
 
 def alive(process) -> bool:
@@ -215,7 +215,7 @@ class Rows:
 
 if __name__ == "__main__":
     from napari_tileshard import Dim, Layout
-    from napari_tileshard.convert import convert
+    from napari_tileshard.apps.convert import convert
 
     layout = Layout([Dim("t", 24, 4, 2), Dim("y", 32, 32, 1), Dim("x", 32, 32, 1)], "uint16")
     convert(Rows(True), sys.argv[1], layout, local_workers=1, backend="cpu")
@@ -252,7 +252,7 @@ def test_a_convert_killed_before_its_first_epoch_resumes_or_is_overwritten(tmp_p
     monkeypatch.syspath_prepend(str(tmp_path))  # the workers import it too
     from script import Rows
 
-    from napari_tileshard.convert import convert
+    from napari_tileshard.apps.convert import convert
 
     report = convert(Rows(False), tmp_path / "copy.zarr", resume=True, local_workers=1)
     assert report.verified.ok and report.epochs_skipped == 0 and report.epochs_written == 3

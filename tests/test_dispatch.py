@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from napari_tileshard import Dim, Layout, Writer, WriterError, verify
-from napari_tileshard.dispatch import PREDICTORS, Dispatcher, RateModel, TransientStorageError
+from napari_tileshard.engine.dispatch import PREDICTORS, Dispatcher, RateModel
+from napari_tileshard.storage.errors import TransientStorageError
 from napari_tileshard.testing import FaultInjectingSink, SlowDownError, StorageFaults
 
 SERVICE = {"service_s": 0.003, "seed": 7}

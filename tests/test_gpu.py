@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from napari_tileshard import Dim, Layout, SyntheticCamera, Writer
-from napari_tileshard.backends import gpu_unavailable_reason, select_backend
+from napari_tileshard.engine.backends import gpu_unavailable_reason, select_backend
 
 REASON = gpu_unavailable_reason()
 needs_gpu = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=f"GPU backend not usable: {REASON}")]
@@ -18,7 +18,7 @@ needs_gpu = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=f"GP
 @pytest.mark.gpu
 @pytest.mark.skipif(REASON is not None, reason=f"GPU backend not usable: {REASON}")
 def test_gpu_is_listed_usable_and_auto_prefers_it():
-    from napari_tileshard.backends import available_backends
+    from napari_tileshard.engine.backends import available_backends
 
     assert available_backends() == {"gpu": None, "cpu": None}
     layout = Layout([Dim("t", 0, 2, 1), Dim("x", 8, 4, 1)], "uint8")
@@ -55,8 +55,8 @@ def test_tile_kernel_matches_numpy_reference(layout, epochs, seed):
     """The tile stage on the GPU equals the CPU's evaluation of the same lifted strides and the reference."""
     import cupy
 
-    from napari_tileshard.backends.gpu import _ALIGN, _round_up
-    from napari_tileshard.backends.stages.tile import tile_gpu, tile_kernel
+    from napari_tileshard.engine.backends.gpu import _ALIGN, _round_up
+    from napari_tileshard.engine.backends.stages.tile import tile_gpu, tile_kernel
 
     rng = np.random.default_rng(seed)
     batch = rng.integers(1, 250, (epochs * layout.epoch_rows,) + layout.shape[1:]).astype(layout.dtype)
@@ -88,12 +88,8 @@ def test_tile_kernel_matches_numpy_reference(layout, epochs, seed):
 def test_reduce_stage_on_the_gpu_equals_reduce_cpu(method, dims, dtype):
     import cupy
 
-    from napari_tileshard.backends.stages.reduce import (
-        reduce_cpu,
-        reduce_gpu,
-        reduce_kernel,
-    )
-    from napari_tileshard.pyramid import plan_pyramid
+    from napari_tileshard.engine.backends.stages.reduce import reduce_cpu, reduce_gpu, reduce_kernel
+    from napari_tileshard.format.pyramid import plan_pyramid
 
     pyramid = plan_pyramid(
         Layout([Dim("t", 0, 4, 1), Dim("z", 5, 2, 2), Dim("y", 37, 8, 2), Dim("x", 29, 8, 2)], dtype), method, dims
@@ -124,7 +120,7 @@ def test_aggregation_matches_numpy_reference(layout, epochs):
     """Whole GPU batch: packed shard-major bytes and offsets equal permute + scan + gather in NumPy."""
     import zstandard
 
-    from napari_tileshard.backends.gpu import GpuTicket
+    from napari_tileshard.engine.backends.gpu import GpuTicket
 
     backend = select_backend("gpu", layout, "zstd", 1)
     try:
@@ -191,7 +187,7 @@ def test_cupy_frames_skip_the_host_and_mix_with_host_frames(tmp_path, monkeypatc
     """CuPy frames go device-to-device; only host-filled staging bytes are uploaded."""
     import cupy
 
-    from napari_tileshard.backends.gpu import GpuBackend
+    from napari_tileshard.engine.backends.gpu import GpuBackend
 
     uploads = []
     original = GpuBackend.submit
@@ -226,7 +222,7 @@ def test_cuda_error_mid_recording_keeps_what_reached_the_host(tmp_path, monkeypa
     import cupy
 
     from napari_tileshard import WriterError
-    from napari_tileshard.backends.gpu import GpuBackend
+    from napari_tileshard.engine.backends.gpu import GpuBackend
 
     calls = {"n": 0}
     original = GpuBackend.wait_ready

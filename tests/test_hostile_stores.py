@@ -18,8 +18,8 @@ import pytest
 import zarr
 
 from napari_tileshard import Dim, Layout, SyntheticCamera, Writer, verify
-from napari_tileshard._reader import FirstRows, napari_get_reader, open_lazy
-from napari_tileshard.inspect_shards import EMPTY_CHUNK, inspect_array
+from napari_tileshard.apps.inspect_shards import EMPTY_CHUNK, inspect_array
+from napari_tileshard.apps.napari_reader import FirstRows, napari_get_reader, open_lazy
 
 posix_only = pytest.mark.skipif(sys.platform == "win32", reason="FIFOs, /dev/zero and symlinks are POSIX")
 
@@ -55,8 +55,8 @@ _CHILD = textwrap.dedent("""
     limit = int(sys.argv[2])
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     from napari_tileshard import verify
-    from napari_tileshard._reader import napari_get_reader
-    from napari_tileshard.inspect_shards import inspect_array
+    from napari_tileshard.apps.napari_reader import napari_get_reader
+    from napari_tileshard.apps.inspect_shards import inspect_array
 
     def summary(name, value):
         if name == "verify":
@@ -297,7 +297,7 @@ def test_inspector_map_is_sized_by_the_shards_that_exist(tmp_path, dim):
 
 
 def test_inspector_map_above_its_cap_is_cut_and_says_so(tmp_path, monkeypatch):
-    from napari_tileshard import inspect_shards
+    from napari_tileshard.apps import inspect_shards
 
     path = write_store(tmp_path / "cap.zarr")
     monkeypatch.setattr(inspect_shards, "MAX_MAP_CHUNKS", 8)  # the map would be 4 x 2 x 2 = 16

@@ -5,7 +5,7 @@ import zarr
 from zarr.storage import LocalStore
 
 from napari_tileshard import Dim, Layout, SyntheticCamera, Writer
-from napari_tileshard.inspect_shards import EMPTY_CHUNK, inspect_array
+from napari_tileshard.apps.inspect_shards import EMPTY_CHUNK, inspect_array
 
 
 class CountingStore(LocalStore):

@@ -384,7 +384,7 @@ def test_deleted_store_stops_the_recording_and_is_not_recreated(tmp_path, backen
 # -- case 8: two writers, one store --------------------------------------------------------------
 @pytest.mark.parametrize("overwrite", [False, True])
 def test_two_writers_created_at_the_same_instant_never_both_win(tmp_path, overwrite):
-    from napari_tileshard.store import StoreExistsError
+    from napari_tileshard.storage.errors import StoreExistsError
 
     layout = small_layout()
     for trial in range(30):
@@ -424,7 +424,7 @@ def test_record_overwrite_while_another_record_runs_is_refused(tmp_path):
     record = [
         sys.executable,
         "-m",
-        "napari_tileshard.cli",
+        "napari_tileshard",
         "record",
         str(path),
         "--shape",

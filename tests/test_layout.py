@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from napari_tileshard import Dim, Layout
-from napari_tileshard.layout import MAX_RANK
+from napari_tileshard.format.layout import MAX_RANK
 
 
 @st.composite
@@ -284,7 +284,7 @@ def test_a_unit_ome_zarr_does_not_know_for_the_axis_is_refused_with_a_suggestion
 
 
 def test_unit_lists_are_the_ome_zarr_specs():
-    from napari_tileshard.layout import SPACE_UNITS, TIME_UNITS
+    from napari_tileshard.format.layout import SPACE_UNITS, TIME_UNITS
 
     assert len(SPACE_UNITS) == 26 and len(TIME_UNITS) == 23
     assert {"micrometer", "nanometer", "angstrom", "inch", "foot", "yard", "mile", "parsec"} <= set(SPACE_UNITS)

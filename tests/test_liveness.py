@@ -18,9 +18,9 @@ import pytest
 import zarr
 
 from napari_tileshard import Dim, Layout, Writer, WriterError, verify
-from napari_tileshard.dispatch import Dispatcher
-from napari_tileshard.errors import StorageTimeoutError, WriteCancelledError
-from napari_tileshard.store import DirectorySink
+from napari_tileshard.engine.dispatch import Dispatcher
+from napari_tileshard.storage.errors import StorageTimeoutError, WriteCancelledError
+from napari_tileshard.storage.sinks import DirectorySink
 from napari_tileshard.testing import FaultInjectingSink
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -13,9 +13,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from napari_tileshard import Dim, Layout, SyntheticCamera, Writer
-from napari_tileshard.backends import gpu_unavailable_reason
-from napari_tileshard.backends.gpu import GpuBackend
-from napari_tileshard.writer import estimate_memory, largest_fitting
+from napari_tileshard.engine.backends import gpu_unavailable_reason
+from napari_tileshard.engine.backends.gpu import GpuBackend
+from napari_tileshard.engine.writer import estimate_memory, largest_fitting
 
 
 def small_layout(frames=0):
@@ -150,7 +150,7 @@ def test_frame_buffer_refuses_a_stream_inside_a_frame_and_a_full_array(tmp_path)
 
 
 def test_cpulists_of_numa_nodes_parse():
-    from napari_tileshard.backends.pinned import parse_cpulist
+    from napari_tileshard.gpu.pinned import parse_cpulist
 
     assert parse_cpulist("0-3,8,10-11\n") == {0, 1, 2, 3, 8, 10, 11}
     assert parse_cpulist("5") == {5}
@@ -165,7 +165,7 @@ def test_pinned_memory_placed_from_given_cpus_is_zeroed_and_usable():
 
     import cupy
 
-    from napari_tileshard.backends.pinned import gpu_numa_cpus, pin
+    from napari_tileshard.gpu.pinned import gpu_numa_cpus, pin
 
     cpus = gpu_numa_cpus(0) or {sorted(os.sched_getaffinity(0))[0]}
     before = os.sched_getaffinity(0)

@@ -22,8 +22,8 @@ import useq  # noqa: E402
 import zarr  # noqa: E402
 
 from napari_tileshard import verify  # noqa: E402
-from napari_tileshard.mmcore import FRAME_COLUMNS, TileShardSink  # noqa: E402
-from napari_tileshard.mmcore_demo import demo_core  # noqa: E402
+from napari_tileshard.apps.mmcore import FRAME_COLUMNS, TileShardSink  # noqa: E402
+from napari_tileshard.apps.mmcore_demo import demo_core  # noqa: E402
 from napari_tileshard.testing import FaultInjectingSink  # noqa: E402
 
 logging.getLogger("pymmcore-plus").setLevel(logging.CRITICAL)  # "no Micro-Manager installation found"
@@ -291,7 +291,7 @@ def test_importing_the_package_does_not_import_pymmcore_plus():
     import subprocess
     import sys
 
-    code = "import sys, napari_tileshard, napari_tileshard.mmcore; print('pymmcore_plus' in sys.modules)"
+    code = "import sys, napari_tileshard, napari_tileshard.apps.mmcore; print('pymmcore_plus' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
 
@@ -306,8 +306,8 @@ def test_recorder_dock_records_the_mda_runs_of_a_core(make_napari_viewer, qtbot,
     store of its own, written on the MDA thread; Stop ends it; each result is added as a layer."""
     pytest.importorskip("napari")
     from napari_tileshard._qt.recorder_widget import RecorderWidget
-    from napari_tileshard.mmcore import MMCORE_SOURCE
-    from napari_tileshard.recorder import RecorderSettings
+    from napari_tileshard.apps.mmcore import MMCORE_SOURCE
+    from napari_tileshard.apps.recorder import RecorderSettings
 
     viewer = make_napari_viewer()
     widget = RecorderWidget(viewer)
@@ -344,7 +344,7 @@ def test_recorder_dock_records_the_mda_runs_of_a_core(make_napari_viewer, qtbot,
 def test_example_records_offline_and_the_plugin_reader_opens_it(tmp_path):
     import runpy
 
-    from napari_tileshard._reader import napari_get_reader
+    from napari_tileshard.apps.napari_reader import napari_get_reader
 
     out = tmp_path / "example.ome.zarr"
     example = runpy.run_path(str(Path(__file__).parents[1] / "examples" / "mda_python_camera.py"))
@@ -437,7 +437,7 @@ def test_a_camera_faster_than_the_sink_stops_the_mda_with_rates_and_the_buffer_s
     sink = _slow_sink(out)
     detach = sink.attach(core)  # the core: the sink may stop its MDA
     try:
-        with caplog.at_level(logging.ERROR, logger="napari_tileshard.mmcore"):
+        with caplog.at_level(logging.ERROR, logger="napari_tileshard.apps.mmcore"):
             core.mda.run(sequence)  # stopped, not a MemoryError
     finally:
         detach()
@@ -458,7 +458,7 @@ def test_without_the_core_the_overflow_still_comes_with_the_explanation(core, ca
     sink = _slow_sink(out)
     detach = sink.attach(core.mda.events)
     try:
-        with caplog.at_level(logging.ERROR, logger="napari_tileshard.mmcore"):
+        with caplog.at_level(logging.ERROR, logger="napari_tileshard.apps.mmcore"):
             with pytest.raises(MemoryError, match="Buffer overflowed"):
                 core.mda.run(sequence)
     finally:
@@ -498,7 +498,7 @@ def test_the_stop_decision_and_message_from_the_frame_metadata_alone(tmp_path, s
     128x512 uint16; the camera at 1000 frames/s): the MDA is stopped once 12 frames wait (three
     quarters of the buffer), once; the message says whether the sink (its queue full) or the MDA
     thread was slow; close() raises it; the store holds every frame received and verifies."""
-    from napari_tileshard.mmcore import SinkFellBehindError
+    from napari_tileshard.apps.mmcore import SinkFellBehindError
 
     meta = {
         "image_infos": [{"width": 512, "height": 128, "dtype": "uint16", "pixel_size_um": 1.0}],

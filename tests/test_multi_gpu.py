@@ -7,7 +7,7 @@ import pytest
 from conftest import read_back
 
 from napari_tileshard import Dim, Layout, SyntheticCamera, Writer
-from napari_tileshard.backends import gpu_unavailable_reason
+from napari_tileshard.engine.backends import gpu_unavailable_reason
 
 
 def layout(frames=0):

@@ -8,9 +8,9 @@ import pytest
 import zarr
 
 from napari_tileshard import Dim, Layout, MultiWriter, SyntheticCamera, verify
-from napari_tileshard.backends import gpu_unavailable_reason
-from napari_tileshard.multi_writer import collection_streams
-from napari_tileshard.store import overwrite_refusal
+from napari_tileshard.engine.backends import gpu_unavailable_reason
+from napari_tileshard.engine.multi_writer import collection_streams
+from napari_tileshard.storage.overwrite import overwrite_refusal
 
 LEFT = Layout([Dim("t", 0, 4, 2), Dim("y", 48, 16, 2), Dim("x", 40, 16, 2)], "uint16")
 RIGHT = Layout([Dim("t", 0, 2, 1), Dim("y", 24, 8, 2), Dim("x", 32, 16, 1)], "uint8")
@@ -159,7 +159,7 @@ def test_a_zarr_store_as_the_root_holds_every_stream_under_its_path():
 
 
 def test_the_recorder_records_several_streams_headless(tmp_path):
-    from napari_tileshard.recorder import Recorder, RecorderSettings
+    from napari_tileshard.apps.recorder import Recorder, RecorderSettings
 
     settings = RecorderSettings(
         output=str(tmp_path / "rec.zarr"), layout=LEFT, streams={"l": LEFT, "r": RIGHT}, backend="cpu", source="l"

@@ -9,8 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from napari_tileshard import Dim, Layout, SyntheticCamera, verify
-from napari_tileshard.pyramid import plan_pyramid, reduce2
-from napari_tileshard.writer import Writer
+from napari_tileshard.engine.writer import Writer
+from napari_tileshard.format.pyramid import plan_pyramid, reduce2
 
 METHODS = ["mean", "max", "min", "decimate"]
 

@@ -7,8 +7,8 @@ import zarr
 pytest.importorskip("napari")
 pytest.importorskip("qtpy")
 
-from napari_tileshard import Dim, Layout, SyntheticCamera, Writer, verify  # noqa: E402
-from napari_tileshard.recorder import RecorderSettings  # noqa: E402
+from napari_tileshard import Dim, Layout, SyntheticCamera, Writer, verify
+from napari_tileshard.apps.recorder import RecorderSettings
 
 pytestmark = pytest.mark.qt
 
@@ -159,7 +159,7 @@ def test_reader_writer_and_sample_contributions(make_napari_viewer, tmp_path):
 
 
 def test_reader_declines_what_it_cannot_read(tmp_path):
-    from napari_tileshard._reader import napari_get_reader
+    from napari_tileshard.apps.napari_reader import napari_get_reader
 
     (tmp_path / "notes.txt").write_text("x")
     assert napari_get_reader(str(tmp_path / "notes.txt")) is None

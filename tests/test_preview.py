@@ -1,4 +1,4 @@
-"""The recorder's preview data (napari_tileshard.preview): complete rows only, lazily, the frames
+"""The recorder's preview data (napari_tileshard.apps.preview): complete rows only, lazily, the frames
 read back on the recorder thread standing in for their rows."""
 
 import math
@@ -9,8 +9,8 @@ import pytest
 import zarr
 
 from napari_tileshard import Dim, Layout, SyntheticCamera, Writer
-from napari_tileshard.preview import MAX_BLOCKS, RecentFrames, complete_rows, preview_data, read_newest
-from napari_tileshard.safe_read import SafeLocalStore
+from napari_tileshard.apps.preview import MAX_BLOCKS, RecentFrames, complete_rows, preview_data, read_newest
+from napari_tileshard.storage.safe_read import SafeLocalStore
 
 
 @pytest.fixture
@@ -80,7 +80,7 @@ def test_napari_draw_reads_only_the_shown_rows_tiles(make_napari_viewer, qtbot, 
     assert layer.data_level == 0  # level 0 was drawn (the thumbnail is the coarsest level)
     np.testing.assert_array_equal(np.asarray(layer.data[0][101]), data[101])
     # The same levels handed to napari as zarr arrays read every epoch per draw: what this guards against.
-    from napari_tileshard.ome import open_levels
+    from napari_tileshard.reader.levels import open_levels
 
     layer.data = open_levels(out)
     assert len(draw(101)) == 100

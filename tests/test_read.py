@@ -13,12 +13,12 @@ from hypothesis import strategies as st
 from zarr.codecs import BloscCodec, GzipCodec, ZstdCodec
 
 from napari_tileshard import Dim, Layout, ShardReader, Writer
-from napari_tileshard import read as read_module
-from napari_tileshard.backends import gpu_unavailable_reason
-from napari_tileshard.format import ShardIndexError
-from napari_tileshard.read import ChunkDecodeError, LazySelection, unit_boxes
-from napari_tileshard.read_gpu import block_params, plan_batches, slot_elements, untile_emulated, untile_tables
-from napari_tileshard.read_plan import pack_runs
+from napari_tileshard.engine.backends import gpu_unavailable_reason
+from napari_tileshard.format.shard_spec import ChunkDecodeError, ShardIndexError
+from napari_tileshard.reader import shard_reader as read_module
+from napari_tileshard.reader.gpu import block_params, plan_batches, slot_elements, untile_emulated, untile_tables
+from napari_tileshard.reader.plan import pack_runs
+from napari_tileshard.reader.shard_reader import LazySelection, unit_boxes
 
 COMPRESSORS = {
     "zstd": lambda: [ZstdCodec(level=1)],
@@ -119,7 +119,7 @@ def test_plan_is_deterministic_and_owned_by_partitions(tmp_path):
 @settings(max_examples=50, deadline=None)
 @given(reads=st.integers(0, 40), world=st.integers(1, 7))
 def test_owned_by_is_an_exact_partition(reads, world):
-    from napari_tileshard.read_plan import Read, ReadPlan
+    from napari_tileshard.reader.plan import Read, ReadPlan
 
     empty = np.zeros(1, np.int64)
     plan = ReadPlan((1,), (1,), [], [Read(i, f"k{i}", 0, 0, 1, empty, empty, empty, empty) for i in range(reads)])
@@ -515,7 +515,7 @@ def test_gpu_read_refuses_a_corrupt_chunk(tmp_path):
 
 
 def test_napari_reader_uses_shard_reader_and_rolls_back(tmp_path, monkeypatch):
-    from napari_tileshard._reader import read_zarr
+    from napari_tileshard.apps.napari_reader import read_zarr
 
     layout = Layout([Dim("t", 0, 2, 2), Dim("y", 37, 16, 2), Dim("x", 45, 16, 2)], "uint16")
     data = _data((8, 37, 45), "uint16")
@@ -545,7 +545,7 @@ def test_napari_reader_uses_shard_reader_and_rolls_back(tmp_path, monkeypatch):
 def test_napari_reader_re_reads_a_plane_from_its_chunk_cache(tmp_path, monkeypatch):
     """Scrubbing back: the plane shown before comes from the decoded-chunk cache, with no store
     read and no decoding; the cache stays within its cap (TILESHARD_CACHE_BYTES)."""
-    from napari_tileshard._reader import read_zarr
+    from napari_tileshard.apps.napari_reader import read_zarr
 
     layout = Layout([Dim("t", 0, 2, 2), Dim("y", 64, 16, 2), Dim("x", 64, 16, 2)], "uint16")
     data = _data((12, 64, 64), "uint16")
@@ -576,9 +576,9 @@ def test_preview_verify_and_inspector_check_read_through_shard_reader(tmp_path, 
     """The recorder's read-back and verify's decode check (the inspector's chunk check) read
     coalesced ranges, not one request per chunk; TILESHARD_READER=zarr goes back to the old
     reads with the same results."""
-    from napari_tileshard.preview import read_first, read_newest
-    from napari_tileshard.safe_read import StoreObject
-    from napari_tileshard.verify import verify
+    from napari_tileshard.apps.preview import read_first, read_newest
+    from napari_tileshard.apps.verify import verify
+    from napari_tileshard.storage.safe_read import StoreObject
 
     layout = Layout([Dim("t", 0, 2, 2), Dim("y", 64, 16, 2), Dim("x", 64, 16, 2)], "uint16")
     data = _data((12, 64, 64), "uint16")

@@ -5,7 +5,7 @@ import pytest
 from conftest import read_back
 
 from napari_tileshard import Dim, Layout, SyntheticCamera, verify
-from napari_tileshard.recorder import Recorder, RecorderSettings
+from napari_tileshard.apps.recorder import Recorder, RecorderSettings
 
 
 def layout(size=(48, 40)):
@@ -91,7 +91,7 @@ def test_drop_policy_counts_every_dropped_frame_under_slow_storage(tmp_path, mon
     accepted + dropped equals what the source offered."""
     import time
 
-    from napari_tileshard.store import DirectorySink
+    from napari_tileshard.storage.sinks import DirectorySink
 
     real_write = DirectorySink.write
 

@@ -9,9 +9,9 @@ import zarr
 pytest.importorskip("napari")
 pytest.importorskip("qtpy")
 
-from napari_tileshard import Dim, Layout, Writer, verify  # noqa: E402
-from napari_tileshard.inspect_shards import inspect_array  # noqa: E402
-from napari_tileshard.recorder import RecorderSettings  # noqa: E402
+from napari_tileshard import Dim, Layout, Writer, verify
+from napari_tileshard.apps.inspect_shards import inspect_array
+from napari_tileshard.apps.recorder import RecorderSettings
 
 pytestmark = pytest.mark.qt
 

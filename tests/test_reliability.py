@@ -21,7 +21,7 @@ def test_sigkill_mid_recording_leaves_completed_epochs(tmp_path):
         [
             sys.executable,
             "-m",
-            "napari_tileshard.cli",
+            "napari_tileshard",
             "record",
             str(out),
             "--shape",
@@ -127,7 +127,7 @@ def test_huge_declared_shape_is_refused_without_allocating(tmp_path):
     import tracemalloc
 
     from napari_tileshard import Dim, Layout, Writer
-    from napari_tileshard._reader import napari_get_reader
+    from napari_tileshard.apps.napari_reader import napari_get_reader
 
     layout = Layout([Dim("t", 0, 2, 1), Dim("y", 8, 4, 1), Dim("x", 8, 4, 1)], "uint16")
     path = tmp_path / "hostile.zarr"
@@ -196,7 +196,7 @@ def test_record_on_a_disk_remounted_read_only_ends_with_the_first_failure(tmpfs)
         [
             sys.executable,
             "-m",
-            "napari_tileshard.cli",
+            "napari_tileshard",
             "record",
             str(out),
             "--shape",

@@ -25,15 +25,15 @@ moto_server = pytest.importorskip("moto.server", reason="the test extra (moto[se
 boto3 = pytest.importorskip("boto3", reason="the test extra (boto3) is not installed")
 
 from napari_tileshard import Dim, Layout, StoreExistsError, Writer, WriterError  # noqa: E402
-from napari_tileshard.object_store import (  # noqa: E402
+from napari_tileshard.apps.verify import verify  # noqa: E402
+from napari_tileshard.storage.object_store import (  # noqa: E402
     MAX_PART_SIZE,
     MAX_PARTS,
     ObjectStoreError,
     ObjectStoreSink,
     part_size_for,
 )
-from napari_tileshard.store import open_sink, resolve_store  # noqa: E402
-from napari_tileshard.verify import verify  # noqa: E402
+from napari_tileshard.storage.urls import open_sink, resolve_store  # noqa: E402
 
 KEY, SECRET, REGION = "testing-key", "testing-secret", "us-east-1"
 FAST_RETRY = {"max_retries": 1, "retry_timeout": timedelta(seconds=3)}
@@ -359,7 +359,7 @@ def test_transient_slowdown_responses_are_retried(s3, proxy):
 
 
 def test_cli_records_and_verifies_an_s3_url_and_ome_groups_work(s3):
-    from napari_tileshard.cli import main
+    from napari_tileshard.apps.cli import main
 
     url = f"s3://{s3.bucket}/cli.zarr"
     small = ["--shape", "0,32,32", "--tile", "2,16,16", "--tiles-per-shard", "1,1,1", "--backend", "cpu"]
@@ -380,8 +380,8 @@ def test_cli_records_and_verifies_an_s3_url_and_ome_groups_work(s3):
 
 
 def test_napari_reader_and_inspector_open_an_s3_url(s3):
-    from napari_tileshard._reader import napari_get_reader
-    from napari_tileshard.inspect_shards import inspect_array
+    from napari_tileshard.apps.inspect_shards import inspect_array
+    from napari_tileshard.apps.napari_reader import napari_get_reader
 
     url = f"s3://{s3.bucket}/view.zarr"
     with Writer(url, LAYOUT, backend="cpu") as writer:
@@ -407,7 +407,7 @@ def test_sigkill_while_recording_to_s3_leaves_only_complete_claimed_shards(s3):
 
     url = f"s3://{s3.bucket}/killed.zarr"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "napari_tileshard.cli", "record", url, "--shape", "0,64,48", "--tile", "4,32,16"]
+        [sys.executable, "-m", "napari_tileshard", "record", url, "--shape", "0,64,48", "--tile", "4,32,16"]
         + ["--tiles-per-shard", "2,1,2", "--frames", "100000", "--fps", "400", "--backend", "cpu", "--seed", "7"]
         + ["--no-progress"],
         stdout=subprocess.DEVNULL,
@@ -522,7 +522,7 @@ def test_a_recording_stops_promptly_when_its_endpoint_dies_or_freezes(s3, fault,
     forwarder = TcpForwarder(s3.endpoint)
     url = f"s3://{s3.bucket}/h.zarr"
     env = {**os.environ, "AWS_ENDPOINT_URL": forwarder.endpoint}
-    command = [sys.executable, "-m", "napari_tileshard.cli", "record", url, "--shape", "0,64,48", "--tile", "4,32,16"]
+    command = [sys.executable, "-m", "napari_tileshard", "record", url, "--shape", "0,64,48", "--tile", "4,32,16"]
     command += ["--tiles-per-shard", "2,1,2", "--fps", "400", "--backend", "cpu", "--io-timeout", "3", "--no-progress"]
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -594,8 +594,8 @@ def foreign_loop_calls(monkeypatch):
 
 def test_no_obstore_thread_calls_into_python_when_recording_verifying_or_reading_s3(s3, foreign_loop_calls):
     from napari_tileshard import ShardReader
-    from napari_tileshard._reader import napari_get_reader
-    from napari_tileshard.object_store import ThreadedObjectStore
+    from napari_tileshard.apps.napari_reader import napari_get_reader
+    from napari_tileshard.storage.object_store import ThreadedObjectStore
 
     url = f"s3://{s3.bucket}/quiet.zarr"
     with Writer(url, LAYOUT, backend="cpu", ome=True) as writer:
@@ -669,7 +669,9 @@ def test_verify_s3_exits_with_its_verdict_even_when_obstore_threads_are_late_in_
     damaged[10] ^= 0xFF
     s3.client.put_object(Bucket=s3.bucket, Key="exit-bad.zarr/c/0/0/0", Body=bytes(damaged))
     code = (
-        "import runpy\n" + HOLD_HOOK + "runpy.run_module('napari_tileshard.cli', run_name='__main__', alter_sys=True)"
+        "import runpy\n"
+        + HOLD_HOOK
+        + "runpy.run_module('napari_tileshard.apps.cli', run_name='__main__', alter_sys=True)"
     )
     env = dict(os.environ, PYTHONFAULTHANDLER="1")
     outcomes = []

@@ -17,10 +17,10 @@ from hypothesis import strategies as st
 from test_layout import layouts
 
 from napari_tileshard import Dim, Layout
-from napari_tileshard.backends.gpu import _ALIGN, _round_up
-from napari_tileshard.backends.stages import aggregate, compress, reduce, tile
+from napari_tileshard.engine.backends.gpu import _ALIGN, _round_up
+from napari_tileshard.engine.backends.stages import aggregate, compress, reduce, tile
 from napari_tileshard.format import codecs
-from napari_tileshard.pyramid import plan_pyramid
+from napari_tileshard.format.pyramid import plan_pyramid
 
 LAYOUTS = [  # scripts/sanitize_kernels.py's, plus the README's
     Layout([Dim("t", 0, 3, 2), Dim("y", 37, 8, 3), Dim("x", 29, 16, 1)], "uint16"),

@@ -15,18 +15,13 @@ import pytest
 import zarr
 
 from napari_tileshard import Dim, Layout, Writer
-from napari_tileshard.cli import main
-from napari_tileshard.format import array_metadata
-from napari_tileshard.store import (
-    LOCK_NAME,
-    DirectorySink,
-    StoreExistsError,
-    StoreLockedError,
-    StoreVanishedError,
-    ZarrStoreSink,
-    list_shard_keys,
-    metadata_bytes,
-)
+from napari_tileshard.apps.cli import main
+from napari_tileshard.format.metadata import metadata_bytes
+from napari_tileshard.format.shard_spec import array_metadata
+from napari_tileshard.storage.errors import StoreExistsError, StoreLockedError, StoreVanishedError
+from napari_tileshard.storage.overwrite import LOCK_NAME
+from napari_tileshard.storage.sinks import DirectorySink, ZarrStoreSink
+from napari_tileshard.storage.urls import list_shard_keys
 
 LAYOUT = Layout([Dim("t", 0, 2, 1), Dim("y", 8, 4, 1), Dim("x", 8, 4, 1)], "uint16")
 
@@ -249,7 +244,7 @@ def test_a_stale_lock_is_taken_over(tmp_path, caplog):
     pid = dead_pid()
     path = tmp_path / "s.zarr"
     write_lock(path, pid=pid)
-    with caplog.at_level(logging.WARNING, logger="napari_tileshard.store"):
+    with caplog.at_level(logging.WARNING, logger="napari_tileshard.storage.sinks"):
         sink = DirectorySink(path, overwrite=True)
     assert str(pid) in caplog.text
     assert json.loads((path / LOCK_NAME).read_text())["pid"] == os.getpid()

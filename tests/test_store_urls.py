@@ -10,7 +10,8 @@ import zarr
 from zarr.core.buffer import default_buffer_prototype
 
 from napari_tileshard import Dim, Layout, StoreExistsError, Writer
-from napari_tileshard.store import ZarrStoreSink, open_sink, resolve_store
+from napari_tileshard.storage.sinks import ZarrStoreSink
+from napari_tileshard.storage.urls import open_sink, resolve_store
 
 LAYOUT = Layout([Dim("t", 0, 2, 1), Dim("y", 8, 4, 1), Dim("x", 8, 4, 1)], "uint16")
 FRAMES = np.arange(4 * 64, dtype=np.uint16).reshape(4, 8, 8)
@@ -48,7 +49,7 @@ def test_a_private_memory_store_is_written_inline_with_the_same_objects():
     """``memory://``'s MemoryStore is the sink's alone: its coroutines run on the writing thread
     (no round trip through zarr's event loop per shard), and the objects are those of a
     recording into a caller's MemoryStore, written through zarr's loop."""
-    from napari_tileshard._zarr_sync import run_inline
+    from napari_tileshard.storage._zarr_sync import run_inline
 
     def objects(store) -> dict:
         async def collect():

@@ -8,7 +8,7 @@ import pytest
 import zarr
 
 from napari_tileshard import Dim, Layout, SyntheticCamera, Writer, verify
-from napari_tileshard.cli import main
+from napari_tileshard.apps.cli import main
 
 
 @pytest.fixture
@@ -73,7 +73,7 @@ def test_record_cli(tmp_path):
         [
             sys.executable,
             "-m",
-            "napari_tileshard.cli",
+            "napari_tileshard",
             "record",
             str(out),
             "--shape",
@@ -103,7 +103,7 @@ def test_record_cli(tmp_path):
     assert array.metadata.dimension_names == ("t", "y", "x")
     np.testing.assert_array_equal(array[:], SyntheticCamera((96, 80), "uint16", seed=5).stack(21))
     again = subprocess.run(
-        [sys.executable, "-m", "napari_tileshard.cli", "record", str(out), "--frames", "1", "--backend", "cpu"],
+        [sys.executable, "-m", "napari_tileshard", "record", str(out), "--frames", "1", "--backend", "cpu"],
         capture_output=True,
         text=True,
         timeout=60,

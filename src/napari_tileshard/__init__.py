@@ -1,13 +1,14 @@
 """napari-tileshard: stream microscope frames into sharded Zarr v3 arrays, on the GPU or the CPU."""
 
-from .backends import release_gpu_memory
-from .camera import SyntheticCamera
-from .layout import MAX_RANK, SUPPORTED_DTYPES, Dim, Layout
-from .multi_writer import MultiWriter
-from .read import ShardReader
-from .store import Sink, StoreExistsError, StoreLockedError, StoreVanishedError
-from .verify import VerifyReport, verify
-from .writer import Writer, WriterError, WriterStats
+from .apps.camera import SyntheticCamera
+from .apps.verify import VerifyReport, verify
+from .engine.backends.gpu import release_gpu_memory
+from .engine.multi_writer import MultiWriter
+from .engine.writer import Writer, WriterError, WriterStats
+from .format.layout import MAX_RANK, SUPPORTED_DTYPES, Dim, Layout
+from .reader.shard_reader import ShardReader
+from .storage.errors import StoreExistsError, StoreLockedError, StoreVanishedError
+from .storage.sinks import Sink
 
 __version__ = "0.1.0"
 

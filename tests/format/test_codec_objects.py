@@ -12,8 +12,8 @@ import pytest
 import zstandard
 from zarr.codecs import BloscCodec, BytesCodec, GzipCodec, ZstdCodec
 
-from napari_tileshard.format import (
-    CODECS,
+from napari_tileshard.format import CODECS, codecs
+from napari_tileshard.format.codecs import (
     REGISTRY,
     Blosc,
     BloscLz4,
@@ -22,7 +22,6 @@ from napari_tileshard.format import (
     Gzip,
     Raw,
     Zstd,
-    codecs,
     from_zarr_codecs,
     get,
     gpu_decode_support,
@@ -256,7 +255,7 @@ def test_gpu_descriptions():
 
 
 def test_nvcomp_needs_no_gpu_to_import_or_to_say_why():
-    from napari_tileshard.format import nvcomp
+    from napari_tileshard.gpu import nvcomp
 
     assert nvcomp.ALGORITHMS == ("zstd",)
     assert nvcomp.decompress_unavailable_reason("lz4") == "nvCOMP's lz4 is not bound in format/nvcomp.py"

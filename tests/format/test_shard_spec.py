@@ -11,20 +11,10 @@ import zarr
 from zarr.codecs import BloscCodec, BytesCodec, GzipCodec, ShardingCodec, ZstdCodec
 
 from napari_tileshard import Dim, Layout, ShardReader, SyntheticCamera, Writer, verify
-from napari_tileshard.format import (
-    EMPTY,
-    Blosc,
-    BloscLz4,
-    Gzip,
-    Opaque,
-    Raw,
-    ShardIndexError,
-    ShardSpec,
-    UnsupportedArray,
-    Zstd,
-    array_metadata,
-)
-from napari_tileshard.store import metadata_bytes
+from napari_tileshard.format import EMPTY
+from napari_tileshard.format.codecs import Blosc, BloscLz4, Gzip, Opaque, Raw, Zstd
+from napari_tileshard.format.metadata import metadata_bytes
+from napari_tileshard.format.shard_spec import ShardIndexError, ShardSpec, UnsupportedArray, array_metadata
 
 LAYOUT = Layout([Dim("t", 0, 2, 2), Dim("y", 21, 8, 2), Dim("x", 19, 5, 3)], "uint16")
 
@@ -496,7 +486,7 @@ def _damaged_store(path):
 def test_verify_reports_every_index_problem(tmp_path, monkeypatch, block):
     import sys
 
-    verify_module = sys.modules["napari_tileshard.verify"]  # the package's ``verify`` is the function
+    verify_module = sys.modules["napari_tileshard.apps.verify"]  # the package's ``verify`` is the function
     if block:  # the streamed index of huge shards, checked block by block
         monkeypatch.setattr(verify_module, "_INDEX_BLOCK_ENTRIES", block)
     report = verify(_damaged_store(tmp_path / "d.zarr"))

@@ -1,6 +1,6 @@
 """The "Inspect shards" dock widget: shard/tile grids, per-chunk compression map, shard table.
 
-Everything it shows comes from :func:`napari_tileshard.inspect_shards.inspect_array`, which
+Everything it shows comes from :func:`napari_tileshard.apps.inspect_shards.inspect_array`, which
 reads only shard indexes.  Grids are 2-D Shapes layers over the last two dimensions (napari
 broadcasts them along the others, e.g. the append dimension); the per-chunk map is an image
 on the chunk grid scaled by the chunk shape, so it lies on the data at every zoom.
@@ -24,7 +24,8 @@ from qtpy.QtWidgets import (
     QWidget,
 )
 
-from ..inspect_shards import EMPTY_CHUNK, Inspection, inspect_array
+from ..apps.inspect_shards import EMPTY_CHUNK, Inspection, inspect_array
+from ..apps.verify import verify
 
 _COLUMNS = ("shard", "file bytes", "chunks", "mean ratio", "index CRC", "chunk check")
 
@@ -274,8 +275,6 @@ class InspectorWidget(QWidget):
 
         from napari.qt.threading import thread_worker
         from napari.utils import progress
-
-        from ..verify import verify
 
         if not self.path:
             return None

@@ -5,7 +5,7 @@ Policy, in order of the recording:
 * on Start, a placeholder of zeros (multiscale when the recording is) takes the layer's place, so
   creating the layer costs the GUI a moment on the click rather than mid-recording;
 * per completed shard epoch, the store is reopened limited to the complete rows
-  (:func:`napari_tileshard.preview.preview_data`), at most every 200 ms: progress can arrive tens of
+  (:func:`napari_tileshard.apps.preview.preview_data`), at most every 200 ms: progress can arrive tens of
   times a second, faster than the GUI thread can redraw a pyramid;
 * the slider follows the newest frame unless the user moved it away from the last one;
 * on the end of the recording, every written row.
@@ -21,9 +21,9 @@ from pathlib import Path
 import numpy as np
 from qtpy.QtCore import QObject, QTimer
 
-from ..preview import RecentFrames, contrast_limits, preview_data, shape_of, warm_up_dask_in_background
-from ..pyramid import Pyramid
-from ..recorder import RecorderSettings
+from ..apps.preview import RecentFrames, contrast_limits, preview_data, shape_of, warm_up_dask_in_background
+from ..apps.recorder import RecorderSettings
+from ..format.pyramid import Pyramid
 
 COALESCE_MS = 200
 

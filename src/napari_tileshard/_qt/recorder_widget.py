@@ -6,7 +6,7 @@ and the preview layer, and adds the Start/Stop/Inspect buttons and the live stat
                                                       v
                                                     PreviewLayer (preview_layer.py)
 
-The recording loop itself is :class:`napari_tileshard.recorder.Recorder`, free of Qt.
+The recording loop itself is :class:`napari_tileshard.apps.recorder.Recorder`, free of Qt.
 """
 
 from __future__ import annotations
@@ -16,8 +16,11 @@ from pathlib import Path
 from qtpy.QtCore import QEvent, QTimer, Signal
 from qtpy.QtWidgets import QHBoxLayout, QLabel, QPushButton, QVBoxLayout, QWidget
 
-from ..recorder import RecorderSettings, RecorderStats
-from ..recorder_form import next_output
+from ..apps.mmcore import MMCORE_SOURCE, MDARecorder
+from ..apps.recorder import RecorderSettings, RecorderStats
+from ..apps.recorder_form import next_output
+from ..engine.writer import Writer
+from .inspector_widget import InspectorWidget
 from .preview_layer import PreviewLayer
 from .recording_controller import RecordingController
 from .settings_form import SettingsForm
@@ -97,7 +100,6 @@ class RecorderWidget(QWidget):
             self.form.show_error(f"cannot start: {self.form.message.text()}")
             return
         settings = self.form.settings
-        from ..mmcore import MMCORE_SOURCE
 
         if settings.source == MMCORE_SOURCE:
             self._start_mda_recording(settings)
@@ -127,8 +129,6 @@ class RecorderWidget(QWidget):
     def _start_mda_recording(self, settings: RecorderSettings) -> None:
         """From Start to Stop every MDA run on the core is recorded by a TileShardSink on the MDA
         thread (each run into a store of its own); the frames never pass through the GUI thread."""
-        from ..mmcore import MDARecorder
-
         core = self.mmcore
         if core is None:
             from pymmcore_plus import CMMCorePlus
@@ -179,8 +179,6 @@ class RecorderWidget(QWidget):
 
     def inspect(self):
         """Dock the shard inspector on the recording (works during a recording too: Refresh)."""
-        from .inspector_widget import InspectorWidget
-
         inspector = InspectorWidget(self.viewer)
         self.viewer.window.add_dock_widget(inspector, name="Inspect shards", area="right")
         target = self.form.output_text
@@ -225,8 +223,6 @@ class RecorderWidget(QWidget):
         if signature == self._warmed:
             return
         from napari.qt.threading import create_worker
-
-        from ..writer import Writer
 
         worker = create_worker(Writer.warm_up, layout, _start_thread=False, **options)
         worker.returned.connect(lambda _: setattr(self, "_warmed", signature))

@@ -1,4 +1,4 @@
-"""Start and stop one recording: the Qt-free :class:`~napari_tileshard.recorder.Recorder` on a
+"""Start and stop one recording: the Qt-free :class:`~napari_tileshard.apps.recorder.Recorder` on a
 QThread, frames from an image layer or the synthetic camera, and finalisation of the store
 however the recording ends (Stop, an error, the dock or the whole viewer closing).
 """
@@ -11,8 +11,8 @@ from dataclasses import replace
 import numpy as np
 from qtpy.QtCore import QEvent, QObject, QThread, Signal
 
-from ..preview import read_first, read_newest
-from ..recorder import Recorder, RecorderSettings, RecorderStats
+from ..apps.preview import read_first, read_newest
+from ..apps.recorder import Recorder, RecorderSettings, RecorderStats
 
 
 class _RecorderThread(QThread):
@@ -23,7 +23,7 @@ class _RecorderThread(QThread):
     hold back frames) nor on the GUI thread (no tile decoding on the event loop).  The reader
     keeps only the latest progress: when reads are slower than shard epochs complete, it skips
     to the newest.  With its first read it also brings back row 0 of every level
-    (:func:`~napari_tileshard.preview.read_first`): napari slices that row once, when the first
+    (:func:`~napari_tileshard.apps.preview.read_first`): napari slices that row once, when the first
     rows replace the preview's placeholder.
     """
 

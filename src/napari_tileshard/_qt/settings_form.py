@@ -3,8 +3,8 @@
 The settings are magicgui widgets (``form.codec.value``, ``form.output`` a ``FileEdit``) laid out
 by a QFormLayout; the dimension table is a QTableWidget (a row per dim, editable in place).
 
-Parsing and the derived figures are :mod:`napari_tileshard.recorder_form` (Qt-free); this module
-moves values between widgets and :class:`~napari_tileshard.recorder.RecorderSettings`, and shows
+Parsing and the derived figures are :mod:`napari_tileshard.apps.recorder_form` (Qt-free); this module
+moves values between widgets and :class:`~napari_tileshard.apps.recorder.RecorderSettings`, and shows
 what is wrong with them.
 """
 
@@ -26,12 +26,21 @@ from qtpy.QtWidgets import (
     QWidget,
 )
 
-from ..backends import gpu_unavailable_reason
+from ..apps.mmcore import MMCORE_SOURCE, mmcore_available
+from ..apps.recorder import POLICIES, RecorderSettings
+from ..apps.recorder_form import (
+    COLUMNS,
+    DEFAULT_DIMS,
+    SYNTHETIC,
+    figures,
+    frame_dims,
+    layout_from_rows,
+    rows_for_frames,
+)
+from ..engine.backends import gpu_unavailable_reason
 from ..format import codecs
-from ..layout import SUPPORTED_DTYPES
-from ..pyramid import DOWNSAMPLE
-from ..recorder import POLICIES, RecorderSettings
-from ..recorder_form import COLUMNS, DEFAULT_DIMS, SYNTHETIC, figures, frame_dims, layout_from_rows, rows_for_frames
+from ..format.layout import SUPPORTED_DTYPES
+from ..format.pyramid import DOWNSAMPLE
 
 # The one colour set by hand: errors must read as errors on both napari themes, and the themes'
 # own "error" colour is too dark to read as text on the dark one.
@@ -210,7 +219,6 @@ class SettingsForm(QWidget):
         from napari.layers import Image
 
         current = self.source.value
-        from ..mmcore import MMCORE_SOURCE, mmcore_available
 
         names = [SYNTHETIC] + [
             layer.name

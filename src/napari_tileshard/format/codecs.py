@@ -12,7 +12,7 @@ an inner codec chain is matched against them.  One object serves both directions
   :meth:`Codec.min_encoded_bytes`/:meth:`Codec.max_encoded_bytes` bound what a shard index may
   claim for a chunk;
 * the GPU: ``gpu`` says what nvCOMP does for the codec (its batched algorithm, used to encode and
-  to decode; :mod:`napari_tileshard.format.nvcomp` binds it), described here, never imported.
+  to decode; :mod:`napari_tileshard.gpu.nvcomp` binds it), described here, never imported.
 
 ``writable``: the codecs the writer offers (:data:`CODECS`, the CLI's and the widget's choices,
 what :func:`get` returns).  The others (gzip, blosc with another compressor or shuffle) are read,

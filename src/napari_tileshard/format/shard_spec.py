@@ -64,7 +64,7 @@ class UnsupportedArray(ValueError):
 
 
 class LayoutLike(Protocol):
-    """What :meth:`ShardSpec.from_layout` takes of a :class:`~napari_tileshard.layout.Layout`."""
+    """What :meth:`ShardSpec.from_layout` takes of a :class:`~napari_tileshard.format.layout.Layout`."""
 
     @property
     def shape(self) -> tuple[int, ...]: ...

@@ -1,0 +1,305 @@
+"""napari reader: any Zarr v3 array (or a group's arrays), opened lazily with its axis names.
+
+napari offers every path a user drops to every reader, so ``napari_get_reader`` must decide
+without trusting the path: it reads ``zarr.json`` through :mod:`napari_tileshard.storage.safe_read`
+(regular file inside the store, capped size and nesting) and answers None for anything else,
+never raising and never blocking.  Arrays are then built from that checked metadata over a
+store that reads only regular files inside the store.
+
+An array written by the Writer records in its attributes how many rows along dim 0 are fully
+on disk (``tileshard.rows_written``); a bounded array's shape is its declared size from the
+start, so after a crash the rows past ``rows_written`` would show as fill value: only the
+written rows are shown, and the layer metadata says so.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..reader.levels import _levels
+from ..reader.shard_reader import ShardReader, cache_bytes_setting, reader_setting
+from ..storage.object_store import is_object_store_url
+from ..storage.safe_read import StoreAccess, read_local_metadata, recording_state
+
+
+def napari_get_reader(path):
+    """Return a reader for a Zarr v3 store path, or None so that other readers get their turn."""
+    try:
+        if isinstance(path, list):
+            path = path[0] if len(path) == 1 else None
+        if not isinstance(path, (str, Path)):
+            return None
+
+        if _is_object_url(path):  # s3://, gs://, az://: metadata read (capped) through the store
+            meta = StoreAccess(path).read_metadata("zarr.json")
+            return read_zarr if isinstance(meta, dict) and meta.get("zarr_format") == 3 else None
+        path = Path(path)
+        if not path.is_dir():
+            return None
+        meta = read_local_metadata(path, "zarr.json")
+    except Exception:  # noqa: BLE001 - not ours (or not safely readable): let other readers try
+        return None
+    return read_zarr if isinstance(meta, dict) and meta.get("zarr_format") == 3 else None
+
+
+def open_lazy(path):
+    """The array (or first array of a group) at ``path``, lazily, with its dimension names.
+
+    An array with the Writer's ``rows_written`` below ``shape[0]`` comes back as a lazy
+    :class:`FirstRows` view of its written rows."""
+    array, names, _ = _open_lazy(path)
+    return array, names
+
+
+def _open_lazy(path):
+    """(array or None, dimension names or None, note on rows not shown or None)."""
+    import zarr
+
+    access = StoreAccess(path)
+    node = access.open_node("")
+    if isinstance(node, zarr.Group):
+        node = next(
+            (child for child in map(access.open_node, _array_children(access)) if isinstance(child, zarr.Array)), None
+        )
+        if node is None:
+            return None, None, None
+    names = node.metadata.dimension_names if node.metadata.zarr_format == 3 else None
+    array, note = written_rows(node)
+    return array, (list(names) if names and all(names) else None), note
+
+
+def _array_children(access):
+    """Child names that hold a zarr node, sorted (zarr-python's ``Group.arrays()`` order)."""
+    for name in access.list_children(""):
+        for meta in ("zarr.json", ".zarray"):
+            try:
+                access.read_metadata(f"{name}/{meta}")
+            except Exception:  # noqa: BLE001 - missing or unreadable: not an array child
+                continue
+            yield name
+            break
+
+
+def written_rows(array):
+    """``(array, note)``: ``array`` itself, or a lazy slice of its first ``rows_written`` rows
+    when the Writer's record says the rest were never written (``note`` says which)."""
+    try:
+        record = recording_state(array.metadata.attributes if array.metadata.zarr_format == 3 else None)
+    except ValueError:  # a malformed record: show the array as it is, like any other tool's
+        record = None
+    if record is None or not array.shape or record[0] >= array.shape[0]:
+        return array, None
+    rows, state = record
+    note = (
+        f"showing rows 0..{rows - 1} of {array.shape[0]}: rows {rows}..{array.shape[0] - 1} were never "
+        f"written (recording state: {state})"
+    )
+    return FirstRows(array, rows), note
+
+
+class FirstRows:
+    """The first ``rows`` rows of an array, lazily: indexing reads only what it selects.
+
+    Not a dask slice: dask's graph has a task per chunk of the whole declared array, which a
+    hostile or merely long ``shape`` makes huge; this costs nothing until indexed.
+    """
+
+    def __init__(self, array, rows: int):
+        import math
+
+        self.array, self.rows = array, int(rows)
+        self.shape = (self.rows,) + tuple(array.shape[1:])
+        self.dtype = array.dtype
+        self.ndim = len(self.shape)
+        self.size = math.prod(self.shape)
+
+    def __len__(self) -> int:
+        return self.rows
+
+    def __getitem__(self, key):
+        import numpy as np
+
+        key = key if isinstance(key, tuple) else (key,)
+        if any(k is Ellipsis for k in key):
+            at = next(i for i, k in enumerate(key) if k is Ellipsis)
+            key = key[:at] + (slice(None),) * (self.ndim - len(key) + 1) + key[at + 1 :]
+        first, rest = (key[0], key[1:]) if key else (slice(None), ())
+        if isinstance(first, slice):
+            start, stop, step = first.indices(self.rows)
+            # zarr takes no negative steps (and a negative stop means "from the end"): spell them out
+            first = slice(start, stop, step) if step > 0 else np.arange(start, stop, step)
+        elif isinstance(first, (int, np.integer)):
+            if not -self.rows <= first < self.rows:
+                raise IndexError(f"row {int(first)} is outside the {self.rows} written rows")
+            first = int(first) % self.rows
+        else:
+            index = np.asarray(first)
+            if index.dtype == bool:
+                if index.shape[:1] != (self.rows,):
+                    raise IndexError(f"boolean index of length {index.shape[:1]} for {self.rows} rows")
+                index = np.flatnonzero(index)
+            if index.size and (index.min() < -self.rows or index.max() >= self.rows):
+                raise IndexError(f"row index outside the {self.rows} written rows")
+            first = index % self.rows if self.rows else index
+        return self.array[(first,) + tuple(rest)]
+
+    def __array__(self, dtype=None, copy=None):
+        import numpy as np
+
+        return np.asarray(self.array[: self.rows], dtype=dtype)
+
+
+MAX_DISPLAY_SLICE_BYTES = 1 << 30
+
+
+def _is_object_url(path) -> bool:
+    return is_object_store_url(path)
+
+
+def read_zarr(path):
+    path = path[0] if isinstance(path, list) else path
+    path = path if _is_object_url(path) else Path(path)  # Path() would fold "s3://" into "s3:/"
+    import zarr
+
+    access = StoreAccess(path)
+    root = access.open_node("")
+    levels = _levels(access, root)
+    if levels:  # OME-Zarr: one multiscale layer; napari reads only the level it displays
+        check_displayable(levels[-1], path)
+        names = levels[0].metadata.dimension_names
+        meta = _meta(path, list(names) if names and all(names) else None)
+        meta["multiscale"] = True
+        scale = _level0_scale(root)
+        if scale and len(scale) == levels[0].ndim:
+            meta["scale"] = scale
+        units = _axis_units(root)
+        if units and len(units) == levels[0].ndim:
+            meta["units"] = units
+        # Lazy: napari's multiscale slicing crops every row of a level before picking one.  Our
+        # reader's LazySelection composes those selections and reads the picked row only; levels
+        # zarr-python reads (or partly written ones) are dask arrays.
+        import dask.array as da
+
+        shown, notes = [], []
+        for level in levels:
+            data, note = written_rows(level)
+            if note:
+                notes.append(f"level {len(shown)}: {note}")
+            if note and data.shape[0] == 0:
+                break  # a coarser level without written rows: napari needs every level non-empty
+            if not note:
+                data = fast_array(access, data, level=len(shown))
+            if isinstance(data, ShardReader):
+                shown.append(data.lazy())
+            else:
+                shown.append(da.from_array(data, chunks=level.shards or level.chunks))
+        if notes:
+            meta["metadata"]["unwritten_rows"] = "; ".join(notes)
+        if not shown:
+            del meta["multiscale"]
+            return [(_empty_like(levels[0]), meta, "image")]
+        return [(shown, meta, "image")]
+    if isinstance(root, zarr.Group):  # not OME: its first array
+        array, names, note = _open_lazy(access)
+    else:
+        names = root.metadata.dimension_names if root.metadata.zarr_format == 3 else None
+        names = list(names) if names and all(names) else None
+        array, note = written_rows(root)
+        if not note:
+            array = fast_array(access, array)
+    if array is not None:
+        check_displayable(array, path)
+    if array is None:
+        return []
+    meta = _meta(path, names)
+    if note:
+        meta["metadata"]["unwritten_rows"] = note
+    if 0 in array.shape:
+        return [(_empty_like(array), meta, "image")]
+    return [(array, meta, "image")]
+
+
+#: decoded chunks napari's reader keeps per array (or OME level), unless ``TILESHARD_CACHE_BYTES``
+#: says otherwise: scrubbing back to a frame seen recently costs no read and no decode
+NAPARI_CACHE_BYTES = 512 << 20
+
+
+def fast_array(access, array, level: int | None = None):
+    """A :class:`~napari_tileshard.reader.shard_reader.ShardReader` over ``array`` (coalesced shard reads, decoded
+    on threads, a cache of decoded chunks) when it reads ``array`` natively, else ``array`` itself
+    (zarr-python): for unsharded arrays, other codec chains, or ``TILESHARD_READER=zarr``.
+
+    The reader is napari's lazy array: napari indexes it with the displayed plane(s) only, and
+    only the chunks those need are planned, read and decoded."""
+    try:
+        if reader_setting() == "zarr":
+            return array
+        cache = cache_bytes_setting(None, NAPARI_CACHE_BYTES)
+        reader = ShardReader(access, level=level, backend="cpu", cache_bytes=cache)
+    except Exception:  # noqa: BLE001 - anything unexpected: zarr-python reads it as before
+        return array
+    if reader.fallback_reason is not None or reader.shape != tuple(array.shape):
+        return array
+    return reader
+
+
+def check_displayable(array, path) -> None:
+    """napari reads a whole 2-D slice at full resolution: refuse declared frames too large for that
+    (a corrupted or hostile zarr.json must not make the viewer allocate its declared size)."""
+    import math
+
+    import numpy as np
+
+    plane = array.shape[-2:] if array.ndim >= 2 else array.shape
+    nbytes = math.prod(plane) * np.dtype(array.dtype).itemsize
+    if nbytes > MAX_DISPLAY_SLICE_BYTES:
+        raise ValueError(
+            f"{path}: frames of shape {tuple(plane)} ({nbytes / 2**30:.1f} GiB each) are too large "
+            f"to display without a multiscale pyramid (limit {MAX_DISPLAY_SLICE_BYTES >> 20} MiB)"
+        )
+
+
+def _level0_scale(group):
+    """Level 0's OME scale transformation (pixel size, frame interval), or None."""
+    try:
+        transforms = group.attrs["ome"]["multiscales"][0]["datasets"][0]["coordinateTransformations"]
+        return [float(v) for v in next(t["scale"] for t in transforms if t.get("type") == "scale")]
+    except (KeyError, IndexError, TypeError, ValueError, StopIteration, AttributeError):
+        return None
+
+
+def _axis_units(group):
+    """The OME axes' units for napari (``layer.units``; "pixel" where an axis has none), or None
+    when none is given or one is not a unit napari knows."""
+    try:
+        axes = group.attrs["ome"]["multiscales"][0]["axes"]
+        units = [axis.get("unit") for axis in axes]
+    except (KeyError, IndexError, TypeError, AttributeError):
+        return None
+    if not any(units):
+        return None
+    import pint
+
+    registry = pint.get_application_registry()
+    try:
+        for unit in units:
+            if unit:
+                registry.Unit(unit)
+    except (pint.errors.UndefinedUnitError, ValueError, TypeError):
+        return None
+    return [unit or "pixel" for unit in units]
+
+
+def _meta(path, names):
+    name = Path(path).stem if isinstance(path, Path) else Path(path.split("://", 1)[1].rstrip("/")).stem
+    meta = {"name": name, "metadata": {"path": str(path)}}
+    if names:
+        meta["axis_labels"] = names
+    return meta
+
+
+def _empty_like(array):
+    import numpy as np
+
+    # napari cannot show a zero-length axis: a single fill-value frame stands in until data arrives.
+    return np.zeros((1,) + tuple(max(1, s) for s in array.shape[1:]), dtype=array.dtype)

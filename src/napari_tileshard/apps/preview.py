@@ -1,0 +1,248 @@
+"""What the recorder's preview layer shows, without Qt or napari.
+
+During a recording the preview shows only the rows whose shard epochs are complete, as dask
+arrays over the store.  They must stay lazy: napari's multiscale slicing crops the displayed dims
+over *every* row of a level before picking the current one, so an eager array here would read
+the whole recording on each draw (docs/benchmarks.md, "GUI responsiveness while recording").
+
+The newest frame of each level is read back on a reader thread (:func:`read_newest`; row 0 too,
+once: :func:`read_first`) and stands in for its row (:class:`RecentFrames`), so the GUI thread does
+not decode the tiles of the frame it is about to show.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import numpy as np
+
+from ..format.pyramid import Pyramid
+from ..reader.levels import open_levels
+from ..reader.shard_reader import ShardReader
+from ..storage.safe_read import StoreAccess
+from .napari_reader import FirstRows, check_displayable, open_lazy
+
+#: Upper bound on the dask blocks of one preview level.  napari's crop of every row makes each
+#: draw cost dask time in proportion to them, on the GUI thread: 13 ms at 4096 blocks, 68 ms at
+#: 16384 (2-core machine).  A long recording gets longer blocks along dim 0 rather than more.
+MAX_BLOCKS = 1 << 12
+#: Upper bound on the blocks along one frame dim, whatever chunk shape the metadata declares.
+MAX_FRAME_BLOCKS_PER_DIM = 32
+
+
+def warm_up_dask_in_background() -> None:
+    """Import dask.array and run one tiny compute on a thread of its own, ahead of the first
+    preview update.
+
+    The import takes about half a second; dask's first compute also imports ``distributed`` when
+    it is installed (to look for a client, whatever the scheduler), another second or more.  On
+    the GUI thread, at the first complete shard epoch, these were the longest stalls of a whole
+    recording.  A later import on the GUI thread waits for this one to finish, so there is
+    nothing to synchronise.  Called when the recorder dock opens, long before Start.
+    """
+    global _dask_warmed
+    if _dask_warmed:
+        return
+    _dask_warmed = True
+
+    def warm_up():
+        import dask.array as da
+
+        da.zeros(1, dtype=np.uint8).compute(scheduler="synchronous")
+
+    threading.Thread(target=warm_up, name="tileshard-warm-up-dask", daemon=True).start()
+
+
+_dask_warmed = False
+
+
+def _read_rows(output, rows_of_level: list) -> list[tuple[int, np.ndarray]]:
+    """``(row, frame)`` per level ``k`` for which ``rows_of_level[k](level_rows)`` names a row
+    (None: skip), read by :class:`~napari_tileshard.reader.shard_reader.ShardReader` (coalesced shard reads,
+    decoded on threads; zarr-python under ``TILESHARD_READER=zarr``).  A fresh reader per call:
+    a recording rewrites its open shards and grows its shape."""
+    frames = []
+    for k, choose in enumerate(rows_of_level):
+        with ShardReader(output, level=k, backend="cpu") as reader:
+            row = choose(reader.shape[0]) if reader.shape else None
+            if row is not None and 0 <= row < reader.shape[0]:
+                frames.append((row, reader[row]))
+    return frames
+
+
+def _level_count(output, ome: bool) -> int | None:
+    """How many levels to read back: 1 for a plain array, the OME levels, None when ``output``
+    is neither (a group holding arrays: read through ``open_lazy`` as before)."""
+    access = StoreAccess(output)
+    levels = open_levels(output) if ome else None
+    if levels:
+        return len(levels)
+    import zarr
+
+    return 1 if isinstance(access.open_node(""), zarr.Array) else None
+
+
+def read_newest(output, pyramid: Pyramid, rows: int, ome: bool) -> list[tuple[int, np.ndarray]]:
+    """``(row, frame)`` of the newest complete row of every level (level 0 first), read from the
+    store.  Decodes tiles: call it on the recorder's thread, not the GUI's."""
+    if rows <= 0:
+        return []
+    count = _level_count(output, ome)
+    if count is not None:
+        choose = [lambda n, k=k: min(pyramid.level_rows(k, rows) if k else rows, n) - 1 for k in range(count)]
+        frames = _read_rows(output, choose)
+        return frames if frames and frames[0][0] == rows - 1 else []
+
+    array, _ = open_lazy(output)
+    return [] if array is None else [(rows - 1, np.asarray(array[rows - 1]))]
+
+
+def read_first(output, ome: bool) -> list[tuple[int, np.ndarray]]:
+    """``(0, frame)``: row 0 of every level (level 0 first), read from the store.
+
+    When the first complete rows replace the placeholder, napari slices the layer at the
+    placeholder's row 0 before the slider can move to the newest row; with this frame in memory
+    that slice costs no decoding on the GUI thread.  Call it on a reader thread.
+    """
+    count = _level_count(output, ome)
+    if count is not None:
+        return _read_rows(output, [lambda n: 0 if n > 0 else None] * count)
+
+    array, _ = open_lazy(output)
+    return [] if array is None or array.shape[0] == 0 else [(0, np.asarray(array[0]))]
+
+
+class RecentFrames:
+    """The frames :func:`read_newest` brought back, the last two per level.
+
+    Two, because replacing the layer's data makes napari re-read the row it shows (the previous
+    newest) before the slider follows to the new newest.
+    """
+
+    keep = 2
+
+    def __init__(self):
+        self._levels: dict[int, dict[int, np.ndarray]] = {}
+
+    def add(self, newest) -> None:
+        for k, (row, frame) in enumerate(newest):
+            recent = self._levels.setdefault(k, {})
+            recent[row] = frame
+            self._levels[k] = dict(sorted(recent.items())[-self.keep :])
+
+    def level(self, k: int) -> dict[int, np.ndarray]:
+        return self._levels.get(k, {})
+
+
+def preview_data(
+    output, rows: int, pyramid: Pyramid, *, ome: bool, final: bool = False, recent: RecentFrames | None = None
+):
+    """``(data, dimension names)`` for the preview layer: the first ``rows`` rows of level 0 (and
+    the rows of every level they complete, as a list, with ``ome``); every written row once
+    ``final``.  ``data`` is None when the store holds no array yet.
+
+    Raises when the store cannot be opened or its frames are too large to display (the caller
+    reports it: the preview is best effort).
+    """
+    levels = open_levels(output) if ome else None
+    array, names = open_lazy(output)
+    if array is None:
+        return None, names
+    recent = recent or RecentFrames()
+    if levels:
+        check_displayable(levels[-1], output)
+        return [
+            complete_rows(
+                level,
+                level.shape[0] if final else min(pyramid.level_rows(k, rows), level.shape[0]),
+                None if final else recent.level(k),
+            )
+            for k, level in enumerate(levels)
+        ], names
+    check_displayable(array, output)
+    # Finished and single scale: napari reads one row at a time, which zarr does lazily itself.
+    return (array if final else complete_rows(array, min(rows, array.shape[0]), recent.level(0))), names
+
+
+def complete_rows(array, rows: int, recent: dict[int, np.ndarray] | None = None):
+    """The first ``rows`` rows of ``array`` (zarr, or a :class:`~napari_tileshard.apps.napari_reader.FirstRows`)
+    as a dask array; rows found in ``recent`` come from those frames instead of the store."""
+    import dask.array as da
+
+    # Bounding dim 0 before dask sees the shape keeps the graph to the rows that exist, not the
+    # declared size of a bounded (or hostile) array.
+    view = FirstRows(array, rows)
+    blocks = block_shape(array, view.shape)
+    recent = {
+        row: frame
+        for row, frame in (recent or {}).items()
+        if 0 <= row < view.rows and frame.shape == view.shape[1:] and frame.dtype == view.dtype
+    }
+    # Each recent row gets a block of its own, so dask asks the source for exactly that row and
+    # _RecentRows can answer from memory.  One from_array over irregular blocks, not a
+    # concatenation of pieces: dask builds a concatenation's graph in full on every update,
+    # and a from_array only for the blocks a draw reads.
+    edges = sorted(set(range(0, view.rows, blocks[0])) | {r + d for r in recent for d in (0, 1)} | {view.rows})
+    chunks = (tuple(b - a for a, b in zip(edges, edges[1:])) or (0,),) + blocks[1:]
+    source = _RecentRows(view, recent) if recent else view
+    return da.from_array(source, chunks=chunks, name=False, meta=np.empty((0,) * view.ndim, view.dtype))
+
+
+class _RecentRows:
+    """The block source of :func:`complete_rows`: ``view`` (the store), except single rows that
+    were read back already.  Only dask indexes it: a tuple of slices per block, or, where dask
+    fused a selection into the read, a row number first."""
+
+    def __init__(self, view, recent: dict[int, np.ndarray]):
+        self.view, self.recent = view, recent
+        self.shape, self.dtype, self.ndim = view.shape, view.dtype, view.ndim
+
+    def __getitem__(self, key):
+        key = key if isinstance(key, tuple) else (key,)
+        rows = key[0] if key else slice(None)
+        if isinstance(rows, (int, np.integer)) and int(rows) in self.recent:
+            return self.recent[int(rows)][key[1:]]
+        if (
+            isinstance(rows, slice)
+            and rows.step in (None, 1)
+            and rows.start is not None
+            and rows.stop == rows.start + 1
+            and rows.start in self.recent
+        ):
+            return self.recent[rows.start][key[1:]][None]
+        return self.view[key]
+
+
+def block_shape(array, shape) -> tuple[int, ...]:
+    """dask's block over ``array`` when ``shape`` of it is shown.
+
+    Along dim 0 one tile: napari turns dask's task fusion off, so dask reads whole blocks, and a
+    tile's rows cost the same decode as the one row napari wants (zarr decodes whole tiles).
+    Across the frame one shard: zarr reads only the tiles inside the block, and fewer blocks
+    mean a smaller graph per draw.  Both are capped (:data:`MAX_BLOCKS`,
+    :data:`MAX_FRAME_BLOCKS_PER_DIM`) so a long recording or odd metadata cannot make each draw
+    build millions of tasks.
+    """
+    base = getattr(array, "array", array)  # a FirstRows view: its zarr array knows the chunks
+    inner = tuple(getattr(base, "chunks", None) or shape)
+    outer = tuple(getattr(base, "shards", None) or inner)
+    if len(inner) != len(shape) or len(outer) != len(shape):
+        inner = outer = tuple(shape)
+    frame = [max(1, min(n, max(b, -(-n // MAX_FRAME_BLOCKS_PER_DIM)))) for n, b in zip(shape[1:], outer[1:])]
+    frame_blocks = math.prod(-(-n // b) for n, b in zip(shape[1:], frame))
+    rows = shape[0] if shape else 0
+    row_blocks = max(1, MAX_BLOCKS // max(1, frame_blocks))
+    first = max(1, min(rows, max(inner[0], -(-rows // row_blocks)))) if shape else 1
+    return (first, *frame)
+
+
+def contrast_limits(frame: np.ndarray) -> tuple[float, float]:
+    """Limits that ignore a few hot or dead pixels; never an empty range."""
+    low, high = np.percentile(frame, (0.5, 99.95))
+    return float(low), float(max(high, low + 1))
+
+
+def shape_of(data) -> tuple:
+    """Shape of a layer's data: of level 0 when it is a multiscale list."""
+    return tuple((data[0] if isinstance(data, list) else data).shape)

@@ -1,0 +1,521 @@
+"""Reading a store that may be broken or hostile without blocking, exhausting memory or leaving it.
+
+napari offers every path a user drops to the reader, and ``verify`` and the inspector exist to
+look at damaged stores, so none of them may trust what a store holds: a ``zarr.json`` can be a
+FIFO (an ``open`` that never returns), a symlink to ``/dev/zero`` (a read that never ends), a
+gigabyte of JSON, or nesting deep enough to overflow the parser; a shard or the ``c/`` directory
+can be a symlink to a file outside the store.  Everything here therefore
+
+* reads only regular files that lie inside the store root (symlinks are resolved and refused
+  when they point outside; special files are never opened for reading),
+* opens them with ``O_NONBLOCK | O_NOFOLLOW`` one path component at a time, so a file swapped
+  for a FIFO or a symlink after the check is refused too,
+* reads metadata up to :data:`MAX_METADATA_BYTES` and parses it into a depth-limited JSON value,
+* lists local keys with ``os.scandir`` without following symlinks.
+
+Arrays are then built by zarr-python from the checked metadata (it does not read ``zarr.json``
+again), over a :class:`SafeLocalStore` whose reads obey the same rules.  Stores that are not
+local directories are read with ``Store.get`` and byte ranges, never more than the cap for
+metadata.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import json
+import os
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, cast
+
+from zarr.storage import LocalStore
+
+from ..format.metadata import STATE_KEY
+from ._zarr_sync import sync
+from .sinks import check_store_path
+from .urls import resolve_store
+
+#: the largest ``zarr.json`` (or v2 ``.zarray``/``.zattrs``/``.zgroup``) read; real ones are KiB
+MAX_METADATA_BYTES = 16 << 20
+#: the deepest JSON nesting accepted in metadata (OME-Zarr needs about 6)
+MAX_JSON_DEPTH = 100
+METADATA_NAMES = ("zarr.json", ".zarray", ".zattrs", ".zgroup", ".zmetadata")
+
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+_O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_O_BINARY = getattr(os, "O_BINARY", 0)
+
+
+class UnsafeStoreError(ValueError):
+    """A store object that is not read: outside the store, not a regular file, too large or not
+    parseable.  The message names the path and the reason."""
+
+
+# -- JSON ---------------------------------------------------------------------------------
+def parse_json(data: bytes, where: str):
+    """``data`` parsed as JSON, or :class:`UnsafeStoreError` naming ``where`` (also for nesting
+    deeper than :data:`MAX_JSON_DEPTH`, which would overflow the stack of later consumers)."""
+    try:
+        value = json.loads(data)
+    except RecursionError:
+        raise UnsafeStoreError(f"{where}: JSON nested too deeply to parse") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, int digit limits
+        raise UnsafeStoreError(f"{where}: not valid JSON ({exc})") from None
+    if _depth(value) > MAX_JSON_DEPTH:
+        raise UnsafeStoreError(f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels")
+    return value
+
+
+def _depth(value) -> int:
+    # Iterative: a recursive walk would hit the recursion limit on exactly the inputs it checks.
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, (dict, list)):
+            deepest = max(deepest, depth)
+            if depth > MAX_JSON_DEPTH:
+                return depth
+            stack.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node))
+    return deepest
+
+
+# -- local files --------------------------------------------------------------------------
+def _kind(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISLNK, "a symlink"),
+    ):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def _inside(root_real: str, target: str) -> bool:
+    return target == root_real or target.startswith(root_real.rstrip(os.sep) + os.sep)
+
+
+def resolve_inside(root, key: str) -> str:
+    """The real path of ``key`` under ``root``; :class:`UnsafeStoreError` if a symlink on the way
+    leads outside the store root (or the key itself does, with ``..``)."""
+    root_real = os.path.realpath(root)
+    target = os.path.realpath(os.path.join(root_real, key))
+    if not _inside(root_real, target):
+        raise UnsafeStoreError(f"{os.path.join(root, key)}: symlink to outside the store, not read")
+    return target
+
+
+def open_local_file(root, key: str) -> int:
+    """A read-only file descriptor of the regular file ``key`` inside the store ``root``.
+
+    Symlinks inside the store are followed; one leading outside, a FIFO, a device or a socket is
+    refused with :class:`UnsafeStoreError` without being opened for reading.  A missing key
+    raises ``FileNotFoundError``.
+    """
+    where = os.path.join(root, key)
+    target = resolve_inside(root, key)
+    info = os.lstat(target)  # FileNotFoundError for a missing key
+    if not stat.S_ISREG(info.st_mode):
+        raise UnsafeStoreError(f"{where}: {_kind(info.st_mode)}, not a regular file: not read")
+    fd = _open_no_follow(os.path.realpath(root), os.path.relpath(target, os.path.realpath(root)), where)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):  # swapped since the lstat above
+            raise UnsafeStoreError(f"{where}: {_kind(info.st_mode)}, not a regular file: not read")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _open_no_follow(root_real: str, relative: str, where: str) -> int:
+    """Open ``root_real/relative`` (already free of symlinks) refusing any symlink that appears
+    on the way since it was resolved: each component is opened relative to its parent with
+    ``O_NOFOLLOW``, the last one with ``O_NONBLOCK`` so that a FIFO swapped in cannot block."""
+    flags = os.O_RDONLY | _O_NONBLOCK | _O_NOFOLLOW | _O_CLOEXEC | _O_BINARY
+    try:
+        if os.open not in os.supports_dir_fd or not _O_NOFOLLOW:  # e.g. Windows: best effort
+            return os.open(os.path.join(root_real, relative), flags)
+        parts = [p for p in relative.split(os.sep) if p not in ("", ".")]
+        fd = os.open(root_real, os.O_RDONLY | _O_DIRECTORY | _O_CLOEXEC)
+        try:
+            for part in parts[:-1]:
+                child = os.open(part, os.O_RDONLY | _O_DIRECTORY | _O_NOFOLLOW | _O_CLOEXEC, dir_fd=fd)
+                os.close(fd)
+                fd = child
+            return os.open(parts[-1], flags, dir_fd=fd)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR, errno.ENXIO):
+            raise UnsafeStoreError(f"{where}: changed into a symlink or special file while opened: not read") from None
+        raise
+
+
+def _pread_all(fd: int, start: int, length: int) -> bytes:
+    parts, done = [], 0
+    while done < length:
+        piece = os.pread(fd, min(length - done, 1 << 26), start + done)
+        if not piece:
+            break  # the file is shorter than asked (truncated meanwhile): return what is there
+        parts.append(piece)
+        done += len(piece)
+    return b"".join(parts)
+
+
+def read_local_metadata(root, key: str = "zarr.json"):
+    """The JSON value of the metadata object ``key`` in the local store ``root``, read safely
+    (regular file inside the store, at most :data:`MAX_METADATA_BYTES`)."""
+    where = os.path.join(root, key)
+    fd = open_local_file(root, key)
+    try:
+        size = os.fstat(fd).st_size
+        if size > MAX_METADATA_BYTES:
+            raise UnsafeStoreError(
+                f"{where}: {size} bytes, larger than the {MAX_METADATA_BYTES >> 20} MiB accepted for metadata: not read"
+            )
+        # The size just stat'ed, plus one byte to notice growth: a read buffer of the cap itself
+        # would cost 16 MiB for every small zarr.json.
+        data = _pread_all(fd, 0, size + 1)
+    finally:
+        os.close(fd)
+    if len(data) > MAX_METADATA_BYTES:  # grew since fstat
+        raise UnsafeStoreError(f"{where}: larger than the {MAX_METADATA_BYTES >> 20} MiB accepted for metadata")
+    return parse_json(data, where)
+
+
+@dataclass
+class Listing:
+    """Keys of the regular files found, and entries not read with the reason."""
+
+    keys: list[str] = field(default_factory=list)
+    refused: list[tuple[str, str]] = field(default_factory=list)
+
+
+def list_local_keys(root, prefix: str) -> Listing:
+    """Keys (relative to ``root``, ``/``-separated) of the regular files under ``root/prefix``,
+    walked without following symlinks: a symlink that resolves outside the store, a symlinked
+    directory and special files are listed in ``refused`` and never read.  Hidden names (the
+    Writer's temporary files) are skipped."""
+    listing = Listing()
+    root_real = os.path.realpath(root)
+    prefix = prefix.strip("/")
+    try:
+        # A symlink anywhere on the way to the prefix (e.g. ``c`` itself) may lead outside.
+        start = resolve_inside(root_real, prefix)
+    except UnsafeStoreError:
+        listing.refused.append((prefix, "symlink to outside the store, not read"))
+        return listing
+    try:
+        info = os.stat(start)
+    except FileNotFoundError:
+        return listing
+    if not stat.S_ISDIR(info.st_mode):
+        listing.refused.append((prefix, f"{_kind(info.st_mode)} where a directory was expected, not read"))
+        return listing
+    pending = [(prefix, start)]
+    while pending:
+        rel_dir, real_dir = pending.pop()
+        try:
+            with os.scandir(real_dir) as scan:
+                entries = list(scan)
+        except OSError as exc:
+            listing.refused.append((rel_dir, f"cannot list: {exc.strerror}"))
+            continue
+        for entry in entries:
+            if entry.name.startswith("."):
+                continue
+            key = f"{rel_dir}/{entry.name}" if rel_dir else entry.name
+            try:
+                if entry.is_symlink():
+                    _classify_symlink(root_real, key, entry.path, listing)
+                elif entry.is_dir(follow_symlinks=False):
+                    pending.append((key, entry.path))
+                elif entry.is_file(follow_symlinks=False):
+                    listing.keys.append(key)
+                else:
+                    mode = entry.stat(follow_symlinks=False).st_mode
+                    listing.refused.append((key, f"{_kind(mode)}, not a regular file: not read"))
+            except OSError as exc:
+                listing.refused.append((key, f"cannot stat: {exc.strerror}"))
+    return listing
+
+
+def _classify_symlink(root_real: str, key: str, path: str, listing: Listing) -> None:
+    target = os.path.realpath(path)
+    if not _inside(root_real, target):
+        listing.refused.append((key, "symlink to outside the store, not read"))
+        return
+    try:
+        mode = os.stat(target).st_mode
+    except OSError:
+        listing.refused.append((key, "dangling symlink, not read"))
+        return
+    if stat.S_ISREG(mode):
+        listing.keys.append(key)  # a file elsewhere in the same store: harmless
+    elif stat.S_ISDIR(mode):
+        listing.refused.append((key, "symlink to a directory, not followed"))
+    else:
+        listing.refused.append((key, f"symlink to {_kind(mode)}, not read"))
+
+
+# -- zarr Store over a local directory ------------------------------------------------------
+class SafeLocalStore(LocalStore):
+    """A read-only zarr ``LocalStore`` whose reads obey the rules above: regular files inside
+    the root only (never blocking on a FIFO, never reading a device or a file outside), and
+    metadata objects of at most :data:`MAX_METADATA_BYTES`."""
+
+    def __init__(self, root):
+        super().__init__(root, read_only=True)
+
+    async def get(self, key, prototype=None, byte_range=None):
+        from zarr.core.buffer import default_buffer_prototype
+
+        if prototype is None:
+            prototype = default_buffer_prototype()
+        if not self._is_open:
+            await self._open()
+        data = await asyncio.to_thread(self._read, key, byte_range)
+        return None if data is None else prototype.buffer.from_bytes(data)
+
+    async def get_partial_values(self, prototype, key_ranges):
+        return [await self.get(key, prototype, byte_range) for key, byte_range in key_ranges]
+
+    async def getsize(self, key: str) -> int:
+        fd = await asyncio.to_thread(open_local_file, self.root, key)
+        try:
+            return os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+
+    def _read(self, key: str, byte_range) -> bytes | None:
+        try:
+            fd = open_local_file(self.root, key)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        try:
+            size = os.fstat(fd).st_size
+            start, stop = _byte_range(byte_range, size)
+            if byte_range is None and key.rsplit("/", 1)[-1] in METADATA_NAMES and size > MAX_METADATA_BYTES:
+                raise UnsafeStoreError(
+                    f"{self.root / key}: {size} bytes, larger than the "
+                    f"{MAX_METADATA_BYTES >> 20} MiB accepted for metadata: not read"
+                )
+            return _pread_all(fd, start, stop - start)
+        finally:
+            os.close(fd)
+
+
+def _byte_range(byte_range, size: int) -> tuple[int, int]:
+    from zarr.abc.store import OffsetByteRequest, RangeByteRequest, SuffixByteRequest
+
+    if byte_range is None:
+        return 0, size
+    if isinstance(byte_range, RangeByteRequest):
+        return min(byte_range.start, size), min(max(byte_range.end, byte_range.start), size)
+    if isinstance(byte_range, OffsetByteRequest):
+        return min(byte_range.offset, size), size
+    if isinstance(byte_range, SuffixByteRequest):
+        return max(0, size - byte_range.suffix), size
+    raise TypeError(f"unexpected byte range {byte_range!r}")
+
+
+# -- any store --------------------------------------------------------------------------------
+class StoreObject:
+    """One object of a store, opened for ranged reads: ``size``, ``read(start, length)`` and
+    ``read_suffix(length)``.  Local files are read through one descriptor, so a file replaced
+    meanwhile (the Writer renames new shard versions into place) is read consistently."""
+
+    #: bytes fetched at once from a store that is not a local file: one request per chunk would
+    #: make a remote verify slow, and this bounds the memory a read-ahead may take
+    READ_AHEAD = 8 << 20
+
+    def __init__(self, size: int, fd: int | None = None, store=None, key: str | None = None):
+        self.size, self._fd, self._store, self._key = size, fd, store, key
+        self._window_start, self._window = 0, b""
+
+    def read(self, start: int, length: int) -> bytes:
+        if self._fd is not None:
+            return _pread_all(self._fd, start, length)
+        offset = start - self._window_start
+        if not (0 <= offset and offset + length <= len(self._window)):
+            from zarr.abc.store import RangeByteRequest
+
+            stop = max(start + length, min(self.size, start + self.READ_AHEAD))
+            self._window_start, self._window = start, self._get(RangeByteRequest(start, stop))
+            offset = 0
+        return self._window[offset : offset + length]
+
+    def read_suffix(self, length: int) -> bytes:
+        if self._fd is not None:
+            return _pread_all(self._fd, max(0, self.size - length), min(length, self.size))
+        from zarr.abc.store import SuffixByteRequest
+
+        return self._get(SuffixByteRequest(length))
+
+    def _get(self, byte_range) -> bytes:
+        from zarr.core.buffer import default_buffer_prototype
+
+        buffer = sync(self._store.get(self._key, default_buffer_prototype(), byte_range=byte_range))
+        return b"" if buffer is None else buffer.to_bytes()
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class StoreAccess:
+    """Read-only, checked access to a store given as a local path or a zarr ``Store``.
+
+    ``root`` is the local directory (for a path or a ``LocalStore``), else None; ``store`` is the
+    zarr Store that arrays opened by :meth:`open_node` read their chunks from (a
+    :class:`SafeLocalStore` for a path).
+    """
+
+    def __init__(self, location):
+        from zarr.abc.store import Store
+
+        self.location = str(location)
+        self.root: Path | None = None
+        self._own_fds = False  # a path: objects are read through checked descriptors
+        if isinstance(location, StoreAccess):
+            self.__dict__.update(location.__dict__)
+        elif isinstance(location, Store):
+            self.store = location
+            if isinstance(location, LocalStore):
+                self.root = Path(location.root)
+        elif isinstance(location, (str, os.PathLike)):
+            check_store_path(location)  # "" would read the current directory
+            text: Any = os.fspath(location)
+            if isinstance(text, str) and "://" in text:
+                text = resolve_store(text, read_only=True)  # a file:// URL becomes its path
+            if not isinstance(text, (str, bytes)):
+                self.store = text
+            else:
+                self.root = Path(text).expanduser().absolute()
+                self.store = SafeLocalStore(self.root)
+                self._own_fds = True
+        else:
+            raise TypeError(f"expected a path or a zarr Store, got {type(location).__name__}")
+
+    # -- metadata -------------------------------------------------------------------
+    def read_metadata(self, key: str):
+        """The parsed JSON of metadata object ``key``; FileNotFoundError if it is missing,
+        :class:`UnsafeStoreError` if it cannot be read or parsed safely."""
+        if self.root is not None:
+            if not self._own_fds:  # a LocalStore given by the caller: check, then read through it
+                os.close(open_local_file(self.root, key))
+            else:
+                return read_local_metadata(self.root, key)
+        from zarr.abc.store import RangeByteRequest
+        from zarr.core.buffer import default_buffer_prototype
+
+        where = f"{self.location}/{key}"
+        # One byte past the cap tells "too large" apart from "exactly the cap" without reading more.
+        buffer = sync(
+            self.store.get(key, default_buffer_prototype(), byte_range=RangeByteRequest(0, MAX_METADATA_BYTES + 1))
+        )
+        if buffer is None:
+            raise FileNotFoundError(f"{where}: not found")
+        if len(buffer) > MAX_METADATA_BYTES:
+            raise UnsafeStoreError(f"{where}: larger than the {MAX_METADATA_BYTES >> 20} MiB accepted for metadata")
+        return parse_json(buffer.to_bytes(), where)
+
+    def open_node(self, path: str = ""):
+        """The zarr-python ``Array`` or ``Group`` at ``path``, built from metadata read by
+        :meth:`read_metadata` (zarr-python does not read ``zarr.json`` itself).  A Zarr v2 node
+        (no ``zarr.json``) is opened by zarr-python over the same checked store."""
+        import zarr
+        from zarr.storage import StorePath
+
+        path = path.strip("/")
+        key = f"{path}/zarr.json" if path else "zarr.json"
+        store_path = StorePath(self.store, path)
+        try:
+            meta = self.read_metadata(key)
+        except FileNotFoundError:
+            for v2 in (".zarray", ".zgroup"):
+                v2_key = f"{path}/{v2}" if path else v2
+                try:
+                    self.read_metadata(v2_key)  # the same checks before zarr-python reads it
+                except FileNotFoundError:
+                    continue
+                return zarr.open(store_path, mode="r", zarr_format=2)
+            raise FileNotFoundError(f"{self.location}: no zarr.json at {key!r}") from None
+        if not isinstance(meta, dict) or meta.get("zarr_format") != 3:
+            raise UnsafeStoreError(f"{self.location}/{key}: not Zarr v3 metadata")
+        node_type = meta.get("node_type")
+        if node_type == "array":
+            # meta was checked above; zarr's typed-dict overloads cannot know that
+            return zarr.Array(zarr.AsyncArray(metadata=cast(Any, meta), store_path=store_path))
+        if node_type == "group":
+            return zarr.Group(zarr.AsyncGroup.from_dict(store_path, meta))
+        raise UnsafeStoreError(f"{self.location}/{key}: node_type {node_type!r} is neither array nor group")
+
+    # -- objects ------------------------------------------------------------------------
+    def list_keys(self, prefix: str) -> Listing:
+        """Keys under ``prefix`` (relative to the store), without following symlinks for a
+        local store; hidden names are skipped."""
+        if self.root is not None:
+            return list_local_keys(self.root, prefix)
+
+        async def collect():
+            return [key async for key in self.store.list_prefix(prefix.rstrip("/") + "/")]
+
+        return Listing([k for k in sync(collect()) if not k.rsplit("/", 1)[-1].startswith(".")])
+
+    def list_children(self, path: str = "") -> list[str]:
+        """Names of the direct sub-directories (local) or child prefixes (other stores)."""
+        if self.root is None:
+
+            async def collect():
+                return [name async for name in self.store.list_dir(path)]
+
+            return sorted(n for n in sync(collect()) if n not in METADATA_NAMES and not n.startswith("."))
+        base = os.path.join(os.path.realpath(self.root), *[p for p in path.split("/") if p])
+        try:
+            with os.scandir(base) as entries:
+                return sorted(e.name for e in entries if not e.name.startswith(".") and e.is_dir(follow_symlinks=False))
+        except OSError:
+            return []
+
+    def open_object(self, key: str) -> StoreObject:
+        """``key`` opened for ranged reads (a context manager).  Local: a checked descriptor
+        (:func:`open_local_file`); a caller's ``LocalStore`` is checked the same way and then
+        read through its own ``get``; other stores: ``getsize`` and ranged ``get``."""
+        if self.root is not None:
+            fd = open_local_file(self.root, key)
+            size = os.fstat(fd).st_size
+            if self._own_fds:
+                return StoreObject(size, fd=fd)
+            os.close(fd)
+            return StoreObject(size, store=self.store, key=key)
+
+        return StoreObject(sync(self.store.getsize(key)), store=self.store, key=key)
+
+
+def recording_state(attributes) -> tuple[int, str] | None:
+    """``(rows_written, state)`` from the Writer's record in an array's attributes, None when the
+    array has none (written by another tool).  ValueError when the record is malformed."""
+    if not isinstance(attributes, dict) or STATE_KEY not in attributes:
+        return None
+    record = attributes[STATE_KEY]
+    rows = record.get("rows_written") if isinstance(record, dict) else None
+    state = record.get("state") if isinstance(record, dict) else None
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0 or not isinstance(state, str):
+        raise ValueError(f"attribute {STATE_KEY!r} is malformed: {str(record)[:200]}")
+    return rows, state

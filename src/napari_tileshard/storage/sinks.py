@@ -1,0 +1,398 @@
+"""The zarr store layer: atomic writes of shards and ``zarr.json`` (made by :mod:`napari_tileshard.format`).
+
+Two sinks share one small interface (``write(key, buffers)``, ``release``, ``discard``):
+
+* :class:`DirectorySink` for a local path (or a zarr ``LocalStore``): each object is written to a
+  temporary name in the same directory and renamed over the target, so a reader (or a
+  crash) never sees a torn shard or ``zarr.json``; shards are written with ``os.writev`` straight
+  from the compressed buffers, without joining them first.  A lock file (``.tileshard.lock``)
+  keeps a second writer out for the life of the sink.
+* :class:`ZarrStoreSink` for any other zarr v3 ``Store`` (memory, fsspec, ...): one ``set`` per
+  object, which is atomic for the stores that support it.
+
+``overwrite`` removes only a store this recorder writes (a Zarr v3 array or an OME-Zarr group of
+such arrays, nothing else in it), file by file; anything else is refused.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from ._zarr_sync import sync, sync_for
+from .errors import StoreExistsError, StoreVanishedError
+from .locks import LockFile
+from .overwrite import (
+    LOCK_NAME,
+    METADATA_CAP,
+    OVERWRITE_HINT,
+    KeyTree,
+    LocalTree,
+    Unreadable,
+    delete_local,
+    deletion_order,
+    path_depth,
+    recognise,
+)
+
+log = logging.getLogger(__name__)
+
+_IOV_MAX = 512
+
+
+def write_deadline(io_timeout: float, nbytes: int) -> float:
+    """Seconds a write of ``nbytes`` may take before it counts as stuck: ``io_timeout`` plus one
+    second per MB, so a large shard on a slow (but working) link is not cut off."""
+    return io_timeout + nbytes / 1e6
+
+
+class Sink(ABC):
+    """Where the Writer puts objects (shards, ``zarr.json``): the one storage seam.
+
+    ``write`` stores one object atomically from a sequence of buffers (a reader sees the old
+    object or the new one, never a torn one).  ``release`` ends a recording (drops the writer's
+    lock); ``discard`` undoes a recording that failed before it started: it removes every object
+    this sink wrote, its lock, and the store directory if this sink created it.  Both are
+    idempotent.  Wrappers (e.g. :class:`napari_tileshard.testing.FaultInjectingSink`) subclass
+    this and :func:`open_sink` passes any ``Sink`` through unchanged.
+    """
+
+    @property
+    @abstractmethod
+    def location(self) -> str:
+        """A human-readable name of the store (a path or URL) for messages."""
+
+    @abstractmethod
+    def write(self, key: str, buffers: Sequence) -> None:
+        """Store ``buffers`` (bytes-like, concatenated) as object ``key``, atomically."""
+
+    def release(self) -> None:
+        """The recording ended: drop the lock (no-op where there is none).  Best effort: a lock
+        that cannot be removed (the disk went read-only, say) is logged, never raised, so that it
+        never hides how the recording itself ended."""
+
+    def telemetry_lost(self, round_index: int) -> bool:
+        """Whether the I/O dispatcher's measurements of batch ``round_index`` are lost (then it
+        places that batch statically and learns nothing from it).  Real sinks never lose them;
+        this is the fault-injection seam of :class:`napari_tileshard.testing.FaultInjectingSink`."""
+        return False
+
+    def discard(self) -> None:
+        """Setup failed: remove what this sink created (no-op where nothing was)."""
+
+    def cancel(self) -> None:
+        """The recording failed: cut off the writes in flight where the storage allows it (an
+        object store cancels its requests; they raise :class:`~napari_tileshard.storage.errors.WriteCancelledError`).
+        Best effort; writes that cannot be cut off (a local file) run to their end.  Later writes
+        (``zarr.json`` marked failed) are still allowed, under a short deadline where there is one."""
+
+
+class DirectorySink(Sink):
+    """Objects as files under ``root``, each written atomically (temporary file + rename).
+
+    The sink holds ``root/.tileshard.lock`` from creation to :meth:`release` (or :meth:`discard`);
+    a lock left by a dead process on this host is taken over, any other makes the constructor
+    raise :class:`StoreLockedError`.  Writes fail with :class:`StoreVanishedError` once ``root``
+    is deleted or replaced, rather than recreating it.
+    """
+
+    def __init__(self, root, overwrite: bool = False, keep_existing: bool = False):
+        check_store_path(root)
+        self.root = Path(root).expanduser().resolve()
+        self._keep_existing = keep_existing  # resuming into our own store: nothing is checked or removed
+        self._lock = LockFile(self.root, self._not_writable)
+        self._created: list[Path] = []  # root and ancestors this sink made, outermost first
+        self._dirs: set[str] = set()
+        self._made_dirs: list[str] = []  # directories inside root this sink made
+        self._written: set[str] = set()
+        self._write_error: BaseException | None = None  # the first failed write: later failures are secondary
+        if self.root.exists() and not self.root.is_dir():
+            raise StoreExistsError(f"output path {self.location!r} exists and is not a directory")
+        if self.root.is_dir():
+            # Read-only: a directory refused here never gets a lock file of ours.
+            self._check_contents(overwrite, locked=False)
+        self._make_root()
+        st = os.stat(self.root)
+        self._identity = (st.st_dev, st.st_ino)
+        try:
+            self._lock.acquire()
+            self._check_contents(overwrite, locked=True)
+        except BaseException:
+            self.discard()  # a root we made (e.g. on a full disk) goes again
+            raise
+
+    @classmethod
+    def attach(cls, root) -> DirectorySink:
+        """A sink that writes into ``root`` while another sink of this process or another one (a
+        conversion's coordinator) holds its lock: no lock, no checks, writes only."""
+        sink = cls.__new__(cls)
+        sink.root = Path(root).expanduser().resolve()
+        sink._lock = LockFile(sink.root, sink._not_writable)  # never acquired: the coordinator holds it
+        sink._created, sink._dirs, sink._made_dirs, sink._written = [], set(), [], set()
+        sink._write_error = None
+        st = os.stat(sink.root)
+        sink._identity = (st.st_dev, st.st_ino)
+        sink._keep_existing = True
+        return sink
+
+    def __repr__(self):
+        return f"DirectorySink({str(self.root)!r})"
+
+    @property
+    def location(self) -> str:
+        return str(self.root)
+
+    def _not_writable(self, exc: OSError) -> OSError:
+        if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            return PermissionError(exc.errno, f"output path {self.location!r} is not writable: {exc.strerror}")
+        # e.g. ENOSPC: keep the errno so callers can tell a full disk from a permission problem
+        return OSError(exc.errno, f"output path {self.location!r} is not writable: {exc.strerror}")
+
+    def _make_root(self) -> None:
+        missing = []
+        path = self.root
+        while not path.exists() and path != path.parent:
+            missing.append(path)
+            path = path.parent
+        for path in reversed(missing):
+            try:
+                os.mkdir(path)
+            except FileExistsError:  # made by someone else meanwhile: not ours to remove
+                continue
+            except OSError as exc:
+                raise self._not_writable(exc) from exc
+            self._created.append(path)
+
+    def _check_contents(self, overwrite: bool, locked: bool) -> None:
+        names = [n for n in os.listdir(self.root) if not (locked and n == LOCK_NAME)]
+        if not names or self._keep_existing:
+            return
+        if not locked and LOCK_NAME in names:
+            self._lock.check_holder()  # a live writer's lock: refused before anything else
+        if not overwrite:
+            raise StoreExistsError(
+                f"output {self.location!r} already exists and is not empty; {OVERWRITE_HINT} to replace it"
+            )
+        plan = recognise(LocalTree(self.root))
+        refusal = plan.refusal(self.location)
+        if refusal:
+            raise StoreExistsError(refusal)
+        if locked:
+            delete_local(self.root, plan)
+
+    def release(self) -> None:
+        try:
+            self._lock.release()
+        except OSError as exc:
+            # Secondary: storage that failed a write (read-only remount, vanished mount) fails this
+            # too, and the first failure is what the Writer reports.  Left behind, the lock of a
+            # dead process on this host is taken over by the next writer.
+            if self._write_error is not None:
+                log.warning("also: could not remove the lock file %s: %s", self._lock.path, exc.strerror or exc)
+            else:
+                log.warning(
+                    "could not remove the lock file %s: %s; what was recorded is complete, "
+                    "delete the lock once no writer is running",
+                    self._lock.path,
+                    exc.strerror or exc,
+                )
+
+    def discard(self) -> None:
+        same = self._same_root()
+        if same:
+            for key in self._written:
+                try:
+                    os.unlink(self.root / key)
+                except OSError:
+                    pass
+            for rel in sorted(self._made_dirs, key=path_depth, reverse=True):
+                try:
+                    os.rmdir(self.root / rel)
+                except OSError:
+                    pass
+        self._written, self._made_dirs, self._dirs = set(), [], set()
+        self.release()
+        created, self._created = self._created, []
+        if same:
+            for path in reversed(created):
+                try:
+                    os.rmdir(path)
+                except OSError:  # not empty (someone else's now) or gone
+                    break
+
+    # -- writing -------------------------------------------------------------------------
+    def _same_root(self) -> bool:
+        try:
+            st = os.stat(self.root)
+        except OSError:
+            return False
+        return (st.st_dev, st.st_ino) == self._identity
+
+    def _check_root(self) -> None:
+        # The lock's identity too: a directory recreated at the same path may reuse the inode.
+        if not self._same_root() or (self._lock.held and not self._lock.in_place()):
+            raise StoreVanishedError(
+                errno.ENOENT,
+                f"the store directory {self.location!r} was deleted or moved "
+                f"during the recording (or its lock file {LOCK_NAME} was removed)",
+            )
+
+    def write(self, key: str, buffers) -> None:
+        try:
+            self._write(key, buffers)
+        except BaseException as exc:
+            if self._write_error is None:
+                self._write_error = exc
+            raise
+
+    def _write(self, key: str, buffers) -> None:
+        self._check_root()
+        parts = key.split("/")
+        try:
+            for i in range(1, len(parts)):
+                rel = "/".join(parts[:i])
+                if rel in self._dirs:
+                    continue
+                try:
+                    os.mkdir(self.root / rel)  # one level at a time: never the root or above
+                    self._made_dirs.append(rel)
+                except FileExistsError:
+                    pass
+                self._dirs.add(rel)
+            path = self.root / key
+            tmp = path.parent / f".{path.name}.{uuid.uuid4().hex[:12]}.tmp"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        except FileNotFoundError:
+            self._check_root()
+            raise
+        try:
+            try:
+                views = [memoryview(b).cast("B") for b in buffers]
+                views = [v for v in views if v.nbytes]
+                for start in range(0, len(views), _IOV_MAX):
+                    _writev_all(fd, views[start : start + _IOV_MAX])
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        self._written.add(key)
+
+    def read(self, key: str) -> bytes | None:
+        try:
+            return (self.root / key).read_bytes()
+        except FileNotFoundError:
+            return None
+
+
+def _writev_all(fd: int, views: list) -> None:
+    while views:
+        written = os.writev(fd, views)
+        while views and written >= views[0].nbytes:
+            written -= views[0].nbytes
+            views.pop(0)
+        if views and written:
+            views[0] = views[0][written:]
+
+
+class ZarrStoreSink(Sink):
+    """Objects in any zarr v3 ``Store`` (MemoryStore, FsspecStore, ...), one ``set`` each.
+
+    ``private``: the sink made ``store`` and no one else holds it (``memory://``): a
+    ``MemoryStore``'s coroutines then run on the calling thread (``_zarr_sync.sync_for``).
+    """
+
+    def __init__(self, store, overwrite: bool = False, *, private: bool = False):
+        self.store = store
+        self._sync = sync_for(store, private)
+        self._written: set[str] = set()
+        if getattr(store, "read_only", False):
+            raise PermissionError(f"store {store!r} is read-only")
+
+        async def collect():
+            return [key async for key in store.list()]
+
+        keys = self._sync(collect())
+        if not keys:
+            return
+        if not overwrite:
+            raise StoreExistsError(f"store {store!r} is not empty; {OVERWRITE_HINT} to replace it")
+        plan = recognise(KeyTree(keys, self.read_capped))
+        refusal = plan.refusal(self.location)
+        if refusal:
+            raise StoreExistsError(refusal)
+        data, meta = deletion_order(plan.files)
+        for key in data + meta:
+            self._sync(store.delete(key))
+
+    @classmethod
+    def attach(cls, store) -> ZarrStoreSink:
+        """A sink into ``store`` whose contents another sink already vetted (a conversion's tasks)."""
+        sink = cls.__new__(cls)
+        sink.store, sink._sync, sink._written = store, sync, set()
+        return sink
+
+    def __repr__(self):
+        return f"ZarrStoreSink({self.store!r})"
+
+    @property
+    def location(self) -> str:
+        return str(self.store)
+
+    def read_capped(self, key: str) -> bytes:
+        data = self.read(key)
+        if data is None:
+            raise FileNotFoundError(key)
+        if len(data) > METADATA_CAP:
+            raise Unreadable(f"is larger than {METADATA_CAP >> 20} MiB")
+        return data
+
+    def write(self, key: str, buffers) -> None:
+        from zarr.core.buffer import default_buffer_prototype
+
+        # Store.set takes one buffer: joining a shard's pieces (chunks, index) is the one copy it
+        # costs; a single piece is wrapped without copying.
+        views = [memoryview(b).cast("B") for b in buffers]
+        data = views[0] if len(views) == 1 else b"".join(views)
+        array = np.frombuffer(data, dtype=np.uint8)
+        self._sync(self.store.set(key, default_buffer_prototype().buffer.from_array_like(array)))
+        self._written.add(key)
+
+    def read(self, key: str) -> bytes | None:
+        from zarr.core.buffer import default_buffer_prototype
+
+        buffer = self._sync(self.store.get(key, default_buffer_prototype()))
+        return None if buffer is None else buffer.to_bytes()
+
+    def discard(self) -> None:
+        written, self._written = self._written, set()
+        for key in written:
+            self._sync(self.store.delete(key))
+
+
+def check_store_path(store) -> None:
+    """Refuse an empty store path: ``""`` (or only whitespace, or ``file://`` with nothing after
+    it) would otherwise resolve to the current directory and write or read there.  A ValueError
+    naming the value; anything else (a Store, a Sink, a non-empty path) passes unchanged."""
+    if isinstance(store, os.PathLike):
+        store = os.fspath(store)
+    if isinstance(store, bytes):
+        text = store.decode(errors="replace")
+    elif isinstance(store, str):
+        text = store
+    else:
+        return
+    path = text[len("file://") :] if text[:7].lower() == "file://" else text
+    if not path.strip():
+        raise ValueError(
+            f"the store path {store!r} is empty: give a directory such as 'recording.zarr' or a store URL "
+            "(an empty path would mean the current directory)"
+        )
