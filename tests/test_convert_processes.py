@@ -291,7 +291,7 @@ class GcStress:
 
 if __name__ == "__main__":
     from napari_tileshard import Dim, Layout
-    from napari_tileshard import convert as module
+    from napari_tileshard.apps import convert as module
 
     if sys.argv[2] == "profiler-on":  # what convert's clusters ran with before: Dask's default
         module.WORKER_CONFIG = {"distributed.worker.profile.enabled": True}

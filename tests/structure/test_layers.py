@@ -83,7 +83,7 @@ def test_every_import_points_down_and_none_hides_in_a_function():
 
 
 def test_the_folders_are_the_layers():
-    top = {p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    top = {p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__" and not p.name.startswith(".")}
     assert top == {name for name in LAYERS if name}
     assert {p.name for p in PACKAGE.glob("*.py")} == {"__init__.py", "__main__.py"}
 
