@@ -92,9 +92,11 @@ def test_failed_shard_write_stops_publishing_even_when_later_epochs_succeed(tmp_
     layout = small_layout()
     path = tmp_path / "gap.zarr"
     fail = {"c/3/0/0": OSError(errno.ENOSPC, "No space left on device")} if fault == "enospc" else {}
-    # A delay on epoch 3 lets epochs 4.. finish first, as they did on the full tmpfs.
+    # A delay on epoch 3 lets epochs 4.. finish first, as they did on the full tmpfs (a shared
+    # queue and more I/O threads than epoch 3 has shards: idle threads take them at once; once
+    # epoch 3 fails, what is still queued is dropped).
     sink = ClaimChecker(path, {"": layout}, fail=fail, delay={"c/3/*": 0.2})
-    writer = Writer(sink, layout, backend=backend, batch_bytes=layout.epoch_bytes, io_threads=4)
+    writer = Writer(sink, layout, backend=backend, batch_bytes=layout.epoch_bytes, io_threads=8, io_dispatch="pull")
     if fault == "directory":  # the shard's name is taken by a non-empty directory: rename fails
         (path / "c" / "3" / "0" / "0").mkdir(parents=True)
         (path / "c" / "3" / "0" / "0" / "user-file").write_text("x")

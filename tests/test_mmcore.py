@@ -24,6 +24,7 @@ import zarr  # noqa: E402
 from napari_tileshard import verify  # noqa: E402
 from napari_tileshard.apps.mmcore import FRAME_COLUMNS, TileShardSink  # noqa: E402
 from napari_tileshard.apps.mmcore_demo import demo_core  # noqa: E402
+from napari_tileshard.engine.options import EngineOptions  # noqa: E402
 from napari_tileshard.testing import FaultInjectingSink  # noqa: E402
 
 logging.getLogger("pymmcore-plus").setLevel(logging.CRITICAL)  # "no Micro-Manager installation found"
@@ -236,12 +237,11 @@ def test_drop_policy_under_slow_storage_counts_every_drop(core, capture, tmp_pat
     out = tmp_path / "drop.ome.zarr"
     sink = TileShardSink(
         out,
-        backend="cpu",
         ome=False,
         policy="drop",
         queue_frames=2,
         tiles_per_shard={"t": 1},
-        writer_options={"batch_bytes": 1},
+        options=EngineOptions(backend="cpu", batch_bytes=1),
         store_for=lambda location: FaultInjectingSink(location, delay={"c/*": 0.02}),
     )
     detach = sink.attach(core.mda.events)  # synchronously on the MDA thread: drops happen at the camera's pace
@@ -414,11 +414,10 @@ def small_buffer(core):
 def _slow_sink(out, **options):
     return TileShardSink(
         out,
-        backend="cpu",
         ome=False,
         queue_frames=4,
         tiles_per_shard={"t": 1},
-        writer_options={"batch_bytes": 1},
+        options=EngineOptions(backend="cpu", batch_bytes=1),
         store_for=lambda location: FaultInjectingSink(location, delay={"c/*": 0.01}),  # < 100 frames/s
         **options,
     )
@@ -508,12 +507,11 @@ def test_the_stop_decision_and_message_from_the_frame_metadata_alone(tmp_path, s
     out = tmp_path / "meta.ome.zarr"
     sink = TileShardSink(
         out,
-        backend="cpu",
         ome=False,
         core=core,
         queue_frames=1,
         tiles_per_shard={"t": 1},
-        writer_options={"batch_bytes": 1, "io_threads": 1},
+        options=EngineOptions(backend="cpu", batch_bytes=1, io_threads=1),
         store_for=lambda location: FaultInjectingSink(location, delay={"c/*": store_delay_s}),
     )
     sink.setup(useq.MDASequence(time_plan={"interval": 0, "loops": 100}), meta)

@@ -37,6 +37,7 @@ pymmcore-plus is never imported here: the sink only reads the objects it is hand
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -51,8 +52,12 @@ from typing import Any
 import numpy as np
 
 from ..engine.backends import gpu_unavailable_reason
+from ..engine.options import EngineOptions
 from ..engine.writer import Writer
-from ..format.layout import Dim, Layout
+from ..format.array_spec import ArraySpec
+from ..format.codecs import get as get_codec
+from ..format.layout import Layout
+from ..format.pyramid import check_method
 from ..reader.levels import open_level0
 from ..storage.errors import StoreExistsError
 from ..storage.sinks import check_store_path
@@ -64,9 +69,6 @@ log = logging.getLogger(__name__)
 SERIES_AXES = ("p", "g")  # axes that select an image of the collection instead of indexing one
 FRAME_COLUMNS = ("series", "frame", "runner_time_ms", "exposure_ms", "x_um", "y_um", "z_um", "stored")
 _STOP = object()
-_DEFAULT_TILE = 512
-_DEFAULT_SHARD_PIXELS = 4096  # a shard spans up to this many pixels along y and x
-_UNBOUNDED_ROWS_PER_SHARD = 16
 
 
 class SinkFellBehindError(RuntimeError):
@@ -119,12 +121,14 @@ class TileShardSink:
     """A pymmcore-plus data sink writing each MDA into a sharded OME-Zarr collection.
 
     ``tile`` and ``tiles_per_shard`` map axis names (``t``, ``c``, ``z``, ``y``, ``x``, ...) to
-    sizes; unnamed axes get the defaults (y/x tiles of 512 pixels, shards of up to 4096 pixels
-    across, one frame deep per tile, a shard holding a whole row of the inner axes).  ``policy``
+    sizes; unnamed axes get the package's one default tiling (:meth:`Layout.default_for`).  ``policy``
     is what ``append`` does when ``queue_frames`` frames already wait: ``"block"`` the MDA thread
     waits, ``"drop"`` the frame is discarded and counted (it reads as the fill value).
-    ``writer_options`` go to each :class:`~napari_tileshard.engine.writer.Writer`; ``store_for`` maps a
-    series' location to the store its Writer writes (a wrapping Sink, say; default: the location).
+    What is written is ``codec`` at ``level``, an OME pyramid of ``downsample`` unless ``ome=False``
+    (each position's :class:`~napari_tileshard.format.array_spec.ArraySpec`); how, ``options``
+    (:class:`~napari_tileshard.engine.options.EngineOptions`; ``backend=`` is its shorthand).
+    ``store_for`` maps a series' location to the store its Writer writes (a wrapping Sink, say;
+    default: the location).
 
     ``core``: the ``CMMCorePlus`` (or ``UniMMCore``) whose MDA this sink records
     (:meth:`attach` with a core sets it).  With it the sink stops the MDA when it falls so far behind a
@@ -149,7 +153,7 @@ class TileShardSink:
         policy: str = "block",
         queue_frames: int = 64,
         reorder_frames: int | None = None,
-        writer_options: dict | None = None,
+        options: EngineOptions | None = None,
         store_for: Callable[[str], Any] | None = None,
         core=None,
     ):
@@ -163,14 +167,20 @@ class TileShardSink:
                 raise TypeError(f"{name} must map axis names to sizes, got {mapping!r}")
         check_store_path(path)  # "" would put the series at /0, /1, ...
         self.path = str(path).rstrip("/")
-        self.codec, self.level, self.backend = codec, level, backend
+        # Every setting is checked here, before an MDA starts (the layouts come with the sequence).
+        self.codec = get_codec(codec).configure(level, "uint8")
+        self.level = level
+        self.options = EngineOptions(backend=backend) if options is None else options
+        if options is not None and backend != "auto":
+            raise TypeError("backend= is the shorthand of options=EngineOptions(backend=...): give one of them")
+        self.backend = self.options.backend
+        check_method(downsample)
         self.tile = dict(tile or {})
         self.tiles_per_shard = dict(tiles_per_shard or {})
         self.ome, self.downsample, self.overwrite = bool(ome), downsample, bool(overwrite)
         self.policy = policy
         self.queue_frames = queue_frames
         self.reorder_frames = reorder_frames or queue_frames
-        self.writer_options = dict(writer_options or {})
         self.store_for = store_for  # series location -> the Writer's store (a path, zarr Store or Sink)
         self.core = core  # whose MDA to stop when the sink falls behind (None: it cannot)
         self.stats = SinkStats()
@@ -271,15 +281,9 @@ class TileShardSink:
                 location = f"{self.path}/{name}"
                 writer = Writer(
                     self.store_for(location) if self.store_for else location,
-                    layout,
-                    codec=self.codec,
-                    level=self.level,
-                    backend=self.backend,
+                    self._spec(layout, omero),
+                    self.options,
                     overwrite=self.overwrite,
-                    ome=self.ome,
-                    downsample=self.downsample,
-                    ome_fields={"omero": omero} if (self.ome and omero) else None,
-                    **self.writer_options,
                 )
                 self.series.append(_Series(name, writer, total))
         except BaseException:  # the Writers already open release their stores (and locks)
@@ -297,8 +301,17 @@ class TileShardSink:
         first batch of a cold GPU loads its kernels (50+ ms), which at 4 GB/s from the camera
         filled the sink's queue and overflowed pymmcore-plus's 1 GiB buffer (H100, 2048² frames)."""
         if self.backend in ("gpu", "auto") and gpu_unavailable_reason() is None:
-            options = {k: v for k, v in self.writer_options.items() if k not in ("overwrite", "ome")}
-            Writer.warm_up(layout, codec=self.codec, level=self.level, backend=self.backend, **options)
+            Writer.warm_up(self._spec(layout, None), self.options)
+
+    def _spec(self, layout: Layout, omero) -> ArraySpec:
+        return ArraySpec.of(
+            layout,
+            self.codec,
+            self.level,
+            ome=self.ome,
+            downsample=self.downsample,
+            ome_fields={"omero": omero} if (self.ome and omero) else None,
+        )
 
     def append(self, img: np.ndarray, event, meta) -> bool:
         """Queue one frame (on the MDA thread; waits only when ``queue_frames`` frames wait and
@@ -692,39 +705,26 @@ class TileShardSink:
             raise RuntimeError(f"{self.path}: recording failed: {self._failure}") from self._failure
 
     def _layout(self, inner: dict[str, int], height: int, width: int, dtype, sequence, pixel_um: float) -> Layout:
+        # The first axis grows as rows complete (the series' Writer is unbounded): a run that stops
+        # early (cancelled, fell behind) keeps the rows it has, and the store claims no row it never
+        # wrote.  The sink still places frames by the sequence's sizes.
+        names = (*inner, "y", "x")
+        shape = (0, *list(inner.values())[1:], height, width) if inner else (height, width)  # one image: a plane
+        base = Layout.default_for(shape, dtype, names)
         dims = []
-        for k, (axis, size) in enumerate(inner.items()):
-            kind, unit, scale = _axis_description(axis, sequence)
-            if k == 0:
-                default_shard = _UNBOUNDED_ROWS_PER_SHARD if size == 0 else 1
-                # The first axis grows as rows complete (the series' Writer is unbounded): a run
-                # that stops early (cancelled, fell behind) keeps the rows it has, and the store
-                # claims no row it never wrote.  The sink still places frames by the sequence's sizes.
-                size = 0
+        for dim in base.dims:
+            if dim.name in ("y", "x"):
+                kind, unit, scale = None, ("micrometer" if pixel_um > 0 else None), (pixel_um if pixel_um > 0 else 1.0)
             else:
-                default_shard = size
+                kind, unit, scale = _axis_description(dim.name, sequence)
             dims.append(
-                Dim(
-                    axis,
-                    size,
-                    self.tile.get(axis, 1),
-                    self.tiles_per_shard.get(axis, default_shard),
+                dataclasses.replace(
+                    dim,
+                    tile_size=self.tile.get(dim.name, dim.tile_size),
+                    tiles_per_shard=self.tiles_per_shard.get(dim.name, dim.tiles_per_shard),
                     kind=kind,
                     unit=unit,
                     scale=scale,
-                )
-            )
-        for axis, size in (("y", height), ("x", width)):
-            tile = min(self.tile.get(axis, _DEFAULT_TILE), size)
-            default_shard = max(1, min(math.ceil(size / tile), _DEFAULT_SHARD_PIXELS // tile))
-            dims.append(
-                Dim(
-                    axis,
-                    size,
-                    tile,
-                    self.tiles_per_shard.get(axis, default_shard),
-                    unit="micrometer" if pixel_um > 0 else None,
-                    scale=pixel_um if pixel_um > 0 else 1.0,
                 )
             )
         return Layout(dims, dtype)

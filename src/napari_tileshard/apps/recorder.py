@@ -18,12 +18,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from ..engine.multi_writer import MultiWriter
+from ..engine.options import EngineOptions
 from ..engine.writer import Writer
+from ..format.array_spec import ArraySpec
 from ..format.layout import Layout
 from ..format.pyramid import Pyramid, plan_pyramid
 from ..storage.overwrite import overwrite_refusal
@@ -67,6 +68,16 @@ class RecorderSettings:
         frame_bytes = layout.frame_elements * layout.itemsize
         return max(layout.epoch_bytes, int(frame_bytes * self.fps / 4)) if self.fps else layout.epoch_bytes
 
+    def array_spec(self, layout: Layout | None = None) -> ArraySpec:
+        """What the recording writes (of ``layout``, default the main one)."""
+        return ArraySpec.of(
+            layout or self.checked_layout(), self.codec, self.level, ome=self.ome, downsample=self.downsample
+        )
+
+    def engine_options(self) -> EngineOptions:
+        """How the recording is written."""
+        return EngineOptions(backend=self.backend, batch_bytes=self.batch())
+
     def checked_layout(self) -> Layout:
         """``layout``, which has a default only because ``output`` comes first; TypeError without one."""
         if not isinstance(self.layout, Layout):
@@ -75,7 +86,7 @@ class RecorderSettings:
 
     def validate(self) -> None:
         """Raise ValueError/TypeError naming the first bad setting."""
-        layout = self.checked_layout()
+        self.checked_layout()
         if self.policy not in POLICIES:
             raise ValueError(f"policy {self.policy!r} is not one of {', '.join(POLICIES)}")
         if not isinstance(self.queue_frames, int) or self.queue_frames < 1:
@@ -88,10 +99,9 @@ class RecorderSettings:
             for name, stream_layout in self.streams.items():
                 if not isinstance(stream_layout, Layout):
                     raise TypeError(f"stream {name!r}: its layout must be a Layout")
-                if self.ome:
-                    plan_pyramid(stream_layout, self.downsample)
-        if self.ome:
-            plan_pyramid(layout, self.downsample)  # raises naming what a pyramid can't do here
+                self.array_spec(stream_layout)
+        self.array_spec()  # raises naming a codec, level or pyramid the layout cannot have
+        self.engine_options()
         if not str(self.output).strip():
             raise ValueError("the output path is empty")
         path = Path(self.output).expanduser()
@@ -214,21 +224,14 @@ class Recorder:
         s = self.settings
         self.stats.recording = True
         self._start = time.perf_counter()
-        options: dict[str, Any] = dict(
-            codec=s.codec,
-            level=s.level,
-            backend=s.backend,
-            overwrite=s.overwrite,
-            batch_bytes=s.batch(),
-            ome=s.ome,
-            downsample=s.downsample,
-        )
         try:
+            options = s.engine_options()
             if s.streams:
-                self.multi = MultiWriter(s.output, s.streams, **options)
+                streams = {name: s.array_spec(layout) for name, layout in s.streams.items()}
+                self.multi = MultiWriter(s.output, streams, options, overwrite=s.overwrite)
                 self.writer = self.multi[next(iter(s.streams))]  # the first stream's: the preview's
             else:
-                self.writer = Writer(s.output, s.checked_layout(), **options)
+                self.writer = Writer(s.output, s.array_spec(), options, overwrite=s.overwrite)
             self.stats.backend = self.writer.stats.backend
             while True:
                 try:

@@ -24,20 +24,23 @@ Writers share nothing but the collection's root.  GPUs are dealt round-robin fro
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping
 from pathlib import Path
 
+from ..format.array_spec import ARRAY_KEYWORDS, ArraySpec
 from ..format.layout import Layout
 from ..format.metadata import metadata_bytes
 from ..format.ome import COLLECTION_KEY, COLLECTION_LAYOUT, is_collection
 from ..storage.sinks import Sink
 from ..storage.urls import open_sink
 from .backends import gpu_unavailable_reason, resolve_devices
+from .options import EngineOptions, writer_settings
 from .writer import Writer, WriterError, WriterStats
 
 
-def stream_devices(count: int, backend: str, devices) -> list[list[int] | None]:
+def stream_devices(count: int, backend: str, devices) -> list[tuple[int] | None]:
     """The device list of each of ``count`` streams: GPUs dealt round-robin (``devices``, default
     every GPU when the backend may use one), None for the CPU backend."""
     if backend == "cpu":
@@ -49,7 +52,28 @@ def stream_devices(count: int, backend: str, devices) -> list[list[int] | None]:
             return [None] * count  # auto falls back to the CPU; gpu raises its own clear error
         devices = "all"
     gpus = resolve_devices(devices)  # validates, naming the bad value
-    return [[gpus[k % len(gpus)]] for k in range(count)]
+    return [(gpus[k % len(gpus)],) for k in range(count)]
+
+
+def _stream_settings(
+    streams: Mapping[str, Layout | ArraySpec], options: EngineOptions | None, keywords: dict
+) -> tuple[dict[str, ArraySpec], EngineOptions]:
+    """Each stream's ArraySpec (OME by default, named after the stream, its name in the attributes)
+    and the EngineOptions they share, from the MultiWriter's arguments."""
+    specs: dict[str, ArraySpec] = {}
+    shared = dict(keywords)
+    for name, layout in streams.items():
+        if isinstance(layout, Layout):
+            shared.setdefault("ome", True)
+        elif not isinstance(layout, ArraySpec):
+            raise TypeError(f"stream {name!r}: layout must be a Layout, got {type(layout).__name__}")
+        spec, options = writer_settings(layout, options, **shared)
+        if spec.ome is not None:
+            spec = dataclasses.replace(spec, ome=dataclasses.replace(spec.ome, image_name=name))
+        specs[name] = dataclasses.replace(spec, attributes={**spec.attributes, "stream": name})
+        shared = {k: v for k, v in shared.items() if k in ARRAY_KEYWORDS}  # the options are made once
+    assert options is not None
+    return specs, options
 
 
 def _group(ome: dict) -> dict:
@@ -97,28 +121,25 @@ class MultiWriter:
     def __init__(
         self,
         path,
-        streams: Mapping[str, Layout],
+        streams: Mapping[str, Layout | ArraySpec],
+        options: EngineOptions | None = None,
         *,
-        backend: str = "auto",
-        devices=None,
         overwrite: bool = False,
-        ome: bool = True,
-        **writer_options,
+        **keywords,
     ):
         if not isinstance(streams, Mapping) or not streams:
             raise ValueError(f"streams must map at least one stream name to a Layout, got {streams!r}")
-        for name, layout in streams.items():
+        for name in streams:
             if not isinstance(name, str) or not name.strip():
                 raise ValueError(f"stream names must be non-empty strings, got {name!r}")
-            if not isinstance(layout, Layout):
-                raise TypeError(f"stream {name!r}: layout must be a Layout, got {type(layout).__name__}")
-        for option in ("attributes", "devices"):
-            if option in writer_options:
+        for option in ("attributes", "image_name"):
+            if option in keywords:
                 raise TypeError(f"MultiWriter sets {option!r} per stream itself")
+        specs, options = _stream_settings(streams, options, keywords)
         self.names = list(streams)
-        self.ome = bool(ome)
+        self.ome = all(spec.ome is not None for spec in specs.values())
         self.paths = {name: str(k) for k, name in enumerate(self.names)}
-        per_stream = stream_devices(len(self.names), backend, devices)
+        per_stream = stream_devices(len(self.names), options.backend, options.devices)
         # The root first: it takes the overwrite decision (only a collection of ours is replaced)
         # and holds the lock, so two MultiWriters cannot interleave their streams.
         self._sink: Sink = open_sink(path, overwrite)
@@ -127,16 +148,9 @@ class MultiWriter:
         root = path if isinstance(path, (str, os.PathLike)) else self._sink
         self.writers: dict[str, Writer] = {}
         try:
-            for name, devs in zip(self.names, per_stream):
+            for name, devices in zip(self.names, per_stream):
                 self.writers[name] = Writer(
-                    _child(root, self.paths[name]),
-                    streams[name],
-                    backend=backend,
-                    devices=devs,
-                    ome=self.ome,
-                    image_name=name,
-                    attributes={"stream": name},
-                    **writer_options,
+                    _child(root, self.paths[name]), specs[name], dataclasses.replace(options, devices=devices)
                 )
             self._write_collection_metadata()
         except BaseException:
@@ -147,16 +161,17 @@ class MultiWriter:
         self._closed = False
 
     @staticmethod
-    def warm_up(streams: Mapping[str, Layout], *, backend: str = "auto", devices=None, **writer_options) -> None:
+    def warm_up(streams: Mapping[str, Layout | ArraySpec], options: EngineOptions | None = None, **keywords) -> None:
         """Arm each stream's GPU ahead of a :class:`MultiWriter` with the same arguments (as
         :meth:`Writer.warm_up` does for one stream): buffers, kernels and the CUDA context are then
         ready when the cameras start, instead of being prepared under their first frames.  One
         set is kept per GPU, so streams sharing a GPU warm only the last of them."""
-        writer_options.pop("overwrite", None)
-        writer_options.pop("ome", None)
-        for layout, devs in zip(streams.values(), stream_devices(len(streams), backend, devices)):
-            if devs is not None:
-                Writer.warm_up(layout, backend=backend, devices=devs, **writer_options)
+        keywords.pop("overwrite", None)
+        specs, options = _stream_settings(streams, options, keywords)
+        per_stream = stream_devices(len(specs), options.backend, options.devices)
+        for spec, devices in zip(specs.values(), per_stream):
+            if devices is not None:
+                Writer.warm_up(spec.layout, dataclasses.replace(options, devices=devices))
 
     def _write_collection_metadata(self) -> None:
         attributes: dict = {COLLECTION_KEY: {"streams": self.paths}}

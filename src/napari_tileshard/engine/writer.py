@@ -30,10 +30,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..format import codecs
+from ..format.array_spec import ArraySpec
 from ..format.layout import Layout
-from ..format.metadata import METADATA_KEY, check_attributes, metadata_bytes
+from ..format.metadata import METADATA_KEY, metadata_bytes
 from ..format.ome import group_metadata
-from ..format.pyramid import Pyramid, level_fraction, plan_pyramid
+from ..format.pyramid import Pyramid, level_fraction
 from ..storage.sinks import Sink
 from ..storage.urls import open_sink
 from .backends import select_backend
@@ -41,7 +42,7 @@ from .backends.base import Backend, MemoryBudget
 from .backends.cpu import CpuBackend
 from .backends.gpu import GpuBackend
 from .collector import Collector, in_flight_bytes
-from .dispatch import MODES as DISPATCH_MODES
+from .options import EngineOptions, writer_settings
 from .publish import Publisher
 from .shards import EncodedEpoch
 from .staging import StagingRing
@@ -156,7 +157,9 @@ def largest_fitting(preferred: int, fits: Callable[[int], bool]) -> int:
     return low
 
 
-def _estimate(backend: Backend, pyramid: Pyramid, codec: str, epochs: int, staging_buffers: int) -> dict[str, int]:
+def _estimate(
+    backend: Backend, pyramid: Pyramid, codec: codecs.Codec | str, epochs: int, staging_buffers: int
+) -> dict[str, int]:
     estimate = backend.memory_estimate(epochs * pyramid.layouts[0].epoch_bytes, staging_buffers)
     if not backend.estimate_holds_shards:
         estimate["host"] += in_flight_bytes(pyramid, codec, epochs)
@@ -166,7 +169,7 @@ def _estimate(backend: Backend, pyramid: Pyramid, codec: str, epochs: int, stagi
 def plan_batches(
     backend: Backend,
     pyramid: Pyramid,
-    codec: str,
+    codec: codecs.Codec | str,
     batch_bytes: int | None,
     staging_buffers: int | None,
     budget: MemoryBudget,
@@ -221,14 +224,6 @@ def plan_batches(
     )
 
 
-def _positive_int(name: str, value, allow_none: bool = False):
-    if value is None and allow_none:
-        return None
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return int(value)
-
-
 def _physical_memory() -> int | None:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -269,6 +264,12 @@ class Writer:
     flight are cut off, and :meth:`close` returns within about ``io_timeout``; the store claims
     exactly the rows it holds (``docs/reliability.md``, liveness).
 
+    The options come as two validated objects, :class:`~napari_tileshard.format.array_spec.ArraySpec`
+    (what is written: ``layout`` or ``ArraySpec.of(layout, codec=..., ome=True, ...)``) and
+    :class:`~napari_tileshard.engine.options.EngineOptions` (how: backend, devices, memory, I/O),
+    or as the keywords above for short, which build the same two objects
+    (:func:`~napari_tileshard.engine.options.writer_settings`).
+
     Every option is checked before the store is touched; a store the Writer creates is removed
     again if setup fails.  A local store is locked for the Writer's life (one writer per store).
     """
@@ -278,82 +279,41 @@ class Writer:
     def __init__(
         self,
         store,
-        layout: Layout,
+        layout: Layout | ArraySpec,
+        options: EngineOptions | None = None,
         *,
-        codec: str = "zstd",
-        level: int = 1,
-        backend: str = "auto",
         overwrite: bool = False,
-        batch_bytes: int | None = None,
-        staging_buffers: int | None = None,
-        max_host_bytes: int | None = None,
-        max_device_bytes: int | None = None,
-        io_threads: int = 4,
-        io_dispatch: str = "adaptive",
-        threads: int | None = None,
-        devices=None,
-        attributes: dict | None = None,
-        max_latency_s: float = 1.0,
-        ome: bool = False,
-        downsample: str = "mean",
-        downsample_dims=None,
-        max_levels: int | None = None,
-        image_name: str | None = None,
-        ome_fields: dict | None = None,
-        io_timeout: float | None = 60.0,
+        **keywords,
     ):
-        if not isinstance(layout, Layout):
-            raise TypeError(f"layout must be a Layout, got {type(layout).__name__}")
-        if (
-            not isinstance(max_latency_s, (int, float))
-            or isinstance(max_latency_s, bool)
-            or not max_latency_s > 0
-            or not math.isfinite(max_latency_s)
-        ):
-            raise ValueError(f"max_latency_s must be a positive number of seconds, got {max_latency_s!r}")
+        # What is written (ArraySpec) and how (EngineOptions), each validated once; the keywords
+        # are the shorthand for both (codec=, level=, ome=, ..., backend=, io_threads=, ...).
+        spec, options = writer_settings(layout, options, **keywords)
         if not isinstance(overwrite, bool):
             raise TypeError(f"overwrite must be True or False, got {overwrite!r}")
-        if io_timeout is not None and (
-            not isinstance(io_timeout, (int, float))
-            or isinstance(io_timeout, bool)
-            or not io_timeout > 0
-            or not math.isfinite(io_timeout)
-        ):
-            raise ValueError(f"io_timeout must be a positive number of seconds or None, got {io_timeout!r}")
-        self.io_timeout = None if io_timeout is None else float(io_timeout)
-        self.max_latency_s = float(max_latency_s)
-        self.layout = layout
-        self.codec = codec
-        self.level = codecs.get(codec).validate_level(level)
-        if staging_buffers is not None and (_positive_int("staging_buffers", staging_buffers) < 2):
-            raise ValueError(f"staging_buffers must be an integer >= 2, got {staging_buffers!r}")
-        io_threads = _positive_int("io_threads", io_threads)
-        if io_dispatch not in DISPATCH_MODES:
-            raise ValueError(f"io_dispatch must be one of {', '.join(DISPATCH_MODES)}, got {io_dispatch!r}")
-        self._io_dispatch = io_dispatch
-        threads = _positive_int("threads", threads, allow_none=True)
-        batch_bytes = _positive_int("batch_bytes", batch_bytes, allow_none=True)
-        budget = MemoryBudget(
-            host=_positive_int("max_host_bytes", max_host_bytes, allow_none=True),
-            device=_positive_int("max_device_bytes", max_device_bytes, allow_none=True),
+        self.spec, self.options = spec, options
+        self.layout = layout = spec.layout
+        self.codec = spec.codec
+        self.level = spec.level
+        self.io_timeout = options.io_timeout
+        self.max_latency_s = options.max_latency_s
+        self.ome = spec.ome is not None
+        self.pyramid = spec.pyramid
+        attributes = dict(spec.attributes)
+        self._group = (
+            group_metadata(self.pyramid, "", attributes, dict(spec.ome.fields)) if spec.ome is not None else None
         )
-        attributes = check_attributes(attributes)
-        self.ome = bool(ome)
-        self._image_name = image_name
-        self.pyramid = plan_pyramid(layout, downsample, downsample_dims, max_levels) if ome else Pyramid.single(layout)
-        self._group = group_metadata(self.pyramid, "", attributes, ome_fields) if ome else None  # validates attributes
         self._check_shard_epoch_fits_memory()
-        options: dict = {"threads": threads} if threads else {}
-        if devices is not None:
-            options["devices"] = devices
-        if ome:
-            options["pyramid"] = self.pyramid
-        self._backend = select_backend(backend, layout, codec, self.level, **options)
+        backend_options: dict = {"threads": options.threads} if options.threads else {}
+        if options.devices is not None:
+            backend_options["devices"] = options.devices
+        if spec.ome is not None:
+            backend_options["pyramid"] = self.pyramid
+        self._backend = select_backend(options.backend, layout, self.codec, self.level, **backend_options)
         try:
             self.batch_epochs, staging_buffers = plan_batches(
-                self._backend, self.pyramid, codec, batch_bytes, staging_buffers, budget
+                self._backend, self.pyramid, self.codec, options.batch_bytes, options.staging_buffers, options.budget
             )
-            self._setup(store, overwrite, staging_buffers, io_threads, attributes)
+            self._setup(store, overwrite, staging_buffers, options.io_threads, attributes)
         except BaseException as exc:
             self._backend.close()
             sink: Sink | None = self.__dict__.get("_sink")
@@ -404,7 +364,7 @@ class Writer:
             self._publisher.begin()
             if self.ome:  # after the level arrays exist, so the group never names a missing dataset
                 root = getattr(self._sink, "root", None)
-                name = self._image_name or (root.stem if root else "image")
+                name = (self.spec.ome and self.spec.ome.image_name) or (root.stem if root else "image")
                 self._group["attributes"]["ome"]["multiscales"][0]["name"] = name
                 self._sink.write(METADATA_KEY, [metadata_bytes(self._group)])
         except BaseException:
@@ -418,7 +378,7 @@ class Writer:
             self._prefixes,
             self._publisher,
             io_threads=io_threads,
-            io_dispatch=self._io_dispatch,
+            io_dispatch=self.options.io_dispatch,
             io_timeout=self.io_timeout,
             pipeline_limit=max(staging_buffers, self._backend.batches_in_flight),
             batch_epochs=self.batch_epochs,
@@ -447,22 +407,23 @@ class Writer:
         return _estimate(self._backend, self.pyramid, self.codec, self.batch_epochs, self._staging.count)
 
     @classmethod
-    def warm_up(cls, layout: Layout, **options) -> dict[str, int]:
+    def warm_up(cls, layout: Layout | ArraySpec, options: EngineOptions | None = None, **keywords) -> dict[str, int]:
         """Arm a recording of ``layout`` with ``options`` (as for a Writer) into memory and close it:
         the GPU backend keeps its buffers, compiled kernels and CUDA context for the next Writer
         with the same layout and batching, which then arms at once.  The recorder widget calls it
         when the GPU backend is chosen.  One batch per GPU runs through the pipeline (from the
         staging buffers as they are) so every kernel is loaded on every GPU.  Returns that
         recording's :meth:`memory_estimate`."""
-        options.pop("overwrite", None)
-        with cls("memory://", layout, **options) as writer:
+        keywords.pop("overwrite", None)
+        with cls("memory://", layout, options, **keywords) as writer:
             # One batch through every GPU: CuPy compiles or loads a kernel into a device the first
             # time it runs there, which took a camera's first frames 50+ ms per GPU (measured on
             # 2x H200: every drop of a 10 GB/s stream fell there).  A batch of one tile epoch loads
             # the same kernels as a full one; a full batch of small frames is 10 000s of shards,
             # which took minutes.  The staging buffers' own contents are encoded: no frame is copied.
             batches = len(getattr(writer._backend, "devices", ())) or 1
-            if layout.unbounded or batches * layout.epoch_rows <= layout.shape[0]:
+            shape = writer.layout
+            if shape.unbounded or batches * shape.epoch_rows <= shape.shape[0]:
                 writer._encode_staging_as_is(batches)
             return writer.memory_estimate()
 

@@ -450,8 +450,62 @@ def _lifted_strides(shape: tuple[int, ...], tile_shape: tuple[int, ...], tile_st
     )
 
 
+#: the default tiling (:meth:`Layout.default_for`): frame tiles of up to 256 px a side, up to 4
+#: of them per shard along each frame dim; along dim 0 as many rows as make a tile of ~256 KiB and
+#: a shard of ~16 MiB (both sizes the writers and readers reach their best rates with, see
+#: docs/benchmarks.md)
+DEFAULT_FRAME_TILE = 256
+DEFAULT_FRAME_TILES_PER_SHARD = 4
+DEFAULT_TILE_BYTES = 256 << 10
+DEFAULT_SHARD_BYTES = 16 << 20
+#: the rows of one shard epoch stay in memory until its shards are written: at most this much
+DEFAULT_SHARD_EPOCH_BYTES = 64 << 20
+#: names of the dims of an array of rank 1 to 5 when none are given
+DEFAULT_NAMES = ("t", "c", "z", "y", "x")
+
+
 class Layout:
     """Tiling and sharding of an array of ``dims`` (slowest first) holding ``dtype``."""
+
+    @classmethod
+    def default_for(cls, shape, dtype, names=None) -> Layout:
+        """The one default tiling of an array of ``shape`` (dim 0 may be 0: unbounded), used by
+        every entry point that is not told a tiling (record, convert, the napari writer, the
+        recorder dock, pymmcore-plus).
+
+        The frame dims (the last two for rank >= 3, the last one otherwise) get tiles of up to
+        256 px and up to 4 tiles per shard; dim 0 (when it is not a frame dim) gets as many rows
+        per tile as make a tile of about 256 KiB and as many tiles per shard as make a shard of
+        about 16 MiB, while a shard epoch (the rows held in memory until their shards are
+        written) stays within about 64 MiB; dims in between (channels, z) tile 1.  ``names`` default to t, c, z, y, x
+        (the last ``rank`` of them), or d0, d1, ... beyond rank 5."""
+        shape = tuple(int(s) for s in shape)
+        rank = len(shape)
+        if not 1 <= rank <= MAX_RANK:
+            raise ValueError(f"a layout has 1 to {MAX_RANK} dimensions, got shape {shape}")
+        if names is None:
+            names = DEFAULT_NAMES[-rank:] if rank <= len(DEFAULT_NAMES) else [f"d{i}" for i in range(rank)]
+        names = list(names)
+        if len(names) != rank:
+            raise ValueError(f"{len(names)} names {names} for the {rank} dimensions of shape {shape}")
+        itemsize = np.dtype(dtype).itemsize
+        frame = min(2 if rank >= 3 else 1, rank)
+        tiles = [1] * rank
+        per_shard = [1] * rank
+        for d in range(rank - frame, rank):
+            size = shape[d] or DEFAULT_FRAME_TILE
+            tiles[d] = max(1, min(DEFAULT_FRAME_TILE, size))
+            per_shard[d] = max(1, min(DEFAULT_FRAME_TILES_PER_SHARD, _ceil_div(size, tiles[d])))
+        if rank > frame:
+            frame_tile = itemsize * int(np.prod(tiles[rank - frame :]))
+            rows = max(1, DEFAULT_TILE_BYTES // frame_tile)
+            tiles[0] = min(rows, shape[0]) if shape[0] else rows
+            shard_rows = max(1, DEFAULT_SHARD_BYTES // (frame_tile * int(np.prod(per_shard[rank - frame :]))))
+            row_bytes = itemsize * int(np.prod(shape[1:]))
+            shard_rows = max(tiles[0], min(shard_rows, DEFAULT_SHARD_EPOCH_BYTES // row_bytes))
+            tiles_along = _ceil_div(shape[0], tiles[0]) if shape[0] else shard_rows
+            per_shard[0] = max(1, min(shard_rows // tiles[0], tiles_along))
+        return cls([Dim(n, s, t, p) for n, s, t, p in zip(names, shape, tiles, per_shard)], dtype)
 
     def __init__(self, dims, dtype="uint16"):
         dims = list(dims)

@@ -33,7 +33,7 @@ from .layout import Layout
 DOWNSAMPLE = ("mean", "max", "min", "decimate")
 
 
-def _check_method(method) -> str:
+def check_method(method) -> str:
     if method not in DOWNSAMPLE:
         raise ValueError(f"downsample {method!r} is not one of {', '.join(DOWNSAMPLE)}")
     return method
@@ -86,7 +86,7 @@ def plan_pyramid(
     layout: Layout, downsample: str = "mean", downsample_dims=None, max_levels: int | None = None
 ) -> Pyramid:
     """The levels of ``layout``: see the module docstring for the rules."""
-    _check_method(downsample)
+    check_method(downsample)
     if max_levels is not None and (not isinstance(max_levels, int) or isinstance(max_levels, bool) or max_levels < 1):
         raise ValueError(f"max_levels must be a positive integer or None, got {max_levels!r}")
     names = layout.names
@@ -143,7 +143,7 @@ def reduce2(array: np.ndarray, axes, method: str, valid_rows: int | None = None)
     Each block offset is visited as a strided view (same order as the GPU kernel, so float sums
     agree bit for bit), accumulated into an array of the reduced shape: no padded copy.
     """
-    _check_method(method)
+    check_method(method)
     axes = tuple(sorted(axes))
     extent = list(array.shape)
     if valid_rows is not None and 0 in axes:
