@@ -49,12 +49,13 @@ from typing import Any
 import numpy as np
 
 from ..engine.backends import gpu_unavailable_reason, resolve_devices
+from ..engine.options import EngineOptions
 from ..engine.publish import Publisher
 from ..engine.writer import Writer
+from ..format.array_spec import ArraySpec
 from ..format.layout import Dim, Layout
 from ..format.metadata import METADATA_KEY, metadata_bytes
 from ..format.ome import group_metadata, multiscale_paths
-from ..format.pyramid import Pyramid, plan_pyramid
 from ..storage.errors import StoreExistsError
 from ..storage.overwrite import CONVERT_MANIFEST_NAME
 from ..storage.overwrite import OVERWRITE_HINT as _OVERWRITE_HINT
@@ -314,24 +315,21 @@ def _show(key: str, value) -> str:
 
 
 def default_layout(source: Source, tile=None, tiles_per_shard=None, names=None) -> Layout:
-    """Tiles of 256x256 pixels (1 along other dims, 8 along dim 0 of rank >= 3) and shards of 4x4
-    tiles in the last two dims, unless ``tile`` / ``tiles_per_shard`` say otherwise."""
+    """The package's one default tiling of the source (:meth:`Layout.default_for`, dims named after
+    the source's where it names them), with ``tile`` / ``tiles_per_shard`` (one value per dim)
+    replacing it where given."""
     rank = len(source.shape)
-    names = names or source.names or ("t", "c", "z", "y", "x")[-rank:] if rank <= 5 else [f"d{i}" for i in range(rank)]
-    if tile is None:
-        tile = [1] * rank
-        tile[-min(2, rank) :] = [256] * min(2, rank)
-        if rank >= 3:
-            tile[0] = 8
-    if tiles_per_shard is None:
-        tiles_per_shard = [1] * rank
-        tiles_per_shard[-min(2, rank) :] = [4] * min(2, rank)
+    base = Layout.default_for(source.shape, source.dtype, names or source.names)
     for what, values in (("tile", tile), ("tiles_per_shard", tiles_per_shard)):
-        if len(values) != rank:
+        if values is not None and len(values) != rank:
             raise ValueError(f"{what} has {len(values)} values, the source has {rank} dimensions {source.shape}")
     dims = [
-        Dim(str(n), int(s), max(1, min(int(t), int(s))), int(p))
-        for n, s, t, p in zip(names, source.shape, tile, tiles_per_shard)
+        replace(
+            dim,
+            tile_size=dim.tile_size if tile is None else max(1, min(int(tile[d]), dim.size or int(tile[d]))),
+            tiles_per_shard=dim.tiles_per_shard if tiles_per_shard is None else int(tiles_per_shard[d]),
+        )
+        for d, dim in enumerate(base.dims)
     ]
     return Layout(dims, source.dtype)
 
@@ -339,18 +337,16 @@ def default_layout(source: Source, tile=None, tiles_per_shard=None, names=None) 
 # -- tasks -------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class _TaskSpec:
-    """What a task needs besides its rows (picklable)."""
+    """What a task needs besides its rows (picklable): where, what (the array) and how (the engine)."""
 
     dst: str
     storage_options: dict | None
-    layout: Layout
-    codec: str
-    level: int
-    backend: str
-    ome: bool
-    downsample: str
-    downsample_dims: tuple | None
-    max_levels: int | None
+    array: ArraySpec
+    options: EngineOptions
+
+    @property
+    def layout(self) -> Layout:
+        return self.array.layout
 
 
 class _EpochSink(Sink):
@@ -401,7 +397,7 @@ def write_shard_epoch(source: Source, epoch: int, spec: _TaskSpec) -> dict:
     # A GPU worker runs several tasks at once so that their reads (decompression of the source,
     # mostly GIL-free) overlap, but one Writer at a time has its GPU: it then gets the whole
     # device and the buffers kept warm for the next task (one set per GPU) are never contended.
-    with _GPU_WRITER_LOCK if spec.backend == "gpu" else contextlib.nullcontext():
+    with _GPU_WRITER_LOCK if spec.options.backend == "gpu" else contextlib.nullcontext():
         wait_s = time.perf_counter() - t0 - read_s
         return _encode_epoch(block, epoch, spec, start, stop, t0, read_s, wait_s)
 
@@ -414,12 +410,7 @@ def _encode_epoch(block, epoch, spec, start, stop, t0, read_s, wait_s) -> dict:
     layout = spec.layout
     sub = Layout([replace(layout.dims[0], size=stop - start), *layout.dims[1:]], layout.dtype)
     sink = _EpochSink(_attach(spec.dst, spec.storage_options), epoch)
-    options = dict(codec=spec.codec, level=spec.level, backend=spec.backend)
-    if spec.ome:
-        options.update(
-            ome=True, downsample=spec.downsample, downsample_dims=spec.downsample_dims, max_levels=spec.max_levels
-        )
-    with Writer(sink, sub, **options) as writer:
+    with Writer(sink, spec.array.with_layout(sub), spec.options) as writer:
         writer.append(block)
     return {
         "epoch": epoch,
@@ -676,9 +667,9 @@ def _convert(
     publisher = Publisher(
         sink,
         pyramid,
-        spec.codec,
-        spec.level,
-        {} if spec.ome else (options["attributes"] or {}),
+        spec.array.codec,
+        spec.array.level,
+        {} if spec.array.ome else dict(spec.array.attributes),
         prefixes,
         on_error=errors.append,
     )
@@ -712,8 +703,8 @@ def _convert(
     try:
         _write_manifest(sink, manifest, done)  # before anything else: a conversion stopped from now on resumes
         publisher.begin()
-        if spec.ome:
-            group = group_metadata(pyramid, Path(dst.rstrip("/")).stem, options["attributes"])
+        if spec.array.ome:
+            group = group_metadata(pyramid, Path(dst.rstrip("/")).stem, dict(spec.array.attributes))
             sink.write(METADATA_KEY, [metadata_bytes(group)])
         for e in range(epochs):  # in order: the publisher advances over the prefix of finished epochs
             rows = min((e + 1) * layout.shard_epoch_rows, layout.shape[0])
@@ -820,27 +811,25 @@ def _plan(source: Source, layout: Layout, dst: str, storage_options, options: di
         raise ValueError(
             f"the layout is {layout.shape} {layout.dtype.name} but the source is {source.shape} {source.dtype.name}"
         )
-    ome, downsample_dims = bool(options["ome"]), _tuple(options["downsample_dims"])
-    if ome and downsample_dims and layout.names[0] in downsample_dims:
+    downsample_dims = _tuple(options["downsample_dims"])
+    if options["ome"] and downsample_dims and layout.names[0] in downsample_dims:
         raise ValueError(
             f"convert builds each shard epoch's pyramid in its own task: downsample_dims may not include "
             f"{layout.names[0]!r} (dim 0)"
         )
-    downsample, max_levels = options["downsample"], options["max_levels"]
-    pyramid = plan_pyramid(layout, downsample, downsample_dims, max_levels) if ome else Pyramid.single(layout)
-    prefixes = [f"{k}/" for k in range(pyramid.levels)] if ome else [""]
-    spec = _TaskSpec(
-        dst,
-        storage_options,
+    array = ArraySpec.of(
         layout,
         options["codec"],
         int(options["level"]),
-        options["backend"],
-        ome,
-        downsample,
-        downsample_dims,
-        max_levels,
+        ome=bool(options["ome"]),
+        downsample=options["downsample"],
+        downsample_dims=downsample_dims,
+        max_levels=options["max_levels"],
+        attributes=options["attributes"],
     )
+    pyramid = array.pyramid
+    prefixes = [f"{k}/" for k in range(pyramid.levels)] if array.ome else [""]
+    spec = _TaskSpec(dst, storage_options, array, EngineOptions(backend=options["backend"]))
     return spec, pyramid, prefixes
 
 
