@@ -25,7 +25,7 @@ def payloads(count: int, nbytes: int = 4096) -> list[tuple[str, bytes]]:
 
 
 def dispatch_all(sink, items, mode="adaptive", workers=4, batch=8, **options):
-    dispatcher = Dispatcher(sink, workers, mode, **options)
+    dispatcher = Dispatcher(sink, workers, mode, telemetry_lost=sink.telemetry_lost, **options)
     futures = []
     for start in range(0, len(items), batch):
         futures += dispatcher.submit([(key, [data[:100], data[100:]]) for key, data in items[start : start + batch]])

@@ -252,7 +252,10 @@ class Writer:
     (:mod:`napari_tileshard.engine.dispatch`); ``io_dispatch`` picks how shards reach them:
     ``"adaptive"`` (predicted straggler relief and hedged writes), ``"pull"`` (a shared queue)
     or ``"static"`` (round-robin).  ``stats`` reports per-worker figures, moves, hedges,
-    duplicate bytes and fallback rounds.
+    duplicate bytes and fallback rounds.  ``io_telemetry_lost`` is for reliability tests: a
+    callable ``round_index -> bool`` (e.g. :meth:`napari_tileshard.testing.FaultInjectingSink.telemetry_lost`)
+    whose True makes the adaptive dispatcher lose its measurements of that batch (it places it
+    round-robin and learns nothing from it); None, the default, loses nothing.
 
     ``ome=True`` writes an OME-Zarr 0.5 group instead of a bare array: level 0 at ``0/`` and a
     pyramid of ``downsample`` levels (``"mean"``, ``"max"``, ``"min"``, ``"decimate"``) over
@@ -301,6 +304,7 @@ class Writer:
         image_name: str | None = None,
         ome_fields: dict | None = None,
         io_timeout: float | None = 60.0,
+        io_telemetry_lost: Callable[[int], bool] | None = None,
     ):
         if not isinstance(layout, Layout):
             raise TypeError(f"layout must be a Layout, got {type(layout).__name__}")
@@ -331,6 +335,11 @@ class Writer:
         if io_dispatch not in DISPATCH_MODES:
             raise ValueError(f"io_dispatch must be one of {', '.join(DISPATCH_MODES)}, got {io_dispatch!r}")
         self._io_dispatch = io_dispatch
+        if io_telemetry_lost is not None and not callable(io_telemetry_lost):
+            raise TypeError(
+                f"io_telemetry_lost must be a callable (round_index -> bool) or None, got {io_telemetry_lost!r}"
+            )
+        self._io_telemetry_lost = io_telemetry_lost
         threads = _positive_int("threads", threads, allow_none=True)
         batch_bytes = _positive_int("batch_bytes", batch_bytes, allow_none=True)
         budget = MemoryBudget(
@@ -420,6 +429,7 @@ class Writer:
             io_threads=io_threads,
             io_dispatch=self._io_dispatch,
             io_timeout=self.io_timeout,
+            io_telemetry_lost=self._io_telemetry_lost,
             pipeline_limit=max(staging_buffers, self._backend.batches_in_flight),
             batch_epochs=self.batch_epochs,
             failed=lambda: self._error,
