@@ -1,4 +1,4 @@
-"""The I/O dispatcher of shard writes under seeded storage faults (dispatch.py, testing.StorageFaults).
+"""The I/O dispatcher of shard writes under seeded storage faults (engine/dispatch/, testing.StorageFaults).
 
 Faults go through the public seam (``FaultInjectingSink(faults=StorageFaults(...))``); service
 times are simulated in milliseconds so the whole file runs in a few seconds."""

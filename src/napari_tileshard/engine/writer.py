@@ -74,7 +74,7 @@ class WriterStats:
     shards_written: int = 0
     elapsed_s: float = 0.0
     rows_complete: int = 0  # rows along dim 0 whose shards are all on disk
-    # The I/O dispatcher (dispatch.py), refreshed by sync/flush/close:
+    # The I/O dispatcher (engine/dispatch/), refreshed by sync/flush/close:
     io_dispatch: str = ""
     io_workers: list = field(default_factory=list)  # per worker: shards, bytes, busy_s, errors, p50/p95
     moves: int = 0  # queued shards the planner moved off a predicted straggler
