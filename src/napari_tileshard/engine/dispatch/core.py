@@ -118,12 +118,8 @@ class Dispatcher:
         self._strategy = STRATEGIES[mode](state, self.options)
         # The state's containers are never rebound: the core keeps them at hand.
         self._models, self._telemetry, self._current = state.models, state.telemetry, state.current
-        self._active, self._in_flight, self._latest, self._counts = (
-            state.active,
-            state.in_flight,
-            state.latest,
-            state.counts,
-        )
+        self._active, self._in_flight = state.active, state.in_flight
+        self._latest, self._counts = state.latest, state.counts
         self.assignment_log: deque = deque(maxlen=log_size)  # (worker, key, round, nbytes, seconds, kind)
         # Versions of one key (a flushed shard rewritten later) are written in order: a task waits
         # while an older version's copy is still being written, and only the newest is hedged.
