@@ -5,7 +5,8 @@ Pre-encoded shard bytes (random, no compression) go through the I/O dispatcher
 process), wrapped in the public fault seam ``testing.FaultInjectingSink(faults=StorageFaults(...))``:
 a simulated service time per write (``--service-ms`` + size / ``--service-mbps``) on top of the real
 write, and per fault one worker 2x/5x/10x slower, ~1 write in 20 stalling 100 ms, 5 % of writes
-answered "503 SlowDown", or 30 % of rounds losing their telemetry.  Same seed, same faults.
+answered "503 SlowDown", or 30 % of rounds losing their telemetry (the dispatcher's seam,
+``Dispatcher(telemetry_lost=sink.telemetry_lost)``).  Same seed, same faults.
 
 The producer hands over one batch (``--batch`` shards, one shard epoch) at a time, as the
 Writer's collector does: paced at ``--load`` of the fault-free capacity measured first (pull queue,
@@ -58,7 +59,7 @@ def shard_payloads(count: int, nbytes: int, seed: int) -> list[tuple[str, bytes]
 
 def run_once(inner_factory, payloads, batch, mode, faults, interval_s, workers):
     sink = FaultInjectingSink(inner_factory(), faults=faults)
-    dispatcher = Dispatcher(sink, workers, mode)
+    dispatcher = Dispatcher(sink, workers, mode, telemetry_lost=sink.telemetry_lost)
     batches = [payloads[i : i + batch] for i in range(0, len(payloads), batch)]
     pending: list[list] = []
     start = time.perf_counter()

@@ -111,6 +111,7 @@ def one_writer(rng: random.Random, root: str, watchdog: Watchdog, i: int) -> str
         max_latency_s=0.01,
         batch_bytes=rng.choice([None, layout.epoch_bytes]),
         io_timeout=0.5,
+        io_telemetry_lost=sink.telemetry_lost,
     )
     frames = np.arange(rng.randint(0, 40) * shape[1] * shape[2], dtype=np.uint16).reshape(-1, shape[1], shape[2])
     outcome = "ok"

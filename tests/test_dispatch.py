@@ -1,4 +1,4 @@
-"""The I/O dispatcher of shard writes under seeded storage faults (dispatch.py, testing.StorageFaults).
+"""The I/O dispatcher of shard writes under seeded storage faults (engine/dispatch/, testing.StorageFaults).
 
 Faults go through the public seam (``FaultInjectingSink(faults=StorageFaults(...))``); service
 times are simulated in milliseconds so the whole file runs in a few seconds."""
@@ -25,7 +25,7 @@ def payloads(count: int, nbytes: int = 4096) -> list[tuple[str, bytes]]:
 
 
 def dispatch_all(sink, items, mode="adaptive", workers=4, batch=8, **options):
-    dispatcher = Dispatcher(sink, workers, mode, **options)
+    dispatcher = Dispatcher(sink, workers, mode, telemetry_lost=sink.telemetry_lost, **options)
     futures = []
     for start in range(0, len(items), batch):
         futures += dispatcher.submit([(key, [data[:100], data[100:]]) for key, data in items[start : start + batch]])
@@ -180,6 +180,32 @@ def test_writer_fails_cleanly_when_storage_keeps_refusing(tmp_path):
     sink = FaultInjectingSink(tmp_path / "x.zarr", faults=StorageFaults(slowdown_rate=1.0))
     with pytest.raises(WriterError, match="SlowDown"):
         record(sink, io_threads=2)
+
+
+def test_telemetry_is_lost_only_where_the_seam_is_handed_to_the_writer(tmp_path):
+    """Lost telemetry is the dispatcher's fault, not the storage's: a FaultInjectingSink loses it
+    through ``Writer(io_telemetry_lost=sink.telemetry_lost)``, and the recording is unchanged."""
+    record(tmp_path / "clean.zarr", io_threads=3)
+    lost = StorageFaults(**SERVICE, telemetry_loss=1.0)
+    sink = FaultInjectingSink(tmp_path / "lost.zarr", faults=lost)
+    stats = record(sink, io_threads=3, io_telemetry_lost=sink.telemetry_lost).stats
+    assert stats.fallback_rounds == sink.injected["telemetry_loss"] >= 20  # every shard epoch's batch
+    assert stats.moves == 0 and stats.replaced_workers == 0
+    assert stored_files(tmp_path / "lost.zarr") == stored_files(tmp_path / "clean.zarr")
+
+    # Not handed over: the sink's faults are storage faults only, and the planner warms up.
+    sink = FaultInjectingSink(tmp_path / "kept.zarr", faults=lost)
+    stats = record(sink, io_threads=3).stats
+    assert sink.injected["telemetry_loss"] == 0 and stats.fallback_rounds < 20
+    assert stored_files(tmp_path / "kept.zarr") == stored_files(tmp_path / "clean.zarr")
+
+
+def test_a_telemetry_seam_that_is_not_callable_is_named_before_the_store_is_touched(tmp_path):
+    with pytest.raises(TypeError, match="telemetry_lost must be a callable .* got 0.3"):
+        Dispatcher(FaultInjectingSink.__new__(FaultInjectingSink), 2, telemetry_lost=0.3)
+    with pytest.raises(TypeError, match="io_telemetry_lost must be a callable .* got 'yes'"):
+        Writer(tmp_path / "w.zarr", LAYOUT, backend="cpu", io_telemetry_lost="yes")
+    assert not (tmp_path / "w.zarr").exists()
 
 
 def _seed_where_only_the_first_attempt_stalls() -> int:

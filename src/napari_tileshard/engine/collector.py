@@ -63,6 +63,7 @@ class Collector:
         io_threads: int,
         io_dispatch: str = "adaptive",
         io_timeout: float | None = None,
+        io_telemetry_lost: Callable[[int], bool] | None = None,
         pipeline_limit: int,
         batch_epochs: int,
         failed: Callable[[], BaseException | None],
@@ -91,7 +92,7 @@ class Collector:
         # What the collector thread is doing and since when: the producer's waits check it.
         self._stage, self._stage_since = "idle", time.monotonic()
         self._lost_since: float | None = None
-        self._io = Dispatcher(sink, io_threads, io_dispatch, io_timeout=io_timeout)
+        self._io = Dispatcher(sink, io_threads, io_dispatch, io_timeout=io_timeout, telemetry_lost=io_telemetry_lost)
         self._done = threading.Event()  # the thread's work is over (its teardown may lag)
         self._thread = threading.Thread(target=self._run, name="tileshard-collector", daemon=True)
         self._thread.start()

@@ -9,7 +9,7 @@ becomes the two objects; every entry point calls it or passes the objects on.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -78,6 +78,9 @@ class EngineOptions:
     io_dispatch: str = "adaptive"
     io_timeout: float | None = 60.0
     max_latency_s: float = 1.0
+    #: the fault-injection seam of the I/O dispatcher: batch number -> whether its telemetry is lost
+    #: (``testing.FaultInjectingSink.telemetry_lost``); None in real recordings
+    io_telemetry_lost: Callable[[int], bool] | None = None
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -96,6 +99,10 @@ class EngineOptions:
             raise ValueError(f"io_dispatch must be one of {', '.join(DISPATCH_MODES)}, got {self.io_dispatch!r}")
         set_(self, "io_timeout", _seconds("io_timeout", self.io_timeout, allow_none=True))
         set_(self, "max_latency_s", _seconds("max_latency_s", self.max_latency_s, allow_none=False))
+        if self.io_telemetry_lost is not None and not callable(self.io_telemetry_lost):
+            raise TypeError(
+                f"io_telemetry_lost must be a callable (round_index -> bool) or None, got {self.io_telemetry_lost!r}"
+            )
 
     @property
     def budget(self) -> MemoryBudget:

@@ -75,7 +75,7 @@ class WriterStats:
     shards_written: int = 0
     elapsed_s: float = 0.0
     rows_complete: int = 0  # rows along dim 0 whose shards are all on disk
-    # The I/O dispatcher (dispatch.py), refreshed by sync/flush/close:
+    # The I/O dispatcher (engine/dispatch/), refreshed by sync/flush/close:
     io_dispatch: str = ""
     io_workers: list = field(default_factory=list)  # per worker: shards, bytes, busy_s, errors, p50/p95
     moves: int = 0  # queued shards the planner moved off a predicted straggler
@@ -247,7 +247,10 @@ class Writer:
     (:mod:`napari_tileshard.engine.dispatch`); ``io_dispatch`` picks how shards reach them:
     ``"adaptive"`` (predicted straggler relief and hedged writes), ``"pull"`` (a shared queue)
     or ``"static"`` (round-robin).  ``stats`` reports per-worker figures, moves, hedges,
-    duplicate bytes and fallback rounds.
+    duplicate bytes and fallback rounds.  ``io_telemetry_lost`` is for reliability tests: a
+    callable ``round_index -> bool`` (e.g. :meth:`napari_tileshard.testing.FaultInjectingSink.telemetry_lost`)
+    whose True makes the adaptive dispatcher lose its measurements of that batch (it places it
+    round-robin and learns nothing from it); None, the default, loses nothing.
 
     ``ome=True`` writes an OME-Zarr 0.5 group instead of a bare array: level 0 at ``0/`` and a
     pyramid of ``downsample`` levels (``"mean"``, ``"max"``, ``"min"``, ``"decimate"``) over
@@ -380,6 +383,7 @@ class Writer:
             io_threads=io_threads,
             io_dispatch=self.options.io_dispatch,
             io_timeout=self.io_timeout,
+            io_telemetry_lost=self.options.io_telemetry_lost,
             pipeline_limit=max(staging_buffers, self._backend.batches_in_flight),
             batch_epochs=self.batch_epochs,
             failed=lambda: self._error,

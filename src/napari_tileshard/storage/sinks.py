@@ -78,12 +78,6 @@ class Sink(ABC):
         that cannot be removed (the disk went read-only, say) is logged, never raised, so that it
         never hides how the recording itself ended."""
 
-    def telemetry_lost(self, round_index: int) -> bool:
-        """Whether the I/O dispatcher's measurements of batch ``round_index`` are lost (then it
-        places that batch statically and learns nothing from it).  Real sinks never lose them;
-        this is the fault-injection seam of :class:`napari_tileshard.testing.FaultInjectingSink`."""
-        return False
-
     def discard(self) -> None:
         """Setup failed: remove what this sink created (no-op where nothing was)."""
 

@@ -37,8 +37,8 @@ class StorageFaults:
       seconds (periodic stalls: which ones is decided by the seed, the key and the attempt);
     * ``slowdown_rate``: that share of write attempts is answered with :class:`SlowDownError`
       (503 SlowDown) after the service time, without writing;
-    * ``telemetry_loss``: that share of dispatcher rounds loses its telemetry
-      (:meth:`~napari_tileshard.storage.sinks.Sink.telemetry_lost`).
+    * ``telemetry_loss``: that share of dispatcher rounds loses its telemetry, through
+      :meth:`FaultInjectingSink.telemetry_lost` handed to the dispatcher (it is no storage fault).
 
     Write faults hit keys matching the glob ``keys`` (default: shards, which go through the I/O
     dispatcher; ``zarr.json`` is the Publisher's and is left alone unless ``keys="*"``).
@@ -73,6 +73,10 @@ class FaultInjectingSink(Sink):
       requests the sink can cancel);
     * ``before_write``: called with the key before every write (may raise);
     * ``faults``: seeded :class:`StorageFaults` (slow worker, stalls, 503 SlowDown, telemetry loss).
+
+    Lost telemetry is the I/O dispatcher's fault, not the storage's, so it takes effect only where
+    :meth:`telemetry_lost` is handed over: ``Writer(sink, ..., io_telemetry_lost=sink.telemetry_lost)``
+    or ``Dispatcher(sink, ..., telemetry_lost=sink.telemetry_lost)``.
 
     ``writes`` lists the keys written (in completion order), ``attempts`` every key tried;
     ``injected`` counts the faults injected by kind.
@@ -172,11 +176,14 @@ class FaultInjectingSink(Sink):
             self.injected[kind] += 1
 
     def telemetry_lost(self, round_index: int) -> bool:
+        """Whether the dispatcher's measurements of batch ``round_index`` are lost: a seeded share
+        ``faults.telemetry_loss`` of the batches (or those a wrapped FaultInjectingSink loses).
+        The seam of ``Dispatcher(telemetry_lost=...)`` and ``Writer(io_telemetry_lost=...)``."""
         faults = self.faults
         lost = bool(faults.telemetry_loss) and faults.draw("telemetry", round_index) < faults.telemetry_loss
         if lost:
             self._count("telemetry_loss")
-        return lost or self.inner.telemetry_lost(round_index)
+        return lost or (isinstance(self.inner, FaultInjectingSink) and self.inner.telemetry_lost(round_index))
 
     def release(self) -> None:
         self.inner.release()
