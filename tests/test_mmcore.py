@@ -510,6 +510,7 @@ def test_the_stop_decision_and_message_from_the_frame_metadata_alone(tmp_path, s
         ome=False,
         core=core,
         queue_frames=1,
+        tile={"t": 1},  # one frame a batch: the queue's state follows each frame
         tiles_per_shard={"t": 1},
         options=EngineOptions(backend="cpu", batch_bytes=1, io_threads=1),
         store_for=lambda location: FaultInjectingSink(location, delay={"c/*": store_delay_s}),

@@ -37,7 +37,7 @@ from ..apps.recorder_form import (
     layout_from_rows,
     rows_for_frames,
 )
-from ..engine.backends import gpu_unavailable_reason
+from ..engine.backends import available_backends, gpu_unavailable_reason
 from ..format import codecs
 from ..format.layout import SUPPORTED_DTYPES
 from ..format.pyramid import DOWNSAMPLE
@@ -46,7 +46,6 @@ from ..format.pyramid import DOWNSAMPLE
 # own "error" colour is too dark to read as text on the dark one.
 ERROR_STYLE = "color: #e05050"
 INFO_STYLE = ""  # the theme's own text colour
-_BACKENDS = ("auto", "gpu", "cpu")
 
 
 class SettingsForm(QWidget):
@@ -127,15 +126,19 @@ class SettingsForm(QWidget):
         # The registry: a new codec shows up here by itself.
         self.codec = ComboBox(choices=list(codecs.names()), value="zstd")
         self.level = SpinBox(value=1)
-        self.backend = ComboBox(choices=list(_BACKENDS))
+        # The registry lists the backends in auto's order, each with why it can't run here.
+        backends = available_backends()
+        self.backend = ComboBox(choices=["auto", *backends])
         combo = self.backend.native
         model = combo.model()
         # A QComboBox's own model is a QStandardItemModel: its items can be disabled one by one.
-        gpu_item = model.item(1) if isinstance(model, QStandardItemModel) else None
-        if self._gpu_reason and gpu_item is not None:
-            gpu_item.setEnabled(False)
-            gpu_item.setText("gpu (unavailable)")
-            gpu_item.setToolTip(self._gpu_reason)
+        for row, (name, reason) in enumerate(backends.items(), start=1):
+            item = model.item(row) if isinstance(model, QStandardItemModel) else None
+            if reason and item is not None:
+                item.setEnabled(False)
+                item.setText(f"{name} (unavailable)")
+                item.setToolTip(reason)
+        if self._gpu_reason:
             combo.setItemData(0, f"auto: CPU here ({self._gpu_reason})", Qt.ItemDataRole.ToolTipRole)
         self.policy = ComboBox(choices=list(POLICIES))
         self.policy.native.setItemData(

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from ..engine.backends import BACKENDS
 from ..engine.writer import CloseAbandoned, Writer, WriterError
 from ..format import codecs
 from ..format.layout import SUPPORTED_DTYPES, Dim, Layout
@@ -84,8 +85,13 @@ def _axis_values(text: str, kind):
 def build_layout(shape, tile, tiles_per_shard, dtype, names=None, scale=None, unit=None) -> Layout:
     """A Layout from per-dimension lists, as the CLI and the plugin take them.
 
-    ``scale`` and ``unit`` map dim names to pixel size / frame interval and unit (OME-Zarr axes)."""
+    ``scale`` and ``unit`` map dim names to pixel size / frame interval and unit (OME-Zarr axes);
+    ``tile`` / ``tiles_per_shard`` None: the one default tiling (:meth:`Layout.default_for`)."""
     rank = len(shape)
+    if tile is None or tiles_per_shard is None:
+        default = Layout.default_for(shape, dtype)
+        tile = list(default.tile_shape) if tile is None else tile
+        tiles_per_shard = list(default.tiles_per_shard) if tiles_per_shard is None else tiles_per_shard
     if len(tile) != rank or len(tiles_per_shard) != rank:
         raise ValueError(
             f"--shape has {rank} values but --tile has {len(tile)} and --tiles-per-shard "
@@ -167,8 +173,18 @@ def _parser() -> argparse.ArgumentParser:
         default=[0, 2048, 2048],
         help="array shape, slowest first; 0 first = unbounded append dim",
     )
-    record.add_argument("--tile", type=_int_list, default=[32, 256, 256], help="tile (chunk) shape")
-    record.add_argument("--tiles-per-shard", type=_int_list, default=[1, 4, 4], help="tiles per shard per dim")
+    record.add_argument(
+        "--tile",
+        type=_int_list,
+        default=None,
+        help="tile (chunk) shape (default: tiles of up to 256 px a frame dim, ~256 KiB deep along dim 0)",
+    )
+    record.add_argument(
+        "--tiles-per-shard",
+        type=_int_list,
+        default=None,
+        help="tiles per shard per dim (default: up to 4 per frame dim, ~16 MiB shards)",
+    )
     record.add_argument(
         "--names",
         type=lambda s: s.split(","),
@@ -202,7 +218,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     record.add_argument(
         "--backend",
-        choices=("auto", "cpu", "gpu"),
+        choices=BACKENDS,
         default="auto",
         help="auto: the GPU when CuPy, nvCOMP and a device are usable",
     )
@@ -272,8 +288,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     conv.add_argument("src", type=_store_path, help="input path or URL")
     conv.add_argument("dst", type=_store_path, help="output path or URL")
-    conv.add_argument("--tile", default=None, help="tile size per dim, e.g. 8,256,256 (default: 8,...,256,256)")
-    conv.add_argument("--tiles-per-shard", default=None, help="tiles per shard per dim (default: 1,...,4,4)")
+    conv.add_argument("--tile", default=None, help="tile size per dim, e.g. 2,256,256 (default: as record's)")
+    conv.add_argument("--tiles-per-shard", default=None, help="tiles per shard per dim (default: as record's)")
     conv.add_argument("--codec", default=None, help="tile codec (default: zstd)")
     conv.add_argument("--level", type=int, default=None, help="codec level (default: 1)")
     conv.add_argument("--backend", default=None, help="auto, gpu or cpu, per task (default: auto)")

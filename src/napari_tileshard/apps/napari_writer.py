@@ -1,6 +1,7 @@
 """napari writer: "Save as sharded Zarr" for image layers, through the same Writer.
 
-What File > Save writes depends only on the layer: :func:`default_layout` over its shape, zstd
+What File > Save writes depends only on the layer: the one default tiling
+(:meth:`~napari_tileshard.format.layout.Layout.default_for`) over its shape, zstd
 level 1, backend ``auto``.  It deliberately ignores the recorder dock's settings: a Save whose
 tiling changed with whichever recording was configured last could not be predicted or repeated.
 """
@@ -10,22 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..engine.writer import Writer
-from ..format.layout import Dim, Layout, is_valid_name
-
-
-def default_layout(shape, dtype, names=None) -> Layout:
-    """Tiles of up to 256 px in the last two dims and 32 along the first, 4x4 tiles per shard."""
-    rank = len(shape)
-    names = list(names) if names and len(names) == rank else [f"d{i}" for i in range(rank)]
-    dims = []
-    for d, (name, size) in enumerate(zip(names, shape)):
-        if d >= rank - 2:
-            dims.append(Dim(name, size, min(256, size), 4))
-        elif d == 0:
-            dims.append(Dim(name, size, min(32, size), 1))
-        else:
-            dims.append(Dim(name, size, 1, 1))
-    return Layout(dims, np.dtype(dtype).name)
+from ..format.layout import Layout, is_valid_name
 
 
 def _safe_name(name, i):
@@ -37,7 +23,7 @@ def write_image(path: str, data, meta: dict) -> list[str]:
     if array.dtype == np.bool_:
         array = array.astype(np.uint8)
     names = [_safe_name(n, i) for i, n in enumerate(meta.get("axis_labels") or [])] or None
-    layout = default_layout(array.shape, array.dtype, names)
+    layout = Layout.default_for(array.shape, array.dtype, names)
     with Writer(path, layout, codec="zstd", level=1, backend="auto", overwrite=True) as writer:
         step = max(1, (64 << 20) // max(1, array[0].nbytes if array.ndim else 1))
         for start in range(0, array.shape[0] if array.ndim else 1, step):

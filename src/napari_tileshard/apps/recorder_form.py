@@ -18,7 +18,11 @@ from .recorder import RecorderSettings
 
 SYNTHETIC = "synthetic"
 COLUMNS = ("name", "size (0 = unbounded)", "tile", "tiles/shard", "scale", "unit")
-DEFAULT_DIMS = (("t", 0, 32, 1, 1.0, ""), ("y", 1024, 256, 4, 1.0, ""), ("x", 1024, 256, 4, 1.0, ""))
+#: the dimension table's first rows: the one default tiling of 1024² uint16 frames
+DEFAULT_DIMS = tuple(
+    (d.name, d.size, d.tile_size, d.tiles_per_shard, 1.0, "")
+    for d in Layout.default_for((0, 1024, 1024), "uint16", ("t", "y", "x")).dims
+)
 
 
 def layout_from_rows(rows: Sequence[Sequence[str]], dtype: str, source=None) -> Layout:
@@ -58,10 +62,11 @@ def frame_dims(rank: int) -> int:
 
 
 def proposed_tiling(size: int) -> tuple[int, int]:
-    """(tile, tiles per shard) for a frame dim of ``size``: tiles of at most 256 (the whole dim
-    when smaller), up to 4 of them per shard."""
-    tile = max(1, min(256, size))
-    return tile, max(1, min(4, -(-size // tile)))
+    """(tile, tiles per shard) for a frame dim of ``size``, as the one default tiling
+    (:meth:`Layout.default_for`) has it: tiles of at most 256 (the whole dim when smaller), up to
+    4 of them per shard."""
+    dim = Layout.default_for((size,), "uint8").dims[0]  # a frame dim of the one default tiling
+    return dim.tile_size, dim.tiles_per_shard
 
 
 def rows_for_frames(rows: Sequence[Sequence[str]], frame_shape: Sequence[int]) -> list[list[str]]:

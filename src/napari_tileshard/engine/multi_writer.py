@@ -36,7 +36,7 @@ from ..format.ome import COLLECTION_KEY, COLLECTION_LAYOUT, is_collection
 from ..storage.sinks import Sink
 from ..storage.urls import open_sink
 from .backends import gpu_unavailable_reason, resolve_devices
-from .options import EngineOptions, writer_settings
+from .options import EngineOptions, engine_options, writer_settings
 from .writer import Writer, WriterError, WriterStats
 
 
@@ -60,19 +60,20 @@ def _stream_settings(
 ) -> tuple[dict[str, ArraySpec], EngineOptions]:
     """Each stream's ArraySpec (OME by default, named after the stream, its name in the attributes)
     and the EngineOptions they share, from the MultiWriter's arguments."""
+    array = {"ome": True, **{k: v for k, v in keywords.items() if k in ARRAY_KEYWORDS}}
+    engine = {k: v for k, v in keywords.items() if k not in ARRAY_KEYWORDS}
+    options = engine_options(options, **engine)  # one for every stream (their GPUs are dealt later)
     specs: dict[str, ArraySpec] = {}
-    shared = dict(keywords)
     for name, layout in streams.items():
         if isinstance(layout, Layout):
-            shared.setdefault("ome", True)
-        elif not isinstance(layout, ArraySpec):
+            spec, _ = writer_settings(layout, options, **array)
+        elif isinstance(layout, ArraySpec):
+            spec, _ = writer_settings(layout, options, **{k: v for k, v in array.items() if k != "ome"})
+        else:
             raise TypeError(f"stream {name!r}: layout must be a Layout, got {type(layout).__name__}")
-        spec, options = writer_settings(layout, options, **shared)
         if spec.ome is not None:
             spec = dataclasses.replace(spec, ome=dataclasses.replace(spec.ome, image_name=name))
         specs[name] = dataclasses.replace(spec, attributes={**spec.attributes, "stream": name})
-        shared = {k: v for k, v in shared.items() if k in ARRAY_KEYWORDS}  # the options are made once
-    assert options is not None
     return specs, options
 
 

@@ -19,7 +19,7 @@ from .backends import BACKENDS
 from .backends.base import MemoryBudget
 from .dispatch import MODES as DISPATCH_MODES
 
-__all__ = ["ENGINE_KEYWORDS", "EngineOptions", "normalize_devices", "writer_settings"]
+__all__ = ["ENGINE_KEYWORDS", "EngineOptions", "engine_options", "normalize_devices", "writer_settings"]
 
 
 def _positive_int(name: str, value, allow_none: bool = True) -> int | None:
@@ -131,10 +131,19 @@ def writer_settings(
         spec = ArraySpec.of(spec, **array)
     else:
         raise TypeError(f"the Writer needs a Layout or an ArraySpec, got {type(spec).__name__}")
+    return spec, engine_options(options, **engine)
+
+
+def engine_options(options: EngineOptions | None = None, **keywords: Any) -> EngineOptions:
+    """``options`` or, when None, EngineOptions from the keywords; TypeError for keywords that
+    repeat what ``options`` says or that EngineOptions does not take."""
+    unknown = sorted(set(keywords) - set(ENGINE_KEYWORDS))
+    if unknown:
+        raise TypeError(f"unknown engine option{'s' * (len(unknown) > 1)} {', '.join(unknown)}")
     if options is None:
-        options = EngineOptions(**engine)
-    elif not isinstance(options, EngineOptions):
+        return EngineOptions(**keywords)
+    if not isinstance(options, EngineOptions):
         raise TypeError(f"options must be EngineOptions, got {type(options).__name__}")
-    elif engine:
-        raise TypeError(f"{', '.join(sorted(engine))} given with EngineOptions, which say them already")
-    return spec, options
+    if keywords:
+        raise TypeError(f"{', '.join(sorted(keywords))} given with EngineOptions, which say them already")
+    return options

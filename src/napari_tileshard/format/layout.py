@@ -460,8 +460,9 @@ DEFAULT_TILE_BYTES = 256 << 10
 DEFAULT_SHARD_BYTES = 16 << 20
 #: the rows of one shard epoch stay in memory until its shards are written: at most this much
 DEFAULT_SHARD_EPOCH_BYTES = 64 << 20
-#: names of the dims of an array of rank 1 to 5 when none are given
-DEFAULT_NAMES = ("t", "c", "z", "y", "x")
+#: names of the dims of an array of rank 1 to 5 when none are given: t first from rank 3 (frames
+#: appended along it), then the last of c, z, y, x
+DEFAULT_NAMES = {1: ("x",), 2: ("y", "x"), 3: ("t", "y", "x"), 4: ("t", "z", "y", "x"), 5: ("t", "c", "z", "y", "x")}
 
 
 class Layout:
@@ -477,14 +478,14 @@ class Layout:
         256 px and up to 4 tiles per shard; dim 0 (when it is not a frame dim) gets as many rows
         per tile as make a tile of about 256 KiB and as many tiles per shard as make a shard of
         about 16 MiB, while a shard epoch (the rows held in memory until their shards are
-        written) stays within about 64 MiB; dims in between (channels, z) tile 1.  ``names`` default to t, c, z, y, x
-        (the last ``rank`` of them), or d0, d1, ... beyond rank 5."""
+        written) stays within about 64 MiB; dims in between (channels, z) tile 1.  ``names``
+        default to :data:`DEFAULT_NAMES` (t, z, y, x for rank 4), d0, d1, ... beyond rank 5."""
         shape = tuple(int(s) for s in shape)
         rank = len(shape)
         if not 1 <= rank <= MAX_RANK:
             raise ValueError(f"a layout has 1 to {MAX_RANK} dimensions, got shape {shape}")
         if names is None:
-            names = DEFAULT_NAMES[-rank:] if rank <= len(DEFAULT_NAMES) else [f"d{i}" for i in range(rank)]
+            names = DEFAULT_NAMES.get(rank) or [f"d{i}" for i in range(rank)]
         names = list(names)
         if len(names) != rank:
             raise ValueError(f"{len(names)} names {names} for the {rank} dimensions of shape {shape}")
