@@ -15,10 +15,11 @@ from zarr.codecs import BloscCodec, GzipCodec, ZstdCodec
 from napari_tileshard import Dim, Layout, ShardReader, Writer
 from napari_tileshard.engine.backends import gpu_unavailable_reason
 from napari_tileshard.format.shard_spec import ChunkDecodeError, ShardIndexError
-from napari_tileshard.reader import shard_reader as read_module
+from napari_tileshard.reader import cpu as cpu_path
 from napari_tileshard.reader.gpu import block_params, plan_batches, slot_elements, untile_emulated, untile_tables
 from napari_tileshard.reader.plan import pack_runs
-from napari_tileshard.reader.shard_reader import LazySelection, unit_boxes
+from napari_tileshard.reader.cpu import unit_boxes
+from napari_tileshard.reader.lazy import LazySelection
 
 COMPRESSORS = {
     "zstd": lambda: [ZstdCodec(level=1)],
@@ -206,10 +207,10 @@ def test_our_writer_tensorstore_and_ome_levels(tmp_path):
         writer.append(data)
     group = zarr.open_group(tmp_path / "ome.zarr", mode="r")
     for level in range(len(group.attrs["ome"]["multiscales"][0]["datasets"])):
-        reader = ShardReader(tmp_path / "ome.zarr", level=level, backend="cpu")
+        reader = ShardReader(tmp_path / "ome.zarr", pyramid_level=level, backend="cpu")
         np.testing.assert_array_equal(reader[...], group[str(level)][...])
-    with pytest.raises(ValueError, match="level"):
-        ShardReader(tmp_path / "ome.zarr", level=99)
+    with pytest.raises(ValueError, match=r"pyramid_level must be an integer in 0\.\.\d+, got 99"):
+        ShardReader(tmp_path / "ome.zarr", pyramid_level=99)
 
 
 def test_tensorstore_written_shards(tmp_path):
@@ -431,7 +432,7 @@ def test_unit_boxes_cover_the_box_once_in_row_major_sub_boxes(box, rows):
 def test_multi_row_units_and_partial_edges_equal_zarr(tmp_path, workers, monkeypatch):
     """Units of many chunks (whole-chunk runs split into (chunks, chunk) views) next to partial
     head/tail chunks, stepped selections and absent chunks."""
-    monkeypatch.setattr(read_module, "UNIT_BYTES", 4 * 6 * 10 * 2 * 3)  # 3 chunks per unit
+    monkeypatch.setattr(cpu_path, "UNIT_BYTES", 4 * 6 * 10 * 2 * 3)  # 3 chunks per unit
     array = _zarr_array(tmp_path / "a.zarr", (23, 30, 41), (4, 6, 10), (8, 12, 40), "uint16", "zstd", fill=7)
     reader = ShardReader(tmp_path / "a.zarr", backend="cpu", workers=workers)
     for selection in [..., (slice(3, 21), slice(5, 29), slice(1, 40)), (5,), (slice(None, None, 3), 7), (..., 40)]:

@@ -604,7 +604,7 @@ def test_no_obstore_thread_calls_into_python_when_recording_verifying_or_reading
     store = resolve_store(url)
     assert isinstance(store, ThreadedObjectStore)
     np.testing.assert_array_equal(zarr.open_group(store, mode="r")["0"][:], FRAMES)
-    np.testing.assert_array_equal(ShardReader(url, level=0)[...], FRAMES)
+    np.testing.assert_array_equal(ShardReader(url, pyramid_level=0)[...], FRAMES)
     [(data, _, _)] = napari_get_reader(url)(url)
     np.testing.assert_array_equal(np.asarray(data[0]), FRAMES)
     assert foreign_loop_calls == []
