@@ -614,7 +614,7 @@ def test_threaded_object_store_answers_as_zarrs_object_store(s3, foreign_loop_ca
     """The same answers as zarr's ObjectStore (ranges, missing keys, listings relative to the
     prefix, idempotent deletes, read-only refusal), none of them delivered by obstore's threads."""
     from zarr.abc.store import OffsetByteRequest, RangeByteRequest, SuffixByteRequest
-    from zarr.core.buffer import default_buffer_prototype
+    from zarr.buffer import default_buffer_prototype
     from zarr.core.sync import sync
 
     url = f"s3://{s3.bucket}/kv"
