@@ -61,7 +61,7 @@ def directory_objects(root: Path) -> dict[str, bytes]:
 
 def store_objects(store) -> dict[str, bytes]:
     """Every object of a zarr Store (``memory://`` is a ``ZarrStoreSink`` over a private ``MemoryStore``)."""
-    from zarr.core.buffer import default_buffer_prototype
+    from zarr.buffer import default_buffer_prototype
     from zarr.core.sync import sync
 
     async def collect():

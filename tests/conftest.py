@@ -1,4 +1,5 @@
 import subprocess
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -23,6 +24,26 @@ def backend(request, monkeypatch):
         # Small batches keep hundreds of tiny test writers cheap (pinned + device memory per writer).
         monkeypatch.setattr(GpuBackend, "default_batch_bytes", 4 << 20)
     return request.param
+
+
+class MetadataCountingStore(zarr.storage.LocalStore):
+    """A read-only LocalStore that counts the ``zarr.json`` objects read through it."""
+
+    def __init__(self, root):
+        super().__init__(root, read_only=True)
+        self.metadata_reads: Counter[str] = Counter()
+
+    async def get(self, key, prototype=None, byte_range=None):
+        if key.rsplit("/", 1)[-1] == "zarr.json":
+            self.metadata_reads[key] += 1
+        return await super().get(key, prototype, byte_range)
+
+
+@pytest.fixture
+def metadata_counting_store():
+    """``(root) ->`` a read-only local zarr Store whose ``metadata_reads`` counts each ``zarr.json``
+    read through it: how often a caller opens a store, through the public API."""
+    return MetadataCountingStore
 
 
 def read_back(path):

@@ -250,7 +250,7 @@ def test_store_objects_are_read_by_range_never_whole(tmp_path):
     """A zarr Store (not a local path): index by one suffix read, chunks by ranges (read ahead
     in bounded windows), never a whole-shard get; a corrupted chunk is still found."""
     from zarr.abc.store import SuffixByteRequest
-    from zarr.core.buffer import default_buffer_prototype
+    from zarr.buffer import default_buffer_prototype
     from zarr.core.sync import sync
     from zarr.storage import MemoryStore
 

@@ -3,13 +3,21 @@ read back on the recorder thread standing in for their rows."""
 
 import math
 import time
+from collections import Counter
 
 import numpy as np
 import pytest
 import zarr
 
 from napari_tileshard import Dim, Layout, SyntheticCamera, Writer
-from napari_tileshard.apps.preview import MAX_BLOCKS, RecentFrames, complete_rows, preview_data, read_newest
+from napari_tileshard.apps.preview import (
+    MAX_BLOCKS,
+    RecentFrames,
+    complete_rows,
+    preview_data,
+    read_first,
+    read_newest,
+)
 from napari_tileshard.storage.safe_read import SafeLocalStore
 
 
@@ -55,6 +63,36 @@ def test_complete_rows_shows_the_recent_frames_and_reads_nothing_for_them(tmp_pa
     assert [row for row, _ in read_newest(out, pyramid, 11, ome=False)] == [10]
     final, _ = preview_data(out, 11, pyramid, ome=False, final=True)
     assert final.shape == (12, 64, 48)  # every written row once the recording has ended
+
+
+@pytest.mark.parametrize("ome", [False, True])
+def test_each_preview_update_opens_the_store_once(tmp_path, ome, metadata_counting_store):
+    """read_newest, read_first and preview_data each read the root's and every level's zarr.json
+    once, then hand the opened arrays to the readers (it was up to six opens of the root)."""
+    out = tmp_path / "r.zarr"
+    data, pyramid = record(out, 12, ome=ome)
+    store = metadata_counting_store(out)
+    once = Counter(["zarr.json"] + ([f"{k}/zarr.json" for k in range(pyramid.levels)] if ome else []))
+    assert not ome or pyramid.levels > 1
+
+    store.metadata_reads.clear()
+    newest = read_newest(store, pyramid, 11, ome=ome)
+    assert store.metadata_reads == once
+    assert newest[0][0] == 10 and len(newest) == (pyramid.levels if ome else 1)
+    np.testing.assert_array_equal(newest[0][1], data[10])
+
+    store.metadata_reads.clear()
+    first = read_first(store, ome=ome)
+    assert store.metadata_reads == once
+    assert len(first) == (pyramid.levels if ome else 1)
+    np.testing.assert_array_equal(first[0][1], data[0])
+
+    store.metadata_reads.clear()
+    shown, names = preview_data(store, 11, pyramid, ome=ome)
+    assert store.metadata_reads == once
+    level0 = shown[0] if ome else shown
+    assert names == ["t", "y", "x"] and level0.shape == (11, *data.shape[1:])
+    np.testing.assert_array_equal(np.asarray(level0[7]), data[7])
 
 
 def test_napari_draw_reads_only_the_shown_rows_tiles(make_napari_viewer, qtbot, tmp_path, chunk_reads):

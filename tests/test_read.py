@@ -3,6 +3,7 @@ and zarr-python's stores; the plan is deterministic and partitions exactly; host
 chunks give errors naming the shard and chunk; the GPU path equals the CPU path."""
 
 import tempfile
+from collections import Counter
 
 import crc32c
 import numpy as np
@@ -15,10 +16,11 @@ from zarr.codecs import BloscCodec, GzipCodec, ZstdCodec
 from napari_tileshard import Dim, Layout, ShardReader, Writer
 from napari_tileshard.engine.backends import gpu_unavailable_reason
 from napari_tileshard.format.shard_spec import ChunkDecodeError, ShardIndexError
-from napari_tileshard.reader import shard_reader as read_module
+from napari_tileshard.reader import cpu as cpu_path
+from napari_tileshard.reader.cpu import unit_boxes
 from napari_tileshard.reader.gpu import block_params, plan_batches, slot_elements, untile_emulated, untile_tables
+from napari_tileshard.reader.lazy import LazySelection
 from napari_tileshard.reader.plan import pack_runs
-from napari_tileshard.reader.shard_reader import LazySelection, unit_boxes
 
 COMPRESSORS = {
     "zstd": lambda: [ZstdCodec(level=1)],
@@ -206,10 +208,56 @@ def test_our_writer_tensorstore_and_ome_levels(tmp_path):
         writer.append(data)
     group = zarr.open_group(tmp_path / "ome.zarr", mode="r")
     for level in range(len(group.attrs["ome"]["multiscales"][0]["datasets"])):
-        reader = ShardReader(tmp_path / "ome.zarr", level=level, backend="cpu")
+        reader = ShardReader(tmp_path / "ome.zarr", pyramid_level=level, backend="cpu")
         np.testing.assert_array_equal(reader[...], group[str(level)][...])
-    with pytest.raises(ValueError, match="level"):
-        ShardReader(tmp_path / "ome.zarr", level=99)
+    with pytest.raises(ValueError, match=r"pyramid_level must be an integer in 0\.\.\d+, got 99"):
+        ShardReader(tmp_path / "ome.zarr", pyramid_level=99)
+
+
+def test_pyramid_level_picks_the_ome_level_and_level_is_no_longer_a_reader_argument(tmp_path):
+    """``level`` is the Writer's compression level; the reader's OME level is ``pyramid_level``."""
+    layout = Layout([Dim("t", 0, 2, 2), Dim("y", 64, 16, 2), Dim("x", 64, 16, 2)], "uint16")
+    data = _data((6, 64, 64), "uint16")
+    with Writer(tmp_path / "ome.zarr", layout, backend="cpu", level=3, ome=True) as writer:
+        writer.append(data)
+    with Writer(tmp_path / "a.zarr", layout, backend="cpu") as writer:
+        writer.append(data)
+    group = zarr.open_group(tmp_path / "ome.zarr", mode="r")
+    assert ShardReader(tmp_path / "ome.zarr", pyramid_level=1).shape == group["1"].shape != group["0"].shape
+    with pytest.raises(TypeError, match="level"):
+        ShardReader(tmp_path / "ome.zarr", level=1)  # no alias: the old name is refused
+    with pytest.raises(ValueError, match=r"pyramid_level must be an integer in 0\.\.\d+, got True"):
+        ShardReader(tmp_path / "ome.zarr", pyramid_level=True)
+    with pytest.raises(ValueError, match="a plain array has no pyramid_level 1"):
+        ShardReader(tmp_path / "a.zarr", pyramid_level=1)
+    np.testing.assert_array_equal(ShardReader(tmp_path / "a.zarr", pyramid_level=0)[...], data)
+
+
+def test_readers_take_opened_nodes_without_reading_their_metadata_again(tmp_path, metadata_counting_store):
+    """A store opened once: ShardReader, open_levels and open_level0 use the zarr nodes handed to
+    them and read only the ``zarr.json`` of levels not opened yet."""
+    from napari_tileshard.reader.levels import open_level0, open_levels
+    from napari_tileshard.storage.safe_read import StoreAccess
+
+    layout = Layout([Dim("t", 0, 2, 2), Dim("y", 64, 16, 2), Dim("x", 64, 16, 2)], "uint16")
+    data = _data((6, 64, 64), "uint16")
+    with Writer(tmp_path / "ome.zarr", layout, backend="cpu", ome=True) as writer:
+        writer.append(data)
+    store = metadata_counting_store(tmp_path / "ome.zarr")
+    group = StoreAccess(store).open_node("")
+    assert store.metadata_reads == Counter({"zarr.json": 1})
+    levels = open_levels(group)
+    paths = [f"{k}/zarr.json" for k in range(len(levels))]
+    assert len(levels) > 1 and store.metadata_reads == Counter(["zarr.json", *paths])
+    store.metadata_reads.clear()
+    reader = ShardReader(levels[0], backend="cpu")
+    assert open_level0(levels[0]) is levels[0]
+    np.testing.assert_array_equal(reader[...], data)
+    np.testing.assert_array_equal(ShardReader(levels[1], backend="cpu")[...], levels[1][...])
+    assert store.metadata_reads == Counter()  # nothing opened again
+    assert ShardReader(group, pyramid_level=1, backend="cpu").shape == levels[1].shape
+    assert store.metadata_reads == Counter({"1/zarr.json": 1})  # only the level asked for
+    assert f"{tmp_path / 'ome.zarr'}" in repr(reader) and "object at" not in repr(reader)
 
 
 def test_tensorstore_written_shards(tmp_path):
@@ -431,7 +479,7 @@ def test_unit_boxes_cover_the_box_once_in_row_major_sub_boxes(box, rows):
 def test_multi_row_units_and_partial_edges_equal_zarr(tmp_path, workers, monkeypatch):
     """Units of many chunks (whole-chunk runs split into (chunks, chunk) views) next to partial
     head/tail chunks, stepped selections and absent chunks."""
-    monkeypatch.setattr(read_module, "UNIT_BYTES", 4 * 6 * 10 * 2 * 3)  # 3 chunks per unit
+    monkeypatch.setattr(cpu_path, "UNIT_BYTES", 4 * 6 * 10 * 2 * 3)  # 3 chunks per unit
     array = _zarr_array(tmp_path / "a.zarr", (23, 30, 41), (4, 6, 10), (8, 12, 40), "uint16", "zstd", fill=7)
     reader = ShardReader(tmp_path / "a.zarr", backend="cpu", workers=workers)
     for selection in [..., (slice(3, 21), slice(5, 29), slice(1, 40)), (5,), (slice(None, None, 3), 7), (..., 40)]:

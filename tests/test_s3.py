@@ -604,7 +604,7 @@ def test_no_obstore_thread_calls_into_python_when_recording_verifying_or_reading
     store = resolve_store(url)
     assert isinstance(store, ThreadedObjectStore)
     np.testing.assert_array_equal(zarr.open_group(store, mode="r")["0"][:], FRAMES)
-    np.testing.assert_array_equal(ShardReader(url, level=0)[...], FRAMES)
+    np.testing.assert_array_equal(ShardReader(url, pyramid_level=0)[...], FRAMES)
     [(data, _, _)] = napari_get_reader(url)(url)
     np.testing.assert_array_equal(np.asarray(data[0]), FRAMES)
     assert foreign_loop_calls == []
@@ -614,7 +614,7 @@ def test_threaded_object_store_answers_as_zarrs_object_store(s3, foreign_loop_ca
     """The same answers as zarr's ObjectStore (ranges, missing keys, listings relative to the
     prefix, idempotent deletes, read-only refusal), none of them delivered by obstore's threads."""
     from zarr.abc.store import OffsetByteRequest, RangeByteRequest, SuffixByteRequest
-    from zarr.core.buffer import default_buffer_prototype
+    from zarr.buffer import default_buffer_prototype
     from zarr.core.sync import sync
 
     url = f"s3://{s3.bucket}/kv"

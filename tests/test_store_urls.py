@@ -7,7 +7,7 @@ import asyncio
 import numpy as np
 import pytest
 import zarr
-from zarr.core.buffer import default_buffer_prototype
+from zarr.buffer import default_buffer_prototype
 
 from napari_tileshard import Dim, Layout, StoreExistsError, Writer
 from napari_tileshard.storage.sinks import ZarrStoreSink

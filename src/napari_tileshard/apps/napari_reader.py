@@ -17,7 +17,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..reader.levels import _levels
-from ..reader.shard_reader import ShardReader, cache_bytes_setting, reader_setting
+from ..reader.settings import cache_bytes_setting, reader_setting
+from ..reader.shard_reader import ShardReader
 from ..storage.object_store import is_object_store_url
 from ..storage.safe_read import StoreAccess, read_local_metadata, recording_state
 
@@ -188,7 +189,7 @@ def read_zarr(path):
             if note and data.shape[0] == 0:
                 break  # a coarser level without written rows: napari needs every level non-empty
             if not note:
-                data = fast_array(access, data, level=len(shown))
+                data = fast_array(data)
             if isinstance(data, ShardReader):
                 shown.append(data.lazy())
             else:
@@ -206,7 +207,7 @@ def read_zarr(path):
         names = list(names) if names and all(names) else None
         array, note = written_rows(root)
         if not note:
-            array = fast_array(access, array)
+            array = fast_array(array)
     if array is not None:
         check_displayable(array, path)
     if array is None:
@@ -224,10 +225,11 @@ def read_zarr(path):
 NAPARI_CACHE_BYTES = 512 << 20
 
 
-def fast_array(access, array, level: int | None = None):
-    """A :class:`~napari_tileshard.reader.shard_reader.ShardReader` over ``array`` (coalesced shard reads, decoded
-    on threads, a cache of decoded chunks) when it reads ``array`` natively, else ``array`` itself
-    (zarr-python): for unsharded arrays, other codec chains, or ``TILESHARD_READER=zarr``.
+def fast_array(array):
+    """A :class:`~napari_tileshard.reader.shard_reader.ShardReader` over ``array`` (opened already:
+    its metadata is not read again; coalesced shard reads, decoded on threads, a cache of decoded
+    chunks) when it reads ``array`` natively, else ``array`` itself (zarr-python): for unsharded
+    arrays, other codec chains, or ``TILESHARD_READER=zarr``.
 
     The reader is napari's lazy array: napari indexes it with the displayed plane(s) only, and
     only the chunks those need are planned, read and decoded."""
@@ -235,12 +237,10 @@ def fast_array(access, array, level: int | None = None):
         if reader_setting() == "zarr":
             return array
         cache = cache_bytes_setting(None, NAPARI_CACHE_BYTES)
-        reader = ShardReader(access, level=level, backend="cpu", cache_bytes=cache)
+        reader = ShardReader(array, backend="cpu", cache_bytes=cache)
     except Exception:  # noqa: BLE001 - anything unexpected: zarr-python reads it as before
         return array
-    if reader.fallback_reason is not None or reader.shape != tuple(array.shape):
-        return array
-    return reader
+    return array if reader.fallback_reason is not None else reader
 
 
 def check_displayable(array, path) -> None:

@@ -8,6 +8,10 @@ the whole recording on each draw (docs/benchmarks.md, "GUI responsiveness while 
 The newest frame of each level is read back on a reader thread (:func:`read_newest`; row 0 too,
 once: :func:`read_first`) and stands in for its row (:class:`RecentFrames`), so the GUI thread does
 not decode the tiles of the frame it is about to show.
+
+Each of these calls opens the store once: the root's and every level's ``zarr.json`` are read and
+checked one time, and the opened arrays are handed to the readers and dask as they are (the
+recording grows them, so nothing is kept from one call to the next).
 """
 
 from __future__ import annotations
@@ -16,12 +20,13 @@ import math
 import threading
 
 import numpy as np
+import zarr
 
 from ..format.pyramid import Pyramid
-from ..reader.levels import open_levels
+from ..reader.levels import open_levels, open_root
 from ..reader.shard_reader import ShardReader
 from ..storage.safe_read import StoreAccess
-from .napari_reader import FirstRows, check_displayable, open_lazy
+from .napari_reader import FirstRows, check_displayable, open_lazy, written_rows
 
 #: Upper bound on the dask blocks of one preview level.  napari's crop of every row makes each
 #: draw cost dask time in proportion to them, on the GUI thread: 13 ms at 4096 blocks, 68 ms at
@@ -57,30 +62,35 @@ def warm_up_dask_in_background() -> None:
 _dask_warmed = False
 
 
-def _read_rows(output, rows_of_level: list) -> list[tuple[int, np.ndarray]]:
+def _open(output, ome: bool):
+    """``(access, root, levels)``: the store at ``output`` opened once; ``levels`` the OME levels
+    (with ``ome``; None without or when the root has none)."""
+    access, root = open_root(output)
+    return access, root, open_levels(root) if ome else None
+
+
+def _readable_arrays(output, ome: bool) -> tuple[StoreAccess, list | None]:
+    """``(access, arrays)``: the arrays to read back, opened once: the OME levels, or the plain
+    array; None when ``output`` is neither (a group holding arrays: read through ``open_lazy``)."""
+    access, root, levels = _open(output, ome)
+    if levels:
+        return access, levels
+    return access, [root] if isinstance(root, zarr.Array) else None
+
+
+def _read_rows(arrays: list, rows_of_level: list) -> list[tuple[int, np.ndarray]]:
     """``(row, frame)`` per level ``k`` for which ``rows_of_level[k](level_rows)`` names a row
-    (None: skip), read by :class:`~napari_tileshard.reader.shard_reader.ShardReader` (coalesced shard reads,
-    decoded on threads; zarr-python under ``TILESHARD_READER=zarr``).  A fresh reader per call:
-    a recording rewrites its open shards and grows its shape."""
+    (None: skip), read by :class:`~napari_tileshard.reader.shard_reader.ShardReader` over the opened
+    ``arrays[k]`` (coalesced shard reads, decoded on threads; zarr-python under
+    ``TILESHARD_READER=zarr``).  A fresh reader per call: a recording rewrites its open shards and
+    grows its shape."""
     frames = []
-    for k, choose in enumerate(rows_of_level):
-        with ShardReader(output, level=k, backend="cpu") as reader:
+    for array, choose in zip(arrays, rows_of_level):
+        with ShardReader(array, backend="cpu") as reader:
             row = choose(reader.shape[0]) if reader.shape else None
             if row is not None and 0 <= row < reader.shape[0]:
                 frames.append((row, reader[row]))
     return frames
-
-
-def _level_count(output, ome: bool) -> int | None:
-    """How many levels to read back: 1 for a plain array, the OME levels, None when ``output``
-    is neither (a group holding arrays: read through ``open_lazy`` as before)."""
-    access = StoreAccess(output)
-    levels = open_levels(output) if ome else None
-    if levels:
-        return len(levels)
-    import zarr
-
-    return 1 if isinstance(access.open_node(""), zarr.Array) else None
 
 
 def read_newest(output, pyramid: Pyramid, rows: int, ome: bool) -> list[tuple[int, np.ndarray]]:
@@ -88,13 +98,13 @@ def read_newest(output, pyramid: Pyramid, rows: int, ome: bool) -> list[tuple[in
     store.  Decodes tiles: call it on the recorder's thread, not the GUI's."""
     if rows <= 0:
         return []
-    count = _level_count(output, ome)
-    if count is not None:
-        choose = [lambda n, k=k: min(pyramid.level_rows(k, rows) if k else rows, n) - 1 for k in range(count)]
-        frames = _read_rows(output, choose)
+    access, arrays = _readable_arrays(output, ome)
+    if arrays is not None:
+        choose = [lambda n, k=k: min(pyramid.level_rows(k, rows) if k else rows, n) - 1 for k in range(len(arrays))]
+        frames = _read_rows(arrays, choose)
         return frames if frames and frames[0][0] == rows - 1 else []
 
-    array, _ = open_lazy(output)
+    array, _ = open_lazy(access)
     return [] if array is None else [(rows - 1, np.asarray(array[rows - 1]))]
 
 
@@ -105,11 +115,11 @@ def read_first(output, ome: bool) -> list[tuple[int, np.ndarray]]:
     placeholder's row 0 before the slider can move to the newest row; with this frame in memory
     that slice costs no decoding on the GUI thread.  Call it on a reader thread.
     """
-    count = _level_count(output, ome)
-    if count is not None:
-        return _read_rows(output, [lambda n: 0 if n > 0 else None] * count)
+    access, arrays = _readable_arrays(output, ome)
+    if arrays is not None:
+        return _read_rows(arrays, [lambda n: 0 if n > 0 else None] * len(arrays))
 
-    array, _ = open_lazy(output)
+    array, _ = open_lazy(access)
     return [] if array is None or array.shape[0] == 0 else [(0, np.asarray(array[0]))]
 
 
@@ -145,8 +155,13 @@ def preview_data(
     Raises when the store cannot be opened or its frames are too large to display (the caller
     reports it: the preview is best effort).
     """
-    levels = open_levels(output) if ome else None
-    array, names = open_lazy(output)
+    access, root, levels = _open(output, ome)
+    if levels:
+        array, names = levels[0], _dimension_names(levels[0])
+    elif isinstance(root, zarr.Array):
+        array, names = written_rows(root)[0], _dimension_names(root)
+    else:  # a group holding arrays: its first array, as the napari reader shows it
+        array, names = open_lazy(access)
     if array is None:
         return None, names
     recent = recent or RecentFrames()
@@ -163,6 +178,12 @@ def preview_data(
     check_displayable(array, output)
     # Finished and single scale: napari reads one row at a time, which zarr does lazily itself.
     return (array if final else complete_rows(array, min(rows, array.shape[0]), recent.level(0))), names
+
+
+def _dimension_names(array) -> list[str] | None:
+    """The array's dimension names when every dimension has one (Zarr v3), else None."""
+    names = array.metadata.dimension_names if array.metadata.zarr_format == 3 else None
+    return list(names) if names and all(names) else None
 
 
 def complete_rows(array, rows: int, recent: dict[int, np.ndarray] | None = None):

@@ -34,7 +34,7 @@ from ..format.codecs import CodecError
 from ..format.shard_spec import ShardIndexError, ShardSpec, UnsupportedArray
 from ..reader.levels import _levels
 from ..reader.plan import DEFAULT_GAP_BYTES, pack_runs
-from ..reader.shard_reader import reader_setting, workers_setting
+from ..reader.settings import reader_setting, workers_setting
 from ..storage.safe_read import StoreAccess, UnsafeStoreError, recording_state
 from ..storage.sinks import check_store_path
 

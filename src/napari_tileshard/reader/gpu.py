@@ -27,7 +27,6 @@ only when a GPU reader is made.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -41,25 +40,25 @@ from ..format.shard_spec import ChunkDecodeError, ShardSpec
 from ..gpu import nvcomp
 from ..gpu.probe import unavailable_reason as gpu_unavailable_reason
 from .plan import Block, Read, ReadPlan
+from .settings import batch_bytes_setting
+
+__all__ = [
+    "DeviceBatch",
+    "GpuReadPath",
+    "batch_rows",
+    "block_params",
+    "gpu_read_unavailable_reason",
+    "plan_batches",
+    "slot_elements",
+    "untile_emulated",
+    "untile_tables",
+]
 
 _H2D = 1  # cudaMemcpyHostToDevice
 _SLOT_ALIGN = 16  # device pool slots and staged reads: nvCOMP needs 8-byte aligned buffers
-#: the most decoded bytes of one batch (its device pool; ``TILESHARD_GPU_BATCH_BYTES``): 512 MiB
-#: is 2048 chunks of 256 KiB per nvCOMP call, and a 4 GiB read still pipelines over 8 batches
-DEFAULT_BATCH_BYTES = 512 << 20
 #: a read larger than one batch starts with a batch of 1/RAMP of it (then 2/RAMP, ...): the first
 #: batch is read from storage before the device has anything to do, so it is kept small
 RAMP = 8
-
-
-def batch_bytes_setting() -> int:
-    """``TILESHARD_GPU_BATCH_BYTES`` (decoded bytes per nvCOMP call), else 512 MiB."""
-    text = os.environ.get("TILESHARD_GPU_BATCH_BYTES")
-    if not text:
-        return DEFAULT_BATCH_BYTES
-    if not text.strip().isdigit() or int(text) < 1:
-        raise ValueError(f"TILESHARD_GPU_BATCH_BYTES must be a positive number of bytes, got {text!r}")
-    return int(text)
 
 
 REALIGN_SOURCE = r"""

@@ -16,32 +16,27 @@ Everything is computed from integers already checked, with NumPy over all chunks
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-DEFAULT_MAX_READ_BYTES = 2 << 30
+__all__ = [
+    "DEFAULT_GAP_BYTES",
+    "Block",
+    "DimPart",
+    "Read",
+    "ReadPlan",
+    "dim_parts",
+    "normalize_selection",
+    "number_reads",
+    "pack_runs",
+]
+
 #: gaps between needed chunks up to this are read through rather than split into two requests.
 #: One request costs ~10-100 µs locally and 10-50 ms on an object store, 1 MiB at 1-5 GB/s about
 #: 0.2-1 ms: bridging 1 MiB is cheaper than a second request on any store.
 DEFAULT_GAP_BYTES = 1 << 20
-
-
-def max_read_bytes_setting(value: int | None = None) -> int:
-    """The read cap: ``value``, else ``TILESHARD_READ_BYTES``, else 2 GiB (validated)."""
-    if value is None:
-        text = os.environ.get("TILESHARD_READ_BYTES")
-        if not text:
-            return DEFAULT_MAX_READ_BYTES
-        try:
-            value = int(text)
-        except ValueError:
-            raise ValueError(f"TILESHARD_READ_BYTES must be an integer number of bytes, got {text!r}") from None
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"max_read_bytes must be a positive integer, got {value!r}")
-    return int(value)
 
 
 @dataclass(eq=False)

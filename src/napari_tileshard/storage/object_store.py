@@ -61,8 +61,8 @@ from .overwrite import recognise as _recognise
 from .sinks import Sink
 
 if TYPE_CHECKING:
+    from zarr.abc.buffer import Buffer, BufferPrototype
     from zarr.abc.store import ByteRequest
-    from zarr.core.buffer import Buffer, BufferPrototype
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -37,6 +37,23 @@ from ._zarr_sync import sync
 from .sinks import check_store_path
 from .urls import resolve_store
 
+__all__ = [
+    "MAX_JSON_DEPTH",
+    "MAX_METADATA_BYTES",
+    "METADATA_NAMES",
+    "Listing",
+    "SafeLocalStore",
+    "StoreAccess",
+    "StoreObject",
+    "UnsafeStoreError",
+    "list_local_keys",
+    "open_local_file",
+    "parse_json",
+    "read_local_metadata",
+    "recording_state",
+    "resolve_inside",
+]
+
 #: the largest ``zarr.json`` (or v2 ``.zarray``/``.zattrs``/``.zgroup``) read; real ones are KiB
 MAX_METADATA_BYTES = 16 << 20
 #: the deepest JSON nesting accepted in metadata (OME-Zarr needs about 6)
@@ -276,7 +293,7 @@ class SafeLocalStore(LocalStore):
         super().__init__(root, read_only=True)
 
     async def get(self, key, prototype=None, byte_range=None):
-        from zarr.core.buffer import default_buffer_prototype
+        from zarr.buffer import default_buffer_prototype
 
         if prototype is None:
             prototype = default_buffer_prototype()
@@ -361,7 +378,7 @@ class StoreObject:
         return self._get(SuffixByteRequest(length))
 
     def _get(self, byte_range) -> bytes:
-        from zarr.core.buffer import default_buffer_prototype
+        from zarr.buffer import default_buffer_prototype
 
         buffer = sync(self._store.get(self._key, default_buffer_prototype(), byte_range=byte_range))
         return b"" if buffer is None else buffer.to_bytes()
@@ -398,6 +415,8 @@ class StoreAccess:
             self.store = location
             if isinstance(location, LocalStore):
                 self.root = Path(location.root)
+                if isinstance(location, SafeLocalStore):  # ours (e.g. a node opened through a StoreAccess)
+                    self.location, self._own_fds = str(self.root), True
         elif isinstance(location, (str, os.PathLike)):
             check_store_path(location)  # "" would read the current directory
             text: Any = os.fspath(location)
@@ -422,7 +441,7 @@ class StoreAccess:
             else:
                 return read_local_metadata(self.root, key)
         from zarr.abc.store import RangeByteRequest
-        from zarr.core.buffer import default_buffer_prototype
+        from zarr.buffer import default_buffer_prototype
 
         where = f"{self.location}/{key}"
         # One byte past the cap tells "too large" apart from "exactly the cap" without reading more.

@@ -350,7 +350,7 @@ class ZarrStoreSink(Sink):
         return data
 
     def write(self, key: str, buffers) -> None:
-        from zarr.core.buffer import default_buffer_prototype
+        from zarr.buffer import default_buffer_prototype
 
         # Store.set takes one buffer: joining a shard's pieces (chunks, index) is the one copy it
         # costs; a single piece is wrapped without copying.
@@ -361,7 +361,7 @@ class ZarrStoreSink(Sink):
         self._written.add(key)
 
     def read(self, key: str) -> bytes | None:
-        from zarr.core.buffer import default_buffer_prototype
+        from zarr.buffer import default_buffer_prototype
 
         buffer = self._sync(self.store.get(key, default_buffer_prototype()))
         return None if buffer is None else buffer.to_bytes()

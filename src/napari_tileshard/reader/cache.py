@@ -1,0 +1,95 @@
+"""The reader's two bounded LRU caches: validated shard indexes and decoded chunks.
+
+Both are shared by the reader's decode and prefetch threads, so every operation holds a lock.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+import numpy as np
+
+from ..format.shard_spec import ShardIndex
+
+__all__ = ["INDEX_CACHE_BYTES", "ChunkCache", "IndexCache"]
+
+#: the most index bytes cached per reader (validated offsets and sizes, 16 bytes per chunk)
+INDEX_CACHE_BYTES = 256 << 20
+
+
+class IndexCache:
+    """Validated shard indexes by shard key (None: the shard does not exist), least recently used
+    dropped first once they hold more than ``max_bytes`` (``entry_bytes`` each: 16 per chunk of a
+    shard); the newest entry is always kept."""
+
+    def __init__(self, entry_bytes: int, max_bytes: int = INDEX_CACHE_BYTES):
+        self.entry_bytes, self.max_bytes = entry_bytes, max_bytes
+        self.nbytes = 0
+        self._entries: OrderedDict[str, ShardIndex | None] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def lookup(self, key: str) -> tuple[bool, ShardIndex | None]:
+        """``(found, index)``: ``found`` tells a cached absent shard (``index`` None) from a miss."""
+        with self._lock:
+            if key not in self._entries:
+                return False, None
+            self._entries.move_to_end(key)
+            return True, self._entries[key]
+
+    def put(self, key: str, index: ShardIndex | None) -> None:
+        with self._lock:
+            if key not in self._entries:  # two threads may read the same index at once
+                self.nbytes += self.entry_bytes
+            self._entries[key] = index
+            while self.nbytes > self.max_bytes and len(self._entries) > 1:
+                self._entries.popitem(last=False)
+                self.nbytes -= self.entry_bytes
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self.nbytes = 0
+
+
+class ChunkCache:
+    """A bounded LRU cache of decoded chunks (their bytes), keyed by shard key, chunk number and
+    the chunk's place in the shard (offset, size): a shard written again has new places, so a
+    stale entry is never hit, only aged out."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self.nbytes = 0
+        self._entries: OrderedDict[tuple, np.ndarray] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: tuple) -> np.ndarray | None:
+        with self._lock:
+            found = self._entries.get(key)
+            if found is not None:
+                self._entries.move_to_end(key)
+            return found
+
+    def put(self, key: tuple, decoded: np.ndarray) -> None:
+        if decoded.nbytes > self.max_bytes:
+            return
+        copy = decoded.copy()
+        with self._lock:
+            if key in self._entries:
+                return
+            self._entries[key] = copy
+            self.nbytes += copy.nbytes
+            while self.nbytes > self.max_bytes:
+                _, dropped = self._entries.popitem(last=False)
+                self.nbytes -= dropped.nbytes
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self.nbytes = 0
