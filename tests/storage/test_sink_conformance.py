@@ -4,7 +4,9 @@ through the store behind it (the files, the zarr Store, fsspec's filesystem, bot
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
+import textwrap
 import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -18,7 +20,7 @@ from zarr.storage import FsspecStore, LocalStore, MemoryStore
 
 from napari_tileshard.apps.convert import _EpochSink
 from napari_tileshard.engine.multi_writer import PrefixedSink
-from napari_tileshard.storage.sinks import DirectorySink, ZarrStoreSink
+from napari_tileshard.storage.sinks import DirectorySink, Sink, ZarrStoreSink, byte_views, check_key
 from napari_tileshard.storage.urls import open_sink
 from napari_tileshard.testing import FaultInjectingSink, SinkTests
 
@@ -256,3 +258,74 @@ def test_the_fault_injector_refuses_bad_input_before_injecting_a_fault(tmp_path)
     with pytest.raises(ValueError, match="contiguous"):
         sink.write("c/0/0", [np.zeros((4, 4))[:, ::2]])  # would wait on `hold` if it got that far
     assert sink.attempts == []
+
+
+# -- a third party's sink ----------------------------------------------------------------------
+class TapeSink(Sink):
+    """A third party's minimal correct sink: temporary file + rename, remembers what it wrote."""
+
+    def __init__(self, root):
+        self.root = Path(root)
+        self.written = set()
+
+    @property
+    def location(self):
+        return str(self.root)
+
+    def write(self, key, buffers):
+        views = byte_views(check_key(key), buffers)
+        path = self.root / key
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
+        try:
+            with open(tmp, "wb") as file:
+                file.writelines(views)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        self.written.add(key)
+
+    def discard(self):
+        for key in self.written:
+            (self.root / key).unlink(missing_ok=True)
+
+
+class InPlaceSink(TapeSink):
+    """Writes in place, piece by piece, and keeps no record: torn objects, nothing discarded."""
+
+    def write(self, key, buffers):
+        path = self.root / key
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "wb", buffering=0) as file:
+            for piece in buffers:
+                file.write(piece)
+
+
+def documented_example() -> dict:
+    """The example of SinkTests' docstring, run as written (its ``mylab.storage`` is TapeSink here)."""
+    code = textwrap.dedent(SinkTests.__doc__.split("::\n", 1)[1].split("\n\n    :meth:", 1)[0])
+    assert "from mylab.storage import TapeSink\n" in code
+    namespace = {"TapeSink": TapeSink}
+    exec(compile(code.replace("from mylab.storage import TapeSink\n", ""), "SinkTests example", "exec"), namespace)
+    return namespace
+
+
+TestDocumentedExample = documented_example()["TestTapeSink"]
+
+
+@pytest.mark.parametrize(
+    "test",
+    [
+        SinkTests.test_concurrent_writers_and_readers_of_one_key_see_whole_objects,
+        SinkTests.test_a_failed_write_leaves_the_previous_object_and_nothing_else,
+        SinkTests.test_a_non_contiguous_piece_is_refused_and_leaves_the_previous_object,
+        SinkTests.test_a_key_that_is_not_a_relative_path_is_refused,
+        SinkTests.test_discard_removes_what_this_sink_wrote_and_is_idempotent,
+    ],
+    ids=lambda test: test.__name__,
+)
+def test_the_suite_fails_a_sink_that_breaks_the_promise(tmp_path, test):
+    suite = TestDocumentedExample()
+    wants_tmp_path = "tmp_path" in inspect.signature(test).parameters
+    with pytest.raises((AssertionError, pytest.fail.Exception)):
+        test(suite, InPlaceSink(tmp_path / "run.zarr"), **({"tmp_path": tmp_path} if wants_tmp_path else {}))

@@ -42,6 +42,16 @@ from .overwrite import (
     recognise,
 )
 
+__all__ = [
+    "DirectorySink",
+    "Sink",
+    "ZarrStoreSink",
+    "byte_views",
+    "check_key",
+    "check_store_path",
+    "write_deadline",
+]
+
 log = logging.getLogger(__name__)
 
 _IOV_MAX = 512
