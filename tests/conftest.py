@@ -4,6 +4,7 @@ from collections import Counter
 import numpy as np
 import pytest
 import zarr
+from s3_server import s3, s3_server  # noqa: F401  (fixtures: a moto S3 server, a fresh bucket)
 
 from napari_tileshard.engine.backends import gpu_unavailable_reason
 

@@ -89,7 +89,7 @@ def test_default_layout_and_dims_from_an_array_like(tmp_path, client):
     convert(a, tmp_path / "out.zarr", client=client, backend="cpu")
     array = zarr.open_array(tmp_path / "out.zarr")
     np.testing.assert_array_equal(array[...], a)
-    assert array.metadata.dimension_names == ("z", "y", "x")
+    assert array.metadata.dimension_names == ("t", "y", "x")  # the default names of a rank-3 array
 
 
 class FailingRows:

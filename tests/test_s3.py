@@ -13,7 +13,6 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 from datetime import timedelta
 
 import numpy as np
@@ -22,7 +21,9 @@ import zarr
 
 pytest.importorskip("obstore", reason="the s3 extra (obstore) is not installed")
 moto_server = pytest.importorskip("moto.server", reason="the test extra (moto[server]) is not installed")
-boto3 = pytest.importorskip("boto3", reason="the test extra (boto3) is not installed")
+pytest.importorskip("boto3", reason="the test extra (boto3) is not installed")
+
+from s3_server import KEY, REGION, SECRET  # noqa: E402  (the s3 fixtures: conftest.py)
 
 from napari_tileshard import Dim, Layout, StoreExistsError, Writer, WriterError  # noqa: E402
 from napari_tileshard.apps.verify import verify  # noqa: E402
@@ -35,61 +36,9 @@ from napari_tileshard.storage.object_store import (  # noqa: E402
 )
 from napari_tileshard.storage.urls import open_sink, resolve_store  # noqa: E402
 
-KEY, SECRET, REGION = "testing-key", "testing-secret", "us-east-1"
 FAST_RETRY = {"max_retries": 1, "retry_timeout": timedelta(seconds=3)}
 LAYOUT = Layout([Dim("t", 0, 2, 2), Dim("y", 64, 32, 2), Dim("x", 64, 32, 1)], "uint16")
 FRAMES = np.random.default_rng(1).integers(0, 4000, (12, 64, 64), dtype=np.uint16)
-
-
-class S3Server:
-    def __init__(self):
-        self.server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-        self.server.start()
-        host, port = self.server.get_host_and_port()
-        self.endpoint = f"http://{host}:{port}"
-        self.client = boto3.client(
-            "s3", endpoint_url=self.endpoint, aws_access_key_id=KEY, aws_secret_access_key=SECRET, region_name=REGION
-        )
-
-    def new_bucket(self) -> str:
-        name = f"rec-{uuid.uuid4().hex[:12]}"
-        self.client.create_bucket(Bucket=name)
-        return name
-
-    def keys(self, bucket: str) -> list[str]:
-        pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=bucket)
-        return sorted(obj["Key"] for page in pages for obj in page.get("Contents", []))
-
-    def uploads_in_progress(self, bucket: str) -> list:
-        return self.client.list_multipart_uploads(Bucket=bucket).get("Uploads", [])
-
-    def require_credentials(self, on: bool) -> None:
-        """moto's public switch: check request signatures (unknown keys are refused) or not."""
-        conn = http.client.HTTPConnection(*self.server.get_host_and_port())
-        conn.request("POST", "/moto-api/reset-auth", body=b"0" if on else b"inf")
-        assert conn.getresponse().status == 200
-
-
-@pytest.fixture(scope="module")
-def s3_server():
-    server = S3Server()
-    yield server
-    server.server.stop()
-
-
-@pytest.fixture
-def s3(s3_server, monkeypatch):
-    """A fresh bucket; the standard AWS_* variables point at the local server."""
-    for var, value in {
-        "AWS_ENDPOINT_URL": s3_server.endpoint,
-        "AWS_ACCESS_KEY_ID": KEY,
-        "AWS_SECRET_ACCESS_KEY": SECRET,
-        "AWS_REGION": REGION,
-        "AWS_ALLOW_HTTP": "true",
-    }.items():
-        monkeypatch.setenv(var, value)
-    s3_server.bucket = s3_server.new_bucket()
-    return s3_server
 
 
 def test_round_trip_through_zarr_python_and_verify(s3):

@@ -59,7 +59,7 @@ from ..format.ome import group_metadata, multiscale_paths
 from ..storage.errors import StoreExistsError
 from ..storage.overwrite import CONVERT_MANIFEST_NAME
 from ..storage.overwrite import OVERWRITE_HINT as _OVERWRITE_HINT
-from ..storage.sinks import DirectorySink, Sink, ZarrStoreSink
+from ..storage.sinks import DirectorySink, Sink, ZarrStoreSink, byte_views, check_key
 from ..storage.urls import open_sink, resolve_store
 from .verify import verify as verify_store
 
@@ -351,27 +351,44 @@ class _TaskSpec:
 
 class _EpochSink(Sink):
     """The store seen by one task's Writer: its shards go under their global keys (shard epoch
-    ``epoch`` along dim 0), its own ``zarr.json`` files are dropped (the coordinator publishes)."""
+    ``epoch`` along dim 0), its own ``zarr.json`` files are dropped (the coordinator publishes).
+
+    Keys are a Writer's: ``zarr.json`` (dropped) and shard keys ``[<path>/]c/<i>/...`` (``i``
+    shifted by ``epoch``); any other key is a ValueError.  ``release``/``discard``/``cancel`` are
+    no-ops: the coordinator holds the store and decides what stays."""
 
     def __init__(self, target: Sink, epoch: int):
         self._target = target
         self._epoch = epoch
         self.keys: list[str] = []
         self.bytes = 0
+        self._count_lock = threading.Lock()  # the Writer's I/O threads write at once
+
+    def __repr__(self):
+        return f"_EpochSink({self._target!r}, epoch={self._epoch})"
 
     @property
     def location(self) -> str:
         return self._target.location
 
-    def write(self, key: str, buffers) -> None:
-        if key.rsplit("/", 1)[-1] == METADATA_KEY:
-            return
-        prefix, _, coords = key.rpartition("c/")
+    def global_key(self, key: str) -> str:
+        """Where shard ``key`` of this task's sub-array lies in the whole array."""
+        prefix, separator, coords = check_key(key).rpartition("c/")
         first, _, rest = coords.partition("/")
-        key = f"{prefix}c/{int(first) + self._epoch}" + (f"/{rest}" if rest else "")
-        self._target.write(key, buffers)
-        self.keys.append(key)
-        self.bytes += sum(memoryview(b).nbytes for b in buffers)
+        if not separator or (prefix and not prefix.endswith("/")) or not first.isdigit():
+            raise ValueError(f"a conversion task writes zarr.json and shard keys ('[path/]c/<i>/...'), got {key!r}")
+        return f"{prefix}c/{int(first) + self._epoch}" + (f"/{rest}" if rest else "")
+
+    def write(self, key: str, buffers) -> None:
+        if check_key(key).rsplit("/", 1)[-1] == METADATA_KEY:
+            return
+        views = byte_views(key, buffers)  # refused under the name the Writer gave
+        key = self.global_key(key)
+        self._target.write(key, views)
+        nbytes = sum(view.nbytes for view in views)
+        with self._count_lock:
+            self.keys.append(key)
+            self.bytes += nbytes
 
 
 def _attach(dst: str, storage_options) -> Sink:

@@ -33,7 +33,7 @@ from ..format.array_spec import ARRAY_KEYWORDS, ArraySpec
 from ..format.layout import Layout
 from ..format.metadata import metadata_bytes
 from ..format.ome import COLLECTION_KEY, COLLECTION_LAYOUT, is_collection
-from ..storage.sinks import Sink
+from ..storage.sinks import Sink, check_key
 from ..storage.urls import open_sink
 from .backends import gpu_unavailable_reason, resolve_devices
 from .options import EngineOptions, engine_options, writer_settings
@@ -82,19 +82,25 @@ def _group(ome: dict) -> dict:
 
 
 class PrefixedSink(Sink):
-    """One stream's objects under ``prefix/`` of the collection's sink (a root given as a Sink)."""
+    """One stream's objects under ``prefix/`` of the collection's sink (a root given as a Sink).
+
+    A view into the parent's store, which one MultiWriter owns: ``release``, ``discard`` and
+    ``cancel`` leave the parent alone (they are no-ops here).  The other streams still write
+    through it, and the MultiWriter releases or discards the whole collection itself; a view
+    cannot remove objects, as a Sink has no delete."""
 
     def __init__(self, parent: Sink, prefix: str):
-        self.parent, self.prefix = parent, prefix
+        self.parent, self.prefix = parent, check_key(prefix)
+
+    def __repr__(self):
+        return f"PrefixedSink({self.parent!r}, {self.prefix!r})"
 
     @property
     def location(self) -> str:
         return f"{self.parent.location.rstrip('/')}/{self.prefix}"
 
     def write(self, key: str, buffers) -> None:
-        self.parent.write(f"{self.prefix}/{key}", buffers)
-
-    # release/discard: the parent's (the MultiWriter releases or discards the whole collection)
+        self.parent.write(f"{self.prefix}/{check_key(key)}", buffers)
 
 
 def _child(root, key: str):

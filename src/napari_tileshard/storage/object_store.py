@@ -58,7 +58,7 @@ from .overwrite import KeyTree as _KeyTree
 from .overwrite import Unreadable as _Unreadable
 from .overwrite import deletion_order as _deletion_order
 from .overwrite import recognise as _recognise
-from .sinks import Sink
+from .sinks import Sink, byte_views, check_key
 
 if TYPE_CHECKING:
     from zarr.abc.buffer import Buffer, BufferPrototype
@@ -490,8 +490,7 @@ class ObjectStoreSink(Sink):
     def write(self, key: str, buffers) -> None:
         import obstore
 
-        views = [memoryview(b).cast("B") for b in buffers]
-        views = [v for v in views if v.nbytes]
+        views = byte_views(check_key(key), buffers)
         nbytes = sum(v.nbytes for v in views)
         store = self._after_cancel if self._cancelled else self._store
         try:

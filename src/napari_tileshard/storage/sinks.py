@@ -42,6 +42,16 @@ from .overwrite import (
     recognise,
 )
 
+__all__ = [
+    "DirectorySink",
+    "Sink",
+    "ZarrStoreSink",
+    "byte_views",
+    "check_key",
+    "check_store_path",
+    "write_deadline",
+]
+
 log = logging.getLogger(__name__)
 
 _IOV_MAX = 512
@@ -56,12 +66,28 @@ def write_deadline(io_timeout: float, nbytes: int) -> float:
 class Sink(ABC):
     """Where the Writer puts objects (shards, ``zarr.json``): the one storage seam.
 
-    ``write`` stores one object atomically from a sequence of buffers (a reader sees the old
-    object or the new one, never a torn one).  ``release`` ends a recording (drops the writer's
-    lock); ``discard`` undoes a recording that failed before it started: it removes every object
-    this sink wrote, its lock, and the store directory if this sink created it.  Both are
-    idempotent.  Wrappers (e.g. :class:`napari_tileshard.testing.FaultInjectingSink`) subclass
-    this and :func:`open_sink` passes any ``Sink`` through unchanged.
+    What every sink promises (:class:`napari_tileshard.testing.SinkTests` checks it):
+
+    * ``write(key, buffers)`` stores the concatenation of ``buffers`` as object ``key``,
+      atomically: a reader sees the previous object or the new one, never a torn one, and a write
+      that raises leaves the previous object (or none) in place.  ``key`` is a relative
+      ``/``-separated path (:func:`check_key`); ``buffers`` a sequence of C-contiguous bytes-like
+      pieces (:func:`byte_views`: bytes, bytearray, memoryview, NumPy arrays of any dtype), empty
+      pieces and an empty sequence included (an empty object).  A strided or Fortran-ordered
+      piece is refused (ValueError), never silently copied.  The sink keeps no reference to the
+      pieces once ``write`` returns: the caller may reuse them.  Writes come from many threads at
+      once, to different keys (new nested paths included) or to the same key (the last to finish
+      wins).
+    * ``location`` is a non-empty string naming the store (a path or URL) for messages.
+    * ``release`` ends a recording (drops the writer's lock); ``discard`` undoes a recording that
+      failed before it started: it removes every object this sink wrote, its lock, and the store
+      directory if this sink created it, and nothing else (an object someone else put there
+      stays).  Both are idempotent.  A sink that is a view into another sink's store
+      (:class:`napari_tileshard.engine.multi_writer.PrefixedSink`) leaves removal to the owner.
+    * ``cancel`` (the recording failed) never raises, and writes after it still work.
+
+    Wrappers (e.g. :class:`napari_tileshard.testing.FaultInjectingSink`) subclass this and
+    :func:`~napari_tileshard.storage.urls.open_sink` passes any ``Sink`` through unchanged.
     """
 
     @property
@@ -71,7 +97,7 @@ class Sink(ABC):
 
     @abstractmethod
     def write(self, key: str, buffers: Sequence) -> None:
-        """Store ``buffers`` (bytes-like, concatenated) as object ``key``, atomically."""
+        """Store ``buffers`` (bytes-like, concatenated) as object ``key``, atomically (see the class)."""
 
     def release(self) -> None:
         """The recording ended: drop the lock (no-op where there is none).  Best effort: a lock
@@ -84,8 +110,66 @@ class Sink(ABC):
     def cancel(self) -> None:
         """The recording failed: cut off the writes in flight where the storage allows it (an
         object store cancels its requests; they raise :class:`~napari_tileshard.storage.errors.WriteCancelledError`).
-        Best effort; writes that cannot be cut off (a local file) run to their end.  Later writes
-        (``zarr.json`` marked failed) are still allowed, under a short deadline where there is one."""
+        Best effort, never raises; writes that cannot be cut off (a local file) run to their end.
+        Later writes (``zarr.json`` marked failed) are still allowed, under a short deadline where
+        there is one."""
+
+
+def check_key(key) -> str:
+    """``key`` when it names an object inside a store: a non-empty ``/``-separated relative path
+    whose parts are neither empty, ``.`` nor ``..`` (as every zarr key is: ``zarr.json``,
+    ``0/c/1/2``).  Anything else is a TypeError or ValueError naming it: a key such as ``../x``
+    or ``/x`` would write outside a local store."""
+    if not isinstance(key, str):
+        raise TypeError(f"an object key must be a str, got {type(key).__name__} {key!r}")
+    if not key or any(part in ("", ".", "..") for part in key.split("/")):
+        raise ValueError(
+            f"the object key {key!r} is not a relative path of non-empty parts without '.' or '..' "
+            "(e.g. 'zarr.json' or '0/c/1/2')"
+        )
+    return key
+
+
+def byte_views(key: str, buffers) -> list[memoryview]:
+    """The pieces of object ``key`` as flat byte views (no copy), empty pieces left out.
+
+    ``buffers`` is a sequence (list, tuple) of objects with the buffer protocol: bytes,
+    bytearray, memoryview, NumPy arrays of any dtype (their bytes as they lie in memory).  Each
+    piece must be C-contiguous: a strided view (``a[:, ::2]``) or a Fortran-ordered array is a
+    ValueError rather than a hidden copy (``numpy.ascontiguousarray`` makes one), anything else
+    a TypeError; both name the key and the piece.  One bytes-like object in place of the
+    sequence is a TypeError too (iterating it would write its rows or its integers).
+    """
+    if isinstance(buffers, str) or _is_buffer(buffers):
+        raise TypeError(
+            f"the buffers of object {key!r} must be a sequence of bytes-like pieces (e.g. [data]), "
+            f"got one {type(buffers).__name__}"
+        )
+    views = []
+    for index, piece in enumerate(buffers):
+        try:
+            view = memoryview(piece)
+        except TypeError as exc:
+            raise TypeError(
+                f"piece {index} of object {key!r} is a {type(piece).__name__}, not a bytes-like object "
+                f"(bytes, bytearray, memoryview or a NumPy array): {exc}"
+            ) from None
+        if not view.c_contiguous:
+            raise ValueError(
+                f"piece {index} of object {key!r} is not C-contiguous (shape {view.shape}, strides "
+                f"{view.strides}): pass numpy.ascontiguousarray(piece) to store its elements in C order"
+            )
+        if view.nbytes:
+            views.append(view if view.ndim == 1 and view.format == "B" else view.cast("B"))
+    return views
+
+
+def _is_buffer(value) -> bool:
+    try:
+        memoryview(value)
+    except TypeError:
+        return False
+    return True
 
 
 class DirectorySink(Sink):
@@ -239,14 +323,15 @@ class DirectorySink(Sink):
             )
 
     def write(self, key: str, buffers) -> None:
+        views = byte_views(check_key(key), buffers)  # refused arguments are no storage failure
         try:
-            self._write(key, buffers)
+            self._write(key, views)
         except BaseException as exc:
             if self._write_error is None:
                 self._write_error = exc
             raise
 
-    def _write(self, key: str, buffers) -> None:
+    def _write(self, key: str, views: list[memoryview]) -> None:
         self._check_root()
         parts = key.split("/")
         try:
@@ -268,8 +353,6 @@ class DirectorySink(Sink):
             raise
         try:
             try:
-                views = [memoryview(b).cast("B") for b in buffers]
-                views = [v for v in views if v.nbytes]
                 for start in range(0, len(views), _IOV_MAX):
                     _writev_all(fd, views[start : start + _IOV_MAX])
             finally:
@@ -353,9 +436,10 @@ class ZarrStoreSink(Sink):
         from zarr.buffer import default_buffer_prototype
 
         # Store.set takes one buffer: joining a shard's pieces (chunks, index) is the one copy it
-        # costs; a single piece is wrapped without copying.
-        views = [memoryview(b).cast("B") for b in buffers]
-        data = views[0] if len(views) == 1 else b"".join(views)
+        # costs.  A single piece is wrapped without copying only when it is immutable (bytes): a
+        # MemoryStore keeps the buffer it is given, and the caller may reuse its pieces.
+        views = byte_views(check_key(key), buffers)
+        data = views[0] if len(views) == 1 and type(views[0].obj) is bytes else b"".join(views)
         array = np.frombuffer(data, dtype=np.uint8)
         self._sync(self.store.set(key, default_buffer_prototype().buffer.from_array_like(array)))
         self._written.add(key)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from ..engine.dispatch import current_worker
 from ..storage.errors import TransientStorageError, WriteCancelledError
-from ..storage.sinks import Sink
+from ..storage.sinks import Sink, byte_views, check_key
 from ..storage.urls import open_sink
 
 
@@ -128,6 +128,7 @@ class FaultInjectingSink(Sink):
         return None
 
     def write(self, key: str, buffers: Sequence) -> None:
+        buffers = byte_views(check_key(key), buffers)  # refused as the real sink would, before any fault
         with self._lock:
             self.attempts.append(key)
             attempt = self._tries[key] = self._tries.get(key, -1) + 1
