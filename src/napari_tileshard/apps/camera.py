@@ -39,7 +39,7 @@ class SyntheticCamera:
         frame_bytes = math.prod(shape) * self.dtype.itemsize
         self.bank_frames = bank_frames or int(max(4, min(_MAX_BANK_FRAMES, _BANK_BYTES // frame_bytes)))
         self._bank: list[np.ndarray] = []
-        self._scene = None
+        self._scene: dict | None = None
 
     def __repr__(self):
         return f"SyntheticCamera(shape={self.shape}, dtype={self.dtype.name!r}, seed={self.seed}, fps={self.fps})"

@@ -181,7 +181,8 @@ def read_zarr(path):
         # zarr-python reads (or partly written ones) are dask arrays.
         import dask.array as da
 
-        shown, notes = [], []
+        shown: list = []
+        notes: list[str] = []
         for level in levels:
             data, note = written_rows(level)
             if note:

@@ -177,7 +177,7 @@ class Recorder:
         self._feeder: threading.Thread | None = None
         self.writer: Writer | None = None
         self.multi = None  # the MultiWriter of several streams
-        self._start = None
+        self._start: float = 0.0
 
     # -- source side -------------------------------------------------------------------
     def push(self, frame: np.ndarray, stream: str | None = None) -> bool:

@@ -22,6 +22,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
+from ..format.codecs import Codec
 from ..format.layout import Layout
 from ..format.metadata import COMPLETE, FAILED, METADATA_KEY, RECORDING, STATE_KEY, metadata_bytes
 from ..format.pyramid import Pyramid
@@ -49,7 +50,7 @@ class Publisher:
         self,
         sink: Sink,
         pyramid: Pyramid,
-        codec: str,
+        codec: Codec | str,
         level: int,
         attributes: dict,
         prefixes: Sequence[str],

@@ -345,7 +345,8 @@ class Writer:
         self.batch_bytes = self.batch_epochs * layout.epoch_bytes
         self._row_bytes = layout.row_elements * layout.itemsize
         self._frame_bytes = layout.frame_elements * layout.itemsize
-        self._capacity = None if layout.unbounded else layout.total_elements * layout.itemsize
+        total = layout.total_elements
+        self._capacity = None if total is None else total * layout.itemsize
         self._error: BaseException | None = None
         self._closed = False
         # Buffers (and the GPU's memory check) before the store is touched: a refusal leaves no trace.
@@ -365,7 +366,7 @@ class Writer:
                 on_publish=self._published,
             )
             self._publisher.begin()
-            if self.ome:  # after the level arrays exist, so the group never names a missing dataset
+            if self._group is not None:  # after the level arrays exist, so the group never names a missing dataset
                 root = getattr(self._sink, "root", None)
                 name = (self.spec.ome and self.spec.ome.image_name) or (root.stem if root else "image")
                 self._group["attributes"]["ome"]["multiscales"][0]["name"] = name

@@ -30,7 +30,7 @@ import struct
 import threading
 import zlib
 from dataclasses import dataclass, replace
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import numcodecs.blosc
 import numpy as np
@@ -280,7 +280,7 @@ class Zstd(Codec):
         compressed = self._compressor().multi_compress_to_buffer(
             zstandard.BufferWithSegments(tiles, _segments(count, tile_bytes)), threads=1
         )
-        chunks = list(compressed)  # views into the few buffers libzstd filled, no copy
+        chunks = [compressed[i] for i in range(len(compressed))]  # views into libzstd's buffers, no copy
         return chunks, list(map(len, chunks))
 
     def decode_into(self, src, dest):
@@ -392,7 +392,11 @@ class Blosc(Codec):
 
     def compressors(self):
         codec = BloscCodec(
-            cname=self.cname, clevel=self.level, shuffle=self.shuffle, typesize=self.typesize, blocksize=self.blocksize
+            cname=cast(Any, self.cname),
+            clevel=self.level,
+            shuffle=cast(Any, self.shuffle),
+            typesize=self.typesize,
+            blocksize=self.blocksize,
         )
         return [codec.to_dict()]
 

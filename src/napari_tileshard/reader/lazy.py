@@ -69,7 +69,8 @@ class LazySelection:
         return LazySelection(self.reader, tuple(composed))
 
     def __array__(self, dtype=None, copy=None):
-        selection, flip = [], []
+        selection: list[int | slice] = []
+        flip: list[int] = []
         for item in self.items:
             if isinstance(item, int):
                 selection.append(item)

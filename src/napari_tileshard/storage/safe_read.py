@@ -425,7 +425,7 @@ class StoreAccess:
             if not isinstance(text, (str, bytes)):
                 self.store = text
             else:
-                self.root = Path(text).expanduser().absolute()
+                self.root = Path(os.fsdecode(text)).expanduser().absolute()
                 self.store = SafeLocalStore(self.root)
                 self._own_fds = True
         else:
