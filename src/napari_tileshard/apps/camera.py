@@ -14,6 +14,8 @@ import time
 
 import numpy as np
 
+__all__ = ["SyntheticCamera"]
+
 _BANK_BYTES = 512 << 20  # >= 48 frames of 2304x2304: longer than any tile depth used here
 _MAX_BANK_FRAMES = 64
 

@@ -63,6 +63,28 @@ from ..storage.sinks import DirectorySink, Sink, ZarrStoreSink, byte_views, chec
 from ..storage.urls import open_sink, resolve_store
 from .verify import verify as verify_store
 
+__all__ = [
+    "ConvertInterrupted",
+    "ConvertReport",
+    "DEFAULT_OPTIONS",
+    "MANIFEST_FORMAT",
+    "MANIFEST_KEY",
+    "ResumeMismatch",
+    "Source",
+    "WORKER_CONFIG",
+    "convert",
+    "dask_setup",
+    "default_layout",
+    "gpu_cluster",
+    "gpu_numbers",
+    "local_cluster",
+    "open_source",
+    "source_identity",
+    "warn_if_the_profiler_can_deadlock",
+    "worker_options",
+    "write_shard_epoch",
+]
+
 log = logging.getLogger(__name__)
 
 MANIFEST_KEY = CONVERT_MANIFEST_NAME

@@ -2,6 +2,8 @@
 
 from .camera import SyntheticCamera
 
+__all__ = ["synthetic_microscope"]
+
 
 def synthetic_microscope(frames: int = 200, shape=(512, 512)):
     stack = SyntheticCamera(shape, "uint16", seed=0).stack(frames)

@@ -13,6 +13,8 @@ import numpy as np
 from ..engine.writer import Writer
 from ..format.layout import Layout, is_valid_name
 
+__all__ = ["write_image"]
+
 
 def _safe_name(name, i):
     return name if is_valid_name(name) else f"d{i}"

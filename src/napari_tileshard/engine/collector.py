@@ -26,6 +26,8 @@ from .errors import PipelineStalledError
 from .publish import Publisher
 from .shards import EncodedEpoch, Shard, ShardAccumulator
 
+__all__ = ["BACKEND_STALL_S", "Collector", "in_flight_bytes", "pending_shard_epochs"]
+
 _PENDING_BATCHES = 2  # compressed batches that may wait on storage before the collector waits
 #: waits are sliced so that every slice checks the stage it waits on is alive (and Ctrl-C lands)
 _WAIT_SLICE_S = 0.5

@@ -29,6 +29,8 @@ from ..format.pyramid import Pyramid
 from ..format.shard_spec import array_metadata
 from ..storage.sinks import Sink
 
+__all__ = ["Publisher"]
+
 log = logging.getLogger(__name__)
 
 

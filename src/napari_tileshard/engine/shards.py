@@ -16,6 +16,8 @@ from ..format.codecs import Raw
 from ..format.layout import Layout
 from ..format.shard_spec import ShardSpec
 
+__all__ = ["EMPTY", "EncodedEpoch", "Shard", "ShardAccumulator"]
+
 EMPTY = np.uint64(_EMPTY)
 
 

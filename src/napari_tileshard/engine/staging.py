@@ -18,6 +18,8 @@ import numpy as np
 
 from .backends.base import Backend
 
+__all__ = ["StagingRing"]
+
 _PARALLEL_COPY_BYTES = 2 << 20
 
 

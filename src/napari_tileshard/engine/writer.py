@@ -47,6 +47,16 @@ from .publish import Publisher
 from .shards import EncodedEpoch
 from .staging import StagingRing
 
+__all__ = [
+    "CloseAbandoned",
+    "Writer",
+    "WriterError",
+    "WriterStats",
+    "estimate_memory",
+    "largest_fitting",
+    "plan_batches",
+]
+
 log = logging.getLogger(__name__)
 
 

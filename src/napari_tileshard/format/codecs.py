@@ -37,6 +37,26 @@ import numpy as np
 import zstandard
 from zarr.codecs import BloscCodec, GzipCodec, ZstdCodec
 
+__all__ = [
+    "Blosc",
+    "BloscLz4",
+    "CODECS",
+    "Codec",
+    "CodecError",
+    "GpuSupport",
+    "Gzip",
+    "Opaque",
+    "REGISTRY",
+    "Raw",
+    "Zstd",
+    "chain_refusal",
+    "from_zarr_codecs",
+    "get",
+    "gpu_decode_support",
+    "gpu_support",
+    "names",
+]
+
 _MAX_CHUNK_BYTES = 2**31 - 1  # the Layout's tile limit
 _local = threading.local()  # zstandard contexts are not thread-safe: one per thread (and level)
 

@@ -37,6 +37,28 @@ import numpy as np
 
 from . import codecs
 
+__all__ = [
+    "AXIS_KINDS",
+    "DEFAULT_FRAME_TILE",
+    "DEFAULT_FRAME_TILES_PER_SHARD",
+    "DEFAULT_NAMES",
+    "DEFAULT_SHARD_BYTES",
+    "DEFAULT_SHARD_EPOCH_BYTES",
+    "DEFAULT_TILE_BYTES",
+    "Dim",
+    "Layout",
+    "LiftedStrides",
+    "MAX_CHUNKS_PER_SHARD",
+    "MAX_DIM_SIZE",
+    "MAX_RANK",
+    "SPACE_UNITS",
+    "SUPPORTED_DTYPES",
+    "TIME_UNITS",
+    "is_valid_name",
+    "lifted_strides",
+    "normalize_unit",
+]
+
 MAX_RANK = 8
 SUPPORTED_DTYPES = (
     "uint8",

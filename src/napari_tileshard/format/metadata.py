@@ -6,7 +6,15 @@ from __future__ import annotations
 
 import json
 
-__all__ = ["COMPLETE", "FAILED", "METADATA_KEY", "RECORDING", "STATE_KEY", "check_attributes", "metadata_bytes"]
+__all__ = [
+    "COMPLETE",
+    "FAILED",
+    "METADATA_KEY",
+    "RECORDING",
+    "STATE_KEY",
+    "check_attributes",
+    "metadata_bytes",
+]
 
 #: the name of every node's metadata object
 METADATA_KEY = "zarr.json"

@@ -12,6 +12,16 @@ import json
 
 from .pyramid import Pyramid
 
+__all__ = [
+    "COLLECTION_KEY",
+    "COLLECTION_LAYOUT",
+    "OME_VERSION",
+    "axes",
+    "group_metadata",
+    "is_collection",
+    "multiscale_paths",
+]
+
 OME_VERSION = "0.5"
 
 

@@ -32,6 +32,19 @@ import numpy as np
 from . import codecs
 from .codecs import Codec
 
+__all__ = [
+    "ChunkDecodeError",
+    "DATA_TYPES",
+    "EMPTY",
+    "LayoutLike",
+    "ShardIndex",
+    "ShardIndexError",
+    "ShardReadError",
+    "ShardSpec",
+    "UnsupportedArray",
+    "array_metadata",
+]
+
 #: the index entry of a chunk that does not exist: offset and nbytes both 2^64-1
 EMPTY = 2**64 - 1
 #: Zarr v3's core data types, read natively (the others are read by zarr-python)

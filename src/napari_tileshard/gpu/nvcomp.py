@@ -13,6 +13,22 @@ from __future__ import annotations
 import ctypes
 import functools
 
+__all__ = [
+    "ALGORITHMS",
+    "AlignmentRequirements",
+    "CompressOpts",
+    "DecompressOpts",
+    "NvcompError",
+    "compress_async",
+    "decompress_async",
+    "decompress_input_alignment",
+    "decompress_temp_bytes",
+    "decompress_unavailable_reason",
+    "load",
+    "max_output_chunk_bytes",
+    "temp_bytes",
+]
+
 _SUCCESS = 0
 ALGORITHMS = ("zstd",)  # the nvCOMP algorithms bound here (a codec's ``gpu.nvcomp``)
 

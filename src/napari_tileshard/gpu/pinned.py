@@ -19,6 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+__all__ = ["PinnedRecycler", "gpu_numa_cpus", "parse_cpulist", "pin"]
+
 _PAGE = 4096
 _REGISTER_PORTABLE = 1  # cudaHostRegisterPortable (CuPy names no constant): usable from every GPU's context
 #: the limit is sized so that recording always progresses within it; should it not, pinning one

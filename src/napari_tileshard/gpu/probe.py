@@ -13,6 +13,8 @@ import os
 
 from . import nvcomp
 
+__all__ = ["unavailable_reason"]
+
 
 def _cheap_reason() -> str | None:
     try:

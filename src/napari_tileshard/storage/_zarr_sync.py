@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
+__all__ = ["run_inline", "sync", "sync_for"]
+
 T = TypeVar("T")
 
 

@@ -60,6 +60,27 @@ from .overwrite import deletion_order as _deletion_order
 from .overwrite import recognise as _recognise
 from .sinks import Sink, byte_views, check_key
 
+__all__ = [
+    "DEFAULT_IO_TIMEOUT",
+    "DEFAULT_MAX_CONCURRENCY",
+    "DEFAULT_PART_SIZE",
+    "DEFAULT_RETRY",
+    "MAX_PARTS",
+    "MAX_PART_SIZE",
+    "MIB",
+    "MIN_PART_SIZE",
+    "OBJECT_STORE_THREADS",
+    "ObjectStoreError",
+    "ObjectStoreSink",
+    "SCHEMES",
+    "ThreadedObjectStore",
+    "build_store",
+    "describe_failure",
+    "is_object_store_url",
+    "part_size_for",
+    "reader_store",
+]
+
 if TYPE_CHECKING:
     from zarr.abc.buffer import Buffer, BufferPrototype
     from zarr.abc.store import ByteRequest

@@ -19,6 +19,8 @@ from ..storage.errors import TransientStorageError, WriteCancelledError
 from ..storage.sinks import Sink, byte_views, check_key
 from ..storage.urls import open_sink
 
+__all__ = ["FaultInjectingSink", "SlowDownError", "StorageFaults"]
+
 
 class SlowDownError(TransientStorageError):
     """An injected S3 "503 SlowDown" answer (what an object store says when throttling)."""

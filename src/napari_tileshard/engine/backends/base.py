@@ -13,6 +13,8 @@ from ...format.layout import Layout
 from ...format.pyramid import Pyramid
 from ..shards import EncodedEpoch
 
+__all__ = ["Backend", "CODECS", "MemoryBudget", "Ticket"]
+
 CODECS = codecs.names()  # the Writer validates names against these until it asks codecs.get()
 
 Ticket = Any  # what submit() returns (CpuTicket, GpuTicket: each backend's own dataclass); opaque to the Writer

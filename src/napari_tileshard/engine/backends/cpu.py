@@ -24,6 +24,8 @@ from .stages.compress import compress_cpu
 from .stages.reduce import reduce_cpu
 from .stages.tile import tile_cpu
 
+__all__ = ["CpuBackend", "CpuTicket", "EncodeTasks"]
+
 #: one level's encode tasks of a batch: ``[epoch][inner shard][piece]``, each giving
 #: ``(chunks, padded slot sizes)``
 EncodeTasks = list[list[list[Future]]]

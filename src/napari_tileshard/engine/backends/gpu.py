@@ -39,6 +39,8 @@ from .stages.compress import check_gpu_statuses, compress_gpu, gpu_output_stride
 from .stages.reduce import reduce_gpu, reduce_kernel
 from .stages.tile import tile_gpu, tile_kernel
 
+__all__ = ["GpuBackend", "GpuTicket", "nvcomp_temp_estimate", "release_gpu_memory"]
+
 _ALIGN = 16
 #: device memory beyond the buffers: CuPy's scan scratch and pool rounding (3 MiB measured on an
 #: H100 with 256 MiB batches; tests/test_gpu_memory.py checks CuPy's count against the estimate)

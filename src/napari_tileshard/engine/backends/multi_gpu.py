@@ -18,6 +18,8 @@ from ..shards import EncodedEpoch
 from .base import Backend, MemoryBudget
 from .gpu import GpuBackend
 
+__all__ = ["MultiGpuBackend"]
+
 
 class MultiGpuBackend(Backend):
     name = "gpu"

@@ -17,3 +17,5 @@ Stages compute and nothing else: the backends (``cpu.py``, ``gpu.py``) own threa
 buffers, events and tickets.  No stage imports CuPy at import time; the GPU functions import it
 when they are called.
 """
+
+__all__: list[str] = []

@@ -22,6 +22,16 @@ import numpy as np
 from ...shards import EncodedEpoch
 from .tile import BLOCK
 
+__all__ = [
+    "AGGREGATE_SOURCE",
+    "aggregate_cpu",
+    "aggregate_geometry",
+    "aggregate_gpu",
+    "aggregate_kernels",
+    "slot_sizes",
+    "split_packed",
+]
+
 AGGREGATE_SOURCE = r"""
 extern "C" __global__ void permute_sizes(const unsigned long long* __restrict__ sizes,
                                          const long long* __restrict__ positions,

@@ -11,6 +11,8 @@ import numpy as np
 
 from ....gpu import nvcomp
 
+__all__ = ["check_gpu_statuses", "compress_cpu", "compress_gpu", "gpu_output_stride", "gpu_temp_bytes"]
+
 
 def compress_cpu(codec, tiles: np.ndarray) -> tuple[list, list[int]]:
     """Encode each row of ``tiles`` (uint8, one tile per row): (buffers, encoded size per tile).

@@ -14,6 +14,8 @@ import numpy as np
 from ....format.pyramid import block_offsets, reduce2
 from .tile import BLOCK
 
+__all__ = ["reduce_cpu", "reduce_gpu", "reduce_kernel", "reduce_source"]
+
 _C_TYPES = {
     "uint8": "unsigned char",
     "uint16": "unsigned short",

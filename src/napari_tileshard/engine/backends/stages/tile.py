@@ -18,6 +18,8 @@ import functools
 
 import numpy as np
 
+__all__ = ["BLOCK", "tile_cpu", "tile_gpu", "tile_kernel", "tile_source"]
+
 #: CUDA type moving one element (the tile kernel copies bits, so only the size matters)
 _ELEMENT_TYPES = {1: "unsigned char", 2: "unsigned short", 4: "unsigned int", 8: "unsigned long long"}
 BLOCK = 256
