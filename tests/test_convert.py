@@ -206,7 +206,7 @@ def test_gpu_tasks_convert_with_the_gpu_backend(tmp_path, client):
 
 
 def test_gpu_workers_each_see_only_their_gpu():
-    """gpus=: one worker process per GPU, each with CUDA_VISIBLE_DEVICES set before CUDA starts
+    """devices=: one worker process per GPU, each with CUDA_VISIBLE_DEVICES set before CUDA starts
     (checked here without a GPU: the environment the workers run with)."""
     from distributed import Client
 
@@ -253,10 +253,10 @@ def test_gpus_without_a_usable_gpu_is_one_clear_error_before_anything(tmp_path):
     zarr.create_array(source, shape=(4, 8), chunks=(2, 8), dtype="uint16", zarr_format=2)[:] = 1
     if gpu_unavailable_reason() is None:
         pytest.skip("a GPU is usable here: this checks the error on machines without one")
-    with pytest.raises(RuntimeError, match="gpus='all' was requested but the GPU backend is not usable"):
-        convert(source, tmp_path / "out.zarr", gpus="all")
+    with pytest.raises(RuntimeError, match="devices=.all. was requested but the GPU backend is not usable"):
+        convert(source, tmp_path / "out.zarr", devices="all")
     with pytest.raises(ValueError, match="with client= the cluster is yours"):
-        convert(source, tmp_path / "out.zarr", gpus=1, client=object())
+        convert(source, tmp_path / "out.zarr", devices=1, client=object())
     assert not (tmp_path / "out.zarr").exists()
 
 

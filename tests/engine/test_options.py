@@ -45,7 +45,7 @@ def test_engine_options_validate_and_name_the_value():
         ({"io_timeout": -1}, "io_timeout must be a positive number of seconds or None, got -1"),
         ({"staging_buffers": 1}, "staging_buffers must be an integer >= 2, got 1"),
         ({"devices": [0], "backend": "cpu"}, r"devices=\[0\] selects GPUs"),
-        ({"devices": [0, 0]}, "distinct GPU numbers"),
+        ({"devices": [0, -1]}, r"GPU numbers, got \[0, -1\]"),
         ({"max_latency_s": float("inf")}, "max_latency_s must be a positive number"),
     ]:
         with pytest.raises(ValueError, match=message):

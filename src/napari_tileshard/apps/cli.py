@@ -299,7 +299,7 @@ def _parser() -> argparse.ArgumentParser:
     where.add_argument("--scheduler", default=None, help="address of a running Dask scheduler (tcp://...)")
     where.add_argument("--local", type=int, default=None, help="workers of a local Dask cluster (default: cores/2)")
     where.add_argument(
-        "--gpus",
+        "--devices",
         default=None,
         help="a local cluster of one worker per GPU: 'all', a count, or GPU numbers such as 0,1 (default: none)",
     )
@@ -320,10 +320,10 @@ def _ints(text: str | None, what: str):
         raise ValueError(f"{what} must be comma-separated integers, got {text!r}") from None
 
 
-def _gpus(text: str | None):
+def _devices(text: str | None):
     if text is None or text == "all":
         return text
-    numbers = _ints(text, "--gpus")
+    numbers = _ints(text, "--devices")
     return numbers[0] if len(numbers) == 1 else numbers
 
 
@@ -400,8 +400,8 @@ def _resume_command(args) -> str:
     words = ["napari-tileshard", "convert", args.src, args.dst, "--resume"]
     if args.scheduler:
         words += ["--scheduler", args.scheduler]
-    elif args.gpus:
-        words += ["--gpus", args.gpus]
+    elif args.devices:
+        words += ["--devices", args.devices]
     elif args.local:
         words += ["--local", str(args.local)]
     return shlex.join(words)
@@ -462,7 +462,7 @@ def convert_command(args) -> int:
                 downsample=args.downsample,
                 client=client,
                 local_workers=args.local,
-                gpus=_gpus(args.gpus),
+                devices=_devices(args.devices),
                 announce=None if client is not None else lambda link: print(f"dashboard: {link}", file=sys.stderr),
                 resume=args.resume,
                 overwrite=args.overwrite,

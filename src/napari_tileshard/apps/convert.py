@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 
 from ..engine.backends import gpu_unavailable_reason, resolve_devices
-from ..engine.options import EngineOptions
+from ..engine.options import EngineOptions, normalize_devices
 from ..engine.publish import Publisher
 from ..engine.writer import Writer
 from ..format.array_spec import ArraySpec
@@ -560,7 +560,7 @@ def convert(
     retries: int = 2,
     storage_options: dict | None = None,
     progress=None,
-    gpus=None,
+    devices=None,
     announce=None,
 ) -> ConvertReport:
     """Convert ``src`` (see :func:`open_source`) into ``dst`` with ``layout`` (default:
@@ -575,7 +575,7 @@ def convert(
     skips the shard epochs the manifest lists as finished.
 
     ``progress``: a callable ``(epochs done, epochs)``, first called when the tasks are submitted
-    (work starts), then after each finished epoch.  ``gpus`` (``"all"``, a count or GPU numbers;
+    (work starts), then after each finished epoch.  ``devices`` (``"all"``, a count or GPU numbers;
     no ``client``): a local cluster of one worker per GPU (:func:`gpu_cluster`) whose tasks use the
     GPU backend.  ``announce``: called with the Dask dashboard's address once the cluster is up.
 
@@ -618,7 +618,7 @@ def convert(
             retries=retries,
             storage_options=storage_options,
             progress=progress,
-            gpus=gpus,
+            devices=devices,
             announce=announce,
         )
     except _Stopped as stop:
@@ -657,18 +657,18 @@ def _convert(
     retries,
     storage_options,
     progress,
-    gpus,
+    devices,
     announce,
 ) -> ConvertReport:
     from distributed import Client, as_completed
 
     if resume and overwrite:
         raise ValueError("resume=True continues an earlier conversion; it cannot be combined with overwrite=True")
-    if gpus is not None:
+    if devices is not None:
         if client is not None:
-            raise ValueError("gpus= starts a local cluster of GPU workers; with client= the cluster is yours")
+            raise ValueError("devices= starts a local cluster of GPU workers; with client= the cluster is yours")
         if given["backend"] == "cpu":
-            raise ValueError("gpus= runs the tasks on GPUs: it needs backend='gpu' or 'auto' (got 'cpu')")
+            raise ValueError("devices= runs the tasks on GPUs: it needs backend='gpu' or 'auto' (got 'cpu')")
     sink: Sink | None = None
     done: set[int] = set()
     try:
@@ -684,8 +684,8 @@ def _convert(
                 _refuse_a_stopped_conversion(dst, storage_options)
         layout = layout or default_layout(source, shape_options["tile"], shape_options["tiles_per_shard"])
         gpu_list = None
-        if gpus is not None:
-            gpu_list = gpu_numbers(gpus)  # checked before the destination is touched
+        if devices is not None:
+            gpu_list = gpu_numbers(devices)  # checked before the destination is touched
             options["backend"] = "gpu"
         spec, pyramid, prefixes = _plan(source, layout, dst, storage_options, options)
         if sink is None:
@@ -1040,17 +1040,14 @@ def warn_if_the_profiler_can_deadlock(client) -> bool:
     return True
 
 
-def gpu_numbers(gpus) -> list[int]:
-    """``"all"``, a count or a list of GPU numbers -> the GPU numbers (ValueError naming the value,
-    RuntimeError when no GPU is usable here)."""
+def gpu_numbers(devices) -> list[int]:
+    """``"all"``, a count or GPU numbers -> the GPU numbers (ValueError naming the value,
+    RuntimeError when no GPU is usable here): the one check of ``devices``
+    (:func:`~napari_tileshard.engine.options.normalize_devices`) plus the GPUs present."""
     reason = gpu_unavailable_reason()
     if reason:
-        raise RuntimeError(f"gpus={gpus!r} was requested but the GPU backend is not usable: {reason}")
-    if isinstance(gpus, int) and not isinstance(gpus, bool):
-        if gpus < 1:
-            raise ValueError(f"gpus must be 'all', a positive count or GPU numbers, got {gpus!r}")
-        gpus = list(range(gpus))
-    return resolve_devices(gpus)
+        raise RuntimeError(f"devices={devices!r} was requested but the GPU backend is not usable: {reason}")
+    return resolve_devices(normalize_devices(devices))
 
 
 def gpu_cluster(devices: list[int], threads_per_gpu: int | None = None):

@@ -41,7 +41,8 @@ def _seconds(name: str, value, allow_none: bool) -> float | None:
 
 def normalize_devices(devices) -> str | tuple[int, ...] | None:
     """GPUs by one name everywhere (``devices``): None (the current one), ``"all"``, a count
-    (``2``: GPUs 0 and 1) or GPU numbers; ValueError naming the value otherwise.  Whether they
+    (``2``: GPUs 0 and 1) or GPU numbers (a number twice: two pipelines on that GPU); ValueError
+    naming the value otherwise.  Whether they
     exist is the GPU backend's check (``engine.backends.resolve_devices``)."""
     if devices is None or devices == "all":
         return devices
@@ -50,12 +51,10 @@ def normalize_devices(devices) -> str | tuple[int, ...] | None:
             raise ValueError(f"devices must be 'all', a positive count or GPU numbers, got {devices!r}")
         return tuple(range(devices))
     if isinstance(devices, Sequence) and not isinstance(devices, str) and devices:
-        numbers = tuple(devices)
-        if all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in numbers) and len(set(numbers)) == len(
-            numbers
-        ):
+        numbers = tuple(devices)  # repeats allowed: several pipelines on one GPU
+        if all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in numbers):
             return numbers
-    raise ValueError(f"devices must be 'all', a positive count or distinct GPU numbers, got {devices!r}")
+    raise ValueError(f"devices must be 'all', a positive count or GPU numbers, got {devices!r}")
 
 
 @dataclass(frozen=True)
