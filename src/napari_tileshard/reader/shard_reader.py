@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from itertools import product
 
@@ -49,7 +49,14 @@ from .plan import (
 )
 from .settings import cache_bytes_setting, max_read_bytes_setting, reader_setting, workers_setting
 
-__all__ = ["ReadStats", "ShardReader"]
+#: the read paths in ``backend="auto"``'s order, each with why it cannot read an array here (None: it can)
+READ_PATHS: dict[str, Callable[[ShardSpec], str | None]] = {
+    "gpu": gpu_read_unavailable_reason,
+    "cpu": lambda spec: None,
+}
+READ_BACKENDS = ("auto", *READ_PATHS)
+
+__all__ = ["READ_BACKENDS", "READ_PATHS", "ReadStats", "ShardReader"]
 
 
 def _store_chunk(chunks: np.ndarray, chunk_dtype, i: int, decoded: np.ndarray) -> None:
@@ -117,8 +124,8 @@ class ShardReader:
         storage_options: dict | None = None,
         cache_bytes: int | None = None,
     ):
-        if backend not in ("auto", "cpu", "gpu"):
-            raise ValueError(f"backend must be 'auto', 'cpu' or 'gpu', got {backend!r}")
+        if backend not in READ_BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(READ_BACKENDS)}, got {backend!r}")
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"prefetch must be a non-negative integer, got {prefetch!r}")
         if isinstance(gap_bytes, bool) or not isinstance(gap_bytes, int) or gap_bytes < 0:
@@ -172,18 +179,23 @@ class ShardReader:
         return self.dtype.newbyteorder(">") if self.spec.big_endian else self.dtype
 
     def _choose_backend(self, backend: str) -> str:
+        """The read path: the one asked for, or ``auto``'s first that can read this array here
+        (:data:`READ_PATHS`, best first), naming why one that was asked for cannot."""
         if self.fallback_reason is not None:
-            if backend == "gpu":
-                raise ValueError(f"{self.location}: backend='gpu' needs a natively read array ({self.fallback_reason})")
+            if backend not in ("auto", "cpu"):
+                raise ValueError(
+                    f"{self.location}: backend={backend!r} needs a natively read array ({self.fallback_reason})"
+                )
             return "cpu"
-        if backend == "cpu":
-            return "cpu"
-        reason = gpu_read_unavailable_reason(self.spec)
-        if reason is None:
-            return "gpu"
-        if backend == "gpu":
-            raise ValueError(f"{self.location}: backend='gpu' is not usable: {reason}")
-        return "cpu"
+        for name, unavailable in READ_PATHS.items():
+            if backend not in ("auto", name):
+                continue
+            reason = unavailable(self.spec)
+            if reason is None:
+                return name
+            if backend == name:
+                raise ValueError(f"{self.location}: backend={name!r} is not usable: {reason}")
+        raise AssertionError("the CPU path reads every natively read array")
 
     def __repr__(self):
         how = f"zarr-python: {self.fallback_reason}" if self.fallback_reason else f"backend={self.backend!r}"
