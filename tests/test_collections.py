@@ -192,7 +192,9 @@ def _foreign_collection(root: Path, *, series_list: bool) -> dict[str, np.ndarra
             zarr_format=3,
             attributes={"ome": {"version": "0.5", "multiscales": [multiscale], "omero": omero}},
         )
-        array = group.create_array("0", shape=image.shape, dtype=image.dtype, chunks=(1, 1, 8, 10), shards=(1, 3, 24, 20))
+        array = group.create_array(
+            "0", shape=image.shape, dtype=image.dtype, chunks=(1, 1, 8, 10), shards=(1, 3, 24, 20)
+        )
         array[...] = image
     series = {"ome": {"version": "0.5", "series": ["0", "1"]}} if series_list else {"ome": {"version": "0.5"}}
     zarr.open_group(root / "OME", mode="w", zarr_format=3, attributes=series)

@@ -2,9 +2,10 @@
 
 Everything it shows comes from :func:`napari_tileshard.apps.inspect_shards.inspect_array`, which
 reads only shard indexes.  A collection (several images: a MultiWriter run, an MDA's positions)
-shows an *image* picker listing them; the inspector shows the one picked.  Grids are 2-D Shapes layers over the last two dimensions (napari
-broadcasts them along the others, e.g. the append dimension); the per-chunk map is an image
-on the chunk grid scaled by the chunk shape, so it lies on the data at every zoom.
+shows an *image* picker listing them; the inspector shows the one picked.  Grids are 2-D Shapes
+layers over the last two dimensions (napari broadcasts them along the others, e.g. the append
+dimension); the per-chunk map is an image on the chunk grid scaled by the chunk shape, so it lies
+on the data at every zoom.
 """
 
 from __future__ import annotations
@@ -129,7 +130,7 @@ class InspectorWidget(QWidget):
             show_error(f"cannot inspect {path}: {exc}")
             return
         if path != self.path:
-            self.check_report = None  # another store: the last chunk check (of every image of a collection) was not of it
+            self.check_report = None  # the last chunk check (all images of a collection) was of another store
         self.path = path
         self.image = chosen.path if chosen else None
         self.path_edit.setText(self.path)

@@ -255,7 +255,7 @@ class TileShardSink:
             inner = {"t": 0}
             self._series_of = {(): 0}
             series_names = ["0"]
-            image_names = [None]
+            image_names: list[str | None] = [None]
         else:
             inner = {a: sizes[a] for a in axis_order if a not in SERIES_AXES and sizes.get(a, 0) > 0}
             self._series_axis_names = tuple(a for a in SERIES_AXES if sizes.get(a, 0) > 0)

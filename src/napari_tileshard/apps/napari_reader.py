@@ -382,8 +382,8 @@ def _split_channels(data, meta: dict, attributes: dict) -> dict:
     windows = [_window(c, level0.dtype) for c in channels]
     if all(w is not None for w in windows):
         split["contrast_limits"] = windows
-    colors = [_color(c) for c in channels]
-    if all(c is not None for c in colors) and (count == 1 or len(set(colors)) > 1):
+    colors = [color for color in map(_color, channels) if color is not None]
+    if len(colors) == count and (count == 1 or len(set(colors)) > 1):
         split["colormap"] = [
             {"name": f"omero #{color}", "colors": [[0.0, 0.0, 0.0, 1.0], [*_rgb(color), 1.0]]} for color in colors
         ]
@@ -399,6 +399,8 @@ def _window(channel: dict, dtype) -> list[float] | None:
     import numpy as np
 
     window = channel.get("window")
+    if not isinstance(window, dict):
+        return None
     try:
         start, end = float(window["start"]), float(window["end"])
     except (KeyError, TypeError, ValueError):

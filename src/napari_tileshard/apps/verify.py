@@ -200,6 +200,8 @@ def _verify_image(report: VerifyReport, access, image: CollectionImage, counter:
     entry.shards, entry.chunks = report.shards - before[0], report.chunks - before[1]
     entry.problems = len(report.problems) - before[2]
     report.images.append(entry)
+
+
 def _verify_array(report: VerifyReport, access, array, label: str, progress) -> None:
     """Add the findings for one array; keys are reported as ``label`` + key (``1/c/0/0/0``)."""
     problems_before = len(report.problems)
