@@ -24,7 +24,7 @@ from ..storage.overwrite import OVERWRITE_HINT as _OVERWRITE_HINT
 from ..storage.sinks import check_store_path
 from .camera import SyntheticCamera
 from .convert import ConvertInterrupted, ResumeMismatch, convert
-from .verify import verify
+from .verify import missing_store, verify
 
 _SPATIAL_NAMES = ("c", "z", "y", "x")
 #: exit statuses: a usage error (a bad option or value, an existing store), a runtime failure
@@ -685,6 +685,10 @@ def main(argv=None) -> int:
             bars[0].n = done
             bars[0].refresh()
 
+        missing = missing_store(args.path)
+        if missing:  # nothing to check: a one-line error (exit 1, as for a store with problems)
+            print(f"napari-tileshard: error: {missing}", file=sys.stderr)
+            return FAILURE
         report = verify(args.path, progress)
         for bar in bars:
             bar.close()

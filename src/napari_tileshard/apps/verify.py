@@ -47,7 +47,7 @@ from ..reader.settings import reader_setting, workers_setting
 from ..storage.safe_read import StoreAccess, UnsafeStoreError, recording_state
 from ..storage.sinks import check_store_path
 
-__all__ = ["MAX_DECODED_TILE_BYTES", "VERIFY_READ_BYTES", "ImageReport", "Problem", "VerifyReport", "verify"]
+__all__ = ["MAX_DECODED_TILE_BYTES", "VERIFY_READ_BYTES", "ImageReport", "Problem", "VerifyReport", "missing_store", "verify"]
 
 #: the largest tile verify decompresses to check it (a declared tile beyond it is reported)
 MAX_DECODED_TILE_BYTES = 1 << 28
@@ -124,14 +124,15 @@ class VerifyReport:
 
 def verify(path, progress=None) -> VerifyReport:
     """Check every shard of the array at ``path`` (a path, URL or zarr Store), of every level of an
-    OME-Zarr image, or of every level of every image of a collection; ``progress(done, total)``.
-
-    FileNotFoundError when ``path`` is a local path that does not exist (nothing to check: not a finding)."""
+    OME-Zarr image, or of every level of every image of a collection; ``progress(done, total)``."""
     import zarr
 
     check_store_path(path)  # an argument error, not a finding: "" would check the current directory
-    _check_exists(path)
     report = VerifyReport(str(path))
+    missing = missing_store(path)
+    if missing:
+        report.problems.append(Problem("zarr.json", None, missing))
+        return report
     try:
         access = StoreAccess(path)
         node = access.open_node("")
@@ -160,15 +161,17 @@ def verify(path, progress=None) -> VerifyReport:
     return report
 
 
-def _check_exists(path) -> None:
+def missing_store(path) -> str | None:
+    """``"nope.zarr does not exist"`` when ``path`` is a local path (or file:// URL) with nothing
+    there, else None (object stores and zarr Stores answer through their ``zarr.json``)."""
     if not isinstance(path, (str, os.PathLike)):
-        return  # a zarr Store: its zarr.json tells
-    text = os.fspath(path)
-    if isinstance(text, str) and "://" in text and not text.startswith("file://"):
-        return  # an object store: likewise
-    local = Path(str(text).removeprefix("file://")).expanduser()
-    if not local.exists():
-        raise FileNotFoundError(f"{path} does not exist")
+        return None
+    text = str(os.fspath(path))
+    if "://" in text and not text.startswith("file://"):
+        return None
+    if os.path.lexists(Path(text.removeprefix("file://")).expanduser()):
+        return None
+    return f"{path} does not exist"
 
 
 def _label(array) -> str:
