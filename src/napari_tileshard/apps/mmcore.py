@@ -47,6 +47,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -658,11 +659,15 @@ class TileShardSink:
             root = None
         except Exception:
             root = None
-        if root is not None:
-            if not self.overwrite:
-                raise StoreExistsError(f"{self.path} already exists; pass overwrite=True to replace it")
-            if "tileshard_mmcore" not in root.attrs:
-                raise StoreExistsError(f"{self.path} exists and is not a TileShardSink recording: not overwritten")
+        # Only a recording of ours is replaced, and only that is offered for replacing: a folder
+        # with anything else in it is refused whatever ``overwrite`` says (overwrite could not help).
+        ours = root is not None and "tileshard_mmcore" in root.attrs
+        if not ours and (root is not None or _holds_anything(self.path)):
+            raise StoreExistsError(
+                f"{self.path} exists and is not a TileShardSink recording: choose another output (it is not replaced)"
+            )
+        if ours and not self.overwrite:
+            raise StoreExistsError(f"{self.path} already exists; pass overwrite=True to replace it")
         root = zarr.open_group(self.path, mode="a", zarr_format=3)
         root.attrs.put(
             {
@@ -737,6 +742,17 @@ class TileShardSink:
 
 
 _REASONS = ("skipped", "dropped", "missing")
+
+
+def _holds_anything(path: str) -> bool:
+    """A local directory at ``path`` with something in it (URLs: their root zarr.json tells)."""
+    if "://" in path and not path.startswith("file://"):
+        return False
+    local = Path(path.removeprefix("file://")).expanduser()
+    try:
+        return local.is_dir() and any(local.iterdir())
+    except OSError:
+        return False
 
 
 def _bit_depth(meta, dtype: np.dtype) -> int | None:

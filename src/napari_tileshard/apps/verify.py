@@ -47,7 +47,15 @@ from ..reader.settings import reader_setting, workers_setting
 from ..storage.safe_read import StoreAccess, UnsafeStoreError, recording_state
 from ..storage.sinks import check_store_path
 
-__all__ = ["MAX_DECODED_TILE_BYTES", "VERIFY_READ_BYTES", "ImageReport", "Problem", "VerifyReport", "missing_store", "verify"]
+__all__ = [
+    "MAX_DECODED_TILE_BYTES",
+    "VERIFY_READ_BYTES",
+    "ImageReport",
+    "Problem",
+    "VerifyReport",
+    "missing_store",
+    "verify",
+]
 
 #: the largest tile verify decompresses to check it (a declared tile beyond it is reported)
 MAX_DECODED_TILE_BYTES = 1 << 28
