@@ -83,6 +83,10 @@ def test_a_multiwriter_collection_verifies_image_by_image_on_the_command_line(mu
     assert sum(i.shards for i in report.images) == report.shards > 0
     assert sum(i.chunks for i in report.images) == report.chunks > 0
     assert lines[:2] == [f"  {report.images[0]}", f"  {report.images[1]}"]
+    seen = []
+    verify(path, progress=lambda done, total: seen.append((done, total)))
+    assert [d for d, _ in seen] == sorted(d for d, _ in seen)  # counts up across images and levels
+    assert seen[-1] == (report.shards, report.shards)
     assert f"image 'left' (0/): {levels[0]} levels" in lines[0]
 
 
@@ -251,3 +255,19 @@ def test_the_inspector_widget_picks_an_image_of_a_collection(make_napari_viewer,
     assert widget.image == "1" and widget.inspection.shape == frames["right"].shape
     widget.open(str(path / "0"))  # a single image: no picker
     assert picker.isHidden() and widget.image is None
+
+
+@pytest.mark.parametrize("stream_path", [".", "", "../elsewhere", "/abs", "0/../0"])
+def test_a_collection_whose_streams_leave_it_is_no_collection_of_images(tmp_path, stream_path):
+    """Stream paths that would name the collection itself (an image at "." would open the
+    collection again, and again) or leave it are not followed."""
+    from napari_tileshard.format.ome import COLLECTION_KEY, stream_paths
+
+    attributes = {
+        "ome": {"version": "0.5", "multiscales": [{"axes": [], "datasets": [{"path": "0"}]}]},
+        COLLECTION_KEY: {"streams": {"a": stream_path}},
+    }
+    assert stream_paths(attributes) is None
+    path = tmp_path / "loop.ome.zarr"
+    zarr.open_group(path, mode="w", zarr_format=3, attributes=attributes)
+    assert collection_images(path) is None

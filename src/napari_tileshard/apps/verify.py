@@ -157,7 +157,7 @@ def verify(path, progress=None) -> VerifyReport:
     counter = _Progress(report, progress)
     if images is None:
         for array in levels if levels is not None else [node]:
-            _verify_array(report, access, array, _label(array), counter.level)
+            _verify_array(report, access, array, _label(array), counter.array())
         return report
     if not images:
         report.problems.append(Problem("zarr.json", None, "a collection without images"))
@@ -195,10 +195,15 @@ class _Progress:
     def __init__(self, report: VerifyReport, progress):
         self.report, self.progress = report, progress
 
-    def level(self, done, total) -> None:
-        if self.progress:
-            base = self.report.shards + len(self.report.unpublished)
-            self.progress(base + done, base + total)
+    def array(self):
+        """The progress callback of the next array: its shards counted after those checked before it."""
+        base = self.report.shards + len(self.report.unpublished)
+
+        def report_progress(done, total) -> None:
+            if self.progress:
+                self.progress(base + done, base + total)
+
+        return report_progress
 
 
 def _verify_image(report: VerifyReport, access, image: CollectionImage, counter: _Progress) -> None:
@@ -207,7 +212,7 @@ def _verify_image(report: VerifyReport, access, image: CollectionImage, counter:
     if image.levels is None:
         report.problems.append(Problem(f"{image.path}/zarr.json", None, f"image {image.name!r}: {image.error}"))
     for array in image.levels or ():
-        _verify_array(report, access, array, _label(array), counter.level)
+        _verify_array(report, access, array, _label(array), counter.array())
     entry.shards, entry.chunks = report.shards - before[0], report.chunks - before[1]
     entry.problems = len(report.problems) - before[2]
     report.images.append(entry)

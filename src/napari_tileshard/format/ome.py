@@ -112,8 +112,9 @@ def is_collection(group_attributes: dict) -> bool:
 
 
 def _inside(path) -> bool:
-    """A relative path that stays inside the group it is relative to."""
-    return isinstance(path, str) and bool(path) and not path.startswith("/") and ".." not in path.split("/")
+    """A relative path to a node below the group it is relative to (never the group itself: an
+    image at "." would be the collection again)."""
+    return isinstance(path, str) and all(part not in ("", ".", "..") for part in path.split("/"))
 
 
 def stream_paths(group_attributes: dict) -> dict[str, str] | None:
