@@ -23,8 +23,9 @@ from typing import Any
 
 import zarr
 
-from ..format.ome import SERIES_GROUP, image_name, is_bioformats2raw, multiscale_paths, series_paths, stream_paths
+from ..format.ome import SERIES_GROUP, image_name, is_bioformats2raw, series_paths, stream_paths
 from ..storage.safe_read import StoreAccess
+from .levels import _levels
 
 __all__ = ["MAX_COLLECTION_IMAGES", "CollectionImage", "collection_images", "images_of", "non_image_nodes"]
 
@@ -122,20 +123,13 @@ def _image(access: StoreAccess, stream: str | None, path: str) -> CollectionImag
     if isinstance(node, zarr.Array):
         image.levels = [node]
         return image
-    paths = multiscale_paths(attributes)
-    if paths is None:
-        image.error = "a group without OME-Zarr multiscales, not an image"
-        return image
     try:
-        levels = [access.open_node(f"{path}/{level}") for level in paths]
+        image.levels = _levels(access, node)  # the image's levels, below its own path
     except Exception as exc:  # noqa: BLE001 - as above
         image.error = str(exc)
         return image
-    for level, array in zip(paths, levels):
-        if not isinstance(array, zarr.Array):
-            image.error = f"multiscale dataset {level!r} is not an array"
-            return image
-    image.levels = levels
+    if image.levels is None:
+        image.error = "a group without OME-Zarr multiscales, not an image"
     return image
 
 
