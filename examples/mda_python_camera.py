@@ -53,7 +53,7 @@ def main(argv=None) -> None:
     import napari
 
     viewer = napari.Viewer()
-    viewer.open(f"{args.output}/0", plugin="napari-tileshard")  # series 0: the OME-Zarr image
+    viewer.open(args.output, plugin="napari-tileshard")  # every image of the collection, a layer per channel
     napari.run()
 
 

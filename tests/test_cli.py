@@ -146,3 +146,57 @@ def test_a_disk_that_fills_up_mid_recording_exits_1_not_2(tmpfs, capsys):
     err = capsys.readouterr().err
     assert "No space left on device" in err and "Traceback" not in err
     assert main(["record", str(mount_point / "b.zarr"), "--shape", "0,2,2", "--tile", "1,2"]) == 2  # a usage error
+
+
+def test_no_option_of_any_subcommand_says_default_none(capsys):
+    from napari_tileshard.apps.cli import _parser
+
+    parser = _parser()
+    commands = parser._subparsers._group_actions[0].choices  # argparse keeps its subparsers there
+    texts = [parser.format_help()] + [command.format_help() for command in commands.values()]
+    assert len(texts) == 5
+    for text in texts:
+        assert "(default: None)" not in text and "(default: False)" not in text
+    record = commands["record"].format_help()
+    assert "(default: ./recording.zarr)" in commands["gui"].format_help()
+    assert "(default: 0,2048,2048)" in record and "(default: zstd)" in record  # real defaults still shown
+
+
+def test_a_half_filled_bounded_recording_says_which_rows_were_never_written(tmp_path, capsys):
+    bounded = ["--tile", "10,16,16", "--tiles-per-shard", "1,1,1", "--backend", "cpu", "--no-progress"]
+    out = tmp_path / "half.zarr"
+    assert main(["record", str(out), "--shape", "100,32,32", "--frames", "50", *bounded]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("recorded 50 frames")
+    assert lines[1] == "rows 50..99 of 100 were not written and read as the fill value 0"
+    assert zarr.open_array(out, mode="r")[50:].max() == 0
+    full = tmp_path / "full.zarr"
+    assert main(["record", str(full), "--shape", "20,32,32", *bounded]) == 0
+    assert "not written" not in capsys.readouterr().out
+    stack = tmp_path / "stack.zarr"  # t,z,y,x: 4 frames a row
+    args = ["--shape", "5,4,32,32", "--tile", "1,2,16,16", "--tiles-per-shard", "1,1,1,1", "--frames", "6"]
+    assert main(["record", str(stack), *args, "--backend", "cpu", "--no-progress"]) == 0
+    assert capsys.readouterr().out.splitlines()[1] == (
+        "frames 6..19 of 20 (rows 1..4 of 5, row 1 partly) were not written and read as the fill value 0"
+    )
+
+
+def test_an_output_that_overwrite_would_refuse_is_not_offered_for_overwriting(tmp_path, capsys):
+    thesis = tmp_path / "mythesis"
+    thesis.mkdir()
+    (thesis / "thesis.tex").write_text("precious")
+    assert main(["record", str(thesis), *SMALL, "--frames", "1", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "'thesis.tex' which this recorder did not write" in err and "choose another output" in err
+    assert "--overwrite" not in err and "overwrite=True" not in err
+    ours = tmp_path / "ours.zarr"
+    assert main(["record", str(ours), *SMALL, "--frames", "1", "--no-progress"]) == 0
+    assert main(["record", str(ours), *SMALL, "--frames", "1", "--no-progress"]) == 2
+    assert "use --overwrite to replace it" in capsys.readouterr().err  # here it would go ahead
+
+
+def test_verify_of_a_store_that_does_not_exist_says_so_in_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["verify", "nope.zarr"]) == 1
+    captured = capsys.readouterr()
+    assert captured.err == "napari-tileshard: error: nope.zarr does not exist\n" and captured.out == ""

@@ -282,9 +282,15 @@ def test_existing_foreign_store_is_not_overwritten(tmp_path):
     from napari_tileshard import StoreExistsError
 
     zarr.open_group(tmp_path / "theirs.zarr", mode="w")
-    for overwrite in (False, True):
-        with pytest.raises(StoreExistsError):
-            TileShardSink(tmp_path / "theirs.zarr", overwrite=overwrite).setup(useq.MDASequence(), _meta())
+    thesis = tmp_path / "mythesis"
+    thesis.mkdir()
+    (thesis / "thesis.tex").write_text("precious")
+    for path in (tmp_path / "theirs.zarr", thesis):
+        for overwrite in (False, True):
+            with pytest.raises(StoreExistsError, match="not a TileShardSink recording: choose another") as info:
+                TileShardSink(path, overwrite=overwrite).setup(useq.MDASequence(), _meta())
+            assert "overwrite=True" not in str(info.value)  # not suggested: it would be refused too
+    assert sorted(p.name for p in thesis.iterdir()) == ["thesis.tex"]
 
 
 def test_importing_the_package_does_not_import_pymmcore_plus():

@@ -126,6 +126,9 @@ def test_overwrite_replaces_only_a_recording_of_ours(s3):
     s3.client.put_object(Bucket=s3.bucket, Key="thesis/chapter1.txt", Body=b"mine")
     with pytest.raises(StoreExistsError, match="not a zarr store"):
         Writer(f"s3://{s3.bucket}/thesis", LAYOUT, backend="cpu", overwrite=True)
+    with pytest.raises(StoreExistsError, match="chapter1.txt.*choose another output") as info:
+        Writer(f"s3://{s3.bucket}/thesis", LAYOUT, backend="cpu")
+    assert "overwrite=True" not in str(info.value)  # not offered: it would be refused
     assert "thesis/chapter1.txt" in s3.keys(s3.bucket)
 
 

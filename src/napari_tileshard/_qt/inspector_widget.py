@@ -1,9 +1,11 @@
 """The "Inspect shards" dock widget: shard/tile grids, per-chunk compression map, shard table.
 
 Everything it shows comes from :func:`napari_tileshard.apps.inspect_shards.inspect_array`, which
-reads only shard indexes.  Grids are 2-D Shapes layers over the last two dimensions (napari
-broadcasts them along the others, e.g. the append dimension); the per-chunk map is an image
-on the chunk grid scaled by the chunk shape, so it lies on the data at every zoom.
+reads only shard indexes.  A collection (several images: a MultiWriter run, an MDA's positions)
+shows an *image* picker listing them; the inspector shows the one picked.  Grids are 2-D Shapes
+layers over the last two dimensions (napari broadcasts them along the others, e.g. the append
+dimension); the per-chunk map is an image on the chunk grid scaled by the chunk shape, so it lies
+on the data at every zoom.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import numpy as np
 from qtpy.QtCore import QEvent, QTimer
 from qtpy.QtWidgets import (
     QCheckBox,
+    QComboBox,
     QHBoxLayout,
     QLabel,
     QLineEdit,
@@ -24,7 +27,7 @@ from qtpy.QtWidgets import (
     QWidget,
 )
 
-from ..apps.inspect_shards import EMPTY_CHUNK, Inspection, inspect_array
+from ..apps.inspect_shards import EMPTY_CHUNK, ImageEntry, Inspection, inspect_array, list_images
 from ..apps.verify import verify
 
 _COLUMNS = ("shard", "file bytes", "chunks", "mean ratio", "index CRC", "chunk check")
@@ -65,6 +68,17 @@ class InspectorWidget(QWidget):
         row.addWidget(self.path_edit)
         row.addWidget(open_button)
         layout.addLayout(row)
+        picker = QHBoxLayout()
+        self.image_label = QLabel("image")
+        self.image_picker = QComboBox()
+        self.image_picker.setToolTip("the image of the collection to inspect")
+        self.image_picker.currentIndexChanged.connect(self._on_image_picked)
+        picker.addWidget(self.image_label)
+        picker.addWidget(self.image_picker, 1)
+        layout.addLayout(picker)
+        self.images: list[ImageEntry] = []  # the collection's images; empty for an array or one image
+        self.image: str | None = None  # the path of the image shown, in a collection
+        self._show_picker(False)
         toggles = QHBoxLayout()
         self.shard_grid = QCheckBox("shard grid")
         self.tile_grid = QCheckBox("tile grid")
@@ -97,19 +111,51 @@ class InspectorWidget(QWidget):
         layout.addWidget(self.table)
 
     # -- loading -----------------------------------------------------------------------
-    def open(self, path) -> None:
+    def open(self, path, image: str | None = None) -> None:
+        """Inspect the array at ``path``; in a collection the image ``image`` (a name or path;
+        default: the one picked before in the same collection, else its first)."""
         from napari.utils.notifications import show_error
 
+        path = str(path)
         try:
-            inspection = inspect_array(str(path))
+            images = list_images(path)
+            if image is None and path == self.path and any(i.path == self.image for i in images):
+                image = self.image
+            if image is None and images:
+                image = next((i.path for i in images if i.error is None), images[0].path)
+            chosen = next((i for i in images if image in (i.path, i.name)), None)
+            inspection = inspect_array(path, image=image)
         except Exception as exc:  # noqa: BLE001 - shown to the user, never raised into Qt
             self.summary.setText(f"cannot inspect {path}: {exc}")
             show_error(f"cannot inspect {path}: {exc}")
             return
-        self.path = str(path)
+        if path != self.path:
+            self.check_report = None  # the last chunk check (all images of a collection) was of another store
+        self.path = path
+        self.image = chosen.path if chosen else None
         self.path_edit.setText(self.path)
+        self._list_images(images)
         self.inspection = inspection
         self._show(inspection)
+
+    def _list_images(self, images: list[ImageEntry]) -> None:
+        self.images = images
+        self.image_picker.blockSignals(True)
+        self.image_picker.clear()
+        for entry in images:
+            self.image_picker.addItem(str(entry), entry.path)
+        at = next((k for k, entry in enumerate(images) if entry.path == self.image), -1)
+        self.image_picker.setCurrentIndex(at)
+        self.image_picker.blockSignals(False)
+        self._show_picker(bool(images))
+
+    def _show_picker(self, visible: bool) -> None:
+        self.image_label.setVisible(visible)
+        self.image_picker.setVisible(visible)
+
+    def _on_image_picked(self, index: int) -> None:
+        if self.path and 0 <= index < len(self.images) and self.images[index].path != self.image:
+            self.open(self.path, image=self.images[index].path)
 
     def refresh(self, incremental: bool = False) -> None:
         """Re-read the indexes in the background (a recording in progress adds shards): reading
@@ -124,10 +170,10 @@ class InspectorWidget(QWidget):
         from napari.qt.threading import create_worker
 
         self._watch_window()
-        path = self.path
+        path, image = self.path, self.image
         previous = self.inspection if incremental else None
-        worker = create_worker(inspect_array, path, previous=previous, _start_thread=False)
-        worker.returned.connect(lambda inspection: self._refreshed(path, inspection))
+        worker = create_worker(inspect_array, path, previous=previous, image=image, _start_thread=False)
+        worker.returned.connect(lambda inspection: self._refreshed(path, image, inspection))
         worker.errored.connect(lambda exc: self.summary.setText(f"cannot inspect {path}: {exc}"))
         worker.finished.connect(self._refresh_done)
         self._refreshing = worker
@@ -138,8 +184,8 @@ class InspectorWidget(QWidget):
         """True while a background refresh is reading indexes."""
         return self._refreshing is not None
 
-    def _refreshed(self, path: str, inspection: Inspection) -> None:
-        if path == self.path and not self._closing:  # not replaced by another store meanwhile
+    def _refreshed(self, path: str, image: str | None, inspection: Inspection) -> None:
+        if (path, image) == (self.path, self.image) and not self._closing:  # not replaced meanwhile
             self.inspection = inspection
             self._show(inspection)
 
@@ -195,6 +241,9 @@ class InspectorWidget(QWidget):
 
     def _show(self, result: Inspection) -> None:
         name = Path(self.path or "").name
+        picked = next((entry for entry in self.images if entry.path == self.image), None)
+        if picked is not None:
+            name = f"{name} {picked.name}"
         plane = result.shape[-2:]
         self._replace_shapes(
             "shard grid",
@@ -265,7 +314,9 @@ class InspectorWidget(QWidget):
     def _check_text(self, key: str) -> str:
         if self.check_report is None:
             return "-"
-        problems = [p for p in self.check_report.problems if p.key == key]
+        inspection = self.inspection
+        where = f"{inspection.array_path}/{key}" if inspection is not None and inspection.array_path else key
+        problems = [p for p in self.check_report.problems if p.key == where]
         return "ok" if not problems else "; ".join(str(p.message) for p in problems[:2])
 
     def check_chunks(self):

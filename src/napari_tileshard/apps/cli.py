@@ -19,12 +19,13 @@ from ..engine.writer import CloseAbandoned, Writer, WriterError
 from ..format import codecs
 from ..format.layout import SUPPORTED_DTYPES, Dim, Layout
 from ..format.pyramid import DOWNSAMPLE
+from ..format.shard_spec import array_metadata
 from ..storage.errors import StoreExistsError, StoreLockedError
 from ..storage.overwrite import OVERWRITE_HINT as _OVERWRITE_HINT
 from ..storage.sinks import check_store_path
 from .camera import SyntheticCamera
 from .convert import ConvertInterrupted, ResumeMismatch, convert
-from .verify import verify
+from .verify import missing_store, verify
 
 _SPATIAL_NAMES = ("c", "z", "y", "x")
 #: exit statuses: a usage error (a bad option or value, an existing store), a runtime failure
@@ -131,7 +132,7 @@ def _package_version() -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    formatter = argparse.ArgumentDefaultsHelpFormatter
+    formatter = _HelpFormatter
     # -v works before and after the subcommand: each subparser knows it too, without a default of
     # its own so that it never resets a -v given before the subcommand.
     verbose = argparse.ArgumentParser(add_help=False)
@@ -278,7 +279,7 @@ def _parser() -> argparse.ArgumentParser:
     conv = sub.add_parser(
         "convert",
         parents=[verbose],
-        formatter_class=_ConvertHelpFormatter,
+        formatter_class=formatter,
         help="re-tile / recompress / add a pyramid to existing data (zarr v2/v3, OME-Zarr, TIFF) on Dask",
         description="Convert SRC (a zarr v2/v3 array or OME-Zarr, a TIFF/OME-TIFF file or a folder of TIFF "
         "frames) into a sharded Zarr v3 array or OME-Zarr at DST. One Dask task per shard epoch: no shard is "
@@ -327,13 +328,17 @@ def _devices(text: str | None):
     return numbers[0] if len(numbers) == 1 else numbers
 
 
-class _ConvertHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """convert's options default to None (the default, or on --resume the value the conversion
-    started with): their help says the default itself, so no "(default: None)"."""
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Defaults in the help, where they say something: an option whose default is None (decided
+    later: convert's options take on --resume the value the conversion started with) says its
+    default in its own words, and an on/off flag is off unless given; neither gets "(default: None)"
+    or "(default: False)"."""
 
     def _get_help_string(self, action):
-        if action.default is None:
+        if action.default is None or action.default is argparse.SUPPRESS or isinstance(action.default, bool):
             return action.help
+        if isinstance(action.default, list):  # as it is typed: 0,2048,2048
+            return f"{action.help} (default: {','.join(map(str, action.default))})"
         return super()._get_help_string(action)
 
 
@@ -621,9 +626,31 @@ def record(args) -> int:
         + (f", {writer.pyramid.levels} pyramid levels" if args.ome else "")
         + (" (interrupted)" if interrupted else "")
     )
+    unwritten = _unwritten(layout, stats.frames, array_metadata(layout, args.codec, args.level, 0)["fill_value"])
+    if unwritten:
+        print(unwritten)
     if interrupted:
         return 128 + int(interrupted)
     return 0
+
+
+def _unwritten(layout: Layout, frames: int, fill) -> str | None:
+    """What of a bounded array was not recorded (``--frames`` fewer than ``--shape`` holds, or an
+    interruption): those rows exist in the array's shape and read as the fill value."""
+    rows = layout.shape[0]
+    if not rows or layout.total_elements is None:
+        return None  # unbounded: the array is as long as what was recorded
+    possible = layout.total_elements // layout.frame_elements
+    if frames >= possible:
+        return None
+    per_row = possible // rows
+    first_row = frames // per_row
+    if per_row == 1:
+        what = f"rows {first_row}..{rows - 1} of {rows}"
+    else:  # several frames per row along dim 0 (e.g. t,z,y,x): name both
+        partly = f", row {first_row} partly" if frames % per_row else ""
+        what = f"frames {frames}..{possible - 1} of {possible} (rows {first_row}..{rows - 1} of {rows}{partly})"
+    return f"{what} were not written and read as the fill value {fill}"
 
 
 def _main_thread() -> bool:
@@ -685,6 +712,10 @@ def main(argv=None) -> int:
             bars[0].n = done
             bars[0].refresh()
 
+        missing = missing_store(args.path)
+        if missing:  # nothing to check: a one-line error (exit 1, as for a store with problems)
+            print(f"napari-tileshard: error: {missing}", file=sys.stderr)
+            return FAILURE
         report = verify(args.path, progress)
         for bar in bars:
             bar.close()

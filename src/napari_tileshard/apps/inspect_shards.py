@@ -6,6 +6,9 @@ never the chunk data — so a store of many shards opens quickly.
 The result is a per-chunk map of compressed bytes on the chunk (tile) grid, with -1 for empty
 chunks (index ``2^64-1``), and a table of shards with their index CRC status.
 
+A collection (``bioformats2raw.layout``) holds several images: :func:`list_images` names them and
+``inspect_array(path, image=...)`` inspects one (level 0, as for a single OME-Zarr image).
+
 The store is untrusted: metadata is read through :mod:`napari_tileshard.storage.safe_read`, shard keys
 are listed without following symlinks (entries pointing out of the store are noted, never read),
 and the map covers the chunk grid only as far as shards exist (up to :data:`MAX_MAP_CHUNKS`), so
@@ -21,8 +24,20 @@ import numpy as np
 
 from ..format import EMPTY
 from ..format.shard_spec import ShardSpec, UnsupportedArray
+from ..reader.collection import CollectionImage, images_of
 from ..reader.levels import open_level0
 from ..storage.safe_read import StoreAccess, UnsafeStoreError
+
+__all__ = [
+    "EMPTY_CHUNK",
+    "MAX_INDEX_BYTES",
+    "MAX_MAP_CHUNKS",
+    "ImageEntry",
+    "Inspection",
+    "ShardInfo",
+    "inspect_array",
+    "list_images",
+]
 
 EMPTY_CHUNK = -1
 #: the most chunks the per-chunk map holds (8 bytes each); beyond, it covers the first rows only
@@ -54,6 +69,9 @@ class Inspection:
     bytes_read: int = 0
     #: entries not read (symlinks out of the store, special files) and limits applied to the map
     notes: list[str] = field(default_factory=list)
+    #: where the inspected array sits in the store ("" for an array, "0" for an image's level 0,
+    #: "1/0" in a collection): ``f"{array_path}/{shard.key}"`` is the key verify reports
+    array_path: str = ""
 
     @property
     def covered_shape(self) -> tuple[int, ...]:
@@ -92,9 +110,57 @@ def _valid_bytes(shape, chunk_shape, coords, per_shard, present, result: Inspect
     return int(valid.reshape(-1)[present.reshape(-1)].sum())
 
 
-def inspect_array(path, previous: Inspection | None = None) -> Inspection:
+@dataclass(frozen=True)
+class ImageEntry:
+    """One image of a collection, as the inspector's picker lists it."""
+
+    name: str
+    path: str
+    #: why it cannot be inspected, or None
+    error: str | None = None
+
+    def __str__(self):
+        return f"{self.name} ({self.path}/)" + (f": {self.error}" if self.error else "")
+
+
+def list_images(path) -> list[ImageEntry]:
+    """The images of the collection at ``path`` (a path, URL or zarr Store), in its order; empty
+    for an array or a single OME-Zarr image (nothing to choose)."""
+    access = StoreAccess(path)
+    images = images_of(access, access.open_node(""))
+    return [ImageEntry(i.name, i.path, i.error) for i in images or ()]
+
+
+def _choose(images: list[CollectionImage], image: str | None, path) -> CollectionImage:
+    if not images:
+        raise ValueError(f"{path}: a collection without images")
+    if image is None:
+        chosen = next((i for i in images if i.ok), images[0])
+    else:
+        found = [i for i in images if image in (i.path, i.name)]
+        if not found:
+            listed = ", ".join(f"{i.name!r} ({i.path}/)" for i in images)
+            raise ValueError(f"{path}: no image {image!r} in this collection; its images are {listed}")
+        chosen = found[0]
+    if chosen.levels is None:
+        raise ValueError(f"{path}: image {chosen.name!r} ({chosen.path}/) cannot be opened: {chosen.error}")
+    return chosen
+
+
+def _level0(access: StoreAccess, image: str | None):
+    """Level 0 of the array, OME-Zarr image or collection image at ``access``'s root."""
+    images = images_of(access, access.open_node(""))
+    if images is not None:
+        return _choose(images, image, access.location).levels[0]  # type: ignore[index]
+    if image is not None:
+        raise ValueError(f"{access.location}: image={image!r} names an image of a collection, and this is none")
+    return open_level0(access)
+
+
+def inspect_array(path, previous: Inspection | None = None, image: str | None = None) -> Inspection:
     """Read every shard index of the sharded array at ``path`` (a path or zarr Store; level 0 of an
-    OME-Zarr group).
+    OME-Zarr group; level 0 of image ``image`` of a collection, by name or path, default its first:
+    :func:`list_images`).
 
     ``previous``: an earlier inspection of the same array (the inspector's live refresh of a
     growing recording).  A shard whose object has the same size as then is taken from it instead
@@ -103,7 +169,7 @@ def inspect_array(path, previous: Inspection | None = None) -> Inspection:
     else, and every shard when the array's geometry changed, is read as without ``previous``.
     """
     access = StoreAccess(path)
-    array = open_level0(access)
+    array = _level0(access, image)
     meta = array.metadata.to_dict()
     if not any(isinstance(c, dict) and c.get("name") == "sharding_indexed" for c in meta.get("codecs", [])):
         return _inspect_unsharded(access, array, meta)
@@ -124,7 +190,9 @@ def inspect_array(path, previous: Inspection | None = None) -> Inspection:
     in_c = spec.chunk_key_encoding == "default" and spec.separator == "/"
     shards, notes = _shard_keys(access, base, len(shape), "c" if in_c else "", spec.separator)
     chunk_bytes, note = _chunk_map(grid, per_shard, [coords for _, coords in shards], path)
-    result = Inspection(shape, shard_shape, chunk_shape, chunk_bytes, spec.chunk_bytes, notes=notes + note)
+    result = Inspection(
+        shape, shard_shape, chunk_shape, chunk_bytes, spec.chunk_bytes, notes=notes + note, array_path=prefix
+    )
     known = _reusable(previous, result)
     for key, coords in shards:
         try:
@@ -264,6 +332,7 @@ def _inspect_unsharded(access, array, meta) -> Inspection:
         chunk_bytes,
         math.prod(chunk_shape) * np.dtype(array.dtype).itemsize,
         notes=notes + note,
+        array_path=prefix,
     )
     for key, coords in objects:
         try:

@@ -47,6 +47,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -255,6 +256,7 @@ class TileShardSink:
             inner = {"t": 0}
             self._series_of = {(): 0}
             series_names = ["0"]
+            image_names: list[str | None] = [None]
         else:
             inner = {a: sizes[a] for a in axis_order if a not in SERIES_AXES and sizes.get(a, 0) > 0}
             self._series_axis_names = tuple(a for a in SERIES_AXES if sizes.get(a, 0) > 0)
@@ -262,6 +264,7 @@ class TileShardSink:
             keys = _series_keys(sequence, sizes, axis_order)
             self._series_of = {key: i for i, key in enumerate(keys)}
             series_names = [str(i) for i in range(len(keys))]
+            image_names = _image_names(sequence, keys, self._series_axis_names)
         self._inner_axes = tuple(inner)
         self.axes = (*inner, "y", "x")
         unknown = sorted((set(self.tile) | set(self.tiles_per_shard)) - set(self.axes))
@@ -277,11 +280,11 @@ class TileShardSink:
         self._open_root(series_names)
         omero = _omero(sequence, dtype, bit_depth)
         try:
-            for name in series_names:
+            for name, image_name in zip(series_names, image_names):
                 location = f"{self.path}/{name}"
                 writer = Writer(
                     self.store_for(location) if self.store_for else location,
-                    self._spec(layout, omero),
+                    self._spec(layout, omero, image_name or name),  # unnamed: the series path, read as none
                     self.options,
                     overwrite=self.overwrite,
                 )
@@ -303,13 +306,14 @@ class TileShardSink:
         if self.backend in ("gpu", "auto") and gpu_unavailable_reason() is None:
             Writer.warm_up(self._spec(layout, None), self.options)
 
-    def _spec(self, layout: Layout, omero) -> ArraySpec:
+    def _spec(self, layout: Layout, omero, image_name: str | None = None) -> ArraySpec:
         return ArraySpec.of(
             layout,
             self.codec,
             self.level,
             ome=self.ome,
             downsample=self.downsample,
+            image_name=image_name,
             ome_fields={"omero": omero} if (self.ome and omero) else None,
         )
 
@@ -655,11 +659,15 @@ class TileShardSink:
             root = None
         except Exception:
             root = None
-        if root is not None:
-            if not self.overwrite:
-                raise StoreExistsError(f"{self.path} already exists; pass overwrite=True to replace it")
-            if "tileshard_mmcore" not in root.attrs:
-                raise StoreExistsError(f"{self.path} exists and is not a TileShardSink recording: not overwritten")
+        # Only a recording of ours is replaced, and only that is offered for replacing: a folder
+        # with anything else in it is refused whatever ``overwrite`` says (overwrite could not help).
+        ours = root is not None and "tileshard_mmcore" in root.attrs
+        if not ours and (root is not None or _holds_anything(self.path)):
+            raise StoreExistsError(
+                f"{self.path} exists and is not a TileShardSink recording: choose another output (it is not replaced)"
+            )
+        if ours and not self.overwrite:
+            raise StoreExistsError(f"{self.path} already exists; pass overwrite=True to replace it")
         root = zarr.open_group(self.path, mode="a", zarr_format=3)
         root.attrs.put(
             {
@@ -736,6 +744,17 @@ class TileShardSink:
 _REASONS = ("skipped", "dropped", "missing")
 
 
+def _holds_anything(path: str) -> bool:
+    """A local directory at ``path`` with something in it (URLs: their root zarr.json tells)."""
+    if "://" in path and not path.startswith("file://"):
+        return False
+    local = Path(path.removeprefix("file://")).expanduser()
+    try:
+        return local.is_dir() and any(local.iterdir())
+    except OSError:
+        return False
+
+
 def _bit_depth(meta, dtype: np.dtype) -> int | None:
     """The camera's bit depth (a 12-bit camera fills uint16 frames up to 4095), when recorded."""
     try:
@@ -801,6 +820,22 @@ def _series_keys(sequence, sizes: dict[str, int], axis_order: tuple[str, ...]) -
     for event in sequence:
         seen.setdefault(tuple(event.index.get(a, 0) for a in present), None)
     return list(seen)
+
+
+def _image_names(sequence, keys: list[tuple], present: tuple[str, ...]) -> list[str | None]:
+    """Each series' image name from the stage positions' names (``A1``; ``A1 g2`` for a grid
+    position), None where the sequence names none; a name given twice gets the series number."""
+    positions = getattr(sequence, "stage_positions", ()) or ()
+    names: list[str | None] = []
+    for key in keys:
+        index = dict(zip(present, key))
+        p = index.get("p", 0)
+        name = getattr(positions[p], "name", None) if p < len(positions) else None
+        if name and "g" in index:
+            name = f"{name} g{index['g']}"
+        names.append(str(name) if name else None)
+    repeated = {n for n in names if n is not None and names.count(n) > 1}
+    return [f"{n} ({k})" if n in repeated else n for k, n in enumerate(names)]
 
 
 def _axis_description(axis: str, sequence) -> tuple[str | None, str | None, float]:

@@ -10,12 +10,21 @@ An array written by the Writer records in its attributes how many rows along dim
 on disk (``tileshard.rows_written``); a bounded array's shape is its declared size from the
 start, so after a crash the rows past ``rows_written`` would show as fill value: only the
 written rows are shown, and the layer metadata says so.
+
+A collection (``bioformats2raw.layout``: a :class:`MultiWriter` run, a :class:`TileShardSink` MDA,
+bioformats2raw's output) opens as one image layer per image, each read as the image alone would be,
+named after its stream or series, with its channel axis split into one layer per channel (named,
+coloured and windowed from ``omero``); nodes beside the images that are not images (the sink's
+``frame_metadata`` tables) are never shown.
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
+from ..format.ome import channel_axis, image_axes, omero_channels
+from ..reader.collection import CollectionImage, images_of
 from ..reader.levels import _levels
 from ..reader.settings import cache_bytes_setting, reader_setting
 from ..reader.shard_reader import ShardReader
@@ -164,6 +173,9 @@ def read_zarr(path):
 
     access = StoreAccess(path)
     root = access.open_node("")
+    images = images_of(access, root)
+    if images is not None:  # a collection: its images, never the tables beside them
+        return _read_collection(path, images)
     levels = _levels(access, root)
     if levels:  # OME-Zarr: one multiscale layer; napari reads only the level it displays
         check_displayable(levels[-1], path)
@@ -304,3 +316,114 @@ def _empty_like(array):
 
     # napari cannot show a zero-length axis: a single fill-value frame stands in until data arrives.
     return np.zeros((1,) + tuple(max(1, s) for s in array.shape[1:]), dtype=array.dtype)
+
+
+log = logging.getLogger(__name__)
+
+#: a channel axis longer than this stays an axis of one layer instead of becoming a layer per channel
+MAX_CHANNEL_LAYERS = 32
+
+
+def _read_collection(path, images: list[CollectionImage]) -> list:
+    """One layer per image of the collection at ``path`` (per channel where the image has a channel
+    axis), each read as :func:`read_zarr` reads the image alone."""
+    title = _store_title(path)
+    layers = []
+    for image in images:
+        if not image.ok:
+            log.warning("%s: image %r (%s/) not shown: %s", path, image.name, image.path, image.error)
+            continue
+        if image.named:
+            name = image.name
+        else:  # series without a name of their own: after the store (and the series when there are several)
+            name = title if len(images) == 1 else f"{title} {image.name}"
+        for data, meta, kind in read_zarr(_child(path, image.path)):
+            meta["name"] = name
+            meta["metadata"].update(collection=str(path), image=image.name, image_path=image.path)
+            layers.append((data, _split_channels(data, meta, image.attributes), kind))
+    return layers
+
+
+def _child(path, key: str):
+    return f"{str(path).rstrip('/')}/{key}" if _is_object_url(path) else Path(path) / key
+
+
+def _store_title(path) -> str:
+    """``run.ome.zarr`` -> ``run``: what a layer of an unnamed image is called."""
+    name = str(path).rstrip("/").rsplit("/", 1)[-1]
+    for suffix in (".zarr", ".ome"):
+        name = name.removesuffix(suffix)
+    return name or str(path)
+
+
+def _split_channels(data, meta: dict, attributes: dict) -> dict:
+    """``meta`` with napari's ``channel_axis`` when the image has a channel axis (OME ``type:
+    channel``): one layer per channel, named ``image: label`` from ``omero``, with its window
+    as contrast limits and its colour (unless every channel says the same colour, where napari's
+    own colours tell them apart).  Per-axis values lose the channel axis, given per channel."""
+    level0 = data[0] if meta.get("multiscale") else data
+    axes = image_axes(attributes)
+    if axes and len(axes) == level0.ndim and "axis_labels" not in meta:
+        meta["axis_labels"] = [axis["name"] for axis in axes]
+    axis = channel_axis(attributes)
+    if axis is None or axis >= level0.ndim or not 0 < level0.shape[axis] <= MAX_CHANNEL_LAYERS:
+        return meta
+    count = level0.shape[axis]
+    channels = omero_channels(attributes) or []
+    if len(channels) != count:
+        channels = [{}] * count
+    labels = [str(c.get("label") or f"channel {k}") for k, c in enumerate(channels)]
+    split = dict(meta, channel_axis=axis, name=[f"{meta['name']}: {label}" for label in labels])
+    for key in ("scale", "axis_labels", "units"):
+        if key in meta:
+            values = list(meta[key])
+            del values[axis]
+            split[key] = [values] * count
+    split["metadata"] = [dict(meta["metadata"], channel=label) for label in labels]
+    windows = [_window(c, level0.dtype) for c in channels]
+    if all(w is not None for w in windows):
+        split["contrast_limits"] = windows
+    colors = [color for color in map(_color, channels) if color is not None]
+    if len(colors) == count and (count == 1 or len(set(colors)) > 1):
+        split["colormap"] = [
+            {"name": f"omero #{color}", "colors": [[0.0, 0.0, 0.0, 1.0], [*_rgb(color), 1.0]]} for color in colors
+        ]
+    return split
+
+
+def _window(channel: dict, dtype) -> list[float] | None:
+    """The channel's display window, or None when it says nothing: missing, invalid, or the whole
+    range of an integer dtype (what a writer puts when it does not know the camera's bit depth;
+    napari's own contrast limits then show the data instead of a black image)."""
+    import math
+
+    import numpy as np
+
+    window = channel.get("window")
+    if not isinstance(window, dict):
+        return None
+    try:
+        start, end = float(window["start"]), float(window["end"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    if not (math.isfinite(start) and math.isfinite(end) and start < end):
+        return None
+    dtype = np.dtype(dtype)
+    if dtype.kind in "ui" and start <= np.iinfo(dtype).min and end >= np.iinfo(dtype).max:
+        return None
+    return [start, end]
+
+
+def _color(channel: dict) -> str | None:
+    color = channel.get("color")
+    if not isinstance(color, str) or len(color) != 6:
+        return None
+    try:
+        int(color, 16)
+    except ValueError:
+        return None
+    return color.upper()
+
+
+def _rgb(color: str) -> list[float]:
+    return [int(color[k : k + 2], 16) / 255 for k in (0, 2, 4)]

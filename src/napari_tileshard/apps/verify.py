@@ -18,13 +18,21 @@ no other; then each chunk decodes, with the codec's own bounded decoder, to exac
 
 The Writer's record in each array's attributes (``tileshard``: ``rows_written``, ``state``) is
 checked too: rows inside the published shape that were never written are a problem.
+
+A collection (``bioformats2raw.layout``: :class:`~napari_tileshard.engine.multi_writer.MultiWriter`,
+:class:`~napari_tileshard.apps.mmcore.TileShardSink`, bioformats2raw) is checked image by image,
+every level of each (:mod:`napari_tileshard.reader.collection` finds them); the report names each
+image with its counts.  Nodes beside the images that are not images (a sink's ``frame_metadata``
+table) are named in a note, not checked.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import crc32c
 import numpy as np
@@ -32,11 +40,22 @@ import numpy as np
 from ..format import EMPTY
 from ..format.codecs import CodecError
 from ..format.shard_spec import ShardIndexError, ShardSpec, UnsupportedArray
+from ..reader.collection import CollectionImage, images_of, non_image_nodes
 from ..reader.levels import _levels
 from ..reader.plan import DEFAULT_GAP_BYTES, pack_runs
 from ..reader.settings import reader_setting, workers_setting
 from ..storage.safe_read import StoreAccess, UnsafeStoreError, recording_state
 from ..storage.sinks import check_store_path
+
+__all__ = [
+    "MAX_DECODED_TILE_BYTES",
+    "VERIFY_READ_BYTES",
+    "ImageReport",
+    "Problem",
+    "VerifyReport",
+    "missing_store",
+    "verify",
+]
 
 #: the largest tile verify decompresses to check it (a declared tile beyond it is reported)
 MAX_DECODED_TILE_BYTES = 1 << 28
@@ -56,6 +75,29 @@ class Problem:
         return f"{where}: {self.message}"
 
 
+def _plural(count: int, word: str) -> str:
+    return f"{count} {word}{'s' * (count != 1)}"
+
+
+@dataclass
+class ImageReport:
+    """What was checked of one image of a collection (its problems are in the report's list, under
+    keys that start with ``path/``)."""
+
+    name: str
+    path: str
+    levels: int = 0
+    shards: int = 0
+    chunks: int = 0
+    problems: int = 0
+
+    def __str__(self):
+        return (
+            f"image {self.name!r} ({self.path}/): {_plural(self.levels, 'level')}, {_plural(self.shards, 'shard')}, "
+            f"{_plural(self.chunks, 'chunk')}, {_plural(self.problems, 'problem')}"
+        )
+
+
 @dataclass
 class VerifyReport:
     path: str
@@ -66,6 +108,8 @@ class VerifyReport:
     unpublished: list[str] = field(default_factory=list)
     #: information that is not a problem, e.g. a recording still in progress
     notes: list[str] = field(default_factory=list)
+    #: a collection's images, each with its counts (empty for an array or a single OME-Zarr image)
+    images: list[ImageReport] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -78,39 +122,100 @@ class VerifyReport:
 
     def __str__(self):
         count = len(self.problems)
-        head = f"{self.path}: {self.shards} shards, {self.chunks} chunks checked, {count} problem{'s' * (count != 1)}"
+        what = f"a collection of {_plural(len(self.images), 'image')}, " if self.images else ""
+        head = f"{self.path}: {what}{self.shards} shards, {self.chunks} chunks checked, {_plural(count, 'problem')}"
         if self.unpublished:
             head += f" ({len(self.unpublished)} shards past shape[0] ignored: written after the last published epoch)"
-        return "\n".join([head] + [f"  {p}" for p in self.problems] + [f"  note: {n}" for n in self.notes])
+        lines = [head] + [f"  {image}" for image in self.images] + [f"  {p}" for p in self.problems]
+        return "\n".join(lines + [f"  note: {n}" for n in self.notes])
 
 
 def verify(path, progress=None) -> VerifyReport:
-    """Check every shard of the array at ``path`` (a path or zarr Store), or of every level of an
-    OME-Zarr group; ``progress(done, total)``."""
+    """Check every shard of the array at ``path`` (a path, URL or zarr Store), of every level of an
+    OME-Zarr image, or of every level of every image of a collection; ``progress(done, total)``."""
     import zarr
 
     check_store_path(path)  # an argument error, not a finding: "" would check the current directory
     report = VerifyReport(str(path))
+    missing = missing_store(path)
+    if missing:
+        report.problems.append(Problem("zarr.json", None, missing))
+        return report
     try:
         access = StoreAccess(path)
         node = access.open_node("")
-        levels = _levels(access, node)
-        if levels is None and not isinstance(node, zarr.Array):
-            raise ValueError("a group without OME-Zarr multiscales")
-        arrays = [(f"{k}/", level) for k, level in enumerate(levels)] if levels is not None else [("", node)]
+        images = images_of(access, node)
+        if images is None:
+            levels = _levels(access, node)
+            if levels is None and not isinstance(node, zarr.Array):
+                raise ValueError("a group without OME-Zarr multiscales")
     except Exception as exc:  # noqa: BLE001 - every failure to open is a finding
-        report.problems.append(Problem("zarr.json", None, f"cannot open as a Zarr v3 array or OME-Zarr group: {exc}"))
+        report.problems.append(
+            Problem("zarr.json", None, f"cannot open as a Zarr v3 array, OME-Zarr image or collection: {exc}")
+        )
         return report
-    done_before = 0  # shards of earlier levels, so progress keeps counting up across levels
-    for label, array in arrays:
-
-        def level_progress(done, total, base=done_before):
-            if progress:
-                progress(base + done, base + total)
-
-        _verify_array(report, access, array, label, level_progress)
-        done_before = report.shards + len(report.unpublished)
+    counter = _Progress(report, progress)
+    if images is None:
+        for array in levels if levels is not None else [node]:
+            _verify_array(report, access, array, _label(array), counter.array())
+        return report
+    if not images:
+        report.problems.append(Problem("zarr.json", None, "a collection without images"))
+    for image in images:
+        _verify_image(report, access, image, counter)
+    others = non_image_nodes(access, images)
+    if others:
+        report.notes.append(f"not images, not checked: {', '.join(others)}")
     return report
+
+
+def missing_store(path) -> str | None:
+    """``"nope.zarr does not exist"`` when ``path`` is a local path (or file:// URL) with nothing
+    there, else None (object stores and zarr Stores answer through their ``zarr.json``)."""
+    if not isinstance(path, (str, os.PathLike)):
+        return None
+    text = str(os.fspath(path))
+    if "://" in text and not text.startswith("file://"):
+        return None
+    if os.path.lexists(Path(text.removeprefix("file://")).expanduser()):
+        return None
+    return f"{path} does not exist"
+
+
+def _label(array) -> str:
+    """Where ``array``'s keys sit in the store (``0/`` for level 0 of an image, ``1/0/`` in a
+    collection), so the report names keys from the store's root."""
+    prefix = array.store_path.path
+    return f"{prefix}/" if prefix else ""
+
+
+class _Progress:
+    """Shards done across all arrays checked, so progress keeps counting up from array to array."""
+
+    def __init__(self, report: VerifyReport, progress):
+        self.report, self.progress = report, progress
+
+    def array(self):
+        """The progress callback of the next array: its shards counted after those checked before it."""
+        base = self.report.shards + len(self.report.unpublished)
+
+        def report_progress(done, total) -> None:
+            if self.progress:
+                self.progress(base + done, base + total)
+
+        return report_progress
+
+
+def _verify_image(report: VerifyReport, access, image: CollectionImage, counter: _Progress) -> None:
+    before = (report.shards, report.chunks, len(report.problems))
+    entry = ImageReport(image.name, image.path, levels=len(image.levels or ()))
+    if image.levels is None:
+        report.problems.append(Problem(f"{image.path}/zarr.json", None, f"image {image.name!r}: {image.error}"))
+    for array in image.levels or ():
+        _verify_array(report, access, array, _label(array), counter.array())
+    entry.shards, entry.chunks = report.shards - before[0], report.chunks - before[1]
+    entry.problems = len(report.problems) - before[2]
+    report.images.append(entry)
 
 
 def _verify_array(report: VerifyReport, access, array, label: str, progress) -> None:

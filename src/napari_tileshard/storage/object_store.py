@@ -485,9 +485,13 @@ class ObjectStoreSink(Sink):
             ) from exc
         if not keys:
             return
-        if not overwrite:
-            raise StoreExistsError(f"{self.url!r} already holds {len(keys)} objects; {_OVERWRITE_HINT} to replace them")
         plan = _recognise(_KeyTree(keys, self._read_capped))
+        if not overwrite:  # the hint to overwrite only where an overwrite would go ahead
+            if plan.reasons() is None:
+                raise StoreExistsError(
+                    f"{self.url!r} already holds {len(keys)} objects; {_OVERWRITE_HINT} to replace them"
+                )
+            raise StoreExistsError(plan.exists_message(self.url))
         refusal = plan.refusal(self.url)
         if refusal:
             raise StoreExistsError(refusal)

@@ -108,14 +108,32 @@ class _Plan:
         self.foreign: list[str] = []
         self.problems: list[str] = []
 
-    def refusal(self, location: str) -> str | None:
+    def reasons(self) -> str | None:
+        """Why an overwrite is refused (``it holds 'thesis.tex' which this recorder did not
+        write``), or None when it may go ahead."""
         parts = list(self.problems)
         if self.foreign:
             names = ", ".join(repr(n) for n in self.foreign[:5])
             if len(self.foreign) > 5:
                 names += f" and {len(self.foreign) - 5} more"
             parts.append(f"it holds {names} which this recorder did not write")
-        return f"refusing to overwrite {location!r}: " + "; ".join(parts) if parts else None
+        return "; ".join(parts) if parts else None
+
+    def refusal(self, location: str) -> str | None:
+        reasons = self.reasons()
+        return f"refusing to overwrite {location!r}: {reasons}" if reasons else None
+
+    def exists_message(self, location: str) -> str:
+        """What to say when ``location`` exists, is not empty and overwrite was not asked for:
+        the overwrite hint only where an overwrite would go ahead, never for a store it refuses
+        (a folder with someone's thesis in it)."""
+        reasons = self.reasons()
+        if reasons is None:
+            return f"output {location!r} already exists and is not empty; {OVERWRITE_HINT} to replace it"
+        return (
+            f"output {location!r} already exists and is not a store this recorder may replace: {reasons}; "
+            "choose another output"
+        )
 
 
 def _join(rel: str, name: str) -> str:

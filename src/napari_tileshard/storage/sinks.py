@@ -32,7 +32,6 @@ from .locks import LockFile
 from .overwrite import (
     LOCK_NAME,
     METADATA_CAP,
-    OVERWRITE_HINT,
     KeyTree,
     LocalTree,
     Unreadable,
@@ -254,11 +253,9 @@ class DirectorySink(Sink):
             return
         if not locked and LOCK_NAME in names:
             self._lock.check_holder()  # a live writer's lock: refused before anything else
-        if not overwrite:
-            raise StoreExistsError(
-                f"output {self.location!r} already exists and is not empty; {OVERWRITE_HINT} to replace it"
-            )
         plan = recognise(LocalTree(self.root))
+        if not overwrite:  # the hint to overwrite only where an overwrite would go ahead
+            raise StoreExistsError(plan.exists_message(self.location))
         refusal = plan.refusal(self.location)
         if refusal:
             raise StoreExistsError(refusal)
@@ -400,9 +397,9 @@ class ZarrStoreSink(Sink):
         keys = self._sync(collect())
         if not keys:
             return
-        if not overwrite:
-            raise StoreExistsError(f"store {store!r} is not empty; {OVERWRITE_HINT} to replace it")
         plan = recognise(KeyTree(keys, self.read_capped))
+        if not overwrite:
+            raise StoreExistsError(plan.exists_message(f"store {store!r}"))
         refusal = plan.refusal(self.location)
         if refusal:
             raise StoreExistsError(refusal)
