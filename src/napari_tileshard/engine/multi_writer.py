@@ -32,7 +32,7 @@ from pathlib import Path
 from ..format.array_spec import ARRAY_KEYWORDS, ArraySpec
 from ..format.layout import Layout
 from ..format.metadata import metadata_bytes
-from ..format.ome import COLLECTION_KEY, COLLECTION_LAYOUT, is_collection
+from ..format.ome import COLLECTION_KEY, COLLECTION_LAYOUT, stream_paths
 from ..storage.sinks import Sink, check_key
 from ..storage.urls import open_sink
 from .backends import gpu_unavailable_reason, resolve_devices
@@ -243,8 +243,7 @@ def collection_streams(path) -> dict[str, str]:
         meta = json.loads((Path(path) / "zarr.json").read_text())
     except (OSError, ValueError):
         return {}
-    attributes = meta.get("attributes") or {}
-    return dict(attributes[COLLECTION_KEY]["streams"]) if is_collection(attributes) else {}
+    return stream_paths(meta.get("attributes") or {}) or {}
 
 
-__all__ = ["MultiWriter", "collection_streams", "is_collection", "stream_devices"]
+__all__ = ["MultiWriter", "PrefixedSink", "collection_streams", "stream_devices"]
