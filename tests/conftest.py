@@ -9,6 +9,30 @@ from s3_server import s3, s3_server  # noqa: F401  (fixtures: a moto S3 server, 
 from napari_tileshard.engine.backends import gpu_unavailable_reason
 
 
+def _qt_binding_reason() -> str | None:
+    """None when a Qt binding imports here, else why not (the test extra alone brings none)."""
+    try:
+        import qtpy  # noqa: F401
+    except Exception as exc:  # qtpy raises its own error when it finds no binding
+        return f"no Qt binding ({type(exc).__name__}: {exc}); install the napari extra"
+    return None
+
+
+QT_UNAVAILABLE = _qt_binding_reason()
+# pytest-qt refuses to start without a binding (a UsageError for the whole run): it is loaded here,
+# only where it can work (pyproject's addopts keep it from loading itself), and Qt tests skip otherwise.
+pytest_plugins = [] if QT_UNAVAILABLE else ["pytestqt.plugin"]
+_QT_FIXTURES = {"qtbot", "qapp", "make_napari_viewer", "make_napari_viewer_proxy"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if _QT_FIXTURES & set(getattr(item, "fixturenames", ())) and "qt" not in item.keywords:
+            item.add_marker(pytest.mark.qt)
+        if QT_UNAVAILABLE and "qt" in item.keywords:
+            item.add_marker(pytest.mark.skip(reason=f"a Qt test: {QT_UNAVAILABLE}"))
+
+
 def _gpu_param():
     return pytest.param("gpu", marks=pytest.mark.gpu, id="gpu")
 

@@ -131,7 +131,7 @@ def test_the_napari_reader_opens_each_stream_as_an_image_layer(multi):
 
 
 def test_the_napari_reader_splits_an_mda_into_channels_and_never_shows_the_table(mda):
-    from napari.components import ViewerModel
+    ViewerModel = pytest.importorskip("napari.components", reason="the napari extra is not installed").ViewerModel
 
     layers = napari_get_reader(str(mda))(str(mda))
     assert len(layers) == 2 and all(kind == "image" for _, _, kind in layers)
