@@ -16,12 +16,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-from qtpy.QtCore import QEvent, QTimer
+from qtpy.QtCore import QEvent, Qt, QTimer
 from qtpy.QtWidgets import (
+    QAbstractItemView,
     QCheckBox,
     QComboBox,
     QFileDialog,
     QHBoxLayout,
+    QHeaderView,
     QLabel,
     QPushButton,
     QSizePolicy,
@@ -38,7 +40,16 @@ from ..apps.verify import verify
 
 __all__ = ["InspectorWidget", "grid_rectangles"]
 
-_COLUMNS = ("shard", "file bytes", "chunks", "mean ratio", "index CRC", "chunk check")
+#: the shard table's headers, short so that it fits a dock; their meaning in :data:`_COLUMN_TIPS`
+_COLUMNS = ("shard", "bytes", "chunks", "ratio", "CRC", "check")
+_COLUMN_TIPS = (
+    "the shard's key (its file) in the store",
+    "the shard file's size in bytes",
+    "chunks present / chunks the shard can hold",
+    "mean compression ratio of the shard's chunks (their padding left out)",
+    "whether the shard index's CRC32C matches",
+    "Check chunks: every chunk decoded (- until run)",
+)
 #: planes of the chunk map larger than this (pixels) are shown as a multiscale layer
 _MAX_MAP_PLANE = 4096 * 4096
 
@@ -78,6 +89,7 @@ class InspectorWidget(QWidget):
         self.path: str | None = None
         self._layers: dict = {}
         self._refreshing = None  # the background refresh worker, while one runs
+        self._full_refresh_pending = False  # Refresh pressed while a (live) refresh ran: run it after
         self._watched_window = None  # the main window whose closing stops the live refresh
         self._closing = False
         self._grids: dict = {}  # grid layer key -> (plane, cell, name) it shows
@@ -137,7 +149,18 @@ class InspectorWidget(QWidget):
         self.summary.setWordWrap(True)
         layout.addWidget(self.summary)
         self.table = QTableWidget(0, len(_COLUMNS))
-        self.table.setHorizontalHeaderLabels(_COLUMNS)
+        for col, (title, tip) in enumerate(zip(_COLUMNS, _COLUMN_TIPS)):
+            item = QTableWidgetItem(title)
+            item.setToolTip(tip)
+            self.table.setHorizontalHeaderItem(col, item)
+        header, rows = self.table.horizontalHeader(), self.table.verticalHeader()
+        if header is not None and rows is not None:  # as wide as the dock: no scrolling sideways
+            header.setSectionResizeMode(QHeaderView.ResizeMode.Stretch)
+            header.setMinimumSectionSize(24)
+            rows.setVisible(False)
+        self.table.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
+        self.table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
         self.table.itemSelectionChanged.connect(self._on_select)
         layout.addWidget(self.table)
 
@@ -167,13 +190,18 @@ class InspectorWidget(QWidget):
 
     def refresh(self, incremental: bool = False) -> None:
         """Re-read the indexes in the background (a recording in progress adds shards): reading
-        thousands of indexes takes seconds, which the GUI thread must not wait for.  A refresh
-        while one is running is skipped; the result is shown when it arrives.
+        thousands of indexes takes seconds, which the GUI thread must not wait for.  A live
+        (incremental) refresh while one is running is skipped; a full one runs when it is done.
+        The result is shown when it arrives.
 
         ``incremental`` (the live mode): shards whose size is unchanged since the inspection shown
         are taken from it, so a growing recording costs only its new shards' indexes.  The Refresh
         button reads every index."""
-        if not self.path or self._refreshing is not None or self._closing:
+        if not self.path or self._closing:
+            return
+        if self._refreshing is not None:
+            # A live tick may be skipped; a full refresh asked for is run once this one is done.
+            self._full_refresh_pending = self._full_refresh_pending or not incremental
             return
         from napari.qt.threading import create_worker
 
@@ -199,6 +227,9 @@ class InspectorWidget(QWidget):
 
     def _refresh_done(self) -> None:
         self._refreshing = None
+        if self._full_refresh_pending and not self._closing:
+            self._full_refresh_pending = False
+            self.refresh()
 
     # -- shutdown -------------------------------------------------------------------
     def shutdown(self, timeout_s: float = 30.0) -> None:
@@ -291,9 +322,8 @@ class InspectorWidget(QWidget):
         empty = int((result.chunk_bytes == EMPTY_CHUNK).sum())
         bad = sum(not s.crc_ok for s in result.shards)
         self.summary.setText(
-            f"{len(result.shards)} shards, {result.chunk_bytes.size - empty} chunks present, "
-            f"{empty} empty (transparent in the map), {bad} index CRC mismatches; "
-            f"read {result.bytes_read} index bytes"
+            f"{len(result.shards)} shards · {result.chunk_bytes.size - empty} chunks, {empty} empty (transparent "
+            f"in the map) · {bad} index CRC mismatches · {result.bytes_read} index bytes read"
         )
 
     def _show_ratio(self, result: Inspection, name: str) -> None:

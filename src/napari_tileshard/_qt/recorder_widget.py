@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from qtpy.QtCore import QEvent, QTimer, Signal
-from qtpy.QtWidgets import QHBoxLayout, QLabel, QPushButton, QVBoxLayout, QWidget
+from qtpy.QtWidgets import QHBoxLayout, QLabel, QPushButton, QSizePolicy, QVBoxLayout, QWidget
 
 from ..apps.mmcore import MMCORE_SOURCE, MDARecorder
 from ..apps.recorder import RecorderSettings, RecorderStats, recent_recordings
@@ -65,6 +65,9 @@ class RecorderWidget(QWidget):
         self.stats_label.setWordWrap(True)
         layout.addWidget(self.stats_label)
         layout.addStretch(1)
+        # No taller than its contents: in a dock area shared with the inspector, the space left
+        # goes to the inspector's shard table rather than to blank space under the statistics.
+        self.setSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Maximum)
 
         self.form.validated.connect(self.start_button.setEnabled)
         self.form.validated.connect(self._warm_gpu)
@@ -213,23 +216,23 @@ class RecorderWidget(QWidget):
             message = f"recording stopped: {stats.error} ({kept})"
             self.form.show_error(message)
         else:
-            message = self._summary(stats, recorded)
-            self.form.show_info(message)
+            # Names in the dock (the output field shows the next path), full paths in the tooltip
+            # and in the notification.
+            full = self._summary(stats, recorded, self.form.output_text)
+            self.form.show_info(self._summary(stats, Path(recorded).name, Path(self.form.output_text).name), full)
             if not self.isVisible():  # the dock was closed: the message has nowhere else to go
                 from napari.utils.notifications import show_info
 
-                show_info(message)
+                show_info(full)
 
-    def _summary(self, stats: RecorderStats, recorded: str) -> str:
+    def _summary(self, stats: RecorderStats, recorded: str, following: str) -> str:
         """What a recording that ended without an error did, in a sentence."""
         if stats.discarded:
             live = [source.name for source in self.controller.layer_sources if not source.is_stack]
-            why = f": layer {live[0]!r} did not change meanwhile" if len(live) == 1 else ""
-            return f"nothing was recorded{why}; the empty store {recorded} was removed"
+            why = f" (layer {live[0]!r} did not change)" if len(live) == 1 else ""
+            return f"nothing was recorded{why}: the empty store {recorded} was removed"
         how = f"{stats.ended}: " if stats.ended else ""
-        return (
-            f"{how}recorded {stats.frames} frames into {recorded}; the next recording goes to {self.form.output_text}"
-        )
+        return f"{how}recorded {stats.frames} frames into {recorded}; the next goes to {following}"
 
     def _warm_gpu(self, ok: bool) -> None:
         """With the GPU chosen (or auto on a machine with one), arm and release a recording of the

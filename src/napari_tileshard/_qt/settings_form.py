@@ -71,7 +71,7 @@ class SettingsForm(QWidget):
         self.viewer = viewer
         self._frozen = False
         self._watched_layer = None  # the source layer whose data changes re-adapt the table
-        self._note = ""  # what the last recording did: shown until the next Start (see show_info)
+        self._note = self._note_detail = ""  # what the last recording did: shown until the next Start (show_info)
         self._gpu_reason = gpu_unavailable_reason()
         #: why the GPU backend can't run here (None: it can)
         self.gpu_reason = self._gpu_reason
@@ -85,7 +85,7 @@ class SettingsForm(QWidget):
         layout.setContentsMargins(0, 0, 0, 0)
         layout.setSpacing(4)
         heading = QHBoxLayout()
-        heading.addWidget(QLabel("Dimensions, slowest first"), 1)
+        heading.addWidget(QLabel("Dimensions, slowest first (size 0: unbounded)"), 1)
         add, remove = QToolButton(), QToolButton()
         add.setText("+ dim")
         add.setToolTip("add a dimension in front (slowest)")
@@ -120,6 +120,7 @@ class SettingsForm(QWidget):
         self.message = QLabel()
         self.message.setWordWrap(True)
         self.message.setStyleSheet(ERROR_STYLE)
+        self.message.setVisible(False)  # no empty line's height while there is nothing to say
         layout.addWidget(self.message)
 
     def _fit_table(self) -> None:
@@ -186,15 +187,22 @@ class SettingsForm(QWidget):
         # magicgui's own Container would size each label to its text; QFormLayouts align them.
         main = QFormLayout()
         main.setContentsMargins(0, 0, 0, 0)
-        rows: tuple[tuple[str, Widget], ...] = (("source", self.source), ("output", self.output), ("", self.overwrite))
+        rows: tuple[tuple[str, Widget], ...] = (("source", self.source), ("output", self.output))
         for label, field in rows:
             main.addRow(label, field.native)
         layout.addLayout(main)
 
-        self.advanced = QCollapsible("Camera, compression and backend")
+        # One section, closed at first: a dock with the inspector below it keeps every row of the
+        # table in napari's default window only with these out of the way.
+        self.advanced = QCollapsible("More: camera, compression, backend, cameras", expandedIcon="▾", collapsedIcon="▸")
+        self.advanced.setDuration(0)  # opens at once: no animation to wait for in a busy GUI
+        section_layout = self.advanced.layout()
+        if section_layout is not None:
+            section_layout.setContentsMargins(0, 0, 0, 0)
         advanced = QFormLayout()
         advanced.setContentsMargins(0, 0, 0, 0)
         rows = (
+            ("", self.overwrite),
             ("dtype", self.dtype),
             ("camera fps", self.fps),
             ("codec", self.codec),
@@ -202,24 +210,19 @@ class SettingsForm(QWidget):
             ("backend", self.backend),
             ("queue full", self.policy),
             ("format", pyramid),
+            ("also record", self.more_sources),
         )
         for label, field in rows:
             advanced.addRow(label, field.native)
+        self.advanced.addWidget(_holding(advanced))
+        layout.addWidget(self.advanced)
+        # What the settings imply, shown with them; outside the section, whose height is fixed when
+        # it opens (a wrapped label's height changes with its text, and this text with every edit).
         self.figures = QLabel()
         self.figures.setWordWrap(True)
-        advanced.addRow(self.figures)
-        self.advanced.addWidget(_holding(advanced))
-        self.more = QCollapsible("Also record (more cameras)")
-        more = QFormLayout()
-        more.setContentsMargins(0, 0, 0, 0)
-        more.addRow(self.more_sources.native)
-        self.more.addWidget(_holding(more))
-        for section in (self.advanced, self.more):
-            section.setDuration(0)  # opens at once: no animation to wait for in a busy GUI
-            section_layout = section.layout()
-            if section_layout is not None:
-                section_layout.setContentsMargins(0, 0, 0, 0)
-            layout.addWidget(section)
+        self.figures.setVisible(False)
+        self.advanced.toggled.connect(self.figures.setVisible)
+        layout.addWidget(self.figures)
         self._apply_level_range()
         self.source.changed.connect(self._source_changed)
         self.more_sources.changed.connect(self.validate)
@@ -287,6 +290,8 @@ class SettingsForm(QWidget):
         if mmcore_available():  # napari-micromanager's MDAs (or any on the core) are recorded
             names.append(MMCORE_SOURCE)
         with self.source.changed.blocked():
+            if tuple(self.source.choices) != tuple(names):
+                self.source.choices = ()  # magicgui keeps the order of choices it has: layers before MDAs
             self.source.choices = names
             self.source.value = current if current in names else SYNTHETIC
         self._refresh_more_sources()
@@ -440,13 +445,11 @@ class SettingsForm(QWidget):
             if settings.backend == "gpu" and self._gpu_reason:
                 raise RuntimeError(f"GPU backend unavailable: {self._gpu_reason}")
         except (ValueError, TypeError, OSError, RuntimeError) as exc:
-            self.message.setStyleSheet(ERROR_STYLE)
-            self.message.setText(str(exc))
+            self._say(str(exc), ERROR_STYLE)
             self.figures.setText("")
             self.validated.emit(False)
             return False
-        self.message.setStyleSheet(INFO_STYLE)
-        self.message.setText(self._note)
+        self._say(self._note, INFO_STYLE, self._note_detail)
         self.figures.setText(figures(settings))
         self.validated.emit(True)
         return True
@@ -454,22 +457,27 @@ class SettingsForm(QWidget):
     def show_error(self, text: str) -> None:
         from napari.utils.notifications import show_error
 
-        self.message.setStyleSheet(ERROR_STYLE)
-        self.message.setText(text)
+        self._say(text, ERROR_STYLE)
         show_error(text)
 
-    def show_info(self, text: str) -> None:
-        """A message that is not an error (what the last recording did, where the next one goes):
-        it stays while the form changes (a layer added, a field edited) until :meth:`clear_info`
-        (the next Start); an error in the settings shows instead meanwhile."""
-        self._note = text
-        self.message.setStyleSheet(INFO_STYLE)
-        self.message.setText(text)
+    def show_info(self, text: str, detail: str = "") -> None:
+        """A message that is not an error (what the last recording did, where the next one goes),
+        ``detail`` its tooltip (full paths, say): it stays while the form changes (a layer added, a
+        field edited) until :meth:`clear_info` (the next Start); an error in the settings shows
+        instead meanwhile."""
+        self._note, self._note_detail = text, detail
+        self._say(text, INFO_STYLE, detail)
 
     def clear_info(self) -> None:
-        self._note = ""
+        self._note = self._note_detail = ""
         if self.message.styleSheet() == INFO_STYLE:
-            self.message.setText("")
+            self._say("", INFO_STYLE)
+
+    def _say(self, text: str, style: str, detail: str = "") -> None:
+        self.message.setStyleSheet(style)
+        self.message.setText(text)
+        self.message.setToolTip(detail)
+        self.message.setVisible(bool(text))
 
 
 def _header(header: QHeaderView | None) -> QHeaderView:

@@ -330,8 +330,8 @@ class LayerSource:
         if idle < WAIT_HINT_S:
             return None
         return (
-            f"waiting for layer {self.name!r} to change (nothing for {idle:.0f} s): each new image set on it, "
-            "or each refresh() after changing it in place, records one frame"
+            f"waiting for layer {self.name!r} to change (nothing for {idle:.0f} s): a new image set on it, "
+            "or refresh() after changing it in place, records a frame"
         )
 
 
