@@ -109,7 +109,7 @@ class InspectorWidget(QWidget):
         self.path_edit = self.path_box.lineEdit()
         self.path_edit.setPlaceholderText("path of a Zarr v3 array")
         self.path_edit.returnPressed.connect(lambda: self.open(self.path_edit.text()))
-        self.path_box.activated.connect(lambda _: self.open(self.path_box.currentText()))
+        self.path_box.activated.connect(lambda index: self.open(self.path_box.itemText(index)))
         recent = next(iter(recent_recordings), None)
         if recent:
             self.path_edit.setText(recent)  # from the menu after a recording: that one, one click away

@@ -44,6 +44,7 @@ class RecorderWidget(QWidget):
         self.controller = RecordingController(self)
         self.preview = PreviewLayer(napari_viewer, self)
         self._last_output: str | None = None  # the store of the last recording (Inspect opens it)
+        self._dock_closed = False  # closed mid-recording: its end is told by a notification
 
         layout = QVBoxLayout(self)
         layout.setContentsMargins(6, 4, 6, 4)
@@ -220,7 +221,7 @@ class RecorderWidget(QWidget):
             # and in the notification.
             full = self._summary(stats, recorded, self.form.output_text)
             self.form.show_info(self._summary(stats, Path(recorded).name, Path(self.form.output_text).name), full)
-            if not self.isVisible():  # the dock was closed: the message has nowhere else to go
+            if self._dock_closed:  # the message has nowhere else to go
                 from napari.utils.notifications import show_info
 
                 show_info(full)
@@ -291,6 +292,7 @@ class RecorderWidget(QWidget):
         super().showEvent(event)
 
     def closeEvent(self, event):
+        self._dock_closed = self.is_recording
         self.stop(wait=True)
         super().closeEvent(event)
 
@@ -299,5 +301,6 @@ class RecorderWidget(QWidget):
         # (setParent(None)) and deletes the dock: no closeEvent reaches us.  A recording left
         # running without a UI to stop it would fill the disk: finish it.
         if event.type() == QEvent.Type.ParentChange and self.parent() is None:
+            self._dock_closed = self.is_recording
             self.stop(wait=True)
         return super().event(event)

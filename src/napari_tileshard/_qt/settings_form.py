@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from qtpy.QtCore import Qt, Signal
+from qtpy.QtCore import QEvent, Qt, Signal
 from qtpy.QtGui import QStandardItemModel
 from qtpy.QtWidgets import (
     QAbstractItemView,
@@ -113,6 +113,9 @@ class SettingsForm(QWidget):
         for row in DEFAULT_DIMS:
             self._append_row(row)
         table.itemChanged.connect(self.validate)
+        # napari's theme restyles the table once docked: fit it again then
+        table.installEventFilter(self)
+        columns.installEventFilter(self)
         layout.addWidget(table)
 
         self._build_fields(layout)
@@ -126,9 +129,15 @@ class SettingsForm(QWidget):
     def _fit_table(self) -> None:
         """The table's height: its header and every row (the dock gives it no less)."""
         table = self.table
+        _header(table.verticalHeader()).setDefaultSectionSize(table.fontMetrics().height() + 8)
         rows = sum(table.rowHeight(row) for row in range(table.rowCount()))
         header = _header(table.horizontalHeader()).sizeHint().height()
         table.setFixedHeight(header + rows + 2 * table.frameWidth())
+
+    def eventFilter(self, watched, event) -> bool:
+        if event is not None and event.type() in _RESTYLED:
+            self._fit_table()
+        return False
 
     def _build_fields(self, layout: QVBoxLayout) -> None:
         """The settings other than the dimension table, as magicgui widgets (napari's own widget
@@ -478,6 +487,10 @@ class SettingsForm(QWidget):
         self.message.setText(text)
         self.message.setToolTip(detail)
         self.message.setVisible(bool(text))
+
+
+#: events after which the table's font, header or frame may have changed size
+_RESTYLED = (QEvent.Type.StyleChange, QEvent.Type.FontChange, QEvent.Type.Show, QEvent.Type.Polish)
 
 
 def _header(header: QHeaderView | None) -> QHeaderView:
