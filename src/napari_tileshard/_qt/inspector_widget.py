@@ -24,7 +24,6 @@ from qtpy.QtWidgets import (
     QFileDialog,
     QHBoxLayout,
     QHeaderView,
-    QLabel,
     QPushButton,
     QSizePolicy,
     QTableWidget,
@@ -37,6 +36,7 @@ from ..apps.inspect_shards import EMPTY_CHUNK, Inspection, PixelMap, inspect_arr
 from ..apps.recorder import recent_recordings
 from ..apps.recorder_form import OWN_LAYER_KEY
 from ..apps.verify import verify
+from .labels import WrappedLabel
 
 __all__ = ["InspectorWidget", "grid_rectangles"]
 
@@ -145,8 +145,7 @@ class InspectorWidget(QWidget):
         toggles.addWidget(self.check_button)
         layout.addLayout(toggles)
         self.check_report = None
-        self.summary = QLabel()
-        self.summary.setWordWrap(True)
+        self.summary = WrappedLabel()
         layout.addWidget(self.summary)
         self.table = QTableWidget(0, len(_COLUMNS))
         for col, (title, tip) in enumerate(zip(_COLUMNS, _COLUMN_TIPS)):

@@ -14,13 +14,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from qtpy.QtCore import QEvent, QTimer, Signal
-from qtpy.QtWidgets import QHBoxLayout, QLabel, QPushButton, QSizePolicy, QVBoxLayout, QWidget
+from qtpy.QtWidgets import QHBoxLayout, QPushButton, QSizePolicy, QVBoxLayout, QWidget
 
 from ..apps.mmcore import MMCORE_SOURCE, MDARecorder
 from ..apps.recorder import RecorderSettings, RecorderStats, recent_recordings
 from ..apps.recorder_form import next_output
 from ..engine.writer import Writer
 from .inspector_widget import InspectorWidget
+from .labels import WrappedLabel
 from .preview_layer import PreviewLayer
 from .recording_controller import RecordingController
 from .settings_form import SettingsForm
@@ -62,8 +63,7 @@ class RecorderWidget(QWidget):
         controls.addWidget(self.stop_button)
         controls.addWidget(self.inspect_button)
         layout.addLayout(controls)
-        self.stats_label = QLabel("idle")
-        self.stats_label.setWordWrap(True)
+        self.stats_label = WrappedLabel("idle")
         layout.addWidget(self.stats_label)
         layout.addStretch(1)
         # No taller than its contents: in a dock area shared with the inspector, the space left

@@ -51,6 +51,7 @@ from ..engine.backends import gpu_unavailable_reason
 from ..format import codecs
 from ..format.layout import SUPPORTED_DTYPES
 from ..format.pyramid import DOWNSAMPLE
+from .labels import WrappedLabel
 
 __all__ = ["ERROR_STYLE", "INFO_STYLE", "SettingsForm"]
 
@@ -120,8 +121,7 @@ class SettingsForm(QWidget):
 
         self._build_fields(layout)
 
-        self.message = QLabel()
-        self.message.setWordWrap(True)
+        self.message = WrappedLabel()
         self.message.setStyleSheet(ERROR_STYLE)
         self.message.setVisible(False)  # no empty line's height while there is nothing to say
         layout.addWidget(self.message)
@@ -227,8 +227,7 @@ class SettingsForm(QWidget):
         layout.addWidget(self.advanced)
         # What the settings imply, shown with them; outside the section, whose height is fixed when
         # it opens (a wrapped label's height changes with its text, and this text with every edit).
-        self.figures = QLabel()
-        self.figures.setWordWrap(True)
+        self.figures = WrappedLabel()
         self.figures.setVisible(False)
         self.advanced.toggled.connect(self.figures.setVisible)
         layout.addWidget(self.figures)
