@@ -1,7 +1,10 @@
 """Drive the napari widget for real: record the synthetic camera, measure GUI stalls, screenshot.
 
-    xvfb-run -a -s "-screen 0 1600x1000x24" python scripts/gui_session.py --seconds 10 \
-        --frame 1024x1024 --fps 100 --screenshot docs/recorder.png
+    NAPARI_CONFIG=$(mktemp -d)/settings.yaml xvfb-run -a -s "-screen 0 1920x1080x24" \
+        python scripts/gui_session.py --seconds 10 --frame 1024x1024 --fps 50 --backend cpu \
+        --inspector-live --screenshot docs/recorder.png --inspector-screenshot docs/inspector.png
+
+(A fresh ``NAPARI_CONFIG``: napari then opens its window at its default size, as on a first start.)
 
 A 5 ms QTimer runs on the GUI thread during the recording; the worst gap between its ticks
 is how long the event loop stalled.  The screenshot shows the widget docked mid-recording.
@@ -41,6 +44,8 @@ def main():
     parser.add_argument("--fps", type=float, default=100)
     parser.add_argument("--backend", default="auto")
     parser.add_argument("--screenshot", default=None)
+    parser.add_argument("--shot-after", type=float, default=None, help="seconds after Start (default: 4, or 60 %%)")
+    parser.add_argument("--window", default=None, help="WxH of the main window (default: napari's own size)")
     parser.add_argument("--ome", action="store_true", help="record an OME-Zarr pyramid (multiscale preview)")
     parser.add_argument(
         "--inspector-screenshot", default=None, help="after stopping, open the shard inspector and shoot"
@@ -59,7 +64,8 @@ def main():
 
     h, w = (int(v) for v in args.frame.split("x"))
     viewer = napari.Viewer(show=True)
-    viewer.window.resize(1500, 950)
+    if args.window:
+        viewer.window.resize(*(int(v) for v in args.window.split("x")))
     _, widget = viewer.window.add_plugin_dock_widget("napari-tileshard", "Tile/Shard Recorder")
     out = Path(tempfile.mkdtemp()) / "recording.zarr"
     layout = Layout([Dim("t", 0, 16, 1), Dim("y", h, 256, 2), Dim("x", w, 256, 2)], "uint16")
@@ -80,11 +86,12 @@ def main():
     widget.start()
     started = time.perf_counter()
     watcher.start()
+    live = None
     if args.inspector_live:
         live = widget.inspect()  # re-reads the indexes every 2 s while recording
         live.live.setChecked(True)
     timer.start()
-    shot_at = time.perf_counter() + min(4.0, args.seconds * 0.6)
+    shot_at = time.perf_counter() + (args.shot_after if args.shot_after is not None else min(4.0, args.seconds * 0.6))
     end = time.perf_counter() + args.seconds
     shot_done = False
     while time.perf_counter() < end:
@@ -117,7 +124,9 @@ def main():
         + ", ".join(f"{gaps[i] * 1e3:.0f} @ {gap_ends[i] - gaps[i]:.1f}" for i in worst)
     )
     if args.inspector_screenshot:
-        inspector = widget.inspect()
+        inspector = live if live is not None else widget.inspect()  # the one docked already, if any
+        inspector.live.setChecked(False)
+        inspector.open(out)  # every shard of the finished recording
         inspector.jump_to(len(inspector.inspection.shards) // 2)
         for _ in range(20):
             app.processEvents()

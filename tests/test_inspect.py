@@ -93,10 +93,15 @@ def test_inspector_widget_overlays_and_table(make_napari_viewer, qtbot, tmp_path
     assert corners == [((0, 0), (32, 16)), ((0, 16), (32, 24)), ((32, 0), (40, 16)), ((32, 16), (40, 24))]
     assert len(tile_grid.data) == 3 * 3  # tiles of 16 x 8
     ratio_layer = widget._layers["chunk ratio"]
-    np.testing.assert_array_equal(np.isnan(ratio_layer.data), widget.inspection.chunk_bytes == EMPTY_CHUNK)
-    assert tuple(ratio_layer.scale) == (2, 16, 8)
-    # chunk (0, 1, 2) covers data pixels y 16..31, x 16..23: its map pixel spans them exactly
-    assert tuple(ratio_layer.data_to_world((0, 1, 2))) == (0.5, 16 + 7.5, 16 + 3.5)
+    # the map spans exactly the array (7 x 40 x 24), not the padded chunk grid (8 x 48 x 24):
+    # each pixel shows the ratio of the chunk holding it, empty chunks NaN (transparent)
+    assert ratio_layer.data.shape == (7, 40, 24) and tuple(ratio_layer.scale) == (1, 1, 1)
+    ratio = widget.inspection.chunk_ratio
+    expanded = np.repeat(np.repeat(np.repeat(ratio, 2, 0), 16, 1), 8, 2)[:7, :40, :24]
+    np.testing.assert_array_equal(np.asarray(ratio_layer.data), expanded.astype(np.float32))
+    np.testing.assert_array_equal(np.isnan(ratio), widget.inspection.chunk_bytes == EMPTY_CHUNK)
+    assert np.all(np.asarray(ratio_layer.data[0, 16:32, 16:24]) == np.float32(ratio[0, 1, 2]))
+    assert viewer.dims.range[0].stop == 6  # the slider ends at the last row
     crc = {widget.table.item(i, 0).text(): widget.table.item(i, 4).text() for i in range(widget.table.rowCount())}
     assert crc["c/0/0/0"] == "mismatch" and list(crc.values()).count("ok") == 7
     row = [widget.table.item(i, 0).text() for i in range(widget.table.rowCount())].index("c/1/1/1")

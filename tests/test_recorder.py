@@ -1,5 +1,7 @@
 """The Qt-free recording loop (what the widget's QThread hosts)."""
 
+import time
+
 import numpy as np
 import pytest
 from conftest import read_back
@@ -124,3 +126,155 @@ def test_drop_policy_counts_every_dropped_frame_under_slow_storage(tmp_path, mon
     assert len(accepted) + stats.dropped == offered and stats.frames == len(accepted)
     np.testing.assert_array_equal(read_back(out)[:, 0, 0], accepted)
     assert verify(out).ok
+
+
+class FakeLayer:
+    """What LayerSource reads of a napari image layer: its data and name."""
+
+    def __init__(self, data, name="camera"):
+        self.data, self.name = data, name
+
+
+def test_a_stack_layer_is_recorded_plane_by_plane_once_and_the_recording_ends_by_itself(tmp_path):
+    stack = np.random.default_rng(1).integers(0, 4000, (40, 48, 40)).astype(np.uint16)
+    settings = RecorderSettings(output=str(tmp_path / "s.zarr"), layout=layout(), source="stack", backend="cpu")
+    recorder = Recorder(settings)
+    source = recorder.add_layer(FakeLayer(stack, "stack"))
+    assert source.is_stack and source.planes == 40
+    stats = recorder.start().join(timeout=60)  # no stop(): the last plane ends it
+    assert not recorder.is_recording and stats.error is None
+    assert stats.frames == stats.rows_complete == 40 and stats.dropped == 0
+    assert stats.ended == "all 40 planes of layer 'stack' were recorded"
+    np.testing.assert_array_equal(read_back(tmp_path / "s.zarr"), stack)
+    assert source.status() == "layer 'stack': 40 of 40 planes"
+
+
+def test_a_stack_of_more_dims_keeps_its_order_and_ignores_the_drop_policy(tmp_path):
+    """A (3, 5, y, x) stack into a (t, z, y, x) layout: planes in C order, none dropped even with
+    the drop policy and a one-frame queue (a stack in memory can wait; a camera cannot)."""
+    stack = np.arange(3 * 5 * 16 * 8, dtype=np.uint16).reshape(3, 5, 16, 8)
+    four = Layout([Dim("t", 0, 1, 1), Dim("z", 5, 1, 1), Dim("y", 16, 16, 1), Dim("x", 8, 8, 1)], "uint16")
+    settings = RecorderSettings(
+        output=str(tmp_path / "z.zarr"), layout=four, source="s", backend="cpu", policy="drop", queue_frames=1
+    )
+    recorder = Recorder(settings)
+    recorder.add_layer(FakeLayer(stack, "s"))
+    stats = recorder.start().join(timeout=60)
+    assert stats.frames == 15 and stats.dropped == 0 and stats.rows_complete == 3
+    np.testing.assert_array_equal(read_back(tmp_path / "z.zarr"), stack)
+
+
+def test_a_stack_that_does_not_fit_a_bounded_layout_is_refused_naming_it(tmp_path):
+    bounded = Layout([Dim("t", 10, 2, 1), Dim("y", 48, 16, 2), Dim("x", 40, 16, 2)], "uint16")
+    recorder = Recorder(RecorderSettings(output=str(tmp_path / "b.zarr"), layout=bounded, backend="cpu"))
+    with pytest.raises(ValueError, match="layer 'big' holds 12 planes but the dimensions .* hold 10 frames"):
+        recorder.add_layer(FakeLayer(np.zeros((12, 48, 40), np.uint16), "big"))
+    with pytest.raises(ValueError, match=r"layer 'odd' has data of shape \(48, 41\); frames of \(48, 40\)"):
+        recorder.add_layer(FakeLayer(np.zeros((48, 41), np.uint16), "odd"))
+
+
+def test_a_live_layer_records_one_frame_per_change(tmp_path):
+    """An assignment records its frame; a refresh records only a change (napari also emits
+    set_data within an assignment and on redraws that change nothing)."""
+    layer = FakeLayer(np.zeros((48, 40), np.uint16))
+    settings = RecorderSettings(output=str(tmp_path / "l.zarr"), layout=layout(), source="camera", backend="cpu")
+    recorder = Recorder(settings)
+    source = recorder.add_layer(layer)
+    assert not source.is_stack
+    recorder.start()
+    source.refreshed()  # a redraw of the frame shown at Start: not a frame
+    frames = [np.full((48, 40), i + 1, np.uint16) for i in range(5)]
+    for frame in frames:
+        layer.data = frame
+        source.refreshed()  # napari's order within an assignment: set_data, then data
+        source.assigned()
+    layer.data = frames[-1].copy()  # a new image of the same values: a new frame
+    source.assigned()
+    layer.data[3, 4] = 77  # a live-view plugin writing into the layer's buffer, then refresh()
+    source.refreshed()
+    source.refreshed()  # a redraw without a change
+    recorder.stop()
+    stats = recorder.join(timeout=30)
+    assert stats.frames == source.recorded == 7
+    expected = np.stack([*frames, frames[-1], layer.data])
+    np.testing.assert_array_equal(read_back(tmp_path / "l.zarr"), expected)
+
+
+def test_a_live_layer_that_does_not_change_says_the_recording_waits_for_it(tmp_path):
+    from napari_tileshard.apps.recorder import WAIT_HINT_S
+
+    layer = FakeLayer(np.zeros((48, 40), np.uint16))
+    recorder = Recorder(RecorderSettings(output=str(tmp_path / "w.zarr"), layout=layout(), backend="cpu"))
+    source = recorder.add_layer(layer)
+    recorder.start()
+    started = source.started_at
+    assert recorder.hint(now=started + WAIT_HINT_S / 2) is None
+    hint = recorder.hint(now=started + WAIT_HINT_S + 2)
+    assert hint.startswith(f"waiting for layer 'camera' to change (nothing for {WAIT_HINT_S + 2:.0f} s)")
+    assert "refresh()" in hint
+    recorder.stop()
+    recorder.join(timeout=30)
+
+
+def test_a_recording_that_received_nothing_leaves_no_store(tmp_path):
+    from napari_tileshard.apps.recorder import recent_recordings
+
+    out = tmp_path / "nothing.zarr"
+    recorder = Recorder(RecorderSettings(output=str(out), layout=layout(), source="camera", backend="cpu"))
+    recorder.add_layer(FakeLayer(np.zeros((48, 40), np.uint16)))
+    recorder.start()
+    deadline = time.monotonic() + 30
+    while recorder.writer is None and time.monotonic() < deadline:  # made on the recording thread
+        time.sleep(0.01)
+    assert out.exists()  # the store is made at Start (the lock is held from then)
+    recorder.stop()
+    stats = recorder.join(timeout=30)
+    assert stats.frames == 0 and stats.discarded and stats.error is None
+    assert not out.exists()
+    assert str(out) not in list(recent_recordings)
+
+
+def test_an_empty_collection_of_several_streams_leaves_nothing_either(tmp_path):
+    out = tmp_path / "two.zarr"
+    streams = {"left": layout(), "right": layout((16, 16))}
+    settings = RecorderSettings(output=str(out), layout=layout(), streams=streams, source="left", backend="cpu")
+    recorder = Recorder(settings)
+    recorder.add_layer(FakeLayer(np.zeros((48, 40), np.uint16), "left"), "left")
+    recorder.add_layer(FakeLayer(np.zeros((16, 16), np.uint16), "right"), "right")
+    recorder.start()
+    recorder.stop()
+    assert recorder.join(timeout=30).discarded and not out.exists()
+
+
+def test_the_session_remembers_its_recordings_most_recent_first(tmp_path):
+    from napari_tileshard.apps.recorder import recent_recordings
+
+    outputs = [tmp_path / f"r{i}.zarr" for i in range(2)]
+    for out in outputs:
+        recorder = Recorder(RecorderSettings(output=str(out), layout=layout(), fps=None, backend="cpu"))
+        recorder.start(synthetic_frames=3).join(timeout=60)
+        assert recorder.stats.ended == "the synthetic camera's 3 frames were recorded"
+    assert list(recent_recordings)[:2] == [str(outputs[1]), str(outputs[0])]
+
+
+def test_a_stack_lays_out_the_table_so_its_planes_keep_their_arrangement():
+    from napari_tileshard.apps.recorder_form import layout_from_rows, rows_for_layer
+
+    table = [["t", "0", "32", "1", "1.0", ""], ["y", "1024", "256", "4", "1.0", ""], ["x", "1024", "256", "4", "1", ""]]
+    # a live camera (one frame): only the frame dims follow it
+    live = rows_for_layer(table, (300, 400))
+    assert [r[:4] for r in live] == [["t", "0", "32", "1"], ["y", "300", "256", "2"], ["x", "400", "256", "2"]]
+    # a (t, z, y, x) stack: a z row of its size is added (named after the layer's axis label)
+    stack = rows_for_layer(table, (7, 5, 300, 400), labels=("time", "z", "y", "x"))
+    assert [r[:4] for r in stack] == [
+        ["t", "0", "32", "1"],
+        ["z", "5", "1", "1"],
+        ["y", "300", "256", "2"],
+        ["x", "400", "256", "2"],
+    ]
+    assert layout_from_rows(stack, "uint16").shape == (0, 5, 300, 400)
+    # napari's default labels ("-4", ...) are no names: the row gets a free one
+    unnamed = rows_for_layer([["z", *r[1:]] if r[0] == "t" else r for r in table], (2, 3, 64, 64), ("-4", "-3"))
+    assert [r[0] for r in unnamed] == ["z", "c", "y", "x"]
+    # a table with more dims than the stack is left as it is (planes fill it in order)
+    assert rows_for_layer(stack, (20, 300, 400)) == stack

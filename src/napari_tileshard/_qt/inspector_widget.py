@@ -3,9 +3,14 @@
 Everything it shows comes from :func:`napari_tileshard.apps.inspect_shards.inspect_array`, which
 reads only shard indexes.  A collection (several images: a MultiWriter run, an MDA's positions)
 shows an *image* picker listing them; the inspector shows the one picked.  Grids are 2-D Shapes
-layers over the last two dimensions (napari broadcasts them along the others, e.g. the append
-dimension); the per-chunk map is an image on the chunk grid scaled by the chunk shape, so it lies
-on the data at every zoom.
+layers over the last two dimensions (napari
+broadcasts them along the others, e.g. the append dimension); the per-chunk map is an image of
+exactly the array's shape (:class:`~napari_tileshard.apps.inspect_shards.PixelMap`: each pixel
+shows its chunk's value, an edge chunk's padding gets none), so it lies on the data at every zoom
+and its slider ends at the array's last row.
+
+The store is picked by typing, by a directory dialog (Browse…) or from this session's recordings
+(the path list, most recent first).
 """
 
 from __future__ import annotations
@@ -13,24 +18,56 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-from qtpy.QtCore import QEvent, QTimer
+from qtpy.QtCore import QEvent, Qt, QTimer
 from qtpy.QtWidgets import (
+    QAbstractItemView,
     QCheckBox,
     QComboBox,
+    QFileDialog,
     QHBoxLayout,
+    QHeaderView,
     QLabel,
-    QLineEdit,
     QPushButton,
+    QSizePolicy,
     QTableWidget,
     QTableWidgetItem,
     QVBoxLayout,
     QWidget,
 )
 
-from ..apps.inspect_shards import EMPTY_CHUNK, ImageEntry, Inspection, inspect_array, list_images
+from ..apps.inspect_shards import EMPTY_CHUNK, ImageEntry, Inspection, PixelMap, inspect_array, list_images
+from ..apps.recorder import recent_recordings
+from ..apps.recorder_form import OWN_LAYER_KEY
 from ..apps.verify import verify
+from .labels import WrappedLabel
 
-_COLUMNS = ("shard", "file bytes", "chunks", "mean ratio", "index CRC", "chunk check")
+__all__ = ["InspectorWidget", "grid_rectangles"]
+
+#: the shard table's headers, short so that it fits a dock; their meaning in :data:`_COLUMN_TIPS`
+_COLUMNS = ("shard", "bytes", "chunks", "ratio", "CRC", "check")
+_COLUMN_TIPS = (
+    "the shard's key (its file) in the store",
+    "the shard file's size in bytes",
+    "chunks present / chunks the shard can hold",
+    "mean compression ratio of the shard's chunks (their padding left out)",
+    "whether the shard index's CRC32C matches",
+    "Check chunks: every chunk decoded (- until run)",
+)
+#: planes of the chunk map larger than this (pixels) are shown as a multiscale layer
+_MAX_MAP_PLANE = 4096 * 4096
+
+
+class _RecentPaths(QComboBox):
+    """An editable path field whose list is this session's recordings, read each time it opens."""
+
+    def showPopup(self) -> None:
+        text = self.currentText()
+        self.blockSignals(True)
+        self.clear()
+        self.addItems(list(recent_recordings))
+        self.setEditText(text)
+        self.blockSignals(False)
+        super().showPopup()
 
 
 def grid_rectangles(shape, cell) -> list[np.ndarray]:
@@ -55,17 +92,37 @@ class InspectorWidget(QWidget):
         self.path: str | None = None
         self._layers: dict = {}
         self._refreshing = None  # the background refresh worker, while one runs
+        self._full_refresh_pending = False  # Refresh pressed while a (live) refresh ran: run it after
         self._watched_window = None  # the main window whose closing stops the live refresh
         self._closing = False
         self._grids: dict = {}  # grid layer key -> (plane, cell, name) it shows
         self._table_rows: list[tuple] = []  # the text of each table row shown
         layout = QVBoxLayout(self)
+        layout.setContentsMargins(6, 4, 6, 4)
+        layout.setSpacing(4)
         row = QHBoxLayout()
-        self.path_edit = QLineEdit()
+        self.path_box = _RecentPaths()
+        self.path_box.setEditable(True)
+        self.path_box.setInsertPolicy(QComboBox.InsertPolicy.NoInsert)
+        self.path_box.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
+        self.path_box.setMinimumContentsLength(12)
+        self.path_box.setToolTip(
+            "a Zarr v3 array or OME-Zarr image (path or URL); the list holds this session's recordings"
+        )
+        self.path_edit = self.path_box.lineEdit()
         self.path_edit.setPlaceholderText("path of a Zarr v3 array")
+        self.path_edit.returnPressed.connect(lambda: self.open(self.path_edit.text()))
+        self.path_box.activated.connect(lambda index: self.open(self.path_box.itemText(index)))
+        recent = next(iter(recent_recordings), None)
+        if recent:
+            self.path_edit.setText(recent)  # from the menu after a recording: that one, one click away
+        browse = QPushButton("Browse…")
+        browse.setToolTip("choose a store (a directory) with a file dialog")
+        browse.clicked.connect(self.browse)
         open_button = QPushButton("Inspect")
         open_button.clicked.connect(lambda: self.open(self.path_edit.text()))
-        row.addWidget(self.path_edit)
+        row.addWidget(self.path_box, 1)
+        row.addWidget(browse)
         row.addWidget(open_button)
         layout.addLayout(row)
         picker = QHBoxLayout()
@@ -102,15 +159,34 @@ class InspectorWidget(QWidget):
         toggles.addWidget(self.check_button)
         layout.addLayout(toggles)
         self.check_report = None
-        self.summary = QLabel()
-        self.summary.setWordWrap(True)
+        self.summary = WrappedLabel()
         layout.addWidget(self.summary)
         self.table = QTableWidget(0, len(_COLUMNS))
-        self.table.setHorizontalHeaderLabels(_COLUMNS)
+        for col, (title, tip) in enumerate(zip(_COLUMNS, _COLUMN_TIPS)):
+            item = QTableWidgetItem(title)
+            item.setToolTip(tip)
+            self.table.setHorizontalHeaderItem(col, item)
+        header, rows = self.table.horizontalHeader(), self.table.verticalHeader()
+        if header is not None and rows is not None:  # as wide as the dock: no scrolling sideways
+            header.setSectionResizeMode(QHeaderView.ResizeMode.Stretch)
+            header.setMinimumSectionSize(24)
+            rows.setVisible(False)
+        self.table.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
+        self.table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
         self.table.itemSelectionChanged.connect(self._on_select)
         layout.addWidget(self.table)
 
     # -- loading -----------------------------------------------------------------------
+    def browse(self) -> str | None:
+        """Pick a store with a directory dialog (a Zarr store is a directory) and inspect it."""
+        start = self.path_edit.text().strip()
+        start_dir = str(Path(start).expanduser().parent) if start and "://" not in start else ""
+        path = QFileDialog.getExistingDirectory(self, "Inspect shards of a Zarr store", start_dir)
+        if path:
+            self.open(path)
+        return path or None
+
     def open(self, path, image: str | None = None) -> None:
         """Inspect the array at ``path``; in a collection the image ``image`` (a name or path;
         default: the one picked before in the same collection, else its first)."""
@@ -159,13 +235,18 @@ class InspectorWidget(QWidget):
 
     def refresh(self, incremental: bool = False) -> None:
         """Re-read the indexes in the background (a recording in progress adds shards): reading
-        thousands of indexes takes seconds, which the GUI thread must not wait for.  A refresh
-        while one is running is skipped; the result is shown when it arrives.
+        thousands of indexes takes seconds, which the GUI thread must not wait for.  A live
+        (incremental) refresh while one is running is skipped; a full one runs when it is done.
+        The result is shown when it arrives.
 
         ``incremental`` (the live mode): shards whose size is unchanged since the inspection shown
         are taken from it, so a growing recording costs only its new shards' indexes.  The Refresh
         button reads every index."""
-        if not self.path or self._refreshing is not None or self._closing:
+        if not self.path or self._closing:
+            return
+        if self._refreshing is not None:
+            # A live tick may be skipped; a full refresh asked for is run once this one is done.
+            self._full_refresh_pending = self._full_refresh_pending or not incremental
             return
         from napari.qt.threading import create_worker
 
@@ -191,6 +272,9 @@ class InspectorWidget(QWidget):
 
     def _refresh_done(self) -> None:
         self._refreshing = None
+        if self._full_refresh_pending and not self._closing:
+            self._full_refresh_pending = False
+            self.refresh()
 
     # -- shutdown -------------------------------------------------------------------
     def shutdown(self, timeout_s: float = 30.0) -> None:
@@ -259,26 +343,7 @@ class InspectorWidget(QWidget):
             edge_width=max(1, plane[-1] // 1000),
             name=name,
         )
-        ratio = result.chunk_ratio.astype(np.float32)
-        key = "chunk ratio"
-        if ratio.size == 0:  # no shard yet (a recording that just started): no map to draw
-            pass
-        elif key in self._layers and self._layers[key] in self.viewer.layers:
-            self._layers[key].data = ratio
-        else:
-            # One map pixel per chunk, scaled and shifted so it covers exactly that chunk's pixels.
-            scale = np.array(result.chunk_shape, dtype=float)
-            layer = self.viewer.add_image(
-                ratio,
-                name=f"compression ratio per chunk: {name}",
-                scale=scale,
-                translate=(scale - 1) / 2,
-                colormap="viridis",
-                opacity=0.5,
-                blending="translucent",
-            )
-            layer.colorbar.visible = True
-            self._layers[key] = layer
+        self._show_ratio(result, name)
         # Rows whose text is unchanged keep their items: a live refresh of a growing recording
         # then only adds the new shards' rows instead of rebuilding thousands of items.
         shown = self._table_rows
@@ -305,10 +370,40 @@ class InspectorWidget(QWidget):
         empty = int((result.chunk_bytes == EMPTY_CHUNK).sum())
         bad = sum(not s.crc_ok for s in result.shards)
         self.summary.setText(
-            f"{len(result.shards)} shards, {result.chunk_bytes.size - empty} chunks present, "
-            f"{empty} empty (transparent in the map), {bad} index CRC mismatches; "
-            f"read {result.bytes_read} index bytes"
+            f"{len(result.shards)} shards · {result.chunk_bytes.size - empty} chunks, {empty} empty (transparent "
+            f"in the map) · {bad} index CRC mismatches · {result.bytes_read} index bytes read"
         )
+
+    def _show_ratio(self, result: Inspection, name: str) -> None:
+        """The compression ratio of every chunk, on the array's own pixels (NaN, transparent, where
+        a chunk is empty); multiscale when a plane is too large to show at once."""
+        ratio = result.chunk_ratio.astype(np.float32)
+        if ratio.size == 0 or 0 in result.covered_shape:  # no shard yet: no map to draw
+            return
+        levels = PixelMap(ratio, result.chunk_shape, result.shape).levels(_MAX_MAP_PLANE)
+        data = levels if len(levels) > 1 else levels[0]
+        finite = ratio[np.isfinite(ratio)]
+        limits = (float(finite.min()), float(max(finite.max(), finite.min() + 1e-3))) if finite.size else (0.0, 1.0)
+        key = "chunk ratio"
+        layer = self._layers.get(key)
+        if layer is not None and layer in self.viewer.layers and layer.multiscale == (len(levels) > 1):
+            layer.data = data
+            layer.contrast_limits = limits
+            return
+        if layer is not None and layer in self.viewer.layers:
+            self.viewer.layers.remove(layer)
+        layer = self.viewer.add_image(
+            data,
+            multiscale=len(levels) > 1,
+            name=f"compression ratio per chunk: {name}",
+            colormap="viridis",
+            contrast_limits=limits,
+            opacity=0.5,
+            blending="translucent",
+            metadata={OWN_LAYER_KEY: "inspector"},
+        )
+        layer.colorbar.visible = True
+        self._layers[key] = layer
 
     # -- on-demand decode check ------------------------------------------------------------
     def _check_text(self, key: str) -> str:
@@ -385,6 +480,7 @@ class InspectorWidget(QWidget):
             edge_width=edge_width,
             name=f"{key}: {name}",
             visible=visible,
+            metadata={OWN_LAYER_KEY: "inspector"},
         )
 
     def _set_visible(self, key, on) -> None:

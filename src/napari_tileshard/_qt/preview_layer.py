@@ -23,7 +23,10 @@ from qtpy.QtCore import QObject, QTimer
 
 from ..apps.preview import RecentFrames, contrast_limits, preview_data, shape_of, warm_up_dask_in_background
 from ..apps.recorder import RecorderSettings
+from ..apps.recorder_form import OWN_LAYER_KEY
 from ..format.pyramid import Pyramid
+
+__all__ = ["COALESCE_MS", "PreviewLayer"]
 
 COALESCE_MS = 200
 
@@ -85,10 +88,16 @@ class PreviewLayer(QObject):
             self.update(rows, newest=newest)
 
     def finish(self, rows: int) -> None:
-        """The recording ended with ``rows`` rows: show all of them, from the finalized store."""
+        """The recording ended with ``rows`` rows: show all of them, from the finalized store.
+        Without any, the placeholder goes: there is nothing to preview (and no store)."""
         self._timer.stop()
         self._pending = None
         self._recording = False
+        if rows <= 0 and self.placeholder and self.layer is not None:
+            if self.layer in self.viewer.layers:
+                self.viewer.layers.remove(self.layer)
+            self.layer, self.placeholder = None, False
+            return
         self.update(rows, final=True)
 
     def update(self, rows: int, final: bool = False, newest=None) -> None:
@@ -159,7 +168,8 @@ class PreviewLayer(QObject):
             kwargs["contrast_limits"] = contrast_limits(newest[0][1])
         if self.layer is not None and self.layer in self.viewer.layers:
             self.viewer.layers.remove(self.layer)
-        self.layer = self.viewer.add_image(data, name=name, **kwargs)
+        # Marked as ours: the recorder never offers its own preview as a source to record.
+        self.layer = self.viewer.add_image(data, name=name, metadata={OWN_LAYER_KEY: "preview"}, **kwargs)
         self._follow = True
 
 

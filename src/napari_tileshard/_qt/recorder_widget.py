@@ -14,16 +14,19 @@ from __future__ import annotations
 from pathlib import Path
 
 from qtpy.QtCore import QEvent, QTimer, Signal
-from qtpy.QtWidgets import QHBoxLayout, QLabel, QPushButton, QVBoxLayout, QWidget
+from qtpy.QtWidgets import QHBoxLayout, QPushButton, QSizePolicy, QVBoxLayout, QWidget
 
 from ..apps.mmcore import MMCORE_SOURCE, MDARecorder
-from ..apps.recorder import RecorderSettings, RecorderStats
+from ..apps.recorder import RecorderSettings, RecorderStats, recent_recordings
 from ..apps.recorder_form import next_output
 from ..engine.writer import Writer
 from .inspector_widget import InspectorWidget
+from .labels import WrappedLabel
 from .preview_layer import PreviewLayer
 from .recording_controller import RecordingController
 from .settings_form import SettingsForm
+
+__all__ = ["RecorderWidget"]
 
 STATS_INTERVAL_MS = 250
 
@@ -42,8 +45,11 @@ class RecorderWidget(QWidget):
         self.controller = RecordingController(self)
         self.preview = PreviewLayer(napari_viewer, self)
         self._last_output: str | None = None  # the store of the last recording (Inspect opens it)
+        self._dock_closed = False  # closed mid-recording: its end is told by a notification
 
         layout = QVBoxLayout(self)
+        layout.setContentsMargins(6, 4, 6, 4)
+        layout.setSpacing(4)
         layout.addWidget(self.form)
         controls = QHBoxLayout()
         self.start_button, self.stop_button = QPushButton("Start"), QPushButton("Stop")
@@ -57,10 +63,12 @@ class RecorderWidget(QWidget):
         controls.addWidget(self.stop_button)
         controls.addWidget(self.inspect_button)
         layout.addLayout(controls)
-        self.stats_label = QLabel("idle")
-        self.stats_label.setWordWrap(True)
+        self.stats_label = WrappedLabel("idle")
         layout.addWidget(self.stats_label)
         layout.addStretch(1)
+        # No taller than its contents: in a dock area shared with the inspector, the space left
+        # goes to the inspector's shard table rather than to blank space under the statistics.
+        self.setSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Maximum)
 
         self.form.validated.connect(self.start_button.setEnabled)
         self.form.validated.connect(self._warm_gpu)
@@ -104,6 +112,7 @@ class RecorderWidget(QWidget):
         if settings.source == MMCORE_SOURCE:
             self._start_mda_recording(settings)
             return
+        self.form.clear_info()  # what the last recording did, kept until now
         try:
             self.form.freeze(True)
             streams = {name: self.form.source_layer(name) for name in settings.streams or {}}
@@ -148,6 +157,7 @@ class RecorderWidget(QWidget):
             queue_frames=settings.queue_frames,
         ).start()
         self.form.freeze(True)
+        self.form.clear_info()
         self.start_button.setEnabled(False)
         self.stop_button.setEnabled(True)
         self.form.show_info(f"recording every MDA run into {settings.output} (and numbered names after it)")
@@ -157,6 +167,8 @@ class RecorderWidget(QWidget):
         """A run finished: show what was written (series 0, lazily) and name the next output."""
         stats = sink.stats
         self._last_output = sink.path
+        if stats.written:
+            recent_recordings.add(sink.path)
         view = sink.get_view()
         if view is not None:
             self.viewer.add_image(view, name=f"mda: {Path(sink.path).name}")
@@ -194,17 +206,34 @@ class RecorderWidget(QWidget):
         self.preview.finish(stats.rows_complete)
         self.stop_button.setEnabled(False)
         self.form.freeze(False)
-        recorded = self._last_output = self.form.output_text
-        if not stats.error:  # the next Start must not meet "already exists": a fresh name, said plainly
+        recorded = self.form.output_text
+        if not stats.discarded:
+            self._last_output = recorded
+        if not stats.error and not stats.discarded:  # the next Start must not meet "already exists"
             self.form.output_text = next_output(recorded)
         self.form.validate()
         if stats.error:  # after validate(), which would replace the message
             kept = "what was written stays readable" if stats.rows_complete else "nothing was written"
-            self.form.show_error(f"recording stopped: {stats.error} ({kept})")
+            message = f"recording stopped: {stats.error} ({kept})"
+            self.form.show_error(message)
         else:
-            self.form.show_info(
-                f"recorded {stats.frames} frames into {recorded}; the next recording goes to {self.form.output_text}"
-            )
+            # Names in the dock (the output field shows the next path), full paths in the tooltip
+            # and in the notification.
+            full = self._summary(stats, recorded, self.form.output_text)
+            self.form.show_info(self._summary(stats, Path(recorded).name, Path(self.form.output_text).name), full)
+            if self._dock_closed:  # the message has nowhere else to go
+                from napari.utils.notifications import show_info
+
+                show_info(full)
+
+    def _summary(self, stats: RecorderStats, recorded: str, following: str) -> str:
+        """What a recording that ended without an error did, in a sentence."""
+        if stats.discarded:
+            live = [source.name for source in self.controller.layer_sources if not source.is_stack]
+            why = f" (layer {live[0]!r} did not change)" if len(live) == 1 else ""
+            return f"nothing was recorded{why}: the empty store {recorded} was removed"
+        how = f"{stats.ended}: " if stats.ended else ""
+        return f"{how}recorded {stats.frames} frames into {recorded}; the next goes to {following}"
 
     def _warm_gpu(self, ok: bool) -> None:
         """With the GPU chosen (or auto on a machine with one), arm and release a recording of the
@@ -244,11 +273,14 @@ class RecorderWidget(QWidget):
             return
         s = self.stats
         state = "recording" if self.is_recording else "idle"
+        ratio = f"{s.compression_ratio:.2f}" if s.bytes_out else "–"
+        hint = self.controller.hint()
         self.stats_label.setText(
             f"{state} | backend {s.backend or '-'} | frames {s.frames} ({s.frames_per_s:.1f}/s) | "
-            f"{s.input_gbps:.3f} GB/s in | ratio {s.compression_ratio:.2f} | shards {s.shards_written} | "
+            f"{s.input_gbps:.3f} GB/s in | ratio {ratio} | shards {s.shards_written} | "
             f"queue {s.queue_depth} | dropped {s.dropped}"
             + ("".join(f" | {name}: {n}" for name, n in s.stream_frames.items()) if s.stream_frames else "")
+            + (f"\n{hint}" if hint else "")
         )
 
     # -- shutdown -------------------------------------------------------------------
@@ -260,6 +292,7 @@ class RecorderWidget(QWidget):
         super().showEvent(event)
 
     def closeEvent(self, event):
+        self._dock_closed = self.is_recording
         self.stop(wait=True)
         super().closeEvent(event)
 
@@ -268,5 +301,6 @@ class RecorderWidget(QWidget):
         # (setParent(None)) and deletes the dock: no closeEvent reaches us.  A recording left
         # running without a UI to stop it would fill the disk: finish it.
         if event.type() == QEvent.Type.ParentChange and self.parent() is None:
+            self._dock_closed = self.is_recording
             self.stop(wait=True)
         return super().event(event)

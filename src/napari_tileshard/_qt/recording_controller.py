@@ -1,6 +1,7 @@
 """Start and stop one recording: the Qt-free :class:`~napari_tileshard.apps.recorder.Recorder` on a
-QThread, frames from an image layer or the synthetic camera, and finalisation of the store
-however the recording ends (Stop, an error, the dock or the whole viewer closing).
+QThread, frames from image layers (:class:`~napari_tileshard.apps.recorder.LayerSource`, wired to
+the layers' napari events here) or the synthetic camera, and finalisation of the store however the
+recording ends (Stop, a stack recorded to its end, an error, the dock or the whole viewer closing).
 """
 
 from __future__ import annotations
@@ -8,11 +9,10 @@ from __future__ import annotations
 import threading
 from dataclasses import replace
 
-import numpy as np
 from qtpy.QtCore import QEvent, QObject, QThread, Signal
 
 from ..apps.preview import read_first, read_newest
-from ..apps.recorder import Recorder, RecorderSettings, RecorderStats
+from ..apps.recorder import LayerSource, Recorder, RecorderSettings, RecorderStats
 
 
 class _RecorderThread(QThread):
@@ -94,7 +94,7 @@ class RecordingController(QObject):
         super().__init__(parent)
         self._recorder: Recorder | None = None
         self._thread: _RecorderThread | None = None
-        self._sources: list = []  # (layer, its data-event callback) being recorded
+        self._sources: list[LayerSource] = []  # the layers being recorded, their events connected
         self._active = False
         self._finalizing = None
         self._last_stats = RecorderStats()
@@ -115,11 +115,21 @@ class RecordingController(QObject):
         own array of the collection.
 
         Raises ValueError, TypeError or OSError, before anything starts, when the Recorder refuses
-        the settings.
+        the settings or a layer cannot be recorded with them.
         """
         if self._active:
             return
         recorder = Recorder(settings)
+        if settings.streams:
+            for name in settings.streams:
+                layer = (stream_layers or {}).get(name)
+                if layer is None:
+                    raise ValueError(f"layer {name!r} is gone")
+                recorder.add_layer(layer, name)
+        elif source_layer is not None:
+            recorder.add_layer(source_layer)
+        elif settings.source != "synthetic":
+            raise ValueError(f"layer {settings.source!r} is gone")
         self._recorder = recorder
         self._thread = _RecorderThread(recorder, self)
         self._thread.progress.connect(self.progress)
@@ -127,26 +137,26 @@ class RecordingController(QObject):
         self._active = True
         self.starting.emit(settings)
         self._thread.start()
-        if settings.streams:
-            for name, layer in (stream_layers or {}).items():
-                self._watch(layer, name)
-        elif source_layer is None:
-            threading.Thread(target=recorder.feed_synthetic, name="tileshard-camera", daemon=True).start()
-        else:
-            self._watch(source_layer, None)
+        for source in recorder.sources:
+            if not source.is_stack:  # a live layer: each change is a frame
+                source.layer.events.data.connect(source.assigned)
+                source.layer.events.set_data.connect(source.refreshed)
+                self._sources.append(source)
+        recorder.start_sources()
 
-    def _watch(self, layer, stream: str | None) -> None:
-        def on_data(event=None, layer=layer, stream=stream):
-            if self._recorder is not None:
-                # A copy: the camera plugin may reuse its buffer for the next frame.
-                self._recorder.push(np.array(layer.data, copy=True), stream)
+    @property
+    def layer_sources(self) -> list[LayerSource]:
+        """The layers the current (or last) recording took its frames from."""
+        return list(self._recorder.sources) if self._recorder is not None else []
 
-        layer.events.data.connect(on_data)
-        self._sources.append((layer, on_data))
+    def hint(self) -> str | None:
+        """What the sources of the recording in progress report (see ``Recorder.hint``)."""
+        return self._recorder.hint() if self._recorder is not None and self._active else None
 
     def _disconnect_source(self) -> None:
-        for layer, on_data in self._sources:
-            layer.events.data.disconnect(on_data)
+        for source in self._sources:
+            source.layer.events.data.disconnect(source.assigned)
+            source.layer.events.set_data.disconnect(source.refreshed)
         self._sources = []
 
     def stop(self, wait: bool = False) -> None:

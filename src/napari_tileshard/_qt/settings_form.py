@@ -1,7 +1,12 @@
 """The recorder's settings form: dimension table, source, codec, backend, output, OME switch.
 
 The settings are magicgui widgets (``form.codec.value``, ``form.output`` a ``FileEdit``) laid out
-by a QFormLayout; the dimension table is a QTableWidget (a row per dim, editable in place).
+by QFormLayouts; the dimension table is a QTableWidget (a row per dim, editable in place).
+
+Laid out to read in a dock of napari's default window with the shard inspector docked below it:
+the table is as tall as its rows and as wide as the dock (short headers, their meaning in
+tooltips), and what a recording rarely changes (dtype, rate, codec, backend, queue policy, format,
+more cameras) sits in collapsible sections (superqt's ``QCollapsible``), closed at first.
 
 Parsing and the derived figures are :mod:`napari_tileshard.apps.recorder_form` (Qt-free); this module
 moves values between widgets and :class:`~napari_tileshard.apps.recorder.RecorderSettings`, and shows
@@ -12,35 +17,43 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from qtpy.QtCore import Qt, Signal
+from qtpy.QtCore import QEvent, Qt, Signal
 from qtpy.QtGui import QStandardItemModel
 from qtpy.QtWidgets import (
+    QAbstractItemView,
     QFormLayout,
-    QGroupBox,
     QHBoxLayout,
+    QHeaderView,
     QLabel,
-    QPushButton,
     QTableWidget,
     QTableWidgetItem,
+    QToolButton,
     QVBoxLayout,
     QWidget,
 )
+from superqt import QCollapsible
 
 from ..apps.mmcore import MMCORE_SOURCE, mmcore_available
 from ..apps.recorder import POLICIES, RecorderSettings
 from ..apps.recorder_form import (
+    COLUMN_TIPS,
     COLUMNS,
     DEFAULT_DIMS,
     SYNTHETIC,
     figures,
     frame_dims,
+    is_own_layer,
     layout_from_rows,
     rows_for_frames,
+    rows_for_layer,
 )
 from ..engine.backends import available_backends, gpu_unavailable_reason
 from ..format import codecs
 from ..format.layout import SUPPORTED_DTYPES
 from ..format.pyramid import DOWNSAMPLE
+from .labels import WrappedLabel
+
+__all__ = ["ERROR_STYLE", "INFO_STYLE", "SettingsForm"]
 
 # The one colour set by hand: errors must read as errors on both napari themes, and the themes'
 # own "error" colour is too dark to read as text on the dark one.
@@ -58,6 +71,7 @@ class SettingsForm(QWidget):
         self.viewer = viewer
         self._frozen = False
         self._watched_layer = None  # the source layer whose data changes re-adapt the table
+        self._note = self._note_detail = ""  # what the last recording did: shown until the next Start (show_info)
         self._gpu_reason = gpu_unavailable_reason()
         #: why the GPU backend can't run here (None: it can)
         self.gpu_reason = self._gpu_reason
@@ -69,47 +83,69 @@ class SettingsForm(QWidget):
     def _build(self) -> None:
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
-        dims_box = QGroupBox("Dimensions (slowest first)")
-        dims_layout = QVBoxLayout(dims_box)
-        self.table = QTableWidget(0, len(COLUMNS))
-        tooltips = {
-            4: "pixel size or frame interval (OME-Zarr axes)",
-            5: "e.g. micrometer, second (OME-Zarr axes; empty: none)",
-        }
-        for col, title in enumerate(COLUMNS):
+        layout.setSpacing(4)
+        heading = QHBoxLayout()
+        heading.addWidget(QLabel("Dimensions, slowest first (size 0: unbounded)"), 1)
+        add, remove = QToolButton(), QToolButton()
+        add.setText("+ dim")
+        add.setToolTip("add a dimension in front (slowest)")
+        add.clicked.connect(lambda: self._append_row(("d", 1, 1, 1, 1.0, ""), front=True))
+        remove.setText("− dim")
+        remove.setToolTip("remove the first (slowest) dimension")
+        remove.clicked.connect(self._remove_row)
+        heading.addWidget(add)
+        heading.addWidget(remove)
+        layout.addLayout(heading)
+        self.table = table = QTableWidget(0, len(COLUMNS))
+        for col, (title, tip) in enumerate(zip(COLUMNS, COLUMN_TIPS)):
             header = QTableWidgetItem(title)
-            header.setToolTip(tooltips.get(col, ""))
-            self.table.setHorizontalHeaderItem(col, header)
+            header.setToolTip(tip)
+            table.setHorizontalHeaderItem(col, header)
+        # As wide as the dock and as tall as its rows: never a scroll bar, never a hidden row.
+        columns, rows = _header(table.horizontalHeader()), _header(table.verticalHeader())
+        columns.setSectionResizeMode(QHeaderView.ResizeMode.Stretch)
+        columns.setMinimumSectionSize(24)
+        rows.setVisible(False)
+        rows.setDefaultSectionSize(table.fontMetrics().height() + 8)
+        table.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        table.setVerticalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        table.setSelectionMode(QAbstractItemView.SelectionMode.SingleSelection)
         for row in DEFAULT_DIMS:
             self._append_row(row)
-        self.table.itemChanged.connect(self.validate)
-        buttons = QHBoxLayout()
-        add, remove = QPushButton("+ dim"), QPushButton("- dim")
-        add.clicked.connect(lambda: self._append_row(("d", 1, 1, 1, 1.0, ""), front=True))
-        remove.clicked.connect(self._remove_row)
-        buttons.addWidget(add)
-        buttons.addWidget(remove)
-        dims_layout.addWidget(self.table)
-        dims_layout.addLayout(buttons)
-        layout.addWidget(dims_box)
+        table.itemChanged.connect(self.validate)
+        # napari's theme restyles the table once docked: fit it again then
+        table.installEventFilter(self)
+        columns.installEventFilter(self)
+        layout.addWidget(table)
 
-        layout.addWidget(self._build_fields())
+        self._build_fields(layout)
 
-        self.figures = QLabel()
-        self.figures.setWordWrap(True)
-        layout.addWidget(self.figures)
-        self.message = QLabel()
-        self.message.setWordWrap(True)
+        self.message = WrappedLabel()
         self.message.setStyleSheet(ERROR_STYLE)
+        self.message.setVisible(False)  # no empty line's height while there is nothing to say
         layout.addWidget(self.message)
 
-    def _build_fields(self) -> QWidget:
+    def _fit_table(self) -> None:
+        """The table's height: its header and every row (the dock gives it no less)."""
+        table = self.table
+        _header(table.verticalHeader()).setDefaultSectionSize(table.fontMetrics().height() + 8)
+        rows = sum(table.rowHeight(row) for row in range(table.rowCount()))
+        header = _header(table.horizontalHeader()).sizeHint().height()
+        table.setFixedHeight(header + rows + 2 * table.frameWidth())
+
+    def eventFilter(self, watched, event) -> bool:
+        if event is not None and event.type() in _RESTYLED:
+            self._fit_table()
+        return False
+
+    def _build_fields(self, layout: QVBoxLayout) -> None:
         """The settings other than the dimension table, as magicgui widgets (napari's own widget
         toolkit: labels, theme, ``.value``); only what magicgui has no option for (a disabled
         backend with its reason, per-item tooltips, the spin box's text at 0) is set on their Qt
         widgets."""
         from magicgui.types import FileDialogMode
         from magicgui.widgets import CheckBox, ComboBox, Container, FileEdit, FloatSpinBox, Select, SpinBox
+        from magicgui.widgets.bases import ValueWidget, Widget
 
         self.source = ComboBox(choices=[SYNTHETIC])
         # Several cameras at once: more image layers, each recorded into its own array of one
@@ -159,34 +195,62 @@ class SettingsForm(QWidget):
         self.downsample = ComboBox(choices=list(DOWNSAMPLE), enabled=False)
         pyramid = Container(layout="horizontal", labels=False, widgets=[self.ome, self.downsample])
         pyramid.margins = (0, 0, 0, 0)
-        # magicgui's own Container would size each label to its text; a QFormLayout aligns them.
-        form = QFormLayout()
-        for label, field in (
-            ("source", self.source),
-            ("also record", self.more_sources),
+        self.policy.native.setToolTip("what happens to frames arriving while the writer's queue is full")
+        # magicgui's own Container would size each label to its text; QFormLayouts align them.
+        main = QFormLayout()
+        main.setContentsMargins(0, 0, 0, 0)
+        rows: tuple[tuple[str, Widget], ...] = (("source", self.source), ("output", self.output))
+        for label, field in rows:
+            main.addRow(label, field.native)
+        layout.addLayout(main)
+
+        # One section, closed at first: a dock with the inspector below it keeps every row of the
+        # table in napari's default window only with these out of the way.
+        self.advanced = QCollapsible("More: camera, compression, backend, cameras", expandedIcon="▾", collapsedIcon="▸")
+        self.advanced.setDuration(0)  # opens at once: no animation to wait for in a busy GUI
+        section_layout = self.advanced.layout()
+        if section_layout is not None:
+            section_layout.setContentsMargins(0, 0, 0, 0)
+        advanced = QFormLayout()
+        advanced.setContentsMargins(0, 0, 0, 0)
+        rows = (
+            ("", self.overwrite),
             ("dtype", self.dtype),
             ("camera fps", self.fps),
             ("codec", self.codec),
             ("level", self.level),
             ("backend", self.backend),
-            ("when the queue is full", self.policy),
-            ("output", self.output),
-            ("", self.overwrite),
+            ("queue full", self.policy),
             ("format", pyramid),
-        ):
-            form.addRow(label, field.native)
-        fields = QWidget()
-        fields.setLayout(form)
-        form.setContentsMargins(0, 0, 0, 0)
+            ("also record", self.more_sources),
+        )
+        for label, field in rows:
+            advanced.addRow(label, field.native)
+        self.advanced.addWidget(_holding(advanced))
+        layout.addWidget(self.advanced)
+        # What the settings imply, shown with them; outside the section, whose height is fixed when
+        # it opens (a wrapped label's height changes with its text, and this text with every edit).
+        self.figures = WrappedLabel()
+        self.figures.setVisible(False)
+        self.advanced.toggled.connect(self.figures.setVisible)
+        layout.addWidget(self.figures)
         self._apply_level_range()
         self.source.changed.connect(self._source_changed)
         self.more_sources.changed.connect(self.validate)
         self.codec.changed.connect(self._codec_changed)
         self.ome.changed.connect(self._ome_changed)
-        for field in (self.dtype, self.fps, self.level, self.backend, self.policy, self.overwrite, self.downsample):
-            field.changed.connect(self.validate)
+        checked: tuple[ValueWidget, ...] = (
+            self.dtype,
+            self.fps,
+            self.level,
+            self.backend,
+            self.policy,
+            self.overwrite,
+            self.downsample,
+        )
+        for value_widget in checked:
+            value_widget.changed.connect(self.validate)
         self.output.line_edit.changed.connect(self.validate)  # as typed (``output.value`` of "" is ".")
-        return fields
 
     @property
     def output_text(self) -> str:
@@ -209,36 +273,45 @@ class SettingsForm(QWidget):
         for col, value in enumerate(values):
             self.table.setItem(row, col, QTableWidgetItem(str(value)))
         self.table.blockSignals(False)
+        self._fit_table()
         self.validate()
 
     def _remove_row(self) -> None:
         if self.table.rowCount() > 1:
             self.table.removeRow(0)
+            self._fit_table()
             self.validate()
 
-    def refresh_sources(self, event=None) -> None:
-        """List the synthetic camera, the viewer's image layers (never a recorder's preview) and,
-        with pymmcore-plus installed, the MDAs of its core."""
+    def _image_layers(self) -> list[str]:
+        """The names of the viewer's image layers that can be recorded: not RGB, and none of the
+        layers this plugin adds (the recorder's preview, the inspector's map)."""
         from napari.layers import Image
 
-        current = self.source.value
-
-        names = [SYNTHETIC] + [
+        return [
             layer.name
             for layer in self.viewer.layers
-            if isinstance(layer, Image) and not layer.name.startswith("preview:")
+            if isinstance(layer, Image) and not layer.rgb and not is_own_layer(layer)
         ]
+
+    def refresh_sources(self, event=None) -> None:
+        """List the synthetic camera, the viewer's image layers that can be recorded and, with
+        pymmcore-plus installed, the MDAs of its core."""
+        current = self.source.value
+        names = [SYNTHETIC, *self._image_layers()]
         if mmcore_available():  # napari-micromanager's MDAs (or any on the core) are recorded
             names.append(MMCORE_SOURCE)
         with self.source.changed.blocked():
+            if tuple(self.source.choices) != tuple(names):
+                self.source.choices = ()  # magicgui keeps the order of choices it has: layers before MDAs
             self.source.choices = names
             self.source.value = current if current in names else SYNTHETIC
         self._refresh_more_sources()
         self._source_changed()
 
     def _refresh_more_sources(self) -> None:
-        """The image layers other than the source, keeping what is still selectable selected."""
-        names = [n for n in self.source.choices if n not in (SYNTHETIC, self.source.value)]
+        """The image layers other than the source (image streams only: not the Micro-Manager
+        source, not our own layers), keeping what is still selectable selected."""
+        names = [n for n in self._image_layers() if n != self.source.value]
         selected = [n for n in self.more_sources.value if n in names]
         with self.more_sources.changed.blocked():
             self.more_sources.choices = names
@@ -256,22 +329,28 @@ class SettingsForm(QWidget):
             if layer is not None:
                 layer.events.data.connect(self._source_changed)
             self._watched_layer = layer
-        if layer is not None and not self._frozen:
-            self._adapt_to(layer)
+        if not self._frozen:
+            # A layer decides the dtype, and the camera's rate is the layer's own pace.
+            self.dtype.enabled = self.fps.enabled = layer is None
+            if layer is not None:
+                self._adapt_to(layer)
         self.validate()
 
     def _adapt_to(self, layer) -> None:
+        """The table laid out for ``layer``'s frames (a stack's planes keep their arrangement:
+        ``rows_for_layer``); rows that already fit are left as the user set them."""
         import numpy as np
 
         rows = [[self._cell(row, col) for col in range(len(COLUMNS))] for row in range(self.table.rowCount())]
-        frame = tuple(np.shape(layer.data))[-frame_dims(len(rows)) :]
-        current = tuple(r[1].strip() for r in rows[-len(frame) :])
-        if current != tuple(str(v) for v in frame):
+        proposed = rows_for_layer(rows, np.shape(layer.data), getattr(layer, "axis_labels", ()))
+        if len(proposed) != len(rows) or any(a[1].strip() != b[1].strip() for a, b in zip(proposed, rows)):
             self.table.blockSignals(True)
-            for row, values in enumerate(rows_for_frames(rows, frame)):
+            self.table.setRowCount(len(proposed))
+            for row, values in enumerate(proposed):
                 for col, value in enumerate(values):
                     self.table.setItem(row, col, QTableWidgetItem(value))
             self.table.blockSignals(False)
+            self._fit_table()
         with self.dtype.changed.blocked():
             self.dtype.value = np.dtype(layer.data.dtype).name
 
@@ -334,6 +413,7 @@ class SettingsForm(QWidget):
         for dim in layout.dims:
             self._append_row((dim.name, dim.size, dim.tile_size, dim.tiles_per_shard, dim.scale, dim.unit or ""))
         self.table.blockSignals(False)
+        self._fit_table()
         self.dtype.value = layout.dtype.name
         self.output_text = str(value.output)
         self.codec.value = value.codec
@@ -376,12 +456,11 @@ class SettingsForm(QWidget):
             if settings.backend == "gpu" and self._gpu_reason:
                 raise RuntimeError(f"GPU backend unavailable: {self._gpu_reason}")
         except (ValueError, TypeError, OSError, RuntimeError) as exc:
-            self.message.setStyleSheet(ERROR_STYLE)
-            self.message.setText(str(exc))
+            self._say(str(exc), ERROR_STYLE)
             self.figures.setText("")
             self.validated.emit(False)
             return False
-        self.message.setText("")
+        self._say(self._note, INFO_STYLE, self._note_detail)
         self.figures.setText(figures(settings))
         self.validated.emit(True)
         return True
@@ -389,11 +468,42 @@ class SettingsForm(QWidget):
     def show_error(self, text: str) -> None:
         from napari.utils.notifications import show_error
 
-        self.message.setStyleSheet(ERROR_STYLE)
-        self.message.setText(text)
+        self._say(text, ERROR_STYLE)
         show_error(text)
 
-    def show_info(self, text: str) -> None:
-        """A message that is not an error (e.g. where the next recording goes)."""
-        self.message.setStyleSheet(INFO_STYLE)
+    def show_info(self, text: str, detail: str = "") -> None:
+        """A message that is not an error (what the last recording did, where the next one goes),
+        ``detail`` its tooltip (full paths, say): it stays while the form changes (a layer added, a
+        field edited) until :meth:`clear_info` (the next Start); an error in the settings shows
+        instead meanwhile."""
+        self._note, self._note_detail = text, detail
+        self._say(text, INFO_STYLE, detail)
+
+    def clear_info(self) -> None:
+        self._note = self._note_detail = ""
+        if self.message.styleSheet() == INFO_STYLE:
+            self._say("", INFO_STYLE)
+
+    def _say(self, text: str, style: str, detail: str = "") -> None:
+        self.message.setStyleSheet(style)
         self.message.setText(text)
+        self.message.setToolTip(detail)
+        self.message.setVisible(bool(text))
+
+
+#: events after which the table's font, header or frame may have changed size
+_RESTYLED = (QEvent.Type.StyleChange, QEvent.Type.FontChange, QEvent.Type.Show, QEvent.Type.Polish)
+
+
+def _header(header: QHeaderView | None) -> QHeaderView:
+    """A table's header (Qt's stubs allow None; a QTableWidget always has both)."""
+    if header is None:
+        raise RuntimeError("the table has no header")
+    return header
+
+
+def _holding(layout) -> QWidget:
+    """A plain widget holding ``layout`` (what a QCollapsible takes)."""
+    widget = QWidget()
+    widget.setLayout(layout)
+    return widget

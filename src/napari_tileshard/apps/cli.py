@@ -684,7 +684,7 @@ def gui(args) -> int:
     viewer = napari.Viewer(title="napari-tileshard")
     _, widget = viewer.window.add_plugin_dock_widget("napari-tileshard", "Tile/Shard Recorder")
     if args.output:
-        widget.output.setText(args.output)
+        widget.form.output_text = args.output
     napari.run()
     return 0
 

@@ -100,6 +100,81 @@ class Inspection:
             return np.where(self.chunk_bytes > 0, self.valid_chunk_bytes / self.chunk_bytes, np.nan)
 
 
+class PixelMap:
+    """A per-chunk map (``Inspection.chunk_ratio``, say) read per pixel of the array it describes,
+    without making it: element ``i`` is the value of the chunk holding pixel ``i * step``.
+
+    Its shape is the array's (``shape``), not the chunk grid's times the chunk shape: an edge
+    chunk's padding lies outside the array and gets no pixels, so a viewer's layer of it spans
+    exactly the array (its time slider ends at the last row, its map at the last column).
+    ``step`` subsamples (a coarser level of a multiscale view of a large plane).  It is an
+    array-like (``shape``, ``dtype``, ``ndim``, ``__getitem__`` with integers, slices and
+    Ellipsis), which is what napari asks of a layer's data; each read builds only what it
+    returns.
+    """
+
+    def __init__(self, chunk_map: np.ndarray, chunk_shape, shape, step=None):
+        self.chunk_map = np.asarray(chunk_map)
+        self.chunk_shape = tuple(int(c) for c in chunk_shape)
+        ndim = self.chunk_map.ndim
+        if len(self.chunk_shape) != ndim or len(shape) != ndim:
+            raise ValueError(
+                f"a map of {ndim} dims needs a chunk shape and a shape of {ndim}, got {chunk_shape}, {shape}"
+            )
+        self.step = tuple(int(s) for s in (step or (1,) * ndim))
+        #: the pixels of the array the map covers (``shape``, cut to where the map has chunks)
+        self.extent = tuple(min(int(s), m * c) for s, m, c in zip(shape, self.chunk_map.shape, self.chunk_shape))
+        self.shape = tuple(-(-e // st) for e, st in zip(self.extent, self.step))
+        self.dtype = self.chunk_map.dtype
+        self.ndim = ndim
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    def __len__(self) -> int:
+        return self.shape[0] if self.shape else 0
+
+    def __repr__(self) -> str:
+        return f"PixelMap(shape={self.shape}, chunk_shape={self.chunk_shape}, step={self.step})"
+
+    def __getitem__(self, key) -> np.ndarray:
+        key = key if isinstance(key, tuple) else (key,)
+        if any(k is Ellipsis for k in key):
+            at = next(i for i, k in enumerate(key) if k is Ellipsis)
+            key = key[:at] + (slice(None),) * (self.ndim - len(key) + 1) + key[at + 1 :]
+        key = key + (slice(None),) * (self.ndim - len(key))
+        if len(key) != self.ndim:
+            raise IndexError(f"too many indices for a map of {self.ndim} dims: {key!r}")
+        chunks, dropped = [], []
+        for axis, (k, n, c, st) in enumerate(zip(key, self.shape, self.chunk_shape, self.step)):
+            if isinstance(k, slice):
+                pixels = np.arange(*k.indices(n))
+            elif isinstance(k, (int, np.integer)):
+                index = int(k) + n if int(k) < 0 else int(k)
+                if not 0 <= index < n:
+                    raise IndexError(f"index {int(k)} is out of bounds for axis {axis} of size {n}")
+                pixels = np.array([index])
+                dropped.append(axis)
+            else:
+                raise TypeError(f"a PixelMap takes integers and slices, got {k!r}")
+            chunks.append(pixels * st // c)
+        values = self.chunk_map[np.ix_(*chunks)]
+        return values.reshape([len(c) for axis, c in enumerate(chunks) if axis not in dropped])
+
+    def __array__(self, dtype=None, copy=None):
+        return np.asarray(self[...], dtype=dtype)
+
+    def levels(self, max_plane: int) -> list[PixelMap]:
+        """This map (step 1) and coarser ones halving its last two dims until a plane holds at most
+        ``max_plane`` pixels: a multiscale view, for planes too large to show at once."""
+        levels = [PixelMap(self.chunk_map, self.chunk_shape, self.extent)]
+        while self.ndim >= 2 and math.prod(levels[-1].shape[-2:]) > max_plane:
+            step = levels[-1].step[:-2] + tuple(2 * s for s in levels[-1].step[-2:])
+            levels.append(PixelMap(self.chunk_map, self.chunk_shape, self.extent, step))
+        return levels
+
+
 def _valid_bytes(shape, chunk_shape, coords, per_shard, present, result: Inspection) -> int:
     """Uncompressed bytes of the shard's present chunks that lie inside the array (no padding)."""
     itemsize = result.uncompressed_chunk_bytes // max(1, math.prod(chunk_shape))

@@ -7,15 +7,21 @@ relays its callbacks as signals; scripts and the benchmarks run it on a plain th
 Sources push frames with :meth:`Recorder.push`.  The queue between source and writer is
 bounded; the policy decides what happens when it is full: ``"block"`` makes the source wait
 (nothing is lost), ``"drop"`` discards the frame and counts it.
+
+An image layer is a source through :class:`LayerSource` (:meth:`Recorder.add_layer`): a *stack*
+(more dims than a frame) is recorded plane by plane, once, and the recording then ends by itself;
+a *live* layer (one frame, which a camera plugin keeps replacing or changing in place) records one
+frame per change.  A recording that received no frame leaves no store behind.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,9 +36,22 @@ from ..format.pyramid import Pyramid, plan_pyramid
 from ..storage.overwrite import overwrite_refusal
 from .camera import SyntheticCamera
 
+__all__ = [
+    "POLICIES",
+    "WAIT_HINT_S",
+    "LayerSource",
+    "RecentRecordings",
+    "Recorder",
+    "RecorderSettings",
+    "RecorderStats",
+    "recent_recordings",
+]
+
 log = logging.getLogger(__name__)
 
 POLICIES = ("block", "drop")
+#: seconds without a frame from a live layer after which the status says the recording waits for it
+WAIT_HINT_S = 3.0
 _STOP = object()
 
 
@@ -146,6 +165,10 @@ class RecorderStats:
     recording: bool = False
     #: frames per stream when several sources are recorded
     stream_frames: dict[str, int] = field(default_factory=dict)
+    #: why the recording ended by itself (every plane of a stack recorded, ...); None after Stop
+    ended: str | None = None
+    #: True when nothing was recorded and the empty store this recording created was removed
+    discarded: bool = False
 
     @property
     def frames_per_s(self) -> float:
@@ -158,6 +181,168 @@ class RecorderStats:
     @property
     def compression_ratio(self) -> float:
         return self.bytes_in / self.bytes_out if self.bytes_out else float("nan")
+
+
+class RecentRecordings:
+    """The stores recorded in this session, most recent first: the shard inspector offers them."""
+
+    def __init__(self, keep: int = 20):
+        self.keep = keep
+        self._paths: list[str] = []
+        self._lock = threading.Lock()
+
+    def add(self, path) -> None:
+        text = str(path)
+        with self._lock:
+            self._paths = [text] + [p for p in self._paths if p != text][: self.keep - 1]
+
+    def __iter__(self) -> Iterator[str]:
+        with self._lock:
+            return iter(list(self._paths))
+
+    def __len__(self) -> int:
+        return len(self._paths)
+
+
+#: this process's recordings (the recorder dock's, MDA runs', scripts' Recorder runs)
+recent_recordings = RecentRecordings()
+
+
+def _same_frame(a: np.ndarray, b: np.ndarray, block_bytes: int = 1 << 20) -> bool:
+    """Whether two frames hold the same values; compared block by block, so a changed frame (the
+    usual case: a camera's noise differs everywhere) is told apart after the first block."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    flat_a, flat_b = a.reshape(-1), b.reshape(-1)
+    step = max(1, block_bytes // max(1, a.itemsize))
+    equal_nan = a.dtype.kind in "fc"
+    return all(
+        np.array_equal(flat_a[i : i + step], flat_b[i : i + step], equal_nan=equal_nan)
+        for i in range(0, flat_a.size, step)
+    )
+
+
+class LayerSource:
+    """The frames of an image layer (a napari layer, or anything with ``data`` and ``name``).
+
+    A layer with more dims than a frame is a *stack*: :meth:`feed` (on a thread of its own) records
+    each plane once, in the order of its leading dims, and then the source is done; changes to the
+    layer meanwhile are not recorded.  A layer of one frame is *live*: a camera plugin replaces its
+    data (:meth:`assigned`: napari's ``data`` event) or changes it in place and refreshes it
+    (:meth:`refreshed`: napari's ``set_data`` event, which ``layer.refresh()`` emits), and each
+    change records one frame.  napari emits ``set_data`` inside an assignment too (before ``data``),
+    and when nothing changed (the layer shown again, re-sliced, re-scaled): a refresh records only a
+    frame that differs from the last one recorded, and an assignment only an array other than the
+    one just recorded (a new array of the same values is a new frame; the same array is one if it
+    was changed in place).
+
+    Raises ValueError naming the layer when its frames cannot fit the recording's layout.
+    """
+
+    def __init__(self, recorder: Recorder, layer, stream: str | None = None):
+        self.recorder, self.layer, self.stream = recorder, layer, stream
+        self.name = str(getattr(layer, "name", "layer"))
+        layout = recorder.layout_of(stream)
+        frame_shape = tuple(layout.frame_shape)
+        shape = tuple(np.shape(layer.data))
+        if getattr(layer, "rgb", False):
+            raise ValueError(f"layer {self.name!r} is RGB; record its channels as a grey image layer")
+        if len(shape) < len(frame_shape) or shape[len(shape) - len(frame_shape) :] != frame_shape:
+            raise ValueError(f"layer {self.name!r} has data of shape {shape}; frames of {frame_shape} are recorded")
+        leading = shape[: len(shape) - len(frame_shape)]
+        #: planes of a stack (in the order of its leading dims); None for a live layer
+        self.planes: int | None = math.prod(leading) if leading else None
+        if self.planes is not None and not layout.unbounded:
+            capacity = math.prod(layout.shape) // max(1, layout.frame_elements)
+            if self.planes > capacity:
+                raise ValueError(
+                    f"layer {self.name!r} holds {self.planes} planes but the dimensions {layout.shape} hold "
+                    f"{capacity} frames; make the first dimension larger or unbounded (0)"
+                )
+        self.recorded = 0
+        self.done = False
+        self.started_at: float | None = None
+        self.last_frame_at: float | None = None
+        # A live layer's frame at Start is what it showed before: the baseline of "changed", not a frame.
+        self._last: np.ndarray | None = None if self.planes is not None else np.array(layer.data, copy=True)
+        self._last_source = layer.data  # the array ``_last`` was copied from
+        self._thread: threading.Thread | None = None
+
+    @property
+    def is_stack(self) -> bool:
+        return self.planes is not None
+
+    def start(self) -> None:
+        """From now on changes count (and a stack is fed, on a thread of its own)."""
+        self.started_at = time.monotonic()
+        if self.is_stack:
+            self._thread = threading.Thread(target=self.feed, name=f"tileshard-stack-{self.name}", daemon=True)
+            self._thread.start()
+
+    def feed(self) -> None:
+        """Push every plane of the stack in order (waiting for room in the queue whatever the policy:
+        a stack in memory is not a camera that cannot wait), then report the source done."""
+        data = self.layer.data  # the stack as it is at Start
+        frame_rank = len(self.recorder.layout_of(self.stream).frame_shape)
+        leading = tuple(np.shape(data))[: np.ndim(data) - frame_rank]
+        complete = True
+        for index in np.ndindex(*leading):
+            plane = np.array(data[index], copy=True)  # a view would change with the layer; dask computes here
+            if not self.recorder.push(plane, self.stream, wait=True):
+                complete = False  # stopped
+                break
+            self.recorded += 1
+            self.last_frame_at = time.monotonic()
+        self.done = complete
+        if complete:
+            self.recorder.source_done(self)
+
+    def join(self, timeout: float | None = None) -> None:
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def assigned(self, event=None) -> None:
+        """The layer's data was replaced (napari's ``data`` event): record the new frame, unless
+        the refresh within the same assignment recorded this array already."""
+        if self.is_stack:
+            return
+        data = self.layer.data
+        if data is self._last_source and self._last is not None and _same_frame(np.asarray(data), self._last):
+            return
+        self._record(data)
+
+    def refreshed(self, event=None) -> None:
+        """The layer was redrawn (``set_data``): record its frame if it differs from the last one."""
+        if self.is_stack:
+            return
+        data = self.layer.data
+        if self._last is not None and _same_frame(np.asarray(data), self._last):
+            return
+        self._record(data)
+
+    def _record(self, data) -> None:
+        # A copy: the camera plugin may reuse its buffer for the next frame.
+        frame = np.array(data, copy=True)
+        self._last, self._last_source = frame, data
+        if self.recorder.push(frame, self.stream):
+            self.recorded += 1
+            self.last_frame_at = time.monotonic()
+
+    def status(self, now: float | None = None) -> str | None:
+        """A stack's progress; for a live layer that has not changed for :data:`WAIT_HINT_S`, that
+        the recording waits for it (and what makes a frame); None otherwise."""
+        if self.is_stack:
+            return f"layer {self.name!r}: {self.recorded} of {self.planes} planes"
+        since = self.last_frame_at or self.started_at
+        if since is None:
+            return None
+        idle = (time.monotonic() if now is None else now) - since
+        if idle < WAIT_HINT_S:
+            return None
+        return (
+            f"waiting for layer {self.name!r} to change (nothing for {idle:.0f} s): a new image set on it, "
+            "or refresh() after changing it in place, records a frame"
+        )
 
 
 @dataclass
@@ -178,18 +363,47 @@ class Recorder:
         self.writer: Writer | None = None
         self.multi = None  # the MultiWriter of several streams
         self._start: float = 0.0
+        #: the image layers recorded (:meth:`add_layer`)
+        self.sources: list[LayerSource] = []
 
     # -- source side -------------------------------------------------------------------
-    def push(self, frame: np.ndarray, stream: str | None = None) -> bool:
-        """Offer one frame (of ``stream`` when several are recorded); returns False if it was
-        dropped (drop policy, queue full) or stopped."""
-        if self._stopping.is_set():
-            return False
+    def layout_of(self, stream: str | None = None) -> Layout:
+        """The layout frames of ``stream`` are recorded into (the one layout without streams)."""
         if self.settings.streams:
             if stream not in self.settings.streams:
                 raise ValueError(f"stream {stream!r} is not one of {', '.join(map(repr, self.settings.streams))}")
+            return self.settings.streams[stream]
+        return self.settings.checked_layout()
+
+    def add_layer(self, layer, stream: str | None = None) -> LayerSource:
+        """Record ``layer`` (into ``stream`` when several are recorded) once started: see
+        :class:`LayerSource`.  Raises ValueError naming the layer when its frames don't fit."""
+        source = LayerSource(self, layer, stream)
+        self.sources.append(source)
+        return source
+
+    def source_done(self, source: LayerSource) -> None:
+        """A stack was recorded to its last plane; once every source is such a finished stack the
+        recording ends by itself (a live layer keeps it going until Stop)."""
+        if all(s.is_stack and s.done for s in self.sources):
+            self.stop(ended="; ".join(f"all {s.planes} planes of layer {s.name!r} were recorded" for s in self.sources))
+
+    def hint(self, now: float | None = None) -> str | None:
+        """What the sources report (a stack's progress, a live layer that has not changed for a
+        while), for the status line; None when there is nothing to say."""
+        notes = [note for note in (source.status(now) for source in self.sources) if note]
+        return "; ".join(notes) or None
+
+    def push(self, frame: np.ndarray, stream: str | None = None, wait: bool | None = None) -> bool:
+        """Offer one frame (of ``stream`` when several are recorded); returns False if it was
+        dropped (drop policy, queue full) or stopped.  ``wait``: wait for room in the queue (True)
+        or drop (False) instead of what the policy says."""
+        if self._stopping.is_set():
+            return False
+        if self.settings.streams:
+            self.layout_of(stream)  # raises naming the streams
             frame = (stream, frame)  # type: ignore[assignment]
-        if self.settings.policy == "drop":
+        if wait is False or (wait is None and self.settings.policy == "drop"):
             try:
                 self._queue.put_nowait(frame)
                 return True
@@ -216,7 +430,7 @@ class Recorder:
                 break
             self.push(frame.reshape(layout.frame_shape))
         else:
-            self.stop()
+            self.stop(ended=f"the synthetic camera's {frames} frames were recorded")
 
     # -- writer side -------------------------------------------------------------------
     def run(self) -> RecorderStats:
@@ -263,10 +477,19 @@ class Recorder:
         closing = self.multi if self.multi is not None else self.writer
         if closing is not None:
             try:
-                closing.close()
+                if self.stats.frames == 0 and self.stats.error is None:
+                    # Nothing arrived: an empty array marked complete would read as a recording
+                    # that took place.  The store this recording made goes again (an existing
+                    # store replaced under ``overwrite`` was replaced at Start already).
+                    closing.abandon()
+                    self.stats.discarded = True
+                else:
+                    closing.close()
             except Exception as exc:  # noqa: BLE001
                 if self.stats.error is None:
                     self.stats.error = f"{type(exc).__name__}: {exc}"
+        if self.stats.frames and closing is not None:
+            recent_recordings.add(self.settings.output)
         self._update(final=True)
         self.stats.recording = False
         if self.on_finished:
@@ -289,19 +512,29 @@ class Recorder:
 
     # -- control ---------------------------------------------------------------------
     def start(self, synthetic_frames: int | None = None) -> Recorder:
-        """Run headless: the loop on a thread, and the synthetic camera on another if selected."""
+        """Run headless: the loop on a thread, and the sources (:meth:`start_sources`)."""
         self._thread = threading.Thread(target=self.run, name="tileshard-recorder", daemon=True)
         self._thread.start()
-        if self.settings.source == "synthetic":
+        self.start_sources(synthetic_frames)
+        return self
+
+    def start_sources(self, synthetic_frames: int | None = None) -> None:
+        """Start the layers added (:meth:`add_layer`), or without any the synthetic camera (on a
+        thread of its own) if it is the source."""
+        if self.sources:
+            for source in self.sources:
+                source.start()
+        elif self.settings.source == "synthetic":
             self._feeder = threading.Thread(
                 target=self.feed_synthetic, args=(synthetic_frames,), name="tileshard-camera", daemon=True
             )
             self._feeder.start()
-        return self
 
-    def stop(self) -> None:
-        """Ask the loop to finish: frames already queued are written, then the store is finalized."""
+    def stop(self, ended: str | None = None) -> None:
+        """Ask the loop to finish: frames already queued are written, then the store is finalized.
+        ``ended``: why the recording ends by itself (kept in ``stats.ended``; None for a Stop)."""
         if not self._stopping.is_set():
+            self.stats.ended = ended
             self._stopping.set()
             try:
                 self._queue.put_nowait(_STOP)
@@ -309,6 +542,8 @@ class Recorder:
                 pass  # the loop sees _stopping once the queue drains
 
     def join(self, timeout: float | None = None) -> RecorderStats:
+        for source in self.sources:
+            source.join(timeout)
         for thread in (self._feeder, self._thread):
             if thread is not None and thread is not threading.current_thread():
                 thread.join(timeout)

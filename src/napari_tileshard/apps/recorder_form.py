@@ -13,16 +13,51 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..engine.writer import estimate_memory
-from ..format.layout import Dim, Layout
+from ..format.layout import Dim, Layout, is_valid_name
 from .recorder import RecorderSettings
 
+__all__ = [
+    "COLUMNS",
+    "COLUMN_TIPS",
+    "DEFAULT_DIMS",
+    "OWN_LAYER_KEY",
+    "SYNTHETIC",
+    "figures",
+    "frame_dims",
+    "is_own_layer",
+    "layout_from_rows",
+    "next_output",
+    "proposed_tiling",
+    "rows_for_frames",
+    "rows_for_layer",
+    "size_text",
+]
+
 SYNTHETIC = "synthetic"
-COLUMNS = ("name", "size (0 = unbounded)", "tile", "tiles/shard", "scale", "unit")
+#: the dimension table's headers: short, so that the table fits a dock without scrolling sideways;
+#: what each means is in :data:`COLUMN_TIPS` (the headers' tooltips)
+COLUMNS = ("dim", "size", "tile", "per shard", "scale", "unit")
+COLUMN_TIPS = (
+    "dimension name (t, c, z, y, x, ...), slowest first",
+    "size along the dimension; 0 = unbounded: the recording appends along it as long as it runs",
+    "tile (chunk) size along the dimension: each tile is compressed on its own",
+    "tiles per shard along the dimension: a shard is one file holding these tiles",
+    "pixel size or frame interval (OME-Zarr axes)",
+    "unit, e.g. micrometer, second, µm, ms (OME-Zarr axes; empty: none)",
+)
 #: the dimension table's first rows: the one default tiling of 1024² uint16 frames
 DEFAULT_DIMS = tuple(
     (d.name, d.size, d.tile_size, d.tiles_per_shard, 1.0, "")
     for d in Layout.default_for((0, 1024, 1024), "uint16", ("t", "y", "x")).dims
 )
+#: the ``metadata`` key that marks the layers this plugin adds (the recorder's preview, the
+#: inspector's map): they are views of what was recorded, never sources to record
+OWN_LAYER_KEY = "napari_tileshard"
+
+
+def is_own_layer(layer) -> bool:
+    """Whether ``layer`` is one this plugin added (see :data:`OWN_LAYER_KEY`)."""
+    return OWN_LAYER_KEY in (getattr(layer, "metadata", None) or {})
 
 
 def layout_from_rows(rows: Sequence[Sequence[str]], dtype: str, source=None) -> Layout:
@@ -78,6 +113,38 @@ def rows_for_frames(rows: Sequence[Sequence[str]], frame_shape: Sequence[int]) -
     for row, size in zip(table[-n:], frame):
         tile, per_shard = proposed_tiling(size)
         row[1:4] = [str(size), str(tile), str(per_shard)]
+    return table
+
+
+def rows_for_layer(rows: Sequence[Sequence[str]], shape: Sequence[int], labels: Sequence[str] = ()) -> list[list[str]]:
+    """The table's ``rows`` laid out for a layer of ``shape``: the frame dims as
+    :func:`rows_for_frames` does, and for a stack (more dims than a frame) the dims between the
+    first and the frame sized as the stack's, so its planes keep their arrangement (a z stack per
+    time point stays one): rows named after ``labels`` (the layer's axis labels, where they are
+    valid names not in use) are added when the stack has more such dims than the table.  The
+    first dim is left as it is (the recording appends along it)."""
+    table = rows_for_frames(rows, shape)
+    shape = tuple(int(v) for v in shape)
+    frame_rank = frame_dims(len(table))
+    inner = shape[1 : len(shape) - frame_rank] if len(shape) > frame_rank else ()
+    table_inner = len(table) - frame_rank - 1
+    if not inner or table_inner > len(inner):
+        return table  # a live layer, or a table with more dims than the stack: planes fill it in order
+    used = {r[0].strip() for r in table}
+    labels = list(labels)[: len(shape)]
+    inserted = []
+    for axis in range(1, 1 + len(inner) - table_inner):
+        label = str(labels[axis]) if axis < len(labels) else ""
+        name = (
+            label
+            if is_valid_name(label) and label not in used
+            else next(n for n in ("z", "c", *(f"d{k}" for k in range(1, 64))) if n not in used)
+        )
+        used.add(name)
+        inserted.append([name, "1", "1", "1", "1.0", ""])
+    table[1:1] = inserted
+    for row, size in zip(table[1 : 1 + len(inner)], inner):
+        row[1:4] = [str(size), "1", "1"] if row[1].strip() != str(size) else row[1:4]
     return table
 
 

@@ -225,6 +225,18 @@ class MultiWriter:
             others = f" ({len(failures) - 1} other streams failed too)" if len(failures) > 1 else ""
             raise WriterError(f"stream {name!r} failed: {first}{others}") from first
 
+    def abandon(self) -> None:
+        """Undo the collection instead of finishing it (as :meth:`Writer.abandon` does for one
+        stream): every stream's objects and the collection's own go again."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            for writer in self.writers.values():
+                writer.abandon()
+        finally:
+            self._sink.discard()
+
     def __enter__(self):
         return self
 
