@@ -109,7 +109,9 @@ class InspectorWidget(QWidget):
         self.path_box.setToolTip(
             "a Zarr v3 array or OME-Zarr image (path or URL); the list holds this session's recordings"
         )
-        self.path_edit = self.path_box.lineEdit()
+        path_edit = self.path_box.lineEdit()
+        assert path_edit is not None  # an editable combo box has its line edit
+        self.path_edit = path_edit
         self.path_edit.setPlaceholderText("path of a Zarr v3 array")
         self.path_edit.returnPressed.connect(lambda: self.open(self.path_edit.text()))
         self.path_box.activated.connect(lambda index: self.open(self.path_box.itemText(index)))
@@ -429,7 +431,8 @@ class InspectorWidget(QWidget):
 
         @thread_worker
         def work():
-            updates, result = queue.Queue(), {}
+            updates: queue.Queue = queue.Queue()
+            result: dict = {}
             runner = threading.Thread(
                 target=lambda: result.setdefault("report", verify(path, lambda d, n: updates.put((d, n))))
             )
@@ -490,7 +493,8 @@ class InspectorWidget(QWidget):
 
     # -- navigation ----------------------------------------------------------------------
     def _on_select(self) -> None:
-        rows = self.table.selectionModel().selectedRows() if self.table.selectionModel() else []
+        selection = self.table.selectionModel()
+        rows = selection.selectedRows() if selection is not None else []
         if not rows or self.inspection is None:
             return
         self.jump_to(rows[0].row())

@@ -145,6 +145,7 @@ class PreviewLayer(QObject):
         the data slices the placeholder's row 0 first: the reader thread brought it back already,
         see ``on_progress``.)"""
         layer = self.layer
+        assert layer is not None  # a placeholder exists before its rows arrive
         layer.data = data
         if newest:
             layer.contrast_limits = contrast_limits(newest[0][1])
