@@ -8,7 +8,7 @@ did not (a signal such as SIGABRT, another exit code, or no report printed).
     python scripts/verify_exit_soak.py --runs 30 --hold           # the race made certain (see HOLD_HOOK)
     python scripts/verify_exit_soak.py --src /path/to/other/src   # the same soak against another tree
 
-A moto S3 server runs in this process on 127.0.0.1 (a random port), as tests/test_s3.py starts
+A moto S3 server runs in this process on 127.0.0.1 (a random port), as tests/storage/test_s3.py starts
 it; a small recording is written to it once (the Writer, CPU backend) and every run verifies it
 through the standard AWS_* variables, with ``PYTHONFAULTHANDLER=1`` so that a crash prints what
 the issue saw ("Fatal Python error: Aborted").

@@ -1,7 +1,7 @@
 """Every registered codec object: decode_into what it and zarr-python encode, bounded decoding that
 refuses anything but exactly one chunk (without allocating from sizes in the data), to_dict /
 from_dict, zarr-python's own codec dicts resolved to our codecs and back, writable vs read-only,
-and the GPU description.  tests/test_codecs.py has the writer's end-to-end side."""
+and the GPU description.  tests/format/test_codecs.py has the writer's end-to-end side."""
 
 import dataclasses
 import tracemalloc
@@ -272,7 +272,7 @@ def test_zstd_checksum_frames():
     assert codec.zarr_codecs()[1] == {"name": "zstd", "configuration": {"level": 1, "checksum": True}}
 
 
-# -- moved from tests/test_codecs.py: the writable codecs on their own -----------------------------------
+# -- moved from tests/format/test_codecs.py: the writable codecs on their own -----------------------------------
 @pytest.mark.parametrize("name", names())
 @pytest.mark.parametrize("count", [0, 1, 7])
 def test_batch_encode_is_byte_identical_to_one_call_per_tile(name, count):

@@ -43,7 +43,7 @@ __all__ = ["GpuBackend", "GpuTicket", "nvcomp_temp_estimate", "release_gpu_memor
 
 _ALIGN = 16
 #: device memory beyond the buffers: CuPy's scan scratch and pool rounding (3 MiB measured on an
-#: H100 with 256 MiB batches; tests/test_gpu_memory.py checks CuPy's count against the estimate)
+#: H100 with 256 MiB batches; tests/engine/test_gpu_memory.py checks CuPy's count against the estimate)
 _DEVICE_SLACK = 16 << 20
 
 

@@ -8,8 +8,8 @@ The lift's numbers live in :func:`napari_tileshard.format.layout.lifted_strides`
   extents and strides baked in as constants (so the divisions compile to multiplications);
   :func:`tile_gpu` launches it.
 
-Both are tested against :meth:`Layout.tile_pool_reference` (``tests/test_layout.py``,
-``tests/test_gpu.py``), and ``tests/test_stages.py`` pins the generated source.
+Both are tested against :meth:`Layout.tile_pool_reference` (``tests/format/test_layout.py``,
+``tests/engine/test_gpu.py``), and ``tests/engine/test_stages.py`` pins the generated source.
 """
 
 from __future__ import annotations

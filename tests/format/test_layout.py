@@ -6,19 +6,10 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from strategies import layouts
 
 from napari_tileshard import Dim, Layout
 from napari_tileshard.format.layout import MAX_RANK
-
-
-@st.composite
-def layouts(draw, max_rank=4, unbounded=None):
-    rank = draw(st.integers(1, max_rank))
-    dims = []
-    for d in range(rank):
-        size = draw(st.integers(1, 13))
-        dims.append(Dim(f"d{d}", size, draw(st.integers(1, 6)), draw(st.integers(1, 3))))
-    return Layout(dims, dtype=draw(st.sampled_from(["uint8", "uint16", "float32"])))
 
 
 def permutation_by_loops(layout):

@@ -2,7 +2,7 @@
 stages' generated CUDA source against what the kernels were before the stages were split out
 (``backends/_kernels.py`` at commit 340158d) and, evaluated with NumPy, against the same reference.
 
-The GPU runs of the same kernels are in ``tests/test_gpu.py``.
+The GPU runs of the same kernels are in ``tests/engine/test_gpu.py``.
 """
 
 import dataclasses
@@ -14,7 +14,7 @@ import pytest
 import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_layout import layouts
+from strategies import layouts
 
 from napari_tileshard import Dim, Layout
 from napari_tileshard.engine.backends.gpu import _ALIGN, _round_up

@@ -1,7 +1,7 @@
 """Memory budgets (max_host_bytes / max_device_bytes), batch planning and in-place frame buffers.
 
 What runs everywhere: the planning arithmetic and the CPU backend.  The GPU side (estimates
-against real allocations, pool limits, reuse across recordings) is in tests/test_gpu_memory.py.
+against real allocations, pool limits, reuse across recordings) is in tests/engine/test_gpu_memory.py.
 """
 
 import hashlib

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 MARKED = re.compile(r"^[ \t]*<!-- readme-test -->[ \t]*\n([ \t]*)```python[ \t]*\n(.*?)^[ \t]*```[ \t]*$", re.M | re.S)
 
 

@@ -353,7 +353,7 @@ def test_example_records_offline_and_the_plugin_reader_opens_it(tmp_path):
     from napari_tileshard.apps.napari_reader import napari_get_reader
 
     out = tmp_path / "example.ome.zarr"
-    example = runpy.run_path(str(Path(__file__).parents[1] / "examples" / "mda_python_camera.py"))
+    example = runpy.run_path(str(Path(__file__).parents[2] / "examples" / "mda_python_camera.py"))
     example["main"]([str(out), "--no-viewer", "--frame", "64", "64", "--timepoints", "2", "--backend", "cpu"])
     level0 = zarr.open_array(out / "0" / "0", mode="r")
     assert level0.shape == (2, 2, 9, 64, 64) and level0[...].any()

@@ -23,7 +23,7 @@ from napari_tileshard.storage.errors import StorageTimeoutError, WriteCancelledE
 from napari_tileshard.storage.sinks import DirectorySink
 from napari_tileshard.testing import FaultInjectingSink
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LAYOUT = Layout([Dim("t", 0, 2, 1), Dim("y", 32, 16, 2), Dim("x", 32, 16, 2)], "uint16")  # one frame pair a shard epoch
 
 

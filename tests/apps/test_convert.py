@@ -24,7 +24,7 @@ from napari_tileshard.apps.convert import MANIFEST_KEY, ConvertReport, ResumeMis
 def client():
     """Two workers, as on the 2-core CI machine (threads: a process cluster is tested by the CLI),
     with Dask's profiler off as convert's own clusters have it: on Python < 3.11.9 it can deadlock
-    the whole test process (CPython gh-106883, see tests/test_convert_processes.py)."""
+    the whole test process (CPython gh-106883, see tests/apps/test_convert_processes.py)."""
     import dask
 
     with dask.config.set({"distributed.worker.profile.enabled": False}):  # read when the workers start

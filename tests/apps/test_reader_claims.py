@@ -13,7 +13,7 @@ from napari_tileshard.apps.napari_reader import napari_get_reader
 
 npe2 = pytest.importorskip("npe2")
 
-MANIFEST = Path(__file__).resolve().parents[1] / "src" / "napari_tileshard" / "napari.yaml"
+MANIFEST = Path(__file__).resolve().parents[2] / "src" / "napari_tileshard" / "napari.yaml"
 
 
 @pytest.fixture(scope="module")
