@@ -26,6 +26,7 @@ DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "benc
 
 # `pip install ...` up to the end of the line, an inline code span's end, a shell comment or the next `&&` / `;`.
 INSTALL = re.compile(r"pip install ([^`\n;&#]*)")
+INLINE_CODE = re.compile(r"(?<!`)`[^`]+`(?!`)")
 EXTRAS_OF_CHECKOUT = re.compile(r"""(?:^|\s)['"]?\.\[([^\]]*)\]['"]?""")
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 FENCE = re.compile(r"^\s*(```|~~~)")
@@ -44,7 +45,9 @@ def prose_lines(text: str) -> list[str]:
 
 
 def install_commands(text: str) -> list[str]:
-    """Every ``pip install`` command of a document, in code blocks and inline code alike."""
+    """Every ``pip install`` command of a document, in code blocks and inline code alike (an inline
+    code span that wraps onto the next line is read as one line)."""
+    text = INLINE_CODE.sub(lambda span: span.group(0).replace("\n", " "), text)
     return [match.group(1).strip() for match in INSTALL.finditer(text)]
 
 
@@ -81,6 +84,7 @@ def test_the_helpers_see_what_they_are_meant_to():
         '-e ".[s3]"',
         "obstore",
     ]
+    assert install_commands('a cluster (`pip install -e\n".[convert]"`; a local one)') == ['-e ".[convert]"']
     assert EXTRAS_OF_CHECKOUT.findall('-e ".[test,napari]"') == ["test,napari"]
     assert github_anchor("Adaptive dispatch of shard writes (`dispatch.py`)") == (
         "adaptive-dispatch-of-shard-writes-dispatchpy"
