@@ -21,7 +21,7 @@ import pytest
 import zarr
 
 pytest.importorskip("obstore", reason="the s3 extra (obstore) is not installed")
-moto_server = pytest.importorskip("moto.server", reason="the test extra (moto[server]) is not installed")
+moto_server = pytest.importorskip("moto.server", reason="the test extra (moto[s3], flask) is not installed")
 boto3 = pytest.importorskip("boto3", reason="the test extra (boto3) is not installed")
 
 from napari_tileshard import Dim, Layout, StoreExistsError, Writer, WriterError  # noqa: E402
