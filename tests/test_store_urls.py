@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import zarr
 from zarr.core.buffer import default_buffer_prototype
 
+import napari_tileshard
 from napari_tileshard import Dim, Layout, StoreExistsError, Writer
 from napari_tileshard.storage.sinks import ZarrStoreSink
 from napari_tileshard.storage.urls import open_sink, resolve_store
@@ -66,7 +69,12 @@ for attempt in (lambda: Writer("s3://bucket/run.zarr", layout, backend="cpu"),
     except ValueError as exc:
         print(exc)
 """
-    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    # the package under test, wherever it is imported from (a relative PYTHONPATH would not survive cwd)
+    source = str(Path(napari_tileshard.__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [source, os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
     messages = done.stdout.splitlines()
     assert len(messages) == 2, done.stdout + done.stderr
     for message in messages:
