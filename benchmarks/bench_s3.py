@@ -13,7 +13,8 @@ Servers (``--server``):
 
 * ``moto`` (default): ``python -m moto.server``; keeps objects in memory (spilled to temporary
   files above 1 MiB), so this measures the clients and the protocol, not a disk.  Needs boto3 and
-  ``moto[server]``; requests are counted from moto's request log (2xx responses).
+  moto's server mode for S3 (``moto[s3]``, flask, flask-cors: the test extra); requests are
+  counted from moto's request log (2xx responses).
 * ``seaweedfs``: ``weed server`` (master + volume + filer + S3 gateway) on 127.0.0.1, random free
   ports, its data in a fresh directory under ``--data-dir`` (default /var/tmp: a real disk, not
   tmpfs), removed at the end; telemetry off.  No identities are configured, so the S3 gateway

@@ -20,7 +20,7 @@ import pytest
 import zarr
 
 pytest.importorskip("obstore", reason="the s3 extra (obstore) is not installed")
-moto_server = pytest.importorskip("moto.server", reason="the test extra (moto[server]) is not installed")
+moto_server = pytest.importorskip("moto.server", reason="the test extra (moto[s3], flask) is not installed")
 pytest.importorskip("boto3", reason="the test extra (boto3) is not installed")
 
 from s3_server import KEY, REGION, SECRET  # noqa: E402  (the s3 fixtures: conftest.py)

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import zarr
 from zarr.buffer import default_buffer_prototype
 
+import napari_tileshard
 from napari_tileshard import Dim, Layout, StoreExistsError, Writer
 from napari_tileshard.storage.sinks import ZarrStoreSink
 from napari_tileshard.storage.urls import open_sink, resolve_store
@@ -43,6 +48,40 @@ def test_unknown_scheme_is_an_error_and_creates_nothing(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="'nosuch'"):
         resolve_store("nosuch://bucket/x.zarr")
     assert list(tmp_path.iterdir()) == []  # no ./nosuch:/bucket/x.zarr
+
+
+def test_an_s3_url_without_obstore_names_the_s3_extra_not_s3fs(tmp_path):
+    """Without obstore (and without s3fs, fsspec's fallback) an s3:// URL is refused with the
+    command that installs the client this package records with, for the writer and the readers.
+    A fresh interpreter, because fsspec keeps a filesystem class once any code has imported it."""
+    script = """
+import sys
+sys.modules["obstore"] = None  # what Python does for a package that is not installed
+sys.modules["s3fs"] = None
+from napari_tileshard import Dim, Layout, Writer
+from napari_tileshard.storage.urls import resolve_store
+
+layout = Layout([Dim("t", 0, 2, 1), Dim("y", 8, 4, 1), Dim("x", 8, 4, 1)], "uint16")
+for attempt in (lambda: Writer("s3://bucket/run.zarr", layout, backend="cpu"),
+                lambda: resolve_store("s3://bucket/run.zarr")):
+    try:
+        attempt()
+    except ValueError as exc:
+        print(exc)
+"""
+    # the package under test, wherever it is imported from (a relative PYTHONPATH would not survive cwd)
+    source = str(Path(napari_tileshard.__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [source, os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
+    messages = done.stdout.splitlines()
+    assert len(messages) == 2, done.stdout + done.stderr
+    for message in messages:
+        assert "'s3'" in message and "obstore" in message
+        assert "pip install obstore" in message and 'pip install -e ".[s3]"' in message
+        assert "s3fs" not in message  # fsspec's "Install s3fs to access S3" is not the advice
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_private_memory_store_is_written_inline_with_the_same_objects():

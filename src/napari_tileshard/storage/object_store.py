@@ -32,7 +32,7 @@ plain-HTTP endpoint, ...) or from ``storage_options``: obstore's configuration k
 written the prefix is listed once, so a missing bucket, rejected credentials or an unreachable
 endpoint is one :class:`ObjectStoreError` naming the URL and the cause.
 
-obstore is imported only when an object store URL is used (``pip install napari-tileshard[s3]``).
+obstore is imported only when an object store URL is used (:data:`INSTALL_OBSTORE`).
 """
 
 from __future__ import annotations
@@ -90,6 +90,8 @@ T = TypeVar("T")
 
 #: URL schemes written and read through obstore.
 SCHEMES = frozenset({"s3", "s3a", "gs", "az", "abfs", "abfss", "azure"})
+#: How to get obstore, for the errors that find it missing (the package is installed from a checkout).
+INSTALL_OBSTORE = 'pip install obstore, or from a napari-tileshard checkout: pip install -e ".[s3]" (the s3 extra)'
 MIB = 1 << 20
 MIN_PART_SIZE = 5 * MIB  # S3: every part but the last
 MAX_PART_SIZE = 5 << 30
@@ -175,7 +177,7 @@ def build_store(url: str, storage_options: dict | None = None, *, preflight: boo
         from obstore.store import from_url
     except ImportError:
         raise ImportError(
-            f"writing or reading {url!r} needs obstore: pip install 'napari-tileshard[s3]' (or obstore)"
+            f"writing or reading {url!r} needs obstore, which is not installed: {INSTALL_OBSTORE}"
         ) from None
     if storage_options is not None and not isinstance(storage_options, dict):
         raise TypeError(f"storage_options must be a dict, got {type(storage_options).__name__}")

@@ -13,7 +13,7 @@ import importlib.util
 import os
 
 from ._zarr_sync import sync
-from .object_store import ObjectStoreSink, is_object_store_url, reader_store
+from .object_store import INSTALL_OBSTORE, SCHEMES, ObjectStoreSink, is_object_store_url, reader_store
 from .sinks import DirectorySink, Sink, ZarrStoreSink, check_store_path
 
 __all__ = ["list_shard_keys", "open_sink", "resolve_store"]
@@ -74,10 +74,15 @@ def _check_scheme(scheme: str) -> None:
     try:
         fsspec.get_filesystem_class(scheme)
     except (ValueError, ImportError) as exc:
-        from fsspec.registry import known_implementations
+        if scheme in SCHEMES:
+            # fsspec's own hint ("Install s3fs to access S3") names the fallback, not the client
+            # this package records with.
+            hint = f"{scheme}:// URLs are written and read through obstore, which is not installed: {INSTALL_OBSTORE}"
+        else:
+            from fsspec.registry import known_implementations
 
-        known = known_implementations.get(scheme, {})
-        hint = known.get("err") or ("" if known else "no fsspec filesystem is registered for it")
+            known = known_implementations.get(scheme, {})
+            hint = known.get("err") or ("" if known else "no fsspec filesystem is registered for it")
         raise ValueError(f"no installed store handles {scheme!r} URLs: {hint or exc}") from None
 
 

@@ -1,0 +1,142 @@
+"""The documentation's promises that can be checked without a network: every ``pip install`` line
+names extras that pyproject.toml declares and installs this package from a checkout (it is not on
+a package index), and every relative link in README.md and the docs reaches a file of the
+repository, and a heading of it where the link names one."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pytest itself depends on tomli before 3.11
+    import tomli as tomllib
+
+ROOT = Path(__file__).resolve().parents[2]
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+PROJECT = PYPROJECT["project"]["name"]
+EXTRAS = set(PYPROJECT["project"]["optional-dependencies"])
+
+#: Markdown a person reads: the README, docs/, and the benchmark history linked from docs/.
+DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "benchmarks" / "results").glob("*.md")])
+
+# `pip install ...` up to the end of the line, an inline code span's end, a shell comment or the next `&&` / `;`.
+INSTALL = re.compile(r"pip install ([^`\n;&#]*)")
+INLINE_CODE = re.compile(r"(?<!`)`[^`]+`(?!`)")
+EXTRAS_OF_CHECKOUT = re.compile(r"""(?:^|\s)['"]?\.\[([^\]]*)\]['"]?""")
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+FENCE = re.compile(r"^\s*(```|~~~)")
+
+
+def prose_lines(text: str) -> list[str]:
+    """The lines outside fenced code blocks."""
+    lines, fenced = [], False
+    for line in text.splitlines():
+        if FENCE.match(line):
+            fenced = not fenced
+            continue
+        if not fenced:
+            lines.append(line)
+    return lines
+
+
+def install_commands(text: str) -> list[str]:
+    """Every ``pip install`` command of a document, in code blocks and inline code alike (an inline
+    code span that wraps onto the next line is read as one line)."""
+    text = INLINE_CODE.sub(lambda span: span.group(0).replace("\n", " "), text)
+    return [match.group(1).strip() for match in INSTALL.finditer(text)]
+
+
+def github_anchor(heading: str) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    seen: dict[str, int] = {}
+    result = set()
+    for line in prose_lines(path.read_text(encoding="utf-8")):
+        match = re.match(r"#{1,6}\s+(.*)", line)
+        if not match:
+            continue
+        anchor = github_anchor(match.group(1))
+        count = seen.get(anchor, 0)
+        seen[anchor] = count + 1
+        result.add(anchor if count == 0 else f"{anchor}-{count}")
+    return result
+
+
+def relative_links(path: Path) -> list[str]:
+    links = []
+    for line in prose_lines(path.read_text(encoding="utf-8")):
+        for target in LINK.findall(line):
+            if not re.match(r"[a-z][a-z0-9+.-]*:", target):  # http:, https:, mailto: are not files here
+                links.append(target)
+    return links
+
+
+def test_the_helpers_see_what_they_are_meant_to():
+    assert install_commands('run `pip install -e ".[s3]"` or\n```\npip install obstore && x\n```') == [
+        '-e ".[s3]"',
+        "obstore",
+    ]
+    assert install_commands('a cluster (`pip install -e\n".[convert]"`; a local one)') == ['-e ".[convert]"']
+    assert EXTRAS_OF_CHECKOUT.findall('-e ".[test,napari]"') == ["test,napari"]
+    assert github_anchor("Adaptive dispatch of shard writes (`dispatch.py`)") == (
+        "adaptive-dispatch-of-shard-writes-dispatchpy"
+    )
+    assert github_anchor("Throughput against footprint (pick a budget)") == "throughput-against-footprint-pick-a-budget"
+    assert prose_lines("a\n```\n[x](gone.md)\n```\nb") == ["a", "b"]
+    assert LINK.findall('see [the API](docs/api.md#writer-recording) and ![shot](docs/recorder.png "t")') == [
+        "docs/api.md#writer-recording",
+        "docs/recorder.png",
+    ]
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_install_lines_install_this_package_from_a_checkout_with_extras_it_declares(doc):
+    for command in install_commands(doc.read_text(encoding="utf-8")):
+        words = command.replace('"', " ").replace("'", " ").split()
+        assert not any(re.match(rf"{PROJECT}(\[|$)", word) for word in words), (
+            f"{doc.name}: `pip install {command}` asks an index for {PROJECT}, which is installed from a "
+            f'checkout: pip install -e ".[extra]"'
+        )
+        for group in EXTRAS_OF_CHECKOUT.findall(command):
+            for extra in filter(None, (name.strip() for name in group.split(","))):
+                assert extra in EXTRAS, f"{doc.name}: `pip install {command}` names extra {extra!r}: not in {EXTRAS}"
+
+
+def test_the_readme_shows_how_to_install_every_extra_a_user_needs():
+    readme = ROOT / "README.md"
+    named = {
+        extra.strip()
+        for command in install_commands(readme.read_text(encoding="utf-8"))
+        for group in EXTRAS_OF_CHECKOUT.findall(command)
+        for extra in group.split(",")
+    }
+    assert EXTRAS - {"lint"} <= named, f"README.md never shows how to install {sorted(EXTRAS - {'lint'} - named)}"
+
+
+def test_extras_that_name_other_extras_name_ones_that_exist():
+    for extra, requirements in PYPROJECT["project"]["optional-dependencies"].items():
+        for requirement in requirements:
+            match = re.match(rf"{PROJECT}\[([^\]]*)\]", requirement)
+            if match:
+                assert set(match.group(1).split(",")) <= EXTRAS, f"extra {extra!r}: {requirement!r}"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_reach_a_file_of_the_repository_and_its_heading(doc):
+    broken = []
+    for target in relative_links(doc):
+        file_part, _, anchor = target.partition("#")
+        path = (doc.parent / file_part).resolve() if file_part else doc
+        if not path.is_relative_to(ROOT) or not path.exists():
+            broken.append(f"{target} (no such file)")
+        elif anchor and path.suffix == ".md" and anchor not in anchors(path):
+            broken.append(f"{target} (no heading with that anchor in {path.relative_to(ROOT)})")
+    assert not broken, f"{doc.relative_to(ROOT)}: " + "; ".join(broken)
