@@ -73,6 +73,6 @@ def test_two_gpus_write_the_bytes_of_one(tmp_path, gpus):
 def test_unknown_gpu_numbers_are_named(tmp_path, gpus):
     with pytest.raises(ValueError, match=rf"devices=\[{gpus}\]: GPU numbers must be integers in 0..{gpus - 1}"):
         Writer(tmp_path / "x.zarr", layout(), backend="gpu", devices=[gpus])
-    with pytest.raises(ValueError, match="devices must be 'all' or a list"):
+    with pytest.raises(ValueError, match="devices must be 'all', a positive count or GPU numbers"):
         Writer(tmp_path / "x.zarr", layout(), backend="gpu", devices="first")
     assert not (tmp_path / "x.zarr").exists()

@@ -392,11 +392,13 @@ def _resume_mismatch(exc) -> str:
 
 def _quiet_dask() -> None:
     """Dask's INFO lines (cluster start and stop, scheduler chatter, "stale lock file" purges) and
-    its shutdown noise are not for the user of convert: only its errors show, unless -v."""
+    its shutdown noise (a CRITICAL "Closed comm" traceback when a Ctrl-C closes the client while
+    the scheduler still sends to it) are not for the user of convert: what goes wrong reaches them
+    as convert's own one-line error.  ``-v`` shows everything."""
     with contextlib.suppress(ImportError):
         import distributed  # noqa: F401 - it sets its loggers' levels when imported: first, then ours
     for name in ("distributed", "tornado", "bokeh"):
-        logging.getLogger(name).setLevel(logging.CRITICAL)
+        logging.getLogger(name).setLevel(logging.CRITICAL + 1)
 
 
 def _resume_command(args) -> str:

@@ -68,7 +68,7 @@ class ShardAccumulator:
     def __init__(self, layout: Layout):
         self.layout = layout
         # the index format of the writer's shards (the codec plays no part in the index)
-        self._encode_index = ShardSpec.from_layout(layout, Raw()).encode_index
+        self._encode_index = ShardSpec.from_layout(layout, Raw()).encode_entries
         self._shard_epoch = 0
         self._next_epoch = 0
         self._preserved: dict[tuple[int, ...], bytes] = {}  # flushed files of unopened shard epochs
@@ -167,6 +167,6 @@ def _shards(layout: Layout, shard_epoch: int, state: _ShardEpochState, encode_in
         if not buffers:
             continue
         coords = (shard_epoch,) + layout.inner_shard_coords(j)
-        index = encode_index(state.index[j, :, 0], state.index[j, :, 1])
+        index = encode_index(state.index[j])
         shards.append(Shard(coords, buffers, index, int(state.length[j])))
     return shards

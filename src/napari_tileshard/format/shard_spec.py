@@ -345,10 +345,15 @@ class ShardSpec:
     def encode_index(self, offsets, nbytes) -> bytes:
         """The index bytes of a shard whose chunk ``i`` lies at ``offsets[i]`` and holds
         ``nbytes[i]`` bytes (uint64 with ``EMPTY``, or int64 with -1, where absent)."""
-        entries = np.empty((self.chunks, 2), dtype=self._index_dtype)
+        entries = np.empty((self.chunks, 2), dtype=np.uint64)
         entries[:, 0] = np.asarray(offsets).astype(np.uint64, copy=False)
         entries[:, 1] = np.asarray(nbytes).astype(np.uint64, copy=False)
-        raw = entries.tobytes()
+        return self.encode_entries(entries)
+
+    def encode_entries(self, entries: np.ndarray) -> bytes:
+        """The index bytes of ``(chunks, 2)`` uint64 (offset, nbytes) pairs (``EMPTY`` where
+        absent): the writer's per-shard path, one copy at most."""
+        raw = np.ascontiguousarray(entries, dtype=self._index_dtype).tobytes()
         return raw + crc32c.crc32c(raw).to_bytes(4, "little") if self.index_crc else raw
 
     def index_entries(self, raw) -> tuple[np.ndarray, np.ndarray, bool]:
