@@ -23,7 +23,7 @@ import zarr  # noqa: E402
 
 from napari_tileshard import verify  # noqa: E402
 from napari_tileshard.apps.mmcore import FRAME_COLUMNS, TileShardSink  # noqa: E402
-from napari_tileshard.apps.mmcore_demo import demo_core  # noqa: E402
+from napari_tileshard.apps.mmcore.demo import demo_core  # noqa: E402
 from napari_tileshard.engine.options import EngineOptions  # noqa: E402
 from napari_tileshard.testing import FaultInjectingSink  # noqa: E402
 
