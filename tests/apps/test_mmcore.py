@@ -202,6 +202,28 @@ def test_skip_and_out_of_order_frames_land_at_their_event_index(core, capture, t
     assert sink.stats.skipped == 1 and sink.stats.written == len(events) - 1
 
 
+def test_frames_beyond_a_gap_at_the_end_of_a_run_are_written_not_filled(tmp_path):
+    """A run that ends with a frame missing before frames that did arrive (a lost frame, a run
+    cancelled while frames came out of order): the frames that came are written at their place,
+    only the gap and the rest of the row read as the fill value (missing)."""
+    sequence = useq.MDASequence(time_plan={"interval": 0, "loops": 2}, z_plan={"range": 3, "step": 1})  # rows of 4
+    out = tmp_path / "gap.ome.zarr"
+    sink = TileShardSink(out, backend="cpu", ome=False)
+    sink.setup(sequence, _meta())
+    events = list(sequence)
+    frame = np.ones((8, 16), np.uint16)
+    for k in (0, 2):  # event 1 never comes; the run ends after event 2
+        sink.append(frame * (k + 1), events[k], {})
+    sink.close()
+    data = zarr.open_array(out / "0", mode="r")[...]
+    assert data.shape == (1, 4, 8, 16)
+    assert [int(data[0, z, 0, 0]) for z in range(4)] == [1, 0, 3, 0]
+    stats = sink.stats
+    assert (stats.received, stats.written, stats.missing, stats.late) == (2, 2, 2, 0)
+    fills = zarr.open_group(out, mode="r").attrs["tileshard_mmcore"]["fill_frames"]["0"]
+    assert fills == {"skipped": [], "dropped": [], "missing": [1, 3]}
+
+
 def _payload(capture, item):
     event, meta = item
     return capture.frames[tuple(sorted(event.index.items()))], event, meta

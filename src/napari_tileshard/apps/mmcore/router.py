@@ -284,6 +284,8 @@ class ReorderBuffer:
         """One frame arrived.  False when it came too late (its place was filled already, or the
         same frame is waiting): it is discarded."""
         lane = self._lanes[series]
+        if frame < 0 or (lane.total is not None and frame >= lane.total):
+            raise ValueError(f"frame {frame} is outside series {series} of {lane.total} frames")
         if frame < lane.next_frame or frame in lane.pending:
             return False
         lane.pending[frame] = image
@@ -327,7 +329,11 @@ class ReorderBuffer:
             lane.next_frame += 1
 
     def _fill_until(self, lane: _Lane, stop: int, reason: str) -> None:
+        """Hand on every frame before ``stop``: the ones that arrived, fill for the others."""
         while lane.next_frame < stop:
+            if lane.next_frame in lane.pending:  # arrived after all (at the end: beyond an earlier gap)
+                self._advance(lane)
+                continue
             with self._lock:
                 why = lane.absent.pop(lane.next_frame, reason)
             self._fill_frame(lane, why)
