@@ -169,6 +169,29 @@ def test_grid_positions_become_series_and_run_mda_works(core, capture, tmp_path)
         np.testing.assert_array_equal(zarr.open_array(out / str(series), mode="r")[0], img)
 
 
+def test_positions_with_grids_of_their_own_keep_every_tile(core, capture, tmp_path):
+    """Each position with its own grid plan, of different sizes (the sequence sizes no grid axis):
+    every (position, tile) is a series of its own holding its frames; none is lost as late."""
+    sequence = useq.MDASequence(
+        stage_positions=[
+            useq.Position(x=0, y=0, sequence=useq.MDASequence(grid_plan={"rows": 2, "columns": 1})),
+            useq.Position(x=100, y=0, sequence=useq.MDASequence(grid_plan={"rows": 1, "columns": 3})),
+        ],
+        channels=["DAPI", "FITC"],
+        axis_order="pgc",
+    )
+    out = tmp_path / "grids.ome.zarr"
+    sink = TileShardSink(out, backend="cpu", ome=False)
+    core.mda.run(sequence, output=sink)
+    keys = [(0, 0), (0, 1), (1, 0), (1, 1), (1, 2)]
+    assert zarr.open_group(out / "OME", mode="r").attrs["ome"]["series"] == ["0", "1", "2", "3", "4"]
+    assert sink.stats.received == sink.stats.written == len(capture.frames) == 10 and sink.stats.late == 0
+    for key, img in capture.frames.items():
+        index = dict(key)
+        series = keys.index((index["p"], index["g"]))
+        np.testing.assert_array_equal(zarr.open_array(out / str(series), mode="r")[index["c"]], img)
+
+
 def test_skip_and_out_of_order_frames_land_at_their_event_index(core, capture, tmp_path):
     """Driven the way MDARunner drives a SinkProtocol sink: setup, append per frame, skip(frames=)
     for events that produced none; here the frames of each timepoint arrive shuffled and the

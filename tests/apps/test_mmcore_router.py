@@ -85,6 +85,40 @@ def test_grid_positions_are_series_of_their_own():
     assert [router.place(e.index) for e in sequence] == [(s, c) for s in range(4) for c in range(2)]
 
 
+def test_positions_with_grid_plans_of_their_own_make_a_series_per_tile():
+    """Grids of different sizes per position: the sequence itself sizes no grid axis (g is 0 in
+    ``sizes``), the events carry it; every (p, g) is a series of its own, none shares its frames."""
+    sequence = useq.MDASequence(
+        stage_positions=[
+            useq.Position(x=0, y=0, sequence=useq.MDASequence(grid_plan={"rows": 2, "columns": 1})),
+            useq.Position(x=100, y=0, sequence=useq.MDASequence(grid_plan={"rows": 1, "columns": 3})),
+        ],
+        channels=["DAPI", "FITC"],
+        axis_order="pgc",
+    )
+    assert sequence.sizes.get("g", 0) == 0
+    router = EventRouter.from_sequence(sequence)
+    assert router.series_axes == ("p", "g") and router.keys == [(0, 0), (0, 1), (1, 0), (1, 1), (1, 2)]
+    places = [router.place(e.index) for e in sequence]  # a position's grid runs inside its channels
+    assert places == [(router.keys.index((e.index["p"], e.index["g"])), e.index["c"]) for e in sequence]
+    assert sorted(places) == [(s, c) for s in range(5) for c in range(2)]
+
+
+def test_positions_whose_own_plans_change_the_image_axes_are_refused_at_setup():
+    """A z stack at one position only would make images of different shapes (ragged), which one
+    layout for every series cannot hold: refused before the MDA starts, naming the event."""
+    sequence = useq.MDASequence(
+        stage_positions=[
+            useq.Position(x=0, y=0, sequence=useq.MDASequence(z_plan={"range": 2, "step": 1})),
+            useq.Position(x=10, y=0),
+        ],
+        time_plan={"interval": 0, "loops": 2},
+        axis_order="tpz",
+    )
+    with pytest.raises(NotImplementedError, match=r"event index \{'t': 0, 'p': 0, 'z': 1\}.*\(z of 0\)"):
+        EventRouter.from_sequence(sequence)
+
+
 def test_a_sequence_of_unknown_length_numbers_frames_by_arrival():
     for sequence in (
         (useq.MDAEvent(index={"t": i}) for i in itertools.count()),  # a generator of events

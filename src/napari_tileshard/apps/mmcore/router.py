@@ -54,22 +54,40 @@ def sequence_sizes(sequence) -> tuple[dict[str, int] | None, tuple[str, ...]]:
     return sizes, axis_order
 
 
-def series_keys(sequence, sizes: Mapping[str, int], axis_order: Sequence[str]) -> list[tuple[int, ...]]:
-    """The (p, g) pairs of the sequence (only the series axes it has), in the order they first
-    occur.  Positions with grid plans of their own may differ in grid size, so those are read from
-    the sequence's events; otherwise every combination in axis order."""
-    present = [a for a in SERIES_AXES if sizes.get(a, 0) > 0]
-    if not present:
-        return [()]
+def series_keys(sequence, sizes: Mapping[str, int], axis_order: Sequence[str]) -> tuple[tuple[str, ...], list[tuple]]:
+    """The series axes of the sequence (those of ``p``, ``g`` it has) and their values, one key per
+    series, in the order they first occur.  Positions with plans of their own (a grid plan per
+    position, of any size) are read from the sequence's events, where a grid axis may appear that
+    the sequence itself does not size; otherwise every combination in axis order.  Raises
+    NotImplementedError for positions whose own plans give their images other axes or sizes than
+    the sequence's (ragged images: one layout serves every series)."""
     positions = getattr(sequence, "stage_positions", ()) or ()
-    if not any(getattr(p, "sequence", None) is not None for p in positions):
-        ordered = [a for a in axis_order if a in present]
-        keys = [dict(zip(ordered, combo)) for combo in itertools.product(*(range(sizes[a]) for a in ordered))]
-        return [tuple(k[a] for a in present) for k in keys]
-    seen: dict[tuple, None] = {}
-    for event in sequence:
-        seen.setdefault(tuple(event.index.get(a, 0) for a in present), None)
-    return list(seen)
+    if any(getattr(p, "sequence", None) is not None for p in positions):
+        indexes = [event.index for event in sequence]
+        present = tuple(a for a in SERIES_AXES if sizes.get(a, 0) > 0 or any(i.get(a, 0) > 0 for i in indexes))
+        for index in indexes:
+            for axis, value in index.items():
+                if axis not in SERIES_AXES and not 0 <= value < max(sizes.get(axis, 0), 1):
+                    raise NotImplementedError(
+                        f"event index {_plain(index)}: positions whose own plans give their images other axes or "
+                        f"sizes than the sequence's ({axis} of {sizes.get(axis, 0)}) are not supported by "
+                        "TileShardSink; positions may have grid plans of their own"
+                    )
+        seen: dict[tuple, None] = {}
+        for index in indexes:
+            seen.setdefault(tuple(index.get(a, 0) for a in present), None)
+        return present, list(seen) if present else [()]
+    present = tuple(a for a in SERIES_AXES if sizes.get(a, 0) > 0)
+    if not present:
+        return (), [()]
+    ordered = [a for a in axis_order if a in present]
+    keys = [dict(zip(ordered, combo)) for combo in itertools.product(*(range(sizes[a]) for a in ordered))]
+    return present, [tuple(k[a] for a in present) for k in keys]
+
+
+def _plain(index: Mapping[str, int]) -> dict[str, int]:
+    """An event index as it reads in a message: useq's axis enums as their letters."""
+    return {getattr(axis, "value", axis): value for axis, value in index.items()}
 
 
 class EventRouter:
@@ -130,13 +148,8 @@ class EventRouter:
         if sizes is None:
             return cls(None)
         inner = {a: sizes[a] for a in axis_order if a not in SERIES_AXES and sizes.get(a, 0) > 0}
-        present = tuple(a for a in SERIES_AXES if sizes.get(a, 0) > 0)
-        return cls(
-            inner,
-            series_keys(sequence, sizes, axis_order),
-            present,
-            events=lambda: (event.index for event in sequence),
-        )
+        present, keys = series_keys(sequence, sizes, axis_order)
+        return cls(inner, keys, present, events=lambda: (event.index for event in sequence))
 
     @property
     def series_count(self) -> int:
@@ -162,12 +175,12 @@ class EventRouter:
         try:
             series = self._series_of[tuple([index.get(a, 0) for a in self.series_axes])]
         except KeyError:
-            raise ValueError(f"event index {dict(index)} is not part of the sequence") from None
+            raise ValueError(f"event index {_plain(index)} is not part of the sequence") from None
         frame = 0
         for axis, stride, size in self._axis_bounds:
             value = index.get(axis, 0)
             if not 0 <= value < size:  # a frame beyond its series would grow the image past the sequence
-                raise ValueError(f"event index {dict(index)} is not part of the sequence ({axis} has {size})")
+                raise ValueError(f"event index {_plain(index)} is not part of the sequence ({axis} has {size})")
             frame += value * stride
         place = (series, frame)
         self._last_placed = place
