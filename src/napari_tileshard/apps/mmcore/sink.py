@@ -70,6 +70,17 @@ class SinkStats:
     error: str | None = None
 
 
+@dataclass
+class _Run:
+    """The pieces of one MDA, built by ``setup`` from its sequence and summary metadata."""
+
+    router: EventRouter  # event -> (series, frame), on the MDA thread
+    reorder: ReorderBuffer  # frames in frame order into the Writers, on the feeder thread
+    watch: BufferWatch  # pymmcore-plus's sequence buffer, on the MDA thread
+    feeder: FrameFeeder  # the bounded queue and the feeder thread between them
+    table: FrameTable  # the per-frame metadata, from both threads
+
+
 class TileShardSink:
     """A pymmcore-plus data sink writing each MDA into a sharded OME-Zarr collection.
 
@@ -144,18 +155,14 @@ class TileShardSink:
         self.series_names: list[str] = []  # the collection's images: "0", "1", ... (one per position)
         self.writers: list[Writer] = []  # one per series
         self.axes: tuple[str, ...] = ()  # the image axes (without p/g, with y, x)
-        self._router: EventRouter | None = None
-        self._reorder: ReorderBuffer | None = None
-        self._watch: BufferWatch | None = None
-        self._feeder: FrameFeeder | None = None
-        self._table = FrameTable()
+        self._run: _Run | None = None  # set by setup
         self._fell_behind: str | None = None  # why the MDA was stopped, once it was
         self._closed = False
 
     @property
     def recording(self) -> bool:
         """Between ``setup`` and ``close``."""
-        return self._feeder is not None and not self._closed
+        return self._run is not None and not self._closed
 
     # -- pymmcore-plus SinkProtocol -----------------------------------------------------
     def setup(self, sequence, meta) -> None:
@@ -188,31 +195,31 @@ class TileShardSink:
                 writer.close()
             raise
         self.series_names, self.writers = series_names, writers
-        self._router = router
         per_series = router.frames_per_series
-        self._reorder = ReorderBuffer(
+        reorder = ReorderBuffer(
             [per_series] * router.series_count,
             window=self.reorder_frames,
             frames_per_row=router.frames_per_row,
             deliver=self._deliver,
             fill=self._fill,
         )
-        self._watch = BufferWatch(
+        watch = BufferWatch(
             frame_bytes=camera.frame_bytes,
             frame_text=camera.description,
             buffer_mb=camera.buffer_mb,
             buffer_frames=camera.buffer_frames,
             planned_frames=None if per_series is None else per_series * router.series_count,
         )
-        reorder = self._reorder
-        self._feeder = FrameFeeder(
+        feeder = FrameFeeder(
             self.queue_frames,
             self.policy,
             take=self._take,
             advance=reorder.advance,
             finish=reorder.finish,
             label=self.path,
-        ).start()
+        )
+        self._run = _Run(router, reorder, watch, feeder, FrameTable())
+        feeder.start()
 
     def _warm_up(self, layout: Layout) -> None:
         """Arm the GPU before the camera starts (setup runs before the MDA's first event): the
@@ -236,35 +243,34 @@ class TileShardSink:
         """Queue one frame (on the MDA thread; waits only when ``queue_frames`` frames wait and
         the policy is ``block``).  False when the frame was dropped."""
         start = time.perf_counter()
-        feeder = self._feeder
         self._raise_if_failed()
-        if feeder is None or self._closed:
+        run = self._run
+        if run is None or self._closed:
             raise RuntimeError(f"{self.path}: append() before setup() or after close()")
         try:
-            series, frame = self._router.place(getattr(event, "index", None) or _NO_INDEX)  # type: ignore[union-attr]
+            series, frame = run.router.place(getattr(event, "index", None) or _NO_INDEX)
         except ValueError as exc:
             raise ValueError(f"{self.path}: {exc}") from None
         stats = self.stats
         stats.received += 1
-        watch = self._watch
-        waiting = watch.observe(meta, queue_full=feeder.full(), received=stats.received)  # type: ignore[union-attr]
-        stats.max_camera_buffer = watch.max_waiting  # type: ignore[union-attr]
+        feeder, watch = run.feeder, run.watch
+        waiting = watch.observe(meta, queue_full=feeder.full(), received=stats.received)
+        stats.max_camera_buffer = watch.max_waiting
         if waiting is not None:
-            self._stop_falling_behind(waiting)
+            self._stop_falling_behind(watch, waiting)
         accepted = feeder.offer((series, frame, np.asarray(img), meta))
         if accepted:
             stats.max_queue = max(stats.max_queue, feeder.qsize())
         else:
             stats.dropped += 1
-            self._reorder.mark_absent(series, frame, "dropped")  # type: ignore[union-attr]
-            self._table.add(series, frame, meta, stored=False)
+            run.reorder.mark_absent(series, frame, "dropped")
+            run.table.add(series, frame, meta, stored=False)
         stats.append_s += time.perf_counter() - start
         return accepted
 
-    def _stop_falling_behind(self, waiting: int) -> None:
+    def _stop_falling_behind(self, watch: BufferWatch, waiting: int) -> None:
         """Say why (rates, the buffer and how to raise it) and stop the MDA if the core is known."""
-        assert self._watch is not None
-        message = self._watch.explain(
+        message = watch.explain(
             path=self.path,
             waiting=waiting,
             received=self.stats.received,
@@ -283,23 +289,23 @@ class TileShardSink:
     def skip(self, *, frames: int = 1) -> None:
         """The next ``frames`` events of the sequence produced no image: they read as the fill
         value and are listed in the metadata as skipped."""
-        if not self.recording:
+        run = self._run
+        if run is None or self._closed:
             raise RuntimeError(f"{self.path}: skip() before setup() or after close()")
-        assert self._router is not None and self._reorder is not None and self._feeder is not None
-        places = self._router.skip(frames)
+        places = run.router.skip(frames)
         for series, frame in places:
-            self._reorder.mark_absent(series, frame, "skipped")
+            run.reorder.mark_absent(series, frame, "skipped")
         self.stats.skipped += len(places)
-        if self._router.bounded:
-            self._feeder.wake()  # let the feeder advance over the skipped frames now
+        if run.router.bounded:
+            run.feeder.wake()  # let the feeder advance over the skipped frames now
 
     def close(self) -> None:
         """Write what is still queued, fill the frames that never came up to the end of their
         row, close the Writers and write the metadata.  Raises the Writer's error, if any."""
-        feeder = self._feeder
-        if feeder is None or self._closed:
+        run = self._run
+        if run is None or self._closed:
             return
-        feeder.stop()
+        run.feeder.stop()
         self._closed = True
         errors = []
         for writer in self.writers:
@@ -308,10 +314,10 @@ class TileShardSink:
             except Exception as exc:  # every Writer is closed whatever the others did
                 errors.append(exc)
         try:
-            self._write_metadata()
+            self._write_metadata(run)
         except Exception as exc:
             errors.append(exc)
-        failure = feeder.failure or (errors[0] if errors else None)
+        failure = run.feeder.failure or (errors[0] if errors else None)
         if failure is not None:
             self.stats.error = str(failure)
             raise failure
@@ -357,10 +363,12 @@ class TileShardSink:
 
     # -- the feeder thread's side -----------------------------------------------------
     def _take(self, item: tuple[int, int, np.ndarray, Any]) -> None:
+        run = self._run
+        assert run is not None  # the feeder runs only while there is a run
         series, frame, img, meta = item
-        if not self._reorder.take(series, frame, img):  # type: ignore[union-attr]
+        if not run.reorder.take(series, frame, img):
             self.stats.late += 1
-        self._table.add(series, frame, meta, stored=True)
+        run.table.add(series, frame, meta, stored=True)
 
     def _deliver(self, series: int, img: np.ndarray) -> None:
         self.writers[series].append(img)
@@ -374,18 +382,17 @@ class TileShardSink:
         writer.append(np.zeros(layout.shape[-2:], layout.dtype))
 
     def _raise_if_failed(self) -> None:
-        failure = self._feeder.failure if self._feeder is not None else None
+        failure = self._run.feeder.failure if self._run is not None else None
         if failure is not None:
             raise RuntimeError(f"{self.path}: recording failed: {failure}") from failure
 
-    def _write_metadata(self) -> None:
-        assert self._router is not None and self._reorder is not None and self._feeder is not None
-        failed = self._feeder.failure is not None
-        reorder = self._reorder
+    def _write_metadata(self, run: _Run) -> None:
+        failed = run.feeder.failure is not None
+        reorder = run.reorder
         finish_collection(
             self.path,
-            self._table,
-            inner_axes=self._router.inner_axes,
+            run.table,
+            inner_axes=run.router.inner_axes,
             state="failed" if failed else "stopped" if self._fell_behind else "complete",
             stopped=None if failed else self._fell_behind,
             series_names=self.series_names,
