@@ -1,7 +1,7 @@
 """pymmcore-plus MDA throughput: TileShardSink (gpu, cpu) vs pymmcore-plus's default ome-writers sink
 (tensorstore, acquire-zarr), the same sequence in the same process, and where the time goes.
 
-A ``UniMMCore`` with a pure-Python camera (``mmcore_demo``: each snap copies a pre-rendered
+A ``UniMMCore`` with a pure-Python camera (``mmcore.demo``: each snap copies a pre-rendered
 SyntheticCamera frame into the buffer pymmcore-plus hands it, so the camera costs one memcpy)
 runs ``--frames`` timepoints with interval 0: the camera delivers as fast as pymmcore-plus emits.
 
@@ -129,7 +129,7 @@ def main(argv=None) -> None:
     logging.getLogger("pymmcore-plus").setLevel(logging.CRITICAL)
     import useq
 
-    from napari_tileshard.apps.mmcore_demo import demo_core
+    from napari_tileshard.apps.mmcore.demo import demo_core
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

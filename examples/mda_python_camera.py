@@ -1,6 +1,6 @@
 """Record a pymmcore-plus MDA into sharded OME-Zarr, offline: no Micro-Manager installation needed.
 
-A ``UniMMCore`` gets pure-Python devices (``napari_tileshard.apps.mmcore_demo``: a camera whose frames
+A ``UniMMCore`` gets pure-Python devices (``napari_tileshard.apps.mmcore.demo``: a camera whose frames
 come from ``SyntheticCamera``, a Z stage, an XY stage, a shutter, a ``Channel`` group), runs a
 t × c × z sequence and hands every frame to ``TileShardSink``; the result opens in napari.
 
@@ -16,7 +16,7 @@ import logging
 import useq
 
 from napari_tileshard.apps.mmcore import TileShardSink
-from napari_tileshard.apps.mmcore_demo import demo_core
+from napari_tileshard.apps.mmcore.demo import demo_core
 
 
 def record(output: str, *, frame=(512, 512), timepoints=4, backend="auto", overwrite=True) -> TileShardSink:

@@ -55,7 +55,7 @@ def mda(tmp_path_factory):
     import useq
 
     from napari_tileshard.apps.mmcore import TileShardSink
-    from napari_tileshard.apps.mmcore_demo import demo_core
+    from napari_tileshard.apps.mmcore.demo import demo_core
 
     logging.getLogger().setLevel(root_level)  # pymmcore-plus sets the root logger to DEBUG on import
     logging.getLogger("pymmcore-plus").setLevel(logging.CRITICAL)

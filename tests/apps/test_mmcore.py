@@ -23,7 +23,7 @@ import zarr  # noqa: E402
 
 from napari_tileshard import verify  # noqa: E402
 from napari_tileshard.apps.mmcore import FRAME_COLUMNS, TileShardSink  # noqa: E402
-from napari_tileshard.apps.mmcore_demo import demo_core  # noqa: E402
+from napari_tileshard.apps.mmcore.demo import demo_core  # noqa: E402
 from napari_tileshard.engine.options import EngineOptions  # noqa: E402
 from napari_tileshard.testing import FaultInjectingSink  # noqa: E402
 
@@ -169,6 +169,29 @@ def test_grid_positions_become_series_and_run_mda_works(core, capture, tmp_path)
         np.testing.assert_array_equal(zarr.open_array(out / str(series), mode="r")[0], img)
 
 
+def test_positions_with_grids_of_their_own_keep_every_tile(core, capture, tmp_path):
+    """Each position with its own grid plan, of different sizes (the sequence sizes no grid axis):
+    every (position, tile) is a series of its own holding its frames; none is lost as late."""
+    sequence = useq.MDASequence(
+        stage_positions=[
+            useq.Position(x=0, y=0, sequence=useq.MDASequence(grid_plan={"rows": 2, "columns": 1})),
+            useq.Position(x=100, y=0, sequence=useq.MDASequence(grid_plan={"rows": 1, "columns": 3})),
+        ],
+        channels=["DAPI", "FITC"],
+        axis_order="pgc",
+    )
+    out = tmp_path / "grids.ome.zarr"
+    sink = TileShardSink(out, backend="cpu", ome=False)
+    core.mda.run(sequence, output=sink)
+    keys = [(0, 0), (0, 1), (1, 0), (1, 1), (1, 2)]
+    assert zarr.open_group(out / "OME", mode="r").attrs["ome"]["series"] == ["0", "1", "2", "3", "4"]
+    assert sink.stats.received == sink.stats.written == len(capture.frames) == 10 and sink.stats.late == 0
+    for key, img in capture.frames.items():
+        index = dict(key)
+        series = keys.index((index["p"], index["g"]))
+        np.testing.assert_array_equal(zarr.open_array(out / str(series), mode="r")[index["c"]], img)
+
+
 def test_skip_and_out_of_order_frames_land_at_their_event_index(core, capture, tmp_path):
     """Driven the way MDARunner drives a SinkProtocol sink: setup, append per frame, skip(frames=)
     for events that produced none; here the frames of each timepoint arrive shuffled and the
@@ -200,6 +223,28 @@ def test_skip_and_out_of_order_frames_land_at_their_event_index(core, capture, t
     flat = skipped.index["c"] * 2 + skipped.index["z"]  # t=0, sizes c=2, z=2
     assert fills == {"skipped": [flat], "dropped": [], "missing": []}
     assert sink.stats.skipped == 1 and sink.stats.written == len(events) - 1
+
+
+def test_frames_beyond_a_gap_at_the_end_of_a_run_are_written_not_filled(tmp_path):
+    """A run that ends with a frame missing before frames that did arrive (a lost frame, a run
+    cancelled while frames came out of order): the frames that came are written at their place,
+    only the gap and the rest of the row read as the fill value (missing)."""
+    sequence = useq.MDASequence(time_plan={"interval": 0, "loops": 2}, z_plan={"range": 3, "step": 1})  # rows of 4
+    out = tmp_path / "gap.ome.zarr"
+    sink = TileShardSink(out, backend="cpu", ome=False)
+    sink.setup(sequence, _meta())
+    events = list(sequence)
+    frame = np.ones((8, 16), np.uint16)
+    for k in (0, 2):  # event 1 never comes; the run ends after event 2
+        sink.append(frame * (k + 1), events[k], {})
+    sink.close()
+    data = zarr.open_array(out / "0", mode="r")[...]
+    assert data.shape == (1, 4, 8, 16)
+    assert [int(data[0, z, 0, 0]) for z in range(4)] == [1, 0, 3, 0]
+    stats = sink.stats
+    assert (stats.received, stats.written, stats.missing, stats.late) == (2, 2, 2, 0)
+    fills = zarr.open_group(out, mode="r").attrs["tileshard_mmcore"]["fill_frames"]["0"]
+    assert fills == {"skipped": [], "dropped": [], "missing": [1, 3]}
 
 
 def _payload(capture, item):

@@ -23,11 +23,20 @@ from pymmcore_plus.experimental.unicore import (  # noqa: E402 (the root level i
     XYStageDevice,
 )
 
-from .camera import SyntheticCamera  # noqa: E402
+from ..camera import SyntheticCamera  # noqa: E402
 
 # pymmcore-plus sets the root logger to DEBUG when imported (its _logger.configure_logging), which
 # makes every library's debug records get formatted (botocore's then raise); put it back.
 logging.getLogger().setLevel(_root_level)
+
+__all__ = [
+    "DEFAULT_CHANNELS",
+    "PythonShutter",
+    "PythonXYStage",
+    "PythonZStage",
+    "SyntheticCameraDevice",
+    "demo_core",
+]
 
 DEFAULT_CHANNELS = {"DAPI": 10.0, "FITC": 20.0}  # preset name -> exposure in ms
 
