@@ -14,6 +14,8 @@ from qtpy.QtCore import QEvent, QObject, QThread, Signal
 from ..apps.preview import read_first, read_newest
 from ..apps.recorder import LayerSource, Recorder, RecorderSettings, RecorderStats
 
+__all__ = ["RecordingController"]
+
 
 class _RecorderThread(QThread):
     """Runs :meth:`Recorder.run` and relays its callbacks as signals.

@@ -27,6 +27,8 @@ from .camera import SyntheticCamera
 from .convert import ConvertInterrupted, ResumeMismatch, convert
 from .verify import missing_store, verify
 
+__all__ = ["FAILURE", "USAGE_ERROR", "build_layout", "convert_command", "gui", "main", "record"]
+
 _SPATIAL_NAMES = ("c", "z", "y", "x")
 #: exit statuses: a usage error (a bad option or value, an existing store), a runtime failure
 #: (disk full, unreachable storage, a store with problems); 128 + signal after Ctrl-C / SIGTERM

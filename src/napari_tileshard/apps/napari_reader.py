@@ -31,6 +31,19 @@ from ..reader.shard_reader import ShardReader
 from ..storage.object_store import is_object_store_url
 from ..storage.safe_read import StoreAccess, read_local_metadata, recording_state
 
+__all__ = [
+    "FirstRows",
+    "MAX_CHANNEL_LAYERS",
+    "MAX_DISPLAY_SLICE_BYTES",
+    "NAPARI_CACHE_BYTES",
+    "check_displayable",
+    "fast_array",
+    "napari_get_reader",
+    "open_lazy",
+    "read_zarr",
+    "written_rows",
+]
+
 
 def napari_get_reader(path):
     """Return a reader for a Zarr v3 store path, or None so that other readers get their turn."""

@@ -28,6 +28,20 @@ from ..reader.shard_reader import ShardReader
 from ..storage.safe_read import StoreAccess
 from .napari_reader import FirstRows, check_displayable, open_lazy, written_rows
 
+__all__ = [
+    "MAX_BLOCKS",
+    "MAX_FRAME_BLOCKS_PER_DIM",
+    "RecentFrames",
+    "block_shape",
+    "complete_rows",
+    "contrast_limits",
+    "preview_data",
+    "read_first",
+    "read_newest",
+    "shape_of",
+    "warm_up_dask_in_background",
+]
+
 #: Upper bound on the dask blocks of one preview level.  napari's crop of every row makes each
 #: draw cost dask time in proportion to them, on the GUI thread: 13 ms at 4096 blocks, 68 ms at
 #: 16384 (2-core machine).  A long recording gets longer blocks along dim 0 rather than more.
