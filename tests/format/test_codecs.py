@@ -7,6 +7,7 @@ is then covered by every parametrized test here.
 """
 
 import json
+import time
 
 import crc32c
 import numpy as np
@@ -285,5 +286,8 @@ def test_cli_records_and_verifies_blosc(tmp_path, capsys):
     )
     assert zarr.open_array(out, mode="r").shape == (9, 48, 40)
     assert main(["verify", str(out)]) == 0
+    start = time.perf_counter()  # refused before the camera renders its 2048² frames (seconds)
     assert main(["record", str(tmp_path / "bad.zarr"), "--codec", "blosc-lz4", "--level", "12"]) == 2
+    assert time.perf_counter() - start < 1.0
     assert "blosc-lz4 level must be in 0..9, got 12" in capsys.readouterr().err
+    assert not (tmp_path / "bad.zarr").exists()

@@ -15,6 +15,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ..engine.backends import BACKENDS
+from ..engine.options import writer_settings
 from ..engine.writer import CloseAbandoned, Writer, WriterError
 from ..format import codecs
 from ..format.layout import SUPPORTED_DTYPES, Dim, Layout
@@ -558,8 +559,6 @@ def record(args) -> int:
         raise OSError(
             28, f"{args.output}: only {free} bytes free, but one shard epoch with its metadata can take {needed} bytes"
         )
-    camera = SyntheticCamera(layout.frame_shape or (1,), layout.dtype, seed=args.seed, fps=args.fps)
-    camera.prepare()  # render the frame bank before the clock starts
     pyramid = (
         {
             "ome": True,
@@ -570,22 +569,19 @@ def record(args) -> int:
         if args.ome
         else {}
     )
+    # Every setting checked before the camera renders its frames (seconds for large frames).
+    spec, options = writer_settings(
+        layout, codec=args.codec, level=args.level, backend=args.backend, io_timeout=args.io_timeout, **pyramid
+    )
+    camera = SyntheticCamera(layout.frame_shape or (1,), layout.dtype, seed=args.seed, fps=args.fps)
+    camera.prepare()  # render the frame bank before the clock starts
     stops = [f"{frames} frames" if frames is not None else None, f"{args.duration:g} s" if args.duration else None]
     until = " or ".join(filter(None, stops)) or "Ctrl-C"
     interrupted = None
     writer: Writer | None = None
     previous = signal.signal(signal.SIGTERM, _raise_interrupted) if _main_thread() else None
     try:
-        with Writer(
-            args.output,
-            layout,
-            codec=args.codec,
-            level=args.level,
-            backend=args.backend,
-            overwrite=args.overwrite,
-            io_timeout=args.io_timeout,
-            **pyramid,
-        ) as writer:
+        with Writer(args.output, spec, options, overwrite=args.overwrite) as writer:
             print(
                 f"recording to {writer.location} ({writer.stats.backend}) until {until}"
                 + ("" if until == "Ctrl-C" else " (Ctrl-C stops earlier)"),
