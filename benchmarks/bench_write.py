@@ -37,6 +37,7 @@ TILE_CASES = {
     "256k": (8, 128, 128),
     "1m": (32, 128, 128),
     "4m": (32, 256, 256),
+    "1m-d8": (8, 256, 256),  # deep tiles of issue 29: 8 frames of 256 x 256
     # shallow tiles, 1 or 2 frames deep (a shard epoch is then one tile epoch: 1-2 frames)
     "64k-d1": (1, 128, 256),
     "256k-d1": (1, 256, 512),

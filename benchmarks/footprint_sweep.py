@@ -23,10 +23,12 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
 sys.path.insert(0, str(HERE))
 
-TILES = {"64k": (8, 64, 64), "256k": (8, 128, 128), "1m": (32, 128, 128), "4m": (32, 256, 256)}
+from bench_write import TILE_CASES as TILES  # noqa: E402 - benchmarks/ is on sys.path above
 
 
-def one_case(tile_name: str, batch_mib: int | None, budget: str | None, gib: float, out: str, slots: int) -> dict:
+def one_case(
+    tile_name: str, batch_mib: int | None, budget: str | None, gib: float, out: str, slots: int, ceiling: bool = True
+) -> dict:
     import cupy
     import gpu_ceiling
     import numpy as np
@@ -80,6 +82,10 @@ def one_case(tile_name: str, batch_mib: int | None, budget: str | None, gib: flo
         if t_steady
         else None,
         "total_gbps": round(frames * frame_bytes / (t_closed - t_first) / 1e9, 3),
+        # the user's clock: from Writer(...) to the end of close(), arming included
+        "user_gbps": round(frames * frame_bytes / (t_closed - t0) / 1e9, 3),
+        "gib": gib,
+        "close_s": round(t_closed - t_appended, 3),
         "first100_max_ms": round(float(latencies[:100].max()) * 1e3, 1),
         "steady_max_ms": round(float(latencies[steady_from:].max()) * 1e3, 1) if t_steady else None,
         "estimate_device_mib": estimate["device"] >> 20,
@@ -88,11 +94,32 @@ def one_case(tile_name: str, batch_mib: int | None, budget: str | None, gib: flo
         "held_device_mib": held["device"] >> 20,
         "held_pinned_mib": held["host"] >> 20,
     }
+    if not ceiling:
+        return row
     ceiling = gpu_ceiling.measure(camera, frames, layout, 1, batch_bytes=writer.batch_bytes)
     row["nvcomp_gbps"] = round(ceiling[0]["gbps"], 3)
     row["h2d_gbps"] = round(ceiling[1]["gbps"], 3)
     row["of_ceiling"] = round(row["steady_gbps"] / row["nvcomp_gbps"], 3) if row["steady_gbps"] else None
     return row
+
+
+def best_ceiling(tile_name: str, calls_mib: list[int]) -> dict:
+    """nvCOMP's batched zstd alone on the same tiles, one call per batch, for each call size: the
+    best of them is the physical limit a recording of these tiles is compared with."""
+    import gpu_ceiling
+    from bench_write import layout_for
+
+    from napari_tileshard import SyntheticCamera
+
+    tile = TILES[tile_name]
+    camera = SyntheticCamera((2048, 2048), "uint16", seed=0)
+    camera.prepare()
+    layout = layout_for(camera.shape, tile)
+    rates = {}
+    for mib in calls_mib:
+        frames = max(tile[0], (mib << 20) // camera.frame_bytes)
+        rates[mib] = round(gpu_ceiling.measure(camera, frames, layout, 1, batch_bytes=mib << 20)[0]["gbps"], 3)
+    return {"tile": tile_name, "nvcomp_by_call_mib": rates, "nvcomp_best_gbps": max(rates.values())}
 
 
 def main():
@@ -106,17 +133,32 @@ def main():
     parser.add_argument("--out", default="/dev/shm/tileshard-sweep.zarr")
     parser.add_argument("--case", help=argparse.SUPPRESS)  # internal: run one case, print its JSON
     parser.add_argument("--json", default=None, help="write all rows here")
+    parser.add_argument("--sizes", default="", help="GiB per recording, comma-separated (default: --gib); e.g. 4,16")
+    parser.add_argument("--no-ceiling", action="store_true", help="skip nvCOMP's rate at each case's own batch size")
+    parser.add_argument(
+        "--best",
+        default="",
+        help="call sizes in MiB (e.g. 256,512,1024,2048): also nvCOMP's rate per call size and its best, per tile",
+    )
     args = parser.parse_args()
     if args.case:
         tile, batch, budget = args.case.split(":")
-        print(json.dumps(one_case(tile, int(batch) or None, budget or None, args.gib, args.out, args.slots)))
+        if batch == "best":
+            print(json.dumps(best_ceiling(tile, [int(v) for v in budget.split("/")])))
+            return
+        row = one_case(tile, int(batch) or None, budget or None, args.gib, args.out, args.slots, not args.no_ceiling)
+        print(json.dumps(row))
         return
     cases = [(t, int(b), "") for t in args.tiles.split(",") for b in args.batches.split(",") if b]
     cases += [(t, 0, b) for t in args.tiles.split(",") for b in args.budgets.split(",") if b]
     if args.defaults:
         cases += [(t, 0, "") for t in args.tiles.split(",")]
+    sizes = [float(v) for v in args.sizes.split(",") if v] or [args.gib]
+    runs = [(case, gib) for gib in sizes for case in cases]
+    if args.best:
+        runs = [((t, "best", args.best.replace(",", "/")), 0.0) for t in args.tiles.split(",")] + runs
     rows = []
-    for tile, batch, budget in cases:
+    for (tile, batch, budget), gib in runs:
         proc = subprocess.run(
             [
                 sys.executable,
@@ -124,11 +166,12 @@ def main():
                 "--case",
                 f"{tile}:{batch}:{budget}",
                 "--gib",
-                str(args.gib),
+                str(gib),
                 "--out",
                 args.out,
                 "--slots",
                 str(args.slots),
+                *(["--no-ceiling"] if args.no_ceiling else []),
             ],
             capture_output=True,
             text=True,
