@@ -10,6 +10,7 @@ from conftest import read_back
 
 from napari_tileshard import Dim, Layout, SyntheticCamera, Writer, release_gpu_memory
 from napari_tileshard.engine.backends import gpu_unavailable_reason
+from napari_tileshard.engine.backends.gpu import GpuBackend
 
 pytestmark = pytest.mark.gpu
 
@@ -57,8 +58,10 @@ def frames():
 
 def test_default_budget_holds_for_2048_frames_with_256k_tiles(tmp_path, gpu, frames):
     writer, _, held = record(tmp_path / "a.zarr", layout_2048(), frames)
-    estimate = writer.memory_estimate()
-    assert estimate["device"] <= 4 << 30 and estimate["host"] <= 2 << 30
+    estimate, budget = writer.memory_estimate(), writer.memory_budget
+    assert estimate["device"] <= budget.device and estimate["host"] <= budget.host
+    # the default follows the machine: 4 GiB / 2 GiB at most, 16 GiB / 8 GiB on a large GPU and host
+    assert budget.device <= GpuBackend.LARGE_MAX_DEVICE_BYTES and budget.host <= GpuBackend.LARGE_MAX_HOST_BYTES
     assert 0 < held["device"] <= estimate["device"]
     assert 0 < held["host"] <= estimate["host"]
     # CuPy's own count of device memory in use agrees with the budget
@@ -90,12 +93,12 @@ def test_a_device_budget_below_one_tile_epoch_names_the_minimum(tmp_path):
 
 
 def test_a_second_recording_reuses_the_buffers_arms_fast_and_writes_the_same_bytes(tmp_path, gpu, frames):
-    _, first_arm, first_held = record(tmp_path / "a.zarr", layout_2048(), frames)
+    first, first_arm, first_held = record(tmp_path / "a.zarr", layout_2048(), frames)
     _, second_arm, second_held = record(tmp_path / "b.zarr", layout_2048(), frames)
     # the same device buffers, not new ones (pinned output buffers may still be pinning in the
     # background while the first recording runs, so host bytes held are compared with the estimate)
     assert second_held["device"] == first_held["device"]
-    assert first_held["host"] <= second_held["host"] <= 2 << 30
+    assert first_held["host"] <= second_held["host"] <= first.memory_budget.host
     assert second_arm < 0.2, f"second arm took {second_arm:.3f} s (first {first_arm:.3f} s)"
     assert digest(tmp_path / "a.zarr") == digest(tmp_path / "b.zarr")
     released = release_gpu_memory()
@@ -104,7 +107,7 @@ def test_a_second_recording_reuses_the_buffers_arms_fast_and_writes_the_same_byt
 
 def test_warm_up_prepares_the_next_recording(tmp_path, frames):
     estimate = Writer.warm_up(layout_2048(), backend="gpu")
-    assert estimate["device"] <= 4 << 30
+    assert estimate["device"] <= GpuBackend.LARGE_MAX_DEVICE_BYTES
     _, armed, _ = record(tmp_path / "a.zarr", layout_2048(), frames)
     assert armed < 0.2, f"arming after warm_up took {armed:.3f} s"
     np.testing.assert_array_equal(read_back(tmp_path / "a.zarr"), frames)

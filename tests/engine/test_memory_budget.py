@@ -53,6 +53,34 @@ def test_gpu_budget_defaults_follow_the_machine():
     assert small_gpu.device == int(0.25 * (6 << 30)) and small_gpu.host == 2 << 30
     laptop = GpuBackend.budget_for(device_free=None, physical_memory=8 << 30)
     assert laptop.device == 4 << 30 and laptop.host == 1 << 30
+    # an 8-16 GB GPU keeps 4 GiB / 2 GiB whatever the host's RAM
+    for free in (7 << 30, 15 << 30, 23 << 30):
+        budget = GpuBackend.budget_for(device_free=free, physical_memory=512 << 30)
+        assert budget.device <= 4 << 30 and budget.host == 2 << 30
+    # a large GPU on a large host: half of what is free up to 16 GiB, 8 GiB pinned (RAM/8 at most)
+    h100 = GpuBackend.budget_for(device_free=78 << 30, physical_memory=128 << 30)
+    assert (h100.device, h100.host) == (16 << 30, 8 << 30)
+    workstation = GpuBackend.budget_for(device_free=24 << 30, physical_memory=64 << 30)
+    assert (workstation.device, workstation.host) == (12 << 30, 8 << 30)
+    # a large GPU on a small host keeps the small bounds
+    small_host = GpuBackend.budget_for(device_free=78 << 30, physical_memory=32 << 30)
+    assert (small_host.device, small_host.host) == (4 << 30, 2 << 30)
+
+
+def test_the_large_default_budget_gives_deep_1_mib_tiles_1_gib_calls_and_small_gpus_256_mib():
+    """What the large default is for: 8x256² tiles of 2048² frames get nvCOMP calls of 1 GiB
+    (1024 tiles) on a large GPU, and stay at 192-256 MiB within 4 GiB / 2 GiB on a small one."""
+
+    def plan_batches_for_budget(layout, budget):
+        return estimate_memory(layout, max_host_bytes=budget.host, max_device_bytes=budget.device)
+
+    layout = Layout([Dim("t", 0, 8, 1), Dim("y", 2048, 256, 4), Dim("x", 2048, 256, 4)], "uint16")
+    large = plan_batches_for_budget(layout, GpuBackend.budget_for(78 << 30, 128 << 30))
+    small = plan_batches_for_budget(layout, GpuBackend.budget_for(12 << 30, 128 << 30))
+    assert large["gpu_batch_bytes"] == 1 << 30
+    assert large["gpu_device"] <= 16 << 30 and large["gpu_host"] <= 8 << 30
+    assert 128 << 20 <= small["gpu_batch_bytes"] <= 256 << 20
+    assert small["gpu_device"] <= 4 << 30 and small["gpu_host"] <= 2 << 30
 
 
 def test_a_host_budget_shrinks_the_cpu_batch_and_the_estimate_stays_within_it(tmp_path):

@@ -118,8 +118,9 @@ def estimate_memory(
     """Host bytes with the CPU backend and pinned host/device bytes with the GPU backend, by
     default batching (on the GPU: the batch its default memory budget gives), and that batch.
 
-    Pure arithmetic (no device is touched; the GPU's default budget is taken at its cap, as on a
-    GPU with 16 GiB or more free): what the widget shows before recording starts.  The same
+    Pure arithmetic (no device is touched; the GPU's default budget is taken at the cap of a GPU
+    with 16-24 GiB free: a larger GPU on a large host gets more, :meth:`GpuBackend.budget_for`):
+    what the widget shows before recording starts.  The same
     terms as :meth:`Writer.memory_estimate` of an open Writer.
     """
     pyramid = pyramid or Pyramid.single(layout)
@@ -183,8 +184,9 @@ def plan_batches(
     batch_bytes: int | None,
     staging_buffers: int | None,
     budget: MemoryBudget,
-) -> tuple[int, int]:
-    """(tile epochs per batch, staging buffers) for a recording.
+) -> tuple[int, int, MemoryBudget]:
+    """(tile epochs per batch, staging buffers, the budget they fit: the given bounds, unset ones
+    from the backend's default) for a recording.
 
     An explicit ``batch_bytes`` is taken as it is (checked against the bounds of ``budget`` that
     were given); otherwise the backend's preferred batch shrinks until the estimate fits the
@@ -218,7 +220,7 @@ def plan_batches(
         )
         epochs = 1
     if epochs:
-        return epochs, staging
+        return epochs, staging, budget
     need = estimate(preferred if batch_bytes else 1)
     kind = next(k for k, bound in vars(budget).items() if bound is not None and need[k] > bound)
     bound = getattr(budget, kind)
@@ -323,7 +325,7 @@ class Writer:
             backend_options["pyramid"] = self.pyramid
         self._backend = select_backend(options.backend, layout, self.codec, self.level, **backend_options)
         try:
-            self.batch_epochs, staging_buffers = plan_batches(
+            self.batch_epochs, staging_buffers, self.memory_budget = plan_batches(
                 self._backend, self.pyramid, self.codec, options.batch_bytes, options.staging_buffers, options.budget
             )
             self._setup(store, overwrite, staging_buffers, options.io_threads, attributes)

@@ -201,6 +201,15 @@ class GpuBackend(Backend):
     DEFAULT_DEVICE_FRACTION = 0.25
     DEFAULT_MAX_HOST_BYTES = 2 << 30
     DEFAULT_HOST_FRACTION = 0.125
+    #: ... and on a machine that has room (a GPU with at least LARGE_DEVICE_FREE free, at least
+    #: LARGE_HOST_RAM of RAM) the larger bounds below: nvCOMP's rate grows with the tiles of a
+    #: call, and 1 MiB tiles need 1 GiB calls (~11 GiB device, 7 GiB pinned) to come near its best,
+    #: which the 4 GiB / 2 GiB of a small GPU cap at 256 MiB (docs/benchmarks.md, issue 29).
+    LARGE_DEVICE_FREE = 24 << 30
+    LARGE_MAX_DEVICE_BYTES = 16 << 30
+    LARGE_DEVICE_FRACTION = 0.5
+    LARGE_HOST_RAM = 64 << 30
+    LARGE_MAX_HOST_BYTES = 8 << 30
 
     def __init__(
         self,
@@ -278,11 +287,17 @@ class GpuBackend(Backend):
     @classmethod
     def budget_for(cls, device_free: int | None, physical_memory: int | None) -> MemoryBudget:
         """The default budget on a machine with ``device_free`` bytes free on the GPU and
-        ``physical_memory`` bytes of RAM (None: unknown)."""
-        device = cls.DEFAULT_MAX_DEVICE_BYTES
-        if device_free is not None:
-            device = min(device, int(cls.DEFAULT_DEVICE_FRACTION * device_free))
-        host = cls.DEFAULT_MAX_HOST_BYTES
+        ``physical_memory`` bytes of RAM (None: unknown, taken as small)."""
+        # A large budget needs both a large GPU and a large host: an 8-16 GB GPU keeps its 4 GiB /
+        # 2 GiB whatever the RAM, as the pinned buffers only serve the device's batches.
+        large = (device_free or 0) >= cls.LARGE_DEVICE_FREE and (physical_memory or 0) >= cls.LARGE_HOST_RAM
+        if large:
+            device = min(cls.LARGE_MAX_DEVICE_BYTES, int(cls.LARGE_DEVICE_FRACTION * (device_free or 0)))
+            host = cls.LARGE_MAX_HOST_BYTES
+        else:
+            device, host = cls.DEFAULT_MAX_DEVICE_BYTES, cls.DEFAULT_MAX_HOST_BYTES
+            if device_free is not None:
+                device = min(device, int(cls.DEFAULT_DEVICE_FRACTION * device_free))
         if physical_memory is not None:
             host = min(host, int(cls.DEFAULT_HOST_FRACTION * physical_memory))
         return MemoryBudget(host=host, device=device)
