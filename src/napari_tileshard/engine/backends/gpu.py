@@ -308,6 +308,9 @@ class GpuBackend(Backend):
         free, _ = self._cupy.cuda.runtime.memGetInfo()
         with _warm_lock:  # what we keep for the next recording is ours to reuse
             free += sum(r.nbytes()["device"] for k, r in _warm.items() if k[0] == self.device.id)
+        pool = self._cupy.get_default_memory_pool()
+        if pool.get_limit():  # a pool limit is a smaller device (as _check_free_memory counts it)
+            free = min(free, pool.get_limit() - pool.used_bytes())
         return self.budget_for(free, physical_memory)
 
     @staticmethod
