@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -51,6 +52,7 @@ def one_case(
     if budget:
         device_gib, host_gib = (float(v) for v in budget.split("/"))
         options.update(max_device_bytes=int(device_gib * 2**30), max_host_bytes=int(host_gib * 2**30))
+    shutil.rmtree(out, ignore_errors=True)  # the previous case's store: its deletion is not this case's arming
     t0 = time.perf_counter()
     writer = Writer(out, layout, backend="gpu", overwrite=True, **options)
     arm = time.perf_counter() - t0
