@@ -3,11 +3,6 @@
 A buffer is *current* while it fills, goes to the backend when full (or when a slow stream or
 ``flush``/``close`` asks), and comes back for refilling once the backend says its ticket no
 longer reads it (``Backend.staging_free``).  Only the caller's thread touches the ring.
-
-With a backend that allows it (``Backend.stages_in_background``: one GPU, whose first buffer
-allocates and checks all its device memory) only the first buffer is allocated before the Writer
-returns: the others (pinned memory, 0.1-0.2 s per GiB to pin) are allocated on a background
-thread while the first one fills, and taken when the first is handed to the backend.
 """
 
 from __future__ import annotations
@@ -16,7 +11,7 @@ import math
 import os
 import time
 import warnings
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 
 import numpy as np
@@ -32,16 +27,7 @@ class StagingRing:
     def __init__(self, backend: Backend, batch_bytes: int, count: int):
         self._backend = backend
         self.batch_bytes = batch_bytes
-        now = 1 if backend.stages_in_background else count
-        self._free = [[backend.allocate_staging(batch_bytes), None] for _ in range(now)]  # [buffer, ticket]
-        self._pending_count = count - now
-        self._pending: Future | None = None
-        if self._pending_count:
-            self._allocator = ThreadPoolExecutor(1, thread_name_prefix="tileshard-staging")
-            self._pending = self._allocator.submit(
-                lambda: [backend.allocate_staging(batch_bytes) for _ in range(self._pending_count)]
-            )
-            self._allocator.shutdown(wait=False)
+        self._free = [[backend.allocate_staging(batch_bytes), None] for _ in range(count)]  # [buffer, ticket]
         self._current: list = []  # [buffer, ticket] while filling; empty between buffers
         self.fill = 0  # bytes in the current buffer
         self.fill_started = 0.0  # when the current buffer got its first byte (time.monotonic)
@@ -55,14 +41,7 @@ class StagingRing:
 
     @property
     def count(self) -> int:
-        return len(self._free) + bool(self._current) + (self._pending_count if self._pending else 0)
-
-    def _take_pending(self) -> None:
-        """The buffers allocated in the background join the free ones, ahead of any still read
-        by the backend (waits for them; an allocation error surfaces here)."""
-        if self._pending is not None:
-            pending, self._pending = self._pending, None
-            self._free[:0] = [[buffer, None] for buffer in pending.result()]
+        return len(self._free) + bool(self._current)
 
     @property
     def buffer(self):
@@ -77,18 +56,9 @@ class StagingRing:
         """Make a free buffer current; False if none is free and ``block`` is False."""
         if self._current:
             return True
-        if self._pending is not None and (self._pending.done() or not self._free):
-            if not (block or self._pending.done()):
-                return False
-            self._take_pending()
         entry = self._free[0]
-        if entry[1] is not None and not self._backend.staging_free(entry[1], block=False):
-            if self._pending is not None:  # a buffer still being allocated comes sooner than this one
-                if not block:
-                    return False
-                self._take_pending()
-            elif not block or not self._backend.staging_free(entry[1], block=True):
-                return False
+        if entry[1] is not None and not self._backend.staging_free(entry[1], block=block):
+            return False
         self._current = self._free.pop(0)
         self.fill = 0
         self.host_ranges = []
@@ -172,11 +142,6 @@ class StagingRing:
         return ticket
 
     def close(self) -> None:
-        if self._pending is not None:  # nothing may be allocated for this ring after it closes
-            try:
-                self._take_pending()
-            except Exception:  # noqa: BLE001 - the buffers were never used: their error changes nothing
-                pass
         if self._copy_pool is not None:
             self._copy_pool.shutdown(wait=True)
         for entry in self._free:  # tickets reference the backend's buffers: let them go with the backend

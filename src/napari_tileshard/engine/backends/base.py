@@ -83,9 +83,6 @@ class Backend(ABC):
 
     #: True if write_device() takes device (CuPy) arrays without a round trip through the host
     accepts_device_arrays = False
-    #: True if staging buffers after the first may be allocated on a background thread (the first
-    #: allocation checks and takes every other resource, so nothing can be refused later)
-    stages_in_background = False
 
     @abstractmethod
     def submit(self, staging: np.ndarray, epochs: int, host_ranges=None, rows: int | None = None) -> Ticket:

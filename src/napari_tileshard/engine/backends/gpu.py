@@ -188,7 +188,6 @@ def _keep_warm(resources: _Resources) -> None:
 class GpuBackend(Backend):
     name = "gpu"
     accepts_device_arrays = True
-    stages_in_background = True  # the first allocate_staging allocates and checks the device side
     preferred_staging_buffers = 2  # each has a device mirror: refilled once the tile kernel has read it
     estimate_holds_shards = True  # shards are views into the pinned output buffers it counts
     #: overrides the batch size heuristic (tests set it small so each Writer stays cheap)
