@@ -32,7 +32,10 @@ class StagingRing:
         self.fill = 0  # bytes in the current buffer
         self.fill_started = 0.0  # when the current buffer got its first byte (time.monotonic)
         self.host_ranges: list[list[int]] = []  # byte ranges of the current buffer filled from the host
-        self._copy_threads = min(3, (os.cpu_count() or 1) - 1)
+        # Helpers of the caller's thread for large copies: a frame copied into pinned staging by 4
+        # threads ran at ~7 GB/s on a 16-core host, as slow as nvCOMP itself (benchmarks/profile_writer.py)
+        cores = os.cpu_count() or 1
+        self._copy_threads = max(min(3, cores - 1), min(7, cores // 2))
         self._copy_pool = (
             ThreadPoolExecutor(self._copy_threads, thread_name_prefix="tileshard-copy")
             if self._copy_threads > 0
