@@ -687,3 +687,31 @@ def test_lazy_selections_compose_like_numpy(tmp_path_factory, data):
         expected, lazy = expected[key], lazy[key]
         assert lazy.shape == expected.shape, key
     np.testing.assert_array_equal(np.asarray(lazy), expected)
+
+
+def test_stats_count_every_read_and_only_the_time_spent_reading(tmp_path):
+    """iter_blocks and iter_reads are counted like read(); index reads apart from data requests;
+    GB/s over the time spent inside the reader, not the caller's time between blocks."""
+    import time
+
+    _zarr_array(tmp_path / "a.zarr", (8, 16, 16), (2, 4, 4), (4, 16, 16), "uint16", "zstd", holes=False)
+    spec_index_bytes = 16 * (2 * 4 * 4) + 4  # (offset, nbytes) per chunk + CRC32C, per shard
+    reader = ShardReader(tmp_path / "a.zarr", backend="cpu")
+    blocks = 0
+    for _region, _block in reader.iter_blocks(...):
+        blocks += 1
+        time.sleep(0.3)  # the caller's time: not the reader's
+    assert blocks == 2
+    stats = reader.stats
+    assert (stats.requests, stats.index_requests, stats.index_bytes_read) == (2, 2, 2 * spec_index_bytes)
+    assert stats.bytes_decoded == 8 * 16 * 16 * 2 and stats.chunks_decoded == 2 * 32
+    assert 0 < stats.wall_seconds < 0.3, stats.wall_seconds
+    assert stats.gbps == stats.bytes_decoded / stats.wall_seconds / 1e9
+    data_bytes = stats.bytes_read
+    plan = reader.plan(...)
+    for _ in reader.iter_reads(plan):
+        time.sleep(0.3)
+    assert reader.stats.requests == 4 and reader.stats.bytes_read == 2 * data_bytes
+    assert reader.stats.index_requests == 2  # indexes cached
+    assert reader.stats.chunks_decoded == 4 * 32 and reader.stats.wall_seconds < 0.6
+    assert "4 data requests (+2 index reads" in str(reader.stats)

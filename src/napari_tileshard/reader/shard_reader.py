@@ -65,11 +65,15 @@ def _store_chunk(chunks: np.ndarray, chunk_dtype, i: int, decoded: np.ndarray) -
 
 @dataclass
 class ReadStats:
-    """What a reader has done so far."""
+    """What a reader has done so far: every read (``read``, ``[...]``, ``iter_blocks``,
+    ``iter_reads``, lazy views), on either backend."""
 
+    #: bytes of chunk data read, in ``requests`` data requests (coalesced ranges of shards)
     bytes_read: int = 0
     requests: int = 0
+    #: shard index reads, counted apart from the data requests (one per shard, cached after)
     index_requests: int = 0
+    index_bytes_read: int = 0
     chunks_decoded: int = 0
     bytes_decoded: int = 0
     decode_seconds: float = 0.0
@@ -78,19 +82,36 @@ class ReadStats:
     #: chunks taken from the decoded-chunk cache (not read, not decoded)
     cache_hits: int = 0
     read_seconds: float = 0.0
+    #: time spent inside the reader's calls (for ``iter_blocks``/``iter_reads``: while producing
+    #: a block, not while the caller holds it)
     wall_seconds: float = 0.0
 
     @property
     def gbps(self) -> float:
-        """Decoded bytes per second of wall time, in GB/s."""
+        """Decoded bytes per second of the time spent reading (``wall_seconds``), in GB/s."""
         return self.bytes_decoded / self.wall_seconds / 1e9 if self.wall_seconds else 0.0
 
     def __str__(self):
         return (
-            f"{self.bytes_read / 1e6:.1f} MB read in {self.requests} requests ({self.index_requests} index), "
-            f"{self.chunks_decoded} chunks ({self.bytes_decoded / 1e6:.1f} MB) decoded in "
-            f"{self.decode_seconds:.3f} s, {self.gbps:.2f} GB/s"
+            f"{self.bytes_read / 1e6:.1f} MB read in {self.requests} data requests (+{self.index_requests} index "
+            f"reads, {self.index_bytes_read / 1e3:.1f} kB), {self.chunks_decoded} chunks "
+            f"({self.bytes_decoded / 1e6:.1f} MB) decoded in {self.decode_seconds:.3f} s, "
+            f"{self.gbps:.2f} GB/s over {self.wall_seconds:.3f} s"
         )
+
+
+def _timed(stats: ReadStats, items: Iterator):
+    """``items``, adding the time spent producing each one to ``stats.wall_seconds`` (the time
+    the caller spends between items is the caller's)."""
+    while True:
+        started = time.perf_counter()
+        try:
+            item = next(items)
+        except StopIteration:
+            stats.wall_seconds += time.perf_counter() - started
+            return
+        stats.wall_seconds += time.perf_counter() - started
+        yield item
 
 
 # -- the reader ------------------------------------------------------------------------------
@@ -215,6 +236,7 @@ class ShardReader:
         self.stats.index_requests += 1
         if read is not None:
             size, raw = read
+            self.stats.index_bytes_read += len(raw)
             index = self.spec.decode_index(key, raw, size)
         self._indexes.put(key, index)
         return index
@@ -330,9 +352,12 @@ class ShardReader:
         with zarr-python's dtype, shape and fill value."""
         if device and self.backend != "gpu":
             raise ValueError(f"device=True needs backend='gpu' (this reader decodes on the {self.backend})")
-        if self.fallback_reason is not None:
-            return np.asarray(self.array[selection])
         started = time.perf_counter()
+        if self.fallback_reason is not None:  # zarr-python reads it: what it decoded still counts
+            out = np.asarray(self.array[selection])
+            self.stats.bytes_decoded += out.nbytes
+            self.stats.wall_seconds += time.perf_counter() - started
+            return out
         plan = self._plan(selection, use_cache=self.backend == "cpu" and self.cache is not None)
         if self.backend == "gpu":
             out = self._gpu_reader().read(plan, device)
@@ -344,6 +369,9 @@ class ShardReader:
     def iter_blocks(self, selection=Ellipsis) -> Iterator[tuple[tuple[slice, ...], np.ndarray]]:
         """``(region, block)`` per shard the selection touches, in storage order, with the next
         read prefetched: ``block`` is what ``read(selection)[region]`` holds."""
+        return _timed(self.stats, self._iter_blocks(selection))
+
+    def _iter_blocks(self, selection) -> Iterator[tuple[tuple[slice, ...], np.ndarray]]:
         if self.fallback_reason is not None:
             out = self.read(selection)
             yield tuple(slice(0, n) for n in out.shape), out
@@ -358,6 +386,9 @@ class ShardReader:
         """Each read of ``plan`` (for example ``plan.owned_by(rank, world)``), fetched with
         prefetch and decoded: ``(read, chunks)`` with ``chunks[i]`` the decoded chunk
         ``read.chunks[i]`` of shard ``read.key`` (shape ``chunk_shape``)."""
+        return _timed(self.stats, self._iter_reads(plan))
+
+    def _iter_reads(self, plan: ReadPlan) -> Iterator[tuple[Read, np.ndarray]]:
         for read, buffer in self._fetched(plan.reads):
             chunks = np.empty((len(read.chunks),) + self.chunk_shape, dtype=self.dtype)
             started = time.perf_counter()
