@@ -127,11 +127,22 @@ class _Resources:
         device = sum(a.nbytes for slot in self.slots for a in vars(slot).values() if hasattr(a, "data")) + sum(
             m.nbytes for m in self.mirrors.values()
         )
-        device += self.temp.nbytes + sum(a.nbytes for a in self.levels if a is not None)
+        device += (self.temp.nbytes if self.temp is not None else 0) + sum(
+            a.nbytes for a in self.levels if a is not None
+        )
         device += sum(a.nbytes + b.nbytes for a, b in self.geometries.values())
         host = sum(b.nbytes for b in self.staging) + self.packed.allocated * self.packed.nbytes
         host += sum(slot.h_offsets.nbytes + slot.h_status.nbytes for slot in self.slots)
         return {"host": host, "device": device}
+
+    def drop(self) -> None:
+        """Let go of every buffer, also where a finished backend (or a ticket of it not yet
+        collected) still refers to these resources: released memory must be free at once."""
+        for slot in self.slots:
+            for name in vars(slot):
+                setattr(slot, name, None)
+        self.slots, self.staging, self.mirrors, self.levels = [], [], {}, []
+        self.temp, self.geometries = None, {}
 
 
 #: the resources of the last GpuBackend closed in good health, for the next one with the same key
@@ -152,6 +163,7 @@ def release_gpu_memory(device: int | None = None) -> dict[str, int]:
     for r in resources:
         for kind, n in r.nbytes().items():
             released[kind] += n
+        r.drop()
     del resources
     import cupy
 
