@@ -143,7 +143,8 @@ def main(argv=None):
     camera = SyntheticCamera((2048, 2048), "uint16", seed=0)
     camera.prepare()
     out = Path(args.out) / "cpu.zarr"
-    print(f"{'tile':10s} {'GB/s':>6s} {'of ceil':>7s} {'CPU-s/GB':>8s} {'zstd-1t':>7s} " + " ".join(f"{s:>10s}" for s in STAGES))
+    header = f"{'tile':10s} {'GB/s':>6s} {'of ceil':>7s} {'CPU-s/GB':>8s} {'zstd-1t':>7s} "
+    print(header + " ".join(f"{s:>10s}" for s in STAGES))
     for name, tile in tile_cases(args.tiles.split(",")):
         frames = math.ceil(int(args.gib * 2**30 // camera.frame_bytes) / tile[0]) * tile[0]
         ceiling = zstd_ceiling(camera, tile, args.level)

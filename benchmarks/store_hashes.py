@@ -24,6 +24,7 @@ from napari_tileshard import Dim, Layout, SyntheticCamera, Writer
 
 def cases():
     """(name, layout, frames of input, writer keywords, flush after this many frames or None)."""
+
     def frame_layout(dtype, frame, tile, per_shard, frames=0, shard_t=1):
         return Layout(
             [

@@ -797,6 +797,7 @@ class Layout:
         coords = self.inner_shard_coords(shard)
         full = self.shard_shape[1:]
         bounds = [slice(c * n, min(size, (c + 1) * n)) for c, n, size in zip(coords, full, self.shape[1:])]
+        box: tuple[slice, ...]
         if isinstance(within, slice):  # a range of w_1 (a rank-1 array has no w_1: its one tile row)
             box = (within,) if self.rank > 1 else ()
         else:
@@ -833,7 +834,8 @@ class Layout:
         d = next(d for d in range(1, len(tps) + 1) if math.prod(tps[d:]) <= max_tiles)
         step_d = max_tiles // math.prod(tps[d:])
         boxes = []
-        prefixes = [()] if d == 1 else ((w1, *rest) for w1 in range(first, stop) for rest in np.ndindex(*tps[1 : d - 1]))
+        # every (w_1, ..., w_{d-1}) of the piece, row-major; none to fix when d is 1
+        prefixes = [()] if d == 1 else ((w1, *ws) for w1 in range(first, stop) for ws in np.ndindex(*tps[1 : d - 1]))
         for prefix in prefixes:
             lo, hi = (first, stop) if d == 1 else (0, tps[d - 1])
             for a in range(lo, hi, step_d):
