@@ -248,6 +248,13 @@ def gpu_ceilings(camera, frames, tile, level):
     return gpu_ceiling.measure(camera, frames, layout_for(camera.shape, tile), level)
 
 
+def zstd_ceiling(camera, tile, level):
+    """libzstd's single-thread rate on the same tiles x cores: the CPU backend's physical limit."""
+    import cpu_stages  # benchmarks/, beside this script
+
+    return cpu_stages.zstd_ceiling(camera, tile, level)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gib", type=float, default=4.0, help="input GiB per case")
@@ -299,6 +306,7 @@ def main(argv=None):
                 "sink": str(out_root),
             }
             rows = []
+            cpu_ceiling = zstd_ceiling(camera, tile, args.level) if "tileshard-cpu" in engines else None
             if "tileshard-gpu" in engines:
                 try:
                     rows.extend(gpu_ceilings(camera, frames_case, tile, args.level))
@@ -359,10 +367,24 @@ def main(argv=None):
                 runs = " ".join(
                     f"{a:.2f}/{b:.2f}" for a, b in zip(cpu_row.get("runs_gbps", []), ts_row.get("runs_gbps", []))
                 )
+                cpu_row.update(cpu_ceiling or {})
                 print(
                     f"CPU backend / tensorstore: {cpu_row['gbps'] / ts_row['gbps']:.2f}x "
                     f"(host CPU-s/GB {cpu_row['cpu_s_per_gb']:.2f} vs {ts_row['cpu_s_per_gb']:.2f}; "
                     f"GB/s per round {runs})",
+                    flush=True,
+                )
+            if cpu_ceiling is not None:
+                print(
+                    f"libzstd level {args.level}, one thread, same tiles: {cpu_ceiling['zstd_1thread_gbps']:.3f} GB/s "
+                    f"({cpu_ceiling['zstd_cpu_s_per_gb']:.2f} CPU-s/GB) x {os.cpu_count()} cores = "
+                    f"{cpu_ceiling['ceiling_gbps']:.2f} GB/s; "
+                    + ", ".join(
+                        f"{r['engine']} {r['gbps'] / cpu_ceiling['ceiling_gbps']:.2f}"
+                        for r in rows
+                        if r["engine"] in ("tileshard-cpu", "tensorstore")
+                    )
+                    + " of it",
                     flush=True,
                 )
     if args.json:

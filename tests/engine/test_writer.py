@@ -85,6 +85,19 @@ def test_every_dtype_and_codec(tmp_path, backend, dtype, codec):
     np.testing.assert_array_equal(read_tensorstore(tmp_path / "a.zarr"), data)
 
 
+def test_tile_rows_longer_than_an_encode_box_round_trip(tmp_path, backend):
+    """1 MiB tiles, 3 to a shard's tile row: the CPU backend cuts and compresses a row in boxes of
+    2 MiB (2 tiles, then 1), edge tiles and an edge shard included; the store reads back as the
+    frames with zarr-python and tensorstore."""
+    layout = Layout([Dim("t", 0, 8, 1), Dim("y", 300, 128, 2), Dim("x", 1400, 512, 3)], "uint16")
+    assert layout.tile_bytes == 1 << 20
+    data = random_data((16, 300, 1400), "uint16", np.random.default_rng(3))
+    with Writer(tmp_path / "big.zarr", layout, level=1, backend=backend) as writer:
+        writer.append(data)
+    np.testing.assert_array_equal(read_back(tmp_path / "big.zarr"), data)
+    np.testing.assert_array_equal(read_tensorstore(tmp_path / "big.zarr"), data)
+
+
 def test_rank_up_to_max(tmp_path, backend):
     dims = [Dim("t", 0, 2, 1)] + [Dim(f"d{i}", 3, 2, 2) for i in range(1, 8)]
     layout = Layout(dims, "uint8")

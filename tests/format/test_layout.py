@@ -144,6 +144,37 @@ def test_shard_pieces_cover_each_shard_once(layout, seed):
                 )
 
 
+@given(layouts(), st.integers(1, 40), st.integers(0, 2**31))
+@settings(max_examples=100, deadline=None)
+def test_shard_boxes_cut_a_piece_into_its_tiles_in_order(layout, max_tiles, seed):
+    """The CPU backend cuts a piece box by box: the boxes' tiles, concatenated, are the piece's
+    (the NumPy reference: the tile-major pool reordered by P, restricted to the piece's rows),
+    and every box holds at most max_tiles slots (one at least)."""
+    rng = np.random.default_rng(seed)
+    epoch = rng.integers(1, 200, (layout.epoch_rows,) + layout.shape[1:]).astype(layout.dtype)
+    pool = layout.tile_pool_reference(epoch)[0].reshape(layout.tiles_per_epoch, -1)
+    shard_major = np.zeros((layout.slots_per_epoch, layout.tile_elements), layout.dtype)
+    shard_major[layout.shard_permutation] = pool
+    slots = shard_major.reshape(layout.inner_shard_count, layout.tiles_per_shard_inner, -1)
+    tps = layout.tiles_per_shard[1:]
+    tps_1 = tps[0] if tps else 1
+    for shard in range(layout.inner_shard_count):
+        mask = layout.slot_mask[shard].reshape(tps_1, -1)
+        for a, b in ((0, tps_1), (0, 1), (tps_1 // 2, tps_1)):
+            rows = slice(a, b)
+            expected = slots[shard].reshape(tps_1, -1, layout.tile_elements)[rows][mask[rows]]
+            boxes = layout.shard_boxes(rows, max_tiles)
+            for box in boxes:  # the ranges it gives times the whole dims it leaves out
+                slots_in_box = math.prod(len(range(*r.indices(n))) for r, n in zip(box, tps)) * math.prod(
+                    tps[len(box) :]
+                )
+                assert slots_in_box <= max_tiles
+            cut = [layout.shard_tiles(epoch, shard, box) for box in boxes]
+            np.testing.assert_array_equal(
+                np.concatenate(cut) if cut else np.empty((0, layout.tile_elements), layout.dtype), expected
+            )
+
+
 @given(layouts(), st.integers(0, 2**31))
 @settings(max_examples=60, deadline=None)
 def test_shard_tiles_into_a_reused_buffer_equal_a_fresh_array(layout, seed):

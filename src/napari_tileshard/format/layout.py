@@ -786,25 +786,68 @@ class Layout:
         return np.ascontiguousarray(pool).reshape((epochs, self.tiles_per_epoch) + self.tile_shape)
 
     # -- whole shards of one epoch (what the CPU backend compresses) ------------------------
-    def shard_bounds(self, shard: int, within_1: slice = slice(None)) -> tuple[slice, ...]:
+    def shard_bounds(self, shard: int, within: slice | tuple[slice, ...] = slice(None)) -> tuple[slice, ...]:
         """Element ranges along dims 1.. of inner shard ``shard`` (clipped to the array).
 
-        ``within_1`` restricts the shard's tile rows ``w_1`` (pieces of a shard for parallel
-        work); ranges past the array are empty.
+        ``within`` restricts the shard's tiles: a slice is a range of its tile rows ``w_1``
+        (pieces of a shard for parallel work), a tuple of slices a box of ranges of ``w_1``,
+        ``w_2``, ... (dims it leaves out are whole; :meth:`shard_boxes`).  Ranges past the array
+        are empty.
         """
         coords = self.inner_shard_coords(shard)
         full = self.shard_shape[1:]
         bounds = [slice(c * n, min(size, (c + 1) * n)) for c, n, size in zip(coords, full, self.shape[1:])]
-        if self.rank > 1:
-            first, stop, step = within_1.indices(self.tiles_per_shard[1])
+        box: tuple[slice, ...]
+        if isinstance(within, slice):  # a range of w_1 (a rank-1 array has no w_1: its one tile row)
+            box = (within,) if self.rank > 1 else ()
+        else:
+            box = tuple(within)
+        if len(box) > self.rank - 1:
+            raise ValueError(f"a box of {len(box)} tile ranges for {self.rank - 1} dims after the first")
+        for d, tiles in enumerate(box, start=1):
+            first, stop, step = tiles.indices(self.tiles_per_shard[d])
             if step != 1:
-                raise ValueError(f"within_1 must be a contiguous range of tile rows, got {within_1}")
-            start = min(bounds[0].stop, bounds[0].start + first * self.tile_shape[1])
-            bounds[0] = slice(start, max(start, min(bounds[0].stop, bounds[0].start + stop * self.tile_shape[1])))
+                raise ValueError(f"tile ranges must be contiguous, got {tiles} along dim {d}")
+            b = bounds[d - 1]
+            start = min(b.stop, b.start + first * self.tile_shape[d])
+            bounds[d - 1] = slice(start, max(start, min(b.stop, b.start + stop * self.tile_shape[d])))
         return tuple(bounds)
 
+    def shard_boxes(self, within_1: slice, max_tiles: int) -> list[tuple[slice, ...]]:
+        """Boxes of at most ``max_tiles`` tile slots (at least one) that cover the tile rows
+        ``within_1`` of a shard, in within-shard row-major order: the tiles of the boxes, one
+        after the other, are the tiles of ``within_1`` (:meth:`shard_tiles` of each box).
+
+        A box fixes ``w_1, ..., w_{d-1}`` to one value each, takes a range along ``w_d`` and
+        every ``w`` after it, where ``d`` is the first dim whose trailing dims hold at most
+        ``max_tiles`` slots.  The CPU backend cuts and compresses one box at a time, so the
+        tiles it cut are still in the core's cache when the codec reads them.
+        """
+        tps = self.tiles_per_shard[1:]
+        if not tps:
+            return [()]
+        first, stop, step = within_1.indices(tps[0])
+        if step != 1:
+            raise ValueError(f"within_1 must be a contiguous range of tile rows, got {within_1}")
+        max_tiles = max(1, max_tiles)
+        # d: the first dim (1-based) whose trailing slots (a step along it) fit max_tiles
+        d = next(d for d in range(1, len(tps) + 1) if math.prod(tps[d:]) <= max_tiles)
+        step_d = max_tiles // math.prod(tps[d:])
+        boxes = []
+        # every (w_1, ..., w_{d-1}) of the piece, row-major; none to fix when d is 1
+        prefixes = [()] if d == 1 else ((w1, *ws) for w1 in range(first, stop) for ws in np.ndindex(*tps[1 : d - 1]))
+        for prefix in prefixes:
+            lo, hi = (first, stop) if d == 1 else (0, tps[d - 1])
+            for a in range(lo, hi, step_d):
+                boxes.append(tuple(slice(int(w), int(w) + 1) for w in prefix) + (slice(a, min(hi, a + step_d)),))
+        return boxes
+
     def shard_tiles(
-        self, epoch_rows: np.ndarray, shard: int, within_1: slice = slice(None), out: np.ndarray | None = None
+        self,
+        epoch_rows: np.ndarray,
+        shard: int,
+        within: slice | tuple[slice, ...] = slice(None),
+        out: np.ndarray | None = None,
     ) -> np.ndarray:
         """The tiles that exist in inner shard ``shard`` of one tile epoch, contiguous.
 
@@ -814,10 +857,11 @@ class Layout:
         (:func:`lifted_strides` of the block's extents): its tile-major pool holds the shard's
         tiles in ``(w_1, ..., w_{D-1})`` order, and in an edge shard the tiles that exist are
         those with every ``w_d`` below the block's tile count along ``d``, the row-major subset
-        the mask selects.  ``within_1`` restricts ``w_1`` (:meth:`shard_bounds`).  ``out``: a
-        buffer to write them to (:meth:`LiftedStrides.scatter`).
+        the mask selects.  ``within`` restricts the tiles to a range of ``w_1`` or a box
+        (:meth:`shard_bounds`).  ``out``: a buffer to write them to
+        (:meth:`LiftedStrides.scatter`).
         """
-        block = epoch_rows[(slice(None),) + self.shard_bounds(shard, within_1)]
+        block = epoch_rows[(slice(None),) + self.shard_bounds(shard, within)]
         lift = lifted_strides(block.shape, self.tile_shape)
         return lift.scatter(block, out).reshape(-1, self.tile_elements)
 

@@ -26,12 +26,16 @@ BLOCK = 256
 
 
 def tile_cpu(
-    layout, epoch_rows: np.ndarray, shard: int, within_1: slice = slice(None), out: np.ndarray | None = None
+    layout,
+    epoch_rows: np.ndarray,
+    shard: int,
+    within: slice | tuple[slice, ...] = slice(None),
+    out: np.ndarray | None = None,
 ) -> np.ndarray:
-    """The tiles that exist in inner shard ``shard`` of one tile epoch (``within_1``: a range of its
-    tile rows ``w_1``), one tile per row of uint8, in within-shard row-major order; written to
-    ``out`` (a reusable 1-D buffer large enough) when given."""
-    return layout.shard_tiles(epoch_rows, shard, within_1, out).view(np.uint8)
+    """The tiles that exist in inner shard ``shard`` of one tile epoch (``within``: a range of its
+    tile rows ``w_1``, or a box of :meth:`Layout.shard_boxes`), one tile per row of uint8, in
+    within-shard row-major order; written to ``out`` (a reusable 1-D buffer large enough) when given."""
+    return layout.shard_tiles(epoch_rows, shard, within, out).view(np.uint8)
 
 
 def tile_source(layout, tile_stride: int) -> str:

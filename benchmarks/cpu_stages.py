@@ -1,0 +1,227 @@
+"""The CPU backend's physical limit and where its CPU seconds go, per stage.
+
+* :func:`zstd_ceiling`: libzstd level-N on the same tiles, one thread (python-zstandard's
+  ``multi_compress_to_buffer``, ``threads=1``, from tiles already contiguous in memory: the
+  codec alone), times the cores: no writer of this codec can beat it on this machine.
+* :func:`stage_seconds`: a real ``Writer(backend="cpu")`` run (the user's clock, ``Writer()`` to
+  ``close()``) with its CPU seconds split by stage.  Each thread's CPU time comes from the kernel
+  (``/proc/self/task``, read after ``sync()``, just before ``close()``), so nothing is left out:
+  ``append`` (the caller's thread and the staging copy's helpers), ``tile`` and ``compress``
+  (the encode threads, split by timing ``tile_cpu``/``compress_cpu`` with ``time.thread_time``),
+  ``encode-other`` (the rest of the encode threads: task scheduling, slot sizes), ``collect``
+  (aggregate, offsets and index of each shard: the collector thread), ``write`` (the I/O threads:
+  the shard files) and ``close`` (what the process spent after ``sync()``).
+
+    python benchmarks/cpu_stages.py --gib 1 --tiles 64k-d2,1m
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import math
+import os
+import shutil
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import zstandard
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "src"))
+sys.path.insert(0, str(HERE))
+
+from bench_write import layout_for, setup_tensorstore, tile_cases  # noqa: E402
+
+from napari_tileshard import SyntheticCamera, Writer  # noqa: E402
+from napari_tileshard.engine.backends import cpu as cpu_module  # noqa: E402
+
+STAGES = ("append", "tile", "compress", "encode-other", "collect", "write", "close")
+#: thread name prefixes of each stage (the Writer's thread names)
+_THREAD_STAGES = {
+    "MainThread": "append",
+    "tileshard-copy": "append",
+    "tileshard-cpu": "encode",
+    "tileshard-collector": "collect",
+    "tileshard-io": "write",
+}
+
+
+def contiguous_tiles(camera, frames: int, tile) -> np.ndarray:
+    """The tiles of ``frames`` frames, one per row of uint8 (frames that fill whole tiles only)."""
+    tz, ty, tx = tile
+    h, w = camera.shape
+    stack = np.stack([f for f in camera.frames(frames // tz * tz)])
+    lifted = stack.reshape(-1, tz, h // ty, ty, w // tx, tx).transpose(0, 2, 4, 1, 3, 5)
+    return np.ascontiguousarray(lifted).reshape(-1, tz * ty * tx * stack.itemsize).view(np.uint8)
+
+
+def zstd_ceiling(camera, tile, level: int, cores: int | None = None, sample_bytes: int = 256 << 20) -> dict:
+    """Single-thread libzstd rate on the tiles of ``camera``'s frames (best of 3), and x cores."""
+    cores = cores or os.cpu_count() or 1
+    frames = max(tile[0], sample_bytes // camera.frame_bytes)
+    tiles = contiguous_tiles(camera, frames, tile)
+    count, nbytes = tiles.shape
+    segments = np.empty((count, 2), dtype=np.uint64)
+    segments[:, 0] = np.arange(count, dtype=np.uint64) * np.uint64(nbytes)
+    segments[:, 1] = nbytes
+    compressor = zstandard.ZstdCompressor(level=level)
+    best = math.inf
+    for _ in range(3):
+        start = time.thread_time()
+        compressor.multi_compress_to_buffer(zstandard.BufferWithSegments(tiles, segments.tobytes()), threads=1)
+        best = min(best, time.thread_time() - start)
+    per_thread = tiles.nbytes / best / 1e9
+    return {"zstd_1thread_gbps": per_thread, "zstd_cpu_s_per_gb": 1 / per_thread, "ceiling_gbps": per_thread * cores}
+
+
+def thread_cpu_seconds() -> dict[int, float]:
+    """CPU seconds (user + system) of each live thread of this process, by native thread id."""
+    tick = os.sysconf("SC_CLK_TCK")
+    seconds = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended meanwhile
+            continue
+        seconds[int(tid)] = (int(fields[11]) + int(fields[12])) / tick
+    return seconds
+
+
+class StageClock:
+    """Per-thread CPU seconds of wrapped functions, summed by stage name."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = collections.defaultdict(float)
+        self._lock = threading.Lock()
+        self._undo: list = []
+
+    def wrap(self, owner, name: str, stage: str) -> None:
+        original = getattr(owner, name)
+        clock = self
+
+        def timed(*args, **kwargs):
+            start = time.thread_time()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                spent = time.thread_time() - start
+                with clock._lock:
+                    clock.seconds[stage] += spent
+
+        setattr(owner, name, timed)
+        self._undo.append((owner, name, original))
+
+    def restore(self) -> None:
+        for owner, name, original in reversed(self._undo):
+            setattr(owner, name, original)
+        self._undo.clear()
+
+
+def stage_seconds(camera, frames: int, tile, out: Path, level: int) -> dict:
+    """One CPU-backend run with its stages timed; CPU-s/GB per stage and GB/s."""
+    clock = StageClock()
+    clock.wrap(cpu_module, "tile_cpu", "tile")
+    clock.wrap(cpu_module, "compress_cpu", "compress")
+    per_thread: dict[str, float] = collections.defaultdict(float)
+    try:
+        shutil.rmtree(out, ignore_errors=True)
+        before = thread_cpu_seconds()
+        writer = Writer(out, layout_for(camera.shape, tile), codec="zstd", level=level, backend="cpu", overwrite=True)
+        cpu0, wall0 = time.process_time(), time.perf_counter()
+        for frame in camera.frames(frames):
+            writer.append(frame)
+        writer.sync()
+        synced = time.process_time()
+        names = {t.native_id: t.name for t in threading.enumerate()}
+        for tid, seconds in thread_cpu_seconds().items():
+            name = names.get(tid, "")
+            stage = next((s for prefix, s in _THREAD_STAGES.items() if name.startswith(prefix)), "close")
+            per_thread[stage] += seconds - before.get(tid, 0.0)
+        writer.close()
+        wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
+    finally:
+        clock.restore()
+        shutil.rmtree(out, ignore_errors=True)
+    gb = frames * camera.frame_bytes / 1e9
+    stages = {
+        "append": per_thread["append"],
+        "tile": clock.seconds["tile"],
+        "compress": clock.seconds["compress"],
+        "encode-other": per_thread["encode"] - clock.seconds["tile"] - clock.seconds["compress"],
+        "collect": per_thread["collect"],
+        "write": per_thread["write"],
+        "close": time.process_time() - synced,
+    }
+    return {"gbps": gb / wall, "cpu_s_per_gb": cpu / gb, "stages": {k: v / gb for k, v in stages.items()}}
+
+
+def tensorstore_seconds(camera, frames: int, tile, out: Path, level: int) -> dict:
+    """The same frames through tensorstore (bench_write's harness): CPU-s/GB of the caller's thread
+    (gathering frames into shard-epoch slabs, our ``append``) and of tensorstore's own threads."""
+    shutil.rmtree(out, ignore_errors=True)
+    before = thread_cpu_seconds()
+    run = setup_tensorstore(camera, frames, tile, out, level)
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    main_thread = threading.main_thread().native_id
+    run()
+    wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
+    caller = thread_cpu_seconds()[main_thread] - before.get(main_thread, 0.0)
+    shutil.rmtree(out, ignore_errors=True)
+    gb = frames * camera.frame_bytes / 1e9
+    return {
+        "gbps": gb / wall,
+        "cpu_s_per_gb": cpu / gb,
+        "stages": {"append": caller / gb, "tensorstore": (cpu - caller) / gb},
+    }
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gib", type=float, default=1.0)
+    parser.add_argument("--tiles", default="64k-d2,256k-d2,1m-d8,1m,4m")
+    parser.add_argument("--level", type=int, default=1)
+    parser.add_argument("--repeat", type=int, default=1, help="rounds, ours and tensorstore taking turns; medians")
+    parser.add_argument("--no-tensorstore", action="store_true")
+    parser.add_argument("--out", default="/dev/shm/tileshard-stages")
+    args = parser.parse_args(argv)
+    camera = SyntheticCamera((2048, 2048), "uint16", seed=0)
+    camera.prepare()
+    root = Path(args.out)
+    columns = STAGES + ("tensorstore",)
+    print(f"# {os.cpu_count()} CPUs; CPU-s per GB of input, medians of {args.repeat}; stores in {root}")
+    header = f"{'tile':8s} {'engine':14s} {'GB/s':>6s} {'of ceil':>7s} {'CPU-s/GB':>8s} "
+    print(header + " ".join(f"{c:>12s}" for c in columns))
+    for name, tile in tile_cases(args.tiles.split(",")):
+        frames = math.ceil(int(args.gib * 2**30 // camera.frame_bytes) / tile[0]) * tile[0]
+        ceiling = zstd_ceiling(camera, tile, args.level)
+        runs: dict[str, list[dict]] = {"tileshard-cpu": [], "tensorstore": []}
+        for round_ in range(args.repeat):
+            order = ["tileshard-cpu"] + ([] if args.no_tensorstore else ["tensorstore"])
+            for engine in order[round_ % len(order) :] + order[: round_ % len(order)]:
+                measure = stage_seconds if engine == "tileshard-cpu" else tensorstore_seconds
+                runs[engine].append(measure(camera, frames, tile, root / f"{engine}.zarr", args.level))
+        print(
+            f"{name:8s} {'libzstd x ' + str(os.cpu_count()):14s} {ceiling['ceiling_gbps']:6.2f} {1:7.2f} "
+            f"{ceiling['zstd_cpu_s_per_gb']:8.2f} "
+            + " ".join(f"{ceiling['zstd_cpu_s_per_gb'] if c == 'compress' else math.nan:12.2f}" for c in columns)
+        )
+        for engine, rows in runs.items():
+            if not rows:
+                continue
+            gbps = statistics.median(r["gbps"] for r in rows)
+            print(
+                f"{name:8s} {engine:14s} {gbps:6.2f} {gbps / ceiling['ceiling_gbps']:7.2f} "
+                f"{statistics.median(r['cpu_s_per_gb'] for r in rows):8.2f} "
+                + " ".join(f"{statistics.median(r['stages'].get(c, math.nan) for r in rows):12.2f}" for c in columns),
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()

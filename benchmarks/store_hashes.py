@@ -1,0 +1,96 @@
+"""Hash every file of stores written from the same input: the byte-identity check of a change.
+
+Writes a fixed set of layouts and dtypes (edge shards, shallow and deep tiles, shards split
+along y, several tile epochs per shard, a 4-D array, a pyramid, a partial last epoch, a flush)
+with one backend and prints one SHA-256 per case over every file's relative path and bytes.
+Run it on the code before and after a change and diff the output:
+
+    PYTHONPATH=src python benchmarks/store_hashes.py --out /tmp/hashes > after.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from napari_tileshard import Dim, Layout, SyntheticCamera, Writer
+
+
+def cases():
+    """(name, layout, frames of input, writer keywords, flush after this many frames or None)."""
+
+    def frame_layout(dtype, frame, tile, per_shard, frames=0, shard_t=1):
+        return Layout(
+            [
+                Dim("t", frames, tile[0], shard_t),
+                Dim("y", frame[0], tile[1], per_shard[0]),
+                Dim("x", frame[1], tile[2], per_shard[1]),
+            ],
+            dtype,
+        )
+
+    yield "u16-64k-d2", frame_layout("uint16", (1024, 1024), (2, 128, 128), (8, 8)), 12, {}, None
+    yield "u16-1m-deep", frame_layout("uint16", (1024, 1024), (32, 128, 128), (8, 8)), 40, {}, None
+    yield "u16-edges", frame_layout("uint16", (1000, 1300), (4, 96, 160), (4, 3)), 22, {}, None
+    yield "u16-shard-t3", frame_layout("uint16", (512, 768), (2, 128, 128), (2, 4), shard_t=3), 17, {}, None
+    yield "u8-edges", frame_layout("uint8", (700, 900), (3, 128, 256), (2, 2)), 13, {}, None
+    yield "f32-bounded", frame_layout("float32", (512, 512), (4, 64, 64), (4, 4), frames=30), 30, {}, None
+    yield "u16-level5", frame_layout("uint16", (512, 512), (2, 128, 128), (2, 2)), 10, {"level": 5}, None
+    yield "u16-ome", frame_layout("uint16", (1024, 1024), (2, 128, 128), (4, 4)), 14, {"ome": True}, None
+    yield "u16-flush", frame_layout("uint16", (512, 512), (4, 128, 128), (2, 2)), 18, {}, 7
+    yield (
+        "u16-4d",
+        Layout([Dim("t", 0, 2, 1), Dim("c", 3, 1, 3), Dim("y", 300, 64, 4), Dim("x", 500, 128, 2)], "uint16"),
+        9,
+        {},
+        None,
+    )
+
+
+def frames_for(layout, count: int, seed: int) -> np.ndarray:
+    shape = tuple(layout.shape[1:])
+    if layout.dtype == np.uint16 and len(shape) == 2:
+        camera = SyntheticCamera(shape, "uint16", seed=seed)
+        return np.stack(list(camera.frames(count)))
+    rng = np.random.default_rng(seed)
+    data = rng.gamma(2.0, 40.0, size=(count, *shape))  # compressible, like a camera's counts
+    return data.astype(layout.dtype)
+
+
+def store_hash(root: Path) -> str:
+    digest = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.is_file() and not p.name.startswith(".tileshard")):
+        digest.update(str(path.relative_to(root)).encode() + b"\0")
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backend", default="cpu")
+    parser.add_argument("--out", default="/tmp/tileshard-hashes")
+    parser.add_argument("--threads", type=int, default=None, help="CPU backend threads (default: all cores)")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    for name, layout, count, keywords, flush_at in cases():
+        frames = frames_for(layout, count, seed=len(name))
+        store = out / f"{name}.zarr"
+        shutil.rmtree(store, ignore_errors=True)
+        options = {"threads": args.threads} if args.threads else {}
+        with Writer(store, layout, backend=args.backend, overwrite=True, **options, **keywords) as writer:
+            for i, frame in enumerate(frames):
+                writer.append(frame)
+                if flush_at is not None and i + 1 == flush_at:
+                    writer.flush()
+        print(f"{name:14s} {store_hash(store)}", flush=True)
+        shutil.rmtree(store, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
