@@ -17,8 +17,6 @@ class SelectionReader(Protocol):
 
     def read(self, selection=...) -> np.ndarray: ...
 
-    def read_ahead_next_tile(self, selection: tuple) -> bool: ...
-
 
 class LazySelection:
     """A basic selection of a :class:`~napari_tileshard.reader.shard_reader.ShardReader`'s array,
@@ -84,7 +82,6 @@ class LazySelection:
                 selection.append(slice(item[-1], item.start + 1, -item.step))
                 flip.append(len([s for s in selection[:-1] if not isinstance(s, int)]))
         out = self.reader.read(tuple(selection))
-        self.reader.read_ahead_next_tile(tuple(selection))  # a time slider's next step
         if flip:
             out = np.flip(out, axis=tuple(flip))
         return np.asarray(out, dtype=dtype)

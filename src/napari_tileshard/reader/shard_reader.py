@@ -22,11 +22,8 @@ zarr-python instead (``fallback_reason`` says why), with the same selection sema
 from __future__ import annotations
 
 import functools
-import logging
-import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import product
 
@@ -59,8 +56,6 @@ READ_PATHS: dict[str, Callable[[ShardSpec], str | None]] = {
 }
 READ_BACKENDS = ("auto", *READ_PATHS)
 
-log = logging.getLogger(__name__)
-
 __all__ = ["READ_BACKENDS", "READ_PATHS", "ReadStats", "ShardReader"]
 
 
@@ -90,10 +85,6 @@ class ReadStats:
     #: time spent inside the reader's calls (for ``iter_blocks``/``iter_reads``: while producing
     #: a block, not while the caller holds it)
     wall_seconds: float = 0.0
-    #: reads ahead (:meth:`ShardReader.read_ahead`) and their time on the background thread,
-    #: not in ``wall_seconds``; what they read and decoded is counted above
-    reads_ahead: int = 0
-    read_ahead_seconds: float = 0.0
 
     @property
     def gbps(self) -> float:
@@ -181,11 +172,6 @@ class ShardReader:
         self.backend = self._choose_backend(backend)
         self._cpu: CpuReadPath | None = None
         self._gpu: GpuReadPath | None = None
-        # reads (the caller's and the one read ahead) take turns: paths, buffers and stats are shared
-        self._read_lock = threading.Lock()
-        self._ahead: Future | None = None
-        self._ahead_selection = None  # the last selection read ahead (each is read ahead once)
-        self._ahead_pool: ThreadPoolExecutor | None = None
 
     # -- configuration ------------------------------------------------------------------
     def _configure(self, array) -> str | None:
@@ -372,68 +358,13 @@ class ShardReader:
             self.stats.bytes_decoded += out.nbytes
             self.stats.wall_seconds += time.perf_counter() - started
             return out
-        with self._read_lock:
-            plan = self._plan(selection, use_cache=self.backend == "cpu" and self.cache is not None)
-            if self.backend == "gpu":
-                out = self._gpu_reader().read(plan, device)
-            else:
-                out = self._cpu_path().read(plan)
+        plan = self._plan(selection, use_cache=self.backend == "cpu" and self.cache is not None)
+        if self.backend == "gpu":
+            out = self._gpu_reader().read(plan, device)
+        else:
+            out = self._cpu_path().read(plan)
         self.stats.wall_seconds += time.perf_counter() - started
         return out
-
-    def read_ahead(self, selection) -> bool:
-        """Decode ``selection``'s chunks into the chunk cache on a background thread, so that a
-        later read of it is served from the cache: a viewer stepping through frames asks for the
-        next tile depth before the slider gets there (a deep tile is decoded whole, at the step
-        that enters it).  One at a time: False (nothing scheduled) while one runs, for the
-        selection read ahead last, and on the GPU backend or without a chunk cache."""
-        if self.backend != "cpu" or self.cache is None or self.fallback_reason is not None:
-            return False
-        if (self._ahead is not None and not self._ahead.done()) or selection == self._ahead_selection:
-            return False
-        self._ahead_selection = selection
-        if self._ahead_pool is None:
-            self._ahead_pool = ThreadPoolExecutor(1, thread_name_prefix="tileshard-read-ahead")
-        self._ahead = self._ahead_pool.submit(self._read_ahead, selection)
-        return True
-
-    def read_ahead_next_tile(self, selection: tuple) -> bool:
-        """After a read of a few planes of the first dim (``selection[0]`` an int, or a slice with
-        step 1 no longer than a tile's depth: a viewer's time slider): :meth:`read_ahead` of the
-        same region in the next tile depth."""
-        if not selection or self.fallback_reason is not None:
-            return False
-        first, depth = selection[0], self.chunk_shape[0]
-        if isinstance(first, int):
-            last, span = first, None
-        elif isinstance(first, slice) and first.step in (None, 1) and first.start is not None and first.stop:
-            last, span = first.stop - 1, first.stop - first.start
-            if not 0 < span <= depth:
-                return False
-        else:
-            return False
-        following = (last // depth + 1) * depth
-        if depth == 1 or following >= self.shape[0]:
-            return False
-        ahead = following if span is None else slice(following, min(following + span, self.shape[0]))
-        return self.read_ahead((ahead, *selection[1:]))
-
-    def wait_read_ahead(self, timeout: float | None = None) -> None:
-        """Wait until the read ahead in progress (if any) has filled the cache."""
-        ahead = self._ahead
-        if ahead is not None:
-            ahead.result(timeout)
-
-    def _read_ahead(self, selection) -> None:
-        started = time.perf_counter()
-        try:
-            with self._read_lock:
-                self._cpu_path().read(self._plan(selection, use_cache=True))
-        except Exception as exc:  # noqa: BLE001 - a read ahead only warms the cache; the real read reports
-            log.debug("read ahead of %s in %s failed: %s", selection, self.location, exc)
-        finally:
-            self.stats.reads_ahead += 1
-            self.stats.read_ahead_seconds += time.perf_counter() - started
 
     def iter_blocks(self, selection=Ellipsis) -> Iterator[tuple[tuple[slice, ...], np.ndarray]]:
         """``(region, block)`` per shard the selection touches, in storage order, with the next
@@ -496,9 +427,6 @@ class ShardReader:
         return self._gpu
 
     def close(self) -> None:
-        if self._ahead_pool is not None:  # no read ahead may run on closed paths
-            self._ahead_pool.shutdown(wait=True, cancel_futures=True)
-            self._ahead_pool, self._ahead = None, None
         if self._cpu is not None:
             self._cpu.close()
             self._cpu = None
