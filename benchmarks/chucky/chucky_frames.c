@@ -11,6 +11,7 @@
 //   chucky_frames --bank frames.u16 --height 2048 --width 2048 --frames 2048 --tile 2,256,256
 //                 --shard-tiles 1,4,4 [-o store | (no -o: shards are counted, then discarded)]
 //                 [--unbuffered 0|1] [--level 1] [--buffer-mib 128] [--batch-chunks 2048]
+//                 [--plan: print chucky's memory plan for the layout and stop, no GPU needed]
 //
 // Prints one JSON line on stdout: frames, bytes, create_s (sink + stream create), stream_s (first
 // frame to the last byte handed to the OS), user_s (both: as Writer(...) to close()), out_bytes,
@@ -95,7 +96,7 @@ usage(const char* prog)
   fprintf(stderr,
           "usage: %s --bank FILE --height H --width W --frames N --tile T,Y,X "
           "--shard-tiles T,Y,X [-o STORE] [--unbuffered 0|1] [--level L] "
-          "[--buffer-mib M] [--batch-chunks C]\n",
+          "[--buffer-mib M] [--batch-chunks C] [--plan]\n",
           prog);
   return 2;
 }
@@ -123,12 +124,16 @@ main(int argc, char* argv[])
   const char* out_path = NULL;
   uint64_t height = 0, width = 0, frames = 0;
   uint64_t tile[3] = { 0 }, shard_tiles[3] = { 0 };
-  int unbuffered = -1, level = 1;
+  int unbuffered = -1, level = 1, plan_only = 0;
   size_t buffer_mib = 128;
   unsigned batch_chunks = 2048;
 
   for (int i = 1; i < argc; ++i) {
     const char* a = argv[i];
+    if (!strcmp(a, "--plan")) {
+      plan_only = 1;
+      continue;
+    }
     const char* v = i + 1 < argc ? argv[i + 1] : NULL;
     if (!v)
       return usage(argv[0]);
@@ -189,17 +194,6 @@ main(int argc, char* argv[])
   }
   fclose(f);
 
-  // The device's primary context (the one CuPy and the runtime use), made current before the
-  // clock starts, as the Python side has CuPy's before Writer(...).
-  CUdevice dev;
-  CUcontext ctx;
-  if (cuInit(0) != CUDA_SUCCESS || cuDeviceGet(&dev, 0) != CUDA_SUCCESS ||
-      cuDevicePrimaryCtxRetain(&ctx, dev) != CUDA_SUCCESS ||
-      cuCtxSetCurrent(ctx) != CUDA_SUCCESS) {
-    fprintf(stderr, "no CUDA device/context\n");
-    return 1;
-  }
-
   struct dimension dims[3];
   const uint64_t sizes[3] = { frames, height, width };
   dims_create(dims, "tyx", sizes);
@@ -227,6 +221,26 @@ main(int argc, char* argv[])
   struct tile_stream_memory_info mem = { 0 };
   if (tile_stream_gpu_memory_estimate(&config, &mem)) {
     fprintf(stderr, "chucky could not plan this layout\n");
+    return 1;
+  }
+
+  if (plan_only) { // the layout chucky chose, without a GPU (nvCOMP's size queries are host math)
+    printf("{\"device_bytes\": %zu, \"pinned_bytes\": %zu, \"epochs_per_batch\": %u, "
+           "\"chunks_per_epoch\": %llu, \"max_output_size\": %zu}\n",
+           mem.device_bytes, mem.host_pinned_bytes, mem.epochs_per_batch,
+           (unsigned long long)mem.chunks_per_epoch, mem.max_output_size);
+    free(bank);
+    return 0;
+  }
+
+  // The device's primary context (the one CuPy and the runtime use), made current before the
+  // clock starts, as the Python side has CuPy's before Writer(...).
+  CUdevice dev;
+  CUcontext ctx;
+  if (cuInit(0) != CUDA_SUCCESS || cuDeviceGet(&dev, 0) != CUDA_SUCCESS ||
+      cuDevicePrimaryCtxRetain(&ctx, dev) != CUDA_SUCCESS ||
+      cuCtxSetCurrent(ctx) != CUDA_SUCCESS) {
+    fprintf(stderr, "no CUDA device/context\n");
     return 1;
   }
 
