@@ -35,8 +35,11 @@ echo "nvCOMP: $nvcomp_library"
 nvcc=${CUDACXX:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
 [ -x "$nvcc" ] || fail "no nvcc on PATH nor at /usr/local/cuda/bin/nvcc"
 "$nvcc" --version | tail -2
-generator="Unix Makefiles"
-command -v ninja >/dev/null && generator=Ninja
+generator=${GENERATOR:-}
+if [ -z "$generator" ]; then
+  generator="Unix Makefiles"
+  command -v ninja >/dev/null && generator=Ninja
+fi
 
 cmake -S "$here" -B "$build" -G "$generator" \
   -DCMAKE_BUILD_TYPE=Release \

@@ -16,6 +16,7 @@
 // Prints one JSON line on stdout: frames, bytes, create_s (sink + stream create), stream_s (first
 // frame to the last byte handed to the OS), user_s (both: as Writer(...) to close()), out_bytes,
 // and chucky's per-stage metrics.
+#define _POSIX_C_SOURCE 200809L // clock_gettime, sysconf under a strict -std=c17
 #include "dimension.h"
 #include "log/log.h"
 #include "stream.gpu.h"
@@ -218,30 +219,33 @@ main(int argc, char* argv[])
     .target_batch_chunks = batch_chunks,
     .shard_alignment = out_path && unbuffered ? (size_t)sysconf(_SC_PAGESIZE) : 0,
   };
-  struct tile_stream_memory_info mem = { 0 };
-  if (tile_stream_gpu_memory_estimate(&config, &mem)) {
-    fprintf(stderr, "chucky could not plan this layout\n");
+  // The device's primary context (the one CuPy and the runtime use), made current before the
+  // clock starts, as the Python side has CuPy's before Writer(...).
+  // nvCOMP's temp-size query in the memory estimate below wants the device current too.
+  CUdevice dev = 0;
+  CUcontext ctx;
+  if (!plan_only && (cuInit(0) != CUDA_SUCCESS || cuDeviceGet(&dev, 0) != CUDA_SUCCESS ||
+      cuDevicePrimaryCtxRetain(&ctx, dev) != CUDA_SUCCESS ||
+      cuCtxSetCurrent(ctx) != CUDA_SUCCESS)) {
+    fprintf(stderr, "no CUDA device/context\n");
     return 1;
   }
 
-  if (plan_only) { // the layout chucky chose, without a GPU (nvCOMP's size queries are host math)
+  struct tile_stream_memory_info mem = { 0 };
+  if (tile_stream_gpu_memory_estimate(&config, &mem)) {
+    fprintf(stderr, "chucky could not plan this layout\n");
+    if (!plan_only)
+      cuDevicePrimaryCtxRelease(dev);
+    return 1;
+  }
+
+  if (plan_only) { // the layout chucky chose, without a GPU (no nvCOMP scratch: it asks the GPU)
     printf("{\"device_bytes\": %zu, \"pinned_bytes\": %zu, \"epochs_per_batch\": %u, "
            "\"chunks_per_epoch\": %llu, \"max_output_size\": %zu}\n",
            mem.device_bytes, mem.host_pinned_bytes, mem.epochs_per_batch,
            (unsigned long long)mem.chunks_per_epoch, mem.max_output_size);
     free(bank);
     return 0;
-  }
-
-  // The device's primary context (the one CuPy and the runtime use), made current before the
-  // clock starts, as the Python side has CuPy's before Writer(...).
-  CUdevice dev;
-  CUcontext ctx;
-  if (cuInit(0) != CUDA_SUCCESS || cuDeviceGet(&dev, 0) != CUDA_SUCCESS ||
-      cuDevicePrimaryCtxRetain(&ctx, dev) != CUDA_SUCCESS ||
-      cuCtxSetCurrent(ctx) != CUDA_SUCCESS) {
-    fprintf(stderr, "no CUDA device/context\n");
-    return 1;
   }
 
   struct counting_sink counter = { 0 };

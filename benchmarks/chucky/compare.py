@@ -89,6 +89,7 @@ def run_ours(bank_path: Path, tile: tuple[int, int, int], frames: int, store: Pa
     writer.close()
     t2 = time.perf_counter()
     nbytes = frames * bank[0].nbytes
+    memory = writer.memory_estimate()
     return {
         "engine": "ours",
         "frames": frames,
@@ -101,6 +102,7 @@ def run_ours(bank_path: Path, tile: tuple[int, int, int], frames: int, store: Pa
         "user_gbps": nbytes / (t2 - t0) / 1e9,
         "stream_gbps": nbytes / (t2 - t1) / 1e9,
         "batch_bytes": writer.batch_bytes,
+        "memory_estimate": memory,
         "backend": str(writer.stats.backend),
     }
 
@@ -284,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rows: list[dict] = []
     failures: list[str] = []
+    checks: dict[str, str] = {}
     for rnd in range(a.rounds):
         for tile_name in tiles:
             for target in targets:
@@ -305,27 +308,20 @@ def main(argv: list[str] | None = None) -> int:
                         f"  out {row['out_bytes'] / 1e9:.2f} GB",
                         flush=True,
                     )
-                    # The last round's stores stay for the read-back; others go now (memory).
+                    # The last round's stores are read back, then every store goes at once: one
+                    # store at a time in /dev/shm (16 GiB recordings make 5-8 GB stores).
                     store = store_for(target, engine, tile_name)
-                    if store is not None and rnd != a.rounds - 1:
-                        shutil.rmtree(store, ignore_errors=True)
-
-    checks = {}
-    if not a.no_verify:
-        for tile_name in tiles:
-            for target in targets:
-                for engine in ("chucky", "ours"):
-                    store = store_for(target, engine, tile_name)
-                    if store is None or not store.exists():
+                    if store is None:
                         continue
-                    array = store / "0" if engine == "chucky" else store
-                    try:
-                        checks[f"{engine} {tile_name} {target}"] = verify(array, bank, frames)
-                    except Exception as exc:
-                        checks[f"{engine} {tile_name} {target}"] = f"unreadable: {exc}"
+                    if rnd == a.rounds - 1 and not a.no_verify:
+                        array = store / "0" if engine == "chucky" else store
+                        name = f"{engine} {tile_name} {target}"
+                        try:
+                            checks[name] = verify(array, bank, frames)
+                        except Exception as exc:
+                            checks[name] = f"unreadable: {exc}"
+                        print(f"read-back {name}: {checks[name]}", flush=True)
                     shutil.rmtree(store, ignore_errors=True)
-        for name, result in checks.items():
-            print(f"read-back {name}: {result}")
 
     table = summarise(rows)
     print_table(table)
