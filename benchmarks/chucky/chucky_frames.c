@@ -11,6 +11,7 @@
 //   chucky_frames --bank frames.u16 --height 2048 --width 2048 --frames 2048 --tile 2,256,256
 //                 --shard-tiles 1,4,4 [-o store | (no -o: shards are counted, then discarded)]
 //                 [--unbuffered 0|1] [--level 1] [--buffer-mib 128] [--batch-chunks 2048]
+//                 [--frames-per-append K: K consecutive bank frames per writer_append (default 1)]
 //                 [--plan: print chucky's memory plan for the layout and stop, no GPU needed]
 //
 // Prints one JSON line on stdout: frames, bytes, create_s (sink + stream create), stream_s (first
@@ -97,7 +98,7 @@ usage(const char* prog)
   fprintf(stderr,
           "usage: %s --bank FILE --height H --width W --frames N --tile T,Y,X "
           "--shard-tiles T,Y,X [-o STORE] [--unbuffered 0|1] [--level L] "
-          "[--buffer-mib M] [--batch-chunks C] [--plan]\n",
+          "[--buffer-mib M] [--batch-chunks C] [--frames-per-append K] [--plan]\n",
           prog);
   return 2;
 }
@@ -127,6 +128,7 @@ main(int argc, char* argv[])
   uint64_t tile[3] = { 0 }, shard_tiles[3] = { 0 };
   int unbuffered = -1, level = 1, plan_only = 0;
   size_t buffer_mib = 128;
+  uint64_t per_append = 1;
   unsigned batch_chunks = 2048;
 
   for (int i = 1; i < argc; ++i) {
@@ -160,13 +162,15 @@ main(int argc, char* argv[])
       level = atoi(v);
     else if (!strcmp(a, "--buffer-mib"))
       buffer_mib = strtoull(v, NULL, 10);
+    else if (!strcmp(a, "--frames-per-append"))
+      per_append = strtoull(v, NULL, 10);
     else if (!strcmp(a, "--batch-chunks"))
       batch_chunks = (unsigned)strtoul(v, NULL, 10);
     else
       return usage(argv[0]);
     ++i;
   }
-  if (!bank_path || !height || !width || !frames || !tile[0] || !shard_tiles[0])
+  if (!bank_path || !height || !width || !frames || !tile[0] || !shard_tiles[0] || !per_append)
     return usage(argv[0]);
   if (unbuffered < 0) // chucky's benchmark default: O_DIRECT whenever it writes
     unbuffered = out_path != NULL;
@@ -194,6 +198,11 @@ main(int argc, char* argv[])
     return 1;
   }
   fclose(f);
+  if (bank_frames % per_append || frames % per_append) {
+    fprintf(stderr, "--frames-per-append %llu must divide the bank (%zu) and --frames\n",
+            (unsigned long long)per_append, bank_frames);
+    return 1;
+  }
 
   struct dimension dims[3];
   const uint64_t sizes[3] = { frames, height, width };
@@ -284,10 +293,11 @@ main(int argc, char* argv[])
   }
   const double t1 = now_s();
   struct writer* w = tile_stream_gpu_writer(stream);
-  for (uint64_t i = 0; i < frames; ++i) {
+  for (uint64_t i = 0; i < frames; i += per_append) {
+    // Consecutive bank frames are contiguous: K frames go in one call, as a camera's ring would.
     const char* frame = bank + (i % bank_frames) * frame_bytes;
-    struct writer_result r =
-      writer_append_wait(w, (struct slice){ frame, frame + frame_bytes });
+    struct writer_result r = writer_append_wait(
+      w, (struct slice){ frame, frame + per_append * frame_bytes });
     if (r.error) {
       fprintf(stderr, "append of frame %llu failed\n", (unsigned long long)i);
       goto Done;
@@ -309,6 +319,7 @@ main(int argc, char* argv[])
   printf("{\"engine\": \"chucky\", \"frames\": %llu, \"bytes\": %zu, \"out_bytes\": %zu, "
          "\"create_s\": %.6f, \"append_s\": %.6f, \"stream_s\": %.6f, \"user_s\": %.6f, "
          "\"user_gbps\": %.4f, \"stream_gbps\": %.4f, \"unbuffered\": %d, "
+         "\"frames_per_append\": %llu, "
          "\"device_bytes\": %zu, \"pinned_bytes\": %zu, \"epochs_per_batch\": %u, "
          "\"chunks_per_epoch\": %llu, \"stages\": {",
          (unsigned long long)frames,
@@ -321,6 +332,7 @@ main(int argc, char* argv[])
          (double)in_bytes / (t2 - t0) / 1e9,
          (double)in_bytes / (t2 - t1) / 1e9,
          unbuffered,
+         (unsigned long long)per_append,
          mem.device_bytes,
          mem.host_pinned_bytes,
          mem.epochs_per_batch,

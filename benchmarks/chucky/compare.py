@@ -69,7 +69,9 @@ def load_bank(path: Path) -> np.ndarray:
 
 
 # -- one run of ours, in its own process (python compare.py ours ...) ------------------------
-def run_ours(bank_path: Path, tile: tuple[int, int, int], frames: int, store: Path, backend: str) -> dict:
+def run_ours(
+    bank_path: Path, tile: tuple[int, int, int], frames: int, store: Path, backend: str, per_append: int
+) -> dict:
     from bench_write import layout_for
 
     from napari_tileshard import Writer
@@ -83,8 +85,9 @@ def run_ours(bank_path: Path, tile: tuple[int, int, int], frames: int, store: Pa
     t0 = time.perf_counter()
     writer = Writer(store, layout, codec="zstd", level=1, backend=backend, overwrite=True)
     t1 = time.perf_counter()
-    for i in range(frames):
-        writer.append(bank[i % len(bank)])
+    for i in range(0, frames, per_append):  # K consecutive bank frames per call (a view: no copy)
+        k = i % len(bank)
+        writer.append(bank[k] if per_append == 1 else bank[k : k + per_append])
     t_appended = time.perf_counter()
     writer.close()
     t2 = time.perf_counter()
@@ -93,6 +96,7 @@ def run_ours(bank_path: Path, tile: tuple[int, int, int], frames: int, store: Pa
     return {
         "engine": "ours",
         "frames": frames,
+        "frames_per_append": per_append,
         "bytes": nbytes,
         "out_bytes": dir_bytes(store),
         "create_s": t1 - t0,
@@ -129,8 +133,11 @@ def child(argv: list[str], timeout: float) -> dict:
     return row
 
 
-def chucky_argv(binary: str, bank: Path, tile, frames: int, store: Path | None, unbuffered: int | None) -> list[str]:
+def chucky_argv(
+    binary: str, bank: Path, tile, frames: int, store: Path | None, unbuffered: int | None, per_append: int
+) -> list[str]:
     argv = [binary, "--bank", str(bank), "--height", str(FRAME_SHAPE[0]), "--width", str(FRAME_SHAPE[1])]
+    argv += ["--frames-per-append", str(per_append)]
     argv += ["--frames", str(frames), "--tile", ",".join(map(str, tile))]
     argv += ["--shard-tiles", ",".join(map(str, shard_tiles(tile))), "--level", "1"]
     if store is not None:
@@ -140,8 +147,9 @@ def chucky_argv(binary: str, bank: Path, tile, frames: int, store: Path | None, 
     return argv
 
 
-def ours_argv(bank: Path, tile, frames: int, store: Path, backend: str) -> list[str]:
+def ours_argv(bank: Path, tile, frames: int, store: Path, backend: str, per_append: int) -> list[str]:
     argv = [sys.executable, str(Path(__file__).resolve()), "ours", "--bank", str(bank), "--backend", backend]
+    argv += ["--frames-per-append", str(per_append)]
     return argv + ["--tile", ",".join(map(str, tile)), "--frames", str(frames), "--store", str(store)]
 
 
@@ -161,10 +169,10 @@ def verify(store_array: Path, bank: np.ndarray, frames: int) -> str:
 
 def summarise(rows: list[dict]) -> list[dict]:
     table = []
-    keys = sorted({(r["tile"], r["target"]) for r in rows})
-    for tile, target in keys:
-        case = [r for r in rows if r["tile"] == tile and r["target"] == target]
-        entry: dict = {"tile": tile, "target": target}
+    keys = sorted({(r["tile"], r["frames_per_append"], r["target"]) for r in rows})
+    for tile, per_append, target in keys:
+        case = [r for r in rows if (r["tile"], r["frames_per_append"], r["target"]) == (tile, per_append, target)]
+        entry: dict = {"tile": tile, "frames_per_append": per_append, "target": target}
         for engine in ("chucky", "ours"):
             runs = [r for r in case if r["engine"] == engine]
             if runs:
@@ -195,12 +203,12 @@ def gbps_cell(stats: dict | None) -> str:
 
 
 def print_table(table: list[dict]) -> None:
-    print(f"\n{'tile':9} {'target':8} {'chucky GB/s':>22} {'ours GB/s':>22} {'ours/chucky':>20}")
+    print(f"\n{'tile':9} {'frames/append':>13} {'target':8} {'chucky GB/s':>22} {'ours GB/s':>22} {'ours/chucky':>20}")
     for e in table:
         r = e.get("ours_over_chucky")
         ratio = f"{r['median']:.2f}x ({r['min']:.2f}-{r['max']:.2f})" if r else "-"
         chucky, ours = gbps_cell(e.get("chucky")), gbps_cell(e.get("ours"))
-        print(f"{e['tile']:9} {e['target']:8} {chucky:>22} {ours:>22} {ratio:>20}")
+        print(f"{e['tile']:9} {e['frames_per_append']:>13} {e['target']:8} {chucky:>22} {ours:>22} {ratio:>20}")
     print("user's clock (create to close), median (min-max) over rounds; GB = 1e9 bytes")
 
 
@@ -213,9 +221,11 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--frames", type=int, required=True)
         p.add_argument("--store", type=Path, required=True)
         p.add_argument("--backend", default="gpu")
+        p.add_argument("--frames-per-append", type=int, default=1)
         a = p.parse_args(argv[1:])
         t, y, x = (int(v) for v in a.tile.split(","))
-        print(json.dumps(run_ours(a.bank, (t, y, x), a.frames, a.store, a.backend)), flush=True)
+        row = run_ours(a.bank, (t, y, x), a.frames, a.store, a.backend, a.frames_per_append)
+        print(json.dumps(row), flush=True)
         return 0
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -224,6 +234,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tiles", default="256k-d2,1m-d8", help=f"tile cases: {', '.join(TILES)}")
     p.add_argument("--targets", default="shm,discard", help="shm, disk, discard")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument(
+        "--appends",
+        default="1",
+        help="frames per append call, a list (1: a camera's frames one by one; 8: chucky's own benchmark "
+        "hands it 64 MiB per call); each must divide 64",
+    )
     p.add_argument("--out", type=Path, default=Path("/dev/shm/chucky-compare"), help="stores for 'shm'")
     p.add_argument("--disk", type=Path, default=Path("/tmp/chucky-compare-disk"), help="stores for 'disk'")
     p.add_argument("--bank", type=Path, default=Path("/tmp/chucky-compare-bank.u16"))
@@ -240,8 +256,11 @@ def main(argv: list[str] | None = None) -> int:
     if not os.access(a.binary, os.X_OK):
         raise SystemExit(f"no chucky_frames at {a.binary}: run benchmarks/chucky/build.sh first")
     tiles = {name: TILES[name] for name in a.tiles.split(",")}
+    appends = [int(v) for v in a.appends.split(",")]
+    if any(k < 1 or BANK_FRAMES % k for k in appends):
+        raise SystemExit(f"--appends: each must divide {BANK_FRAMES}, got {appends}")
     frame_bytes = FRAME_SHAPE[0] * FRAME_SHAPE[1] * 2
-    depth = max(t[0] for t in tiles.values())
+    depth = max([t[0] for t in tiles.values()] + appends)
     frames = max(depth, int(a.gib * 2**30 // frame_bytes) // depth * depth)  # whole tiles for every case
 
     started = time.perf_counter()
@@ -258,19 +277,19 @@ def main(argv: list[str] | None = None) -> int:
     def store_for(target: str, engine: str, tile_name: str) -> Path | None:
         return None if target == "discard" else roots[target] / f"{engine}-{tile_name}.zarr"
 
-    def record(engine: str, target: str, tile_name: str, frames: int = frames) -> dict:
+    def record(engine: str, target: str, tile_name: str, per_append: int, frames: int = frames) -> dict:
         tile = tiles[tile_name]
         store = store_for(target, engine, tile_name)
         if store is not None:
             shutil.rmtree(store, ignore_errors=True)
         if engine == "chucky":
             unbuffered = None if target == "disk" else 0  # tmpfs: buffered, as ours; disk: chucky's O_DIRECT
-            row = child(chucky_argv(a.binary, a.bank, tile, frames, store, unbuffered), a.timeout)
+            row = child(chucky_argv(a.binary, a.bank, tile, frames, store, unbuffered, per_append), a.timeout)
             if store is not None:
                 row["out_bytes"] = dir_bytes(store)
         else:
             assert store is not None
-            row = child(ours_argv(a.bank, tile, frames, store, a.our_backend), a.timeout)
+            row = child(ours_argv(a.bank, tile, frames, store, a.our_backend, per_append), a.timeout)
         return row
 
     # Warm-up, untimed: CuPy's kernel cache, nvCOMP's first load, the page cache of the bank.
@@ -280,48 +299,47 @@ def main(argv: list[str] | None = None) -> int:
         if engine == "ours" and warm_target == "discard":
             continue
         try:
-            record(engine, warm_target, first_tile, frames=min(frames, BANK_FRAMES))
+            record(engine, warm_target, first_tile, 1, frames=min(frames, BANK_FRAMES))
         except Exception as exc:  # a failing engine is reported; the other still runs
             print(f"warm-up of {engine} failed: {exc}")
 
     rows: list[dict] = []
     failures: list[str] = []
     checks: dict[str, str] = {}
+    cases = [(tile_name, k, target) for tile_name in tiles for k in appends for target in targets]
     for rnd in range(a.rounds):
-        for tile_name in tiles:
-            for target in targets:
-                engines = ["chucky", "ours"] if rnd % 2 == 0 else ["ours", "chucky"]
-                for engine in engines:
-                    if engine == "ours" and target == "discard":
-                        continue
+        for tile_name, per_append, target in cases:
+            engines = ["chucky", "ours"] if rnd % 2 == 0 else ["ours", "chucky"]
+            for engine in engines:
+                if engine == "ours" and target == "discard":
+                    continue
+                label = f"{engine} {tile_name} x{per_append} {target}"
+                try:
+                    row = record(engine, target, tile_name, per_append)
+                except Exception as exc:
+                    failures.append(f"round {rnd} {label}: {exc}")
+                    print(failures[-1])
+                    continue
+                row.update(round=rnd, tile=tile_name, target=target, frames_per_append=per_append)
+                rows.append(row)
+                print(
+                    f"[{rnd}] {label:32} user {row['user_gbps']:.2f} GB/s  stream {row['stream_gbps']:.2f}"
+                    f"  create {row['create_s']:.2f} s  out {row['out_bytes'] / 1e9:.2f} GB",
+                    flush=True,
+                )
+                # The last round's stores are read back, then every store goes at once: one
+                # store at a time in /dev/shm (16 GiB recordings make 5-8 GB stores).
+                store = store_for(target, engine, tile_name)
+                if store is None:
+                    continue
+                if rnd == a.rounds - 1 and not a.no_verify:
+                    array = store / "0" if engine == "chucky" else store
                     try:
-                        row = record(engine, target, tile_name)
+                        checks[label] = verify(array, bank, frames)
                     except Exception as exc:
-                        failures.append(f"round {rnd} {engine} {tile_name} {target}: {exc}")
-                        print(failures[-1])
-                        continue
-                    row.update(round=rnd, tile=tile_name, target=target)
-                    rows.append(row)
-                    print(
-                        f"[{rnd}] {tile_name:8} {target:7} {engine:6} user {row['user_gbps']:.2f} GB/s"
-                        f"  stream {row['stream_gbps']:.2f}  create {row['create_s']:.2f} s"
-                        f"  out {row['out_bytes'] / 1e9:.2f} GB",
-                        flush=True,
-                    )
-                    # The last round's stores are read back, then every store goes at once: one
-                    # store at a time in /dev/shm (16 GiB recordings make 5-8 GB stores).
-                    store = store_for(target, engine, tile_name)
-                    if store is None:
-                        continue
-                    if rnd == a.rounds - 1 and not a.no_verify:
-                        array = store / "0" if engine == "chucky" else store
-                        name = f"{engine} {tile_name} {target}"
-                        try:
-                            checks[name] = verify(array, bank, frames)
-                        except Exception as exc:
-                            checks[name] = f"unreadable: {exc}"
-                        print(f"read-back {name}: {checks[name]}", flush=True)
-                    shutil.rmtree(store, ignore_errors=True)
+                        checks[label] = f"unreadable: {exc}"
+                    print(f"read-back {label}: {checks[label]}", flush=True)
+                shutil.rmtree(store, ignore_errors=True)
 
     table = summarise(rows)
     print_table(table)

@@ -4,7 +4,8 @@
 #       carry=[".kit/site.tar.xz", "benchmarks/scratch/chucky-src"], timeout_s=600)
 # .kit/site.tar.xz: benchmarks/device_kit.sh (nvCOMP's wheel, zarr, ...); chucky-src:
 # benchmarks/chucky/prepare_source.sh. Knobs (env): GIB (4), TILES (256k-d2,1m-d8),
-# TARGETS (shm,discard), ROUNDS (3), GIB_LONG (16: one more pass, 1 round, if time is left; 0 = none).
+# TARGETS (shm,discard), APPENDS (1,8: frames per append call), ROUNDS (3),
+# GIB_LONG (16: one more pass, frames one by one, 1 round, if time is left; 0 = none).
 # Files in $OUT: gpu.txt, chucky_configure.log, chucky_build.log, chucky_compare.{json,log}
 # and chucky_compare_long.{json,log}.
 set -o pipefail
@@ -22,7 +23,7 @@ df -h /dev/shm /tmp | tee -a "$OUT/gpu.txt"
 timeout 300 bash benchmarks/chucky/build.sh /tmp/chucky-build || exit 1
 echo "build done at ${SECONDS} s"
 timeout $((560 - SECONDS)) python3 benchmarks/chucky/compare.py --binary /tmp/chucky-build/chucky_frames \
-  --gib "${GIB:-4}" --tiles "${TILES:-256k-d2,1m-d8}" --targets "${TARGETS:-shm,discard}" --rounds "${ROUNDS:-3}" \
+  --gib "${GIB:-4}" --tiles "${TILES:-256k-d2,1m-d8}" --targets "${TARGETS:-shm,discard}" --rounds "${ROUNDS:-3}" --appends "${APPENDS:-1,8}" \
   --json "$OUT/chucky_compare.json" 2>&1 | tee "$OUT/chucky_compare.log"
 status=$?
 echo "first pass done at ${SECONDS} s (exit $status)"
