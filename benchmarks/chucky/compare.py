@@ -111,6 +111,17 @@ def run_ours(
     }
 
 
+def gpu_name() -> str | None:
+    """The GPU's name, from nvidia-smi: the parent process never opens a CUDA context."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True
+        )
+        return out.stdout.strip() or None
+    except OSError:
+        return None
+
+
 def dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
@@ -292,6 +303,31 @@ def main(argv: list[str] | None = None) -> int:
             row = child(ours_argv(a.bank, tile, frames, store, a.our_backend, per_append), a.timeout)
         return row
 
+    commit_file = HERE.parent / "scratch" / "chucky-src" / "COMMIT"
+    meta = {
+        "gpu": gpu_name(),
+        "chucky_commit": commit_file.read_text().strip() if commit_file.exists() else None,
+        "frames": frames,
+        "frame_shape": FRAME_SHAPE,
+        "tiles": tiles,
+    }
+    rows: list[dict] = []
+    failures: list[str] = []
+    checks: dict[str, str] = {}
+
+    def save() -> list[dict]:
+        """The summary so far, also written to --json after every run (a killed call keeps its rows)."""
+        table = summarise(rows)
+        if a.json:
+            a.json.parent.mkdir(parents=True, exist_ok=True)
+            result = {**meta, "summary": table, "read_back": checks, "failures": failures, "rows": rows}
+            a.json.write_text(json.dumps({**result, "elapsed_s": time.perf_counter() - started}, indent=1))
+        return table
+
+    # An engine that outlives --timeout once (a hang) is not run again: the call's time goes to
+    # the other, not to more timeouts.
+    hung: set[str] = set()
+
     # Warm-up, untimed: CuPy's kernel cache, nvCOMP's first load, the page cache of the bank.
     first_tile = next(iter(tiles))
     warm_target = "shm" if "shm" in targets else targets[0]
@@ -300,28 +336,34 @@ def main(argv: list[str] | None = None) -> int:
             continue
         try:
             record(engine, warm_target, first_tile, 1, frames=min(frames, BANK_FRAMES))
+        except subprocess.TimeoutExpired:
+            hung.add(engine)
+            print(f"warm-up of {engine} timed out after {a.timeout:.0f} s: not run again")
         except Exception as exc:  # a failing engine is reported; the other still runs
             print(f"warm-up of {engine} failed: {exc}")
 
-    rows: list[dict] = []
-    failures: list[str] = []
-    checks: dict[str, str] = {}
     cases = [(tile_name, k, target) for tile_name in tiles for k in appends for target in targets]
     for rnd in range(a.rounds):
         for tile_name, per_append, target in cases:
             engines = ["chucky", "ours"] if rnd % 2 == 0 else ["ours", "chucky"]
             for engine in engines:
-                if engine == "ours" and target == "discard":
+                if engine in hung or (engine == "ours" and target == "discard"):
                     continue
                 label = f"{engine} {tile_name} x{per_append} {target}"
                 try:
                     row = record(engine, target, tile_name, per_append)
+                except subprocess.TimeoutExpired:
+                    hung.add(engine)
+                    failures.append(f"round {rnd} {label}: timed out after {a.timeout:.0f} s (not run again)")
+                    print(failures[-1])
+                    continue
                 except Exception as exc:
                     failures.append(f"round {rnd} {label}: {exc}")
                     print(failures[-1])
                     continue
                 row.update(round=rnd, tile=tile_name, target=target, frames_per_append=per_append)
                 rows.append(row)
+                save()
                 print(
                     f"[{rnd}] {label:32} user {row['user_gbps']:.2f} GB/s  stream {row['stream_gbps']:.2f}"
                     f"  create {row['create_s']:.2f} s  out {row['out_bytes'] / 1e9:.2f} GB",
@@ -340,38 +382,12 @@ def main(argv: list[str] | None = None) -> int:
                         checks[label] = f"unreadable: {exc}"
                     print(f"read-back {label}: {checks[label]}", flush=True)
                 shutil.rmtree(store, ignore_errors=True)
+                save()
 
-    table = summarise(rows)
+    table = save()
     print_table(table)
     if failures:
         print(f"{len(failures)} run(s) failed (above)")
-    if a.json:
-        a.json.parent.mkdir(parents=True, exist_ok=True)
-        commit_file = HERE.parent / "scratch" / "chucky-src" / "COMMIT"
-        chucky_commit = commit_file.read_text().strip() if commit_file.exists() else None
-        gpu = None
-        try:
-            import cupy
-
-            gpu = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
-        except Exception:  # the name is a label only
-            pass
-        a.json.write_text(
-            json.dumps(
-                {
-                    "gpu": gpu,
-                    "chucky_commit": chucky_commit,
-                    "frames": frames,
-                    "frame_shape": FRAME_SHAPE,
-                    "summary": table,
-                    "read_back": checks,
-                    "failures": failures,
-                    "rows": rows,
-                    "elapsed_s": time.perf_counter() - started,
-                },
-                indent=1,
-            )
-        )
     return 1 if failures or any(v != "ok" for v in checks.values()) else 0
 
 

@@ -24,14 +24,14 @@ timeout 300 bash benchmarks/chucky/build.sh /tmp/chucky-build || exit 1
 echo "build done at ${SECONDS} s"
 timeout $((560 - SECONDS)) python3 benchmarks/chucky/compare.py --binary /tmp/chucky-build/chucky_frames \
   --gib "${GIB:-4}" --tiles "${TILES:-256k-d2,1m-d8}" --targets "${TARGETS:-shm,discard}" --rounds "${ROUNDS:-3}" --appends "${APPENDS:-1,8}" \
-  --json "$OUT/chucky_compare.json" 2>&1 | tee "$OUT/chucky_compare.log"
+  --timeout 90 --json "$OUT/chucky_compare.json" 2>&1 | tee "$OUT/chucky_compare.log"
 status=$?
 echo "first pass done at ${SECONDS} s (exit $status)"
 # A longer recording (the 17 GB column), once, while the call has time for it.
 if [ "${GIB_LONG:-16}" != 0 ] && [ $SECONDS -lt 330 ]; then
   timeout $((580 - SECONDS)) python3 benchmarks/chucky/compare.py --binary /tmp/chucky-build/chucky_frames \
     --gib "${GIB_LONG:-16}" --tiles "${TILES:-256k-d2,1m-d8}" --targets shm,discard --rounds 1 \
-    --json "$OUT/chucky_compare_long.json" 2>&1 | tee "$OUT/chucky_compare_long.log"
+    --timeout 120 --json "$OUT/chucky_compare_long.json" 2>&1 | tee "$OUT/chucky_compare_long.log"
   echo "long pass done at ${SECONDS} s (exit $?)"
 fi
 exit $status
