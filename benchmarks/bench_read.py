@@ -149,7 +149,7 @@ def engine_reader(name: str, path: Path):
                 cupy.cuda.get_current_stream().synchronize()
             return out
 
-        return read, lambda: reader.stats.requests + reader.stats.index_requests
+        return read, lambda: reader.stats.requests  # data and index requests
     if name == "tensorstore":
         import tensorstore as ts
 

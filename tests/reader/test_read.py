@@ -3,6 +3,7 @@ and zarr-python's stores; the plan is deterministic and partitions exactly; host
 chunks give errors naming the shard and chunk; the GPU path equals the CPU path."""
 
 import tempfile
+import time
 from collections import Counter
 
 import crc32c
@@ -162,11 +163,48 @@ def test_whole_shard_is_one_request_and_stats(tmp_path):
     _zarr_array(tmp_path / "a.zarr", (8, 16, 16), (2, 4, 4), (4, 16, 16), "uint16", "zstd", holes=False)
     reader = ShardReader(tmp_path / "a.zarr", backend="cpu")
     out = reader[...]
-    assert reader.stats.requests == 2 and reader.stats.index_requests == 2  # two shards
-    assert reader.stats.chunks_decoded == out.size // 32
-    assert reader.stats.bytes_decoded == out.nbytes and reader.stats.bytes_read > 0
+    stats = reader.stats
+    assert stats.data_requests == 2 and stats.index_requests == 2  # two shards: one data read and one index each
+    assert stats.requests == 4 and stats.reads == 1
+    assert stats.index_bytes == 2 * (32 * 16 + 4)  # 32 chunks a shard: 16 bytes each and the CRC
+    shard_files = sorted((tmp_path / "a.zarr" / "c").rglob("*"))
+    stored = sum(f.stat().st_size for f in shard_files if f.is_file())
+    assert stats.data_bytes + stats.index_bytes == stored == stats.bytes_read  # every byte of both shards, once
+    assert stats.chunks_decoded == out.size // 32
+    assert stats.bytes_decoded == out.nbytes == stats.bytes_out
     reader[1]  # indexes are cached: no second index read
-    assert reader.stats.index_requests == 2
+    assert stats.index_requests == 2 and stats.data_requests == 3 and stats.reads == 2
+
+
+def test_stats_count_iterators_and_time_spent_not_time_open(tmp_path):
+    """iter_blocks and iter_reads are reads like read(): their requests, bytes and time count;
+    GB/s is over the time spent reading, not the time since the reader was opened."""
+    _zarr_array(tmp_path / "a.zarr", (8, 16, 16), (2, 4, 4), (4, 16, 16), "uint16", "zstd", holes=False)
+    reader = ShardReader(tmp_path / "a.zarr", backend="cpu", prefetch=2)
+    blocks = list(reader.iter_blocks(...))
+    stats = reader.stats
+    assert len(blocks) == 2 and stats.reads == 1
+    assert (stats.data_requests, stats.index_requests) == (2, 2)
+    assert stats.bytes_out == 8 * 16 * 16 * 2 and stats.busy_seconds > 0
+    plan = reader.plan(...)
+    chunks = [c for _, c in reader.iter_reads(plan)]
+    assert stats.reads == 2 and stats.data_requests == 4 and stats.index_requests == 2  # indexes cached
+    assert stats.bytes_out == 2 * 8 * 16 * 16 * 2 == 2 * sum(c.nbytes for c in chunks)
+    assert stats.chunks_decoded == 2 * 64  # 64 chunks of 2 x 4 x 4, twice
+    spent = stats.busy_seconds
+    time.sleep(0.2)  # idle: neither reading nor counted
+    reader[0]
+    assert stats.busy_seconds - spent < 0.2 and stats.reads == 3
+    assert stats.gbps == pytest.approx(stats.bytes_out / stats.busy_seconds / 1e9)
+
+
+def test_stats_are_not_lost_across_prefetch_threads(tmp_path):
+    """Requests are made by prefetch threads: every one is counted."""
+    _zarr_array(tmp_path / "a.zarr", (64, 8, 8), (1, 4, 4), (1, 8, 8), "uint16", "zstd", holes=False)
+    reader = ShardReader(tmp_path / "a.zarr", backend="cpu", prefetch=8, workers=2)
+    for _ in range(20):
+        reader[...]
+    assert reader.stats.data_requests == 20 * 64 and reader.stats.index_requests == 64
 
 
 def test_iter_blocks_and_iter_reads_of_owned_plans(tmp_path):

@@ -205,7 +205,7 @@ class CpuReadPath:
             for future in futures:
                 future.result()
             reader._recycle(buffers)
-            stats.decode_seconds += time.perf_counter() - started
+            stats.add(decode_seconds=time.perf_counter() - started)
             in_flight -= nbytes
             return block, out
 
@@ -216,7 +216,7 @@ class CpuReadPath:
                 source = BlockSource(block, buffers, self.codec)
                 units = unit_boxes(block.box_shape, unit_bytes // self.chunk_bytes)
                 work = functools.partial(self._decode_unit, block, out, source)
-                stats.cache_hits += len(block.cached)
+                stats.add(cache_hits=len(block.cached))
                 if not source.present and not block.cached:  # no chunk of this block is stored: fill only
                     out[...] = reader.fill_value
                     units = []
@@ -224,14 +224,13 @@ class CpuReadPath:
                     started = time.perf_counter()
                     for unit in units:
                         work(unit)
-                    stats.decode_seconds += time.perf_counter() - started
+                    stats.add(decode_seconds=time.perf_counter() - started)
                     futures = []
                 else:
                     futures = [pool.submit(work, unit) for unit in units]
                 pending.append((block, out, futures, source.nbytes, [b for _, b in buffers]))
                 in_flight += source.nbytes
-                stats.chunks_decoded += source.present
-                stats.bytes_decoded += source.present * self.chunk_bytes
+                stats.add(chunks_decoded=source.present, bytes_decoded=source.present * self.chunk_bytes)
                 while pending and (in_flight > window or not pending[0][2]):
                     yield finish(pending.pop(0))
             while pending:
@@ -281,8 +280,7 @@ class CpuReadPath:
             pool = self._decode_pool()
             for future in [pool.submit(work, a, b) for a, b in zip(bounds[:-1], bounds[1:])]:
                 future.result()
-        self.stats.chunks_decoded += n
-        self.stats.bytes_decoded += n * self.chunk_bytes
+        self.stats.add(chunks_decoded=n, bytes_decoded=n * self.chunk_bytes)
 
     def _decode_pool(self) -> ThreadPoolExecutor:
         if self._pool is None:

@@ -46,7 +46,9 @@ from .plan import (
     normalize_selection,
     number_reads,
     pack_runs,
+    single_runs,
 )
+from .stats import ReadStats
 from .settings import cache_bytes_setting, max_read_bytes_setting, reader_setting, workers_setting
 
 #: the read paths in ``backend="auto"``'s order, each with why it cannot read an array here (None: it can)
@@ -61,36 +63,6 @@ __all__ = ["READ_BACKENDS", "READ_PATHS", "ReadStats", "ShardReader"]
 
 def _store_chunk(chunks: np.ndarray, chunk_dtype, i: int, decoded: np.ndarray) -> None:
     chunks[i] = decoded.view(chunk_dtype).reshape(chunks.shape[1:])
-
-
-@dataclass
-class ReadStats:
-    """What a reader has done so far."""
-
-    bytes_read: int = 0
-    requests: int = 0
-    index_requests: int = 0
-    chunks_decoded: int = 0
-    bytes_decoded: int = 0
-    decode_seconds: float = 0.0
-    #: batched GPU decompress calls (the GPU path decodes a whole batch of blocks per call)
-    device_decode_calls: int = 0
-    #: chunks taken from the decoded-chunk cache (not read, not decoded)
-    cache_hits: int = 0
-    read_seconds: float = 0.0
-    wall_seconds: float = 0.0
-
-    @property
-    def gbps(self) -> float:
-        """Decoded bytes per second of wall time, in GB/s."""
-        return self.bytes_decoded / self.wall_seconds / 1e9 if self.wall_seconds else 0.0
-
-    def __str__(self):
-        return (
-            f"{self.bytes_read / 1e6:.1f} MB read in {self.requests} requests ({self.index_requests} index), "
-            f"{self.chunks_decoded} chunks ({self.bytes_decoded / 1e6:.1f} MB) decoded in "
-            f"{self.decode_seconds:.3f} s, {self.gbps:.2f} GB/s"
-        )
 
 
 # -- the reader ------------------------------------------------------------------------------
@@ -143,7 +115,7 @@ class ShardReader:
         self.ndim = len(self.shape)
         self.fill_value = np.array(array.metadata.fill_value, dtype=self.dtype)
         self.stats = ReadStats()
-        self._objects = StoreObjects(access)
+        self._objects = StoreObjects(access, self.stats)
         self._buffers = ReadBuffers()
         self.fallback_reason = self._configure(array)
         #: validated shard indexes, 16 bytes per chunk (none are read when zarr-python reads the array)
@@ -211,17 +183,22 @@ class ShardReader:
         found, index = self._indexes.lookup(key)
         if found:
             return index
-        read = self._objects.index(key, self.spec)
-        self.stats.index_requests += 1
-        if read is not None:
-            size, raw = read
-            index = self.spec.decode_index(key, raw, size)
-        self._indexes.put(key, index)
-        return index
+        return self._read_indexes([key])[0]
+
+    def _read_indexes(self, keys: list[str]) -> list[ShardIndex | None]:
+        """Read, validate and cache the indexes of shards ``keys`` (one gather on remote stores)."""
+        found = []
+        for key, read in zip(keys, self._objects.indexes(keys, self.spec)):
+            index = None if read is None else self.spec.decode_index(key, read[1], read[0])
+            self._indexes.put(key, index)
+            found.append(index)
+        return found
 
     def refresh(self) -> None:
-        """Forget the cached indexes (a recording in progress rewrites its open shards)."""
+        """Forget the cached indexes and the store's directories held open (a recording in
+        progress rewrites its open shards)."""
         self._indexes.clear()
+        self._objects.close()
 
     # -- the plan --------------------------------------------------------------------------
     def plan(self, selection=Ellipsis) -> ReadPlan:
@@ -240,24 +217,23 @@ class ShardReader:
         shape = tuple(len(i) for i in indices)
         out_shape = tuple(n for n, d in zip(shape, dropped) if not d)
         per_dim = [dim_parts(i, s, c) for i, s, c in zip(indices, self.shard_shape, self.chunk_shape)]
-        strides = np.array([int(np.prod(self.chunks_per_shard[d + 1 :], dtype=np.int64)) for d in range(self.ndim)])
-        blocks: list[Block] = []
-        runs_per_block = []
+        strides = [int(np.prod(self.chunks_per_shard[d + 1 :], dtype=np.int64)) for d in range(self.ndim)]
         # Shards along a dim mostly need the same chunks of themselves (all of them, or the same
-        # plane): their boxes (chunk numbers inside the shard) are computed once and shared
-        # (read-only).  Planning a 4 GiB read of 256 shards took 25 ms on the H100 host, most of
-        # it rebuilding the same boxes.
-        local = [
-            [(p.chunks - p.shard * cps) * stride for p in parts]
-            for parts, cps, stride in zip(per_dim, self.chunks_per_shard, strides.tolist())
-        ]
-        local_keys = [[x.tobytes() for x in xs] for xs in local]
+        # plane): per dim, parts with equal chunk numbers inside their shard share an id, and each
+        # combination of ids (a box) is built once and shared (read-only).
+        local: list[list[np.ndarray]] = []
+        part_box: list[list[int]] = []
+        for parts, cps, stride in zip(per_dim, self.chunks_per_shard, strides):
+            seen: dict[bytes, int] = {}
+            numbers = [(p.chunks - p.shard * cps) * stride for p in parts]
+            local.append(numbers)
+            part_box.append([seen.setdefault(x.tobytes(), j) for j, x in enumerate(numbers)])
+        combos = list(product(*(range(len(parts)) for parts in per_dim)))  # row-major shard order
         boxes: dict[tuple, np.ndarray] = {}
-        no_chunks = np.zeros(0, np.int64)
-        for combo in product(*(range(len(parts)) for parts in per_dim)):
-            parts = tuple(per_dim[d][j] for d, j in enumerate(combo))
-            shard = tuple(p.shard for p in parts)
-            box_key = tuple(local_keys[d][j] for d, j in enumerate(combo))
+        blocks: list[Block] = []
+        box_of: list[tuple] = []
+        for combo in combos:
+            box_key = tuple(part_box[d][j] for d, j in enumerate(combo))
             box_chunks = boxes.get(box_key)
             if box_chunks is None:
                 box = np.zeros([len(local[d][j]) for d, j in enumerate(combo)], dtype=np.int64)
@@ -265,45 +241,72 @@ class ShardReader:
                     box += local[d][j].reshape([-1 if e == d else 1 for e in range(self.ndim)])
                 box_chunks = boxes[box_key] = box.ravel()
                 box_chunks.flags.writeable = False
-            key = self.shard_key(shard)
-            block = Block(key, shard, parts, box_chunks)
-            index = self.shard_index(key)
-            runs = []
+            parts = tuple(per_dim[d][j] for d, j in enumerate(combo))
+            shard = tuple(p.shard for p in parts)
+            blocks.append(Block(self.shard_key(shard), shard, parts, box_chunks))
+            box_of.append(box_key)
+        indexes = self._indexes_of([block.key for block in blocks])
+        runs_per_block: list[list[tuple]] = [[] for _ in blocks]
+        # The common case in one NumPy pass per box over all its shards: every needed chunk
+        # stored and nothing taken from the chunk cache; one run per shard where the chunks need
+        # no split (pack_runs's answer, for all shards at once).  The rest, shard by shard.
+        by_box: dict[tuple, list[int]] = {}
+        cached_chunks = use_cache and self.cache is not None and len(self.cache) > 0
+        for b, (block, index) in enumerate(zip(blocks, indexes)):
             if index is None:
                 block.missing = np.arange(block.box_chunks.size)
+            elif cached_chunks:
+                runs_per_block[b] = self._block_runs(b, block, index, use_cache)
             else:
-                offsets, nbytes = index.offsets[block.box_chunks], index.nbytes[block.box_chunks]
-                if nbytes.size and nbytes.min() >= 0:  # every chunk present: the common case
-                    present, block.missing = np.arange(nbytes.size), no_chunks
+                by_box.setdefault(box_of[b], []).append(b)
+        for box_key, members in by_box.items():
+            box_chunks = boxes[box_key]
+            offsets = np.stack([indexes[b].offsets for b in members])[:, box_chunks]  # type: ignore[union-attr]
+            nbytes = np.stack([indexes[b].nbytes for b in members])[:, box_chunks]  # type: ignore[union-attr]
+            whole, order, starts, sizes = single_runs(offsets, nbytes, self.gap_bytes, self.max_read_bytes)
+            chunks = box_chunks[order]
+            first, stop = starts[:, 0].tolist(), (starts[:, -1] + sizes[:, -1]).tolist()
+            relative = starts - starts[:, :1]
+            for row, b in enumerate(members):
+                if whole[row]:
+                    runs_per_block[b] = [
+                        (blocks[b].key, b, first[row], stop[row], chunks[row], relative[row], sizes[row], order[row])
+                    ]
                 else:
-                    present = np.flatnonzero(nbytes >= 0)
-                    block.missing = np.flatnonzero(nbytes < 0)
-                if use_cache and self.cache is not None and present.size:
-                    chunks = block.box_chunks[present].tolist()
-                    places = zip(chunks, offsets[present].tolist(), nbytes[present].tolist())
-                    found = [(p, self.cache.get((key, *place))) for p, place in zip(present.tolist(), places)]
-                    block.cached = {p: decoded for p, decoded in found if decoded is not None}
-                    if block.cached:
-                        present = present[~np.isin(present, list(block.cached))]
-                for start, stop, positions in pack_runs(
-                    offsets[present], nbytes[present], self.gap_bytes, self.max_read_bytes
-                ):
-                    chosen = present[positions]
-                    runs.append(
-                        (
-                            key,
-                            len(blocks),
-                            start,
-                            stop,
-                            block.box_chunks[chosen],
-                            offsets[chosen] - start,
-                            nbytes[chosen],
-                            chosen,
-                        )
-                    )
-            blocks.append(block)
-            runs_per_block.append(runs)
+                    runs_per_block[b] = self._block_runs(b, blocks[b], indexes[b], use_cache)
         return ReadPlan(shape, out_shape, blocks, number_reads(runs_per_block))
+
+    def _indexes_of(self, keys: list[str]) -> list[ShardIndex | None]:
+        """The indexes of shards ``keys``: from the cache, the others read in one batch."""
+        found = [self._indexes.lookup(key) for key in keys]
+        unknown = [key for key, (cached, _) in zip(keys, found) if not cached]
+        read = dict(zip(unknown, self._read_indexes(unknown))) if unknown else {}
+        return [index if cached else read[key] for key, (cached, index) in zip(keys, found)]
+
+    def _block_runs(self, b: int, block: Block, index: ShardIndex, use_cache: bool) -> list[tuple]:
+        """The runs of one shard's block (absent chunks, chunks in the cache, runs split by gaps
+        or the cap): ``(key, block, start, stop, chunks, offsets, nbytes, slots)`` each."""
+        key = block.key
+        offsets, nbytes = index.offsets[block.box_chunks], index.nbytes[block.box_chunks]
+        if nbytes.size and nbytes.min() >= 0:  # every chunk present
+            present = np.arange(nbytes.size)
+        else:
+            present = np.flatnonzero(nbytes >= 0)
+            block.missing = np.flatnonzero(nbytes < 0)
+        if use_cache and self.cache is not None and present.size:
+            chunks = block.box_chunks[present].tolist()
+            places = zip(chunks, offsets[present].tolist(), nbytes[present].tolist())
+            found = [(p, self.cache.get((key, *place))) for p, place in zip(present.tolist(), places)]
+            block.cached = {p: decoded for p, decoded in found if decoded is not None}
+            if block.cached:
+                present = present[~np.isin(present, list(block.cached))]
+        runs = []
+        for start, stop, positions in pack_runs(offsets[present], nbytes[present], self.gap_bytes, self.max_read_bytes):
+            chosen = present[positions]
+            runs.append(
+                (key, b, start, stop, block.box_chunks[chosen], offsets[chosen] - start, nbytes[chosen], chosen)
+            )
+        return runs
 
     # -- reading ---------------------------------------------------------------------------
     def __getitem__(self, selection) -> np.ndarray:
@@ -330,22 +333,26 @@ class ShardReader:
         with zarr-python's dtype, shape and fill value."""
         if device and self.backend != "gpu":
             raise ValueError(f"device=True needs backend='gpu' (this reader decodes on the {self.backend})")
-        if self.fallback_reason is not None:
-            return np.asarray(self.array[selection])
         started = time.perf_counter()
-        plan = self._plan(selection, use_cache=self.backend == "cpu" and self.cache is not None)
-        if self.backend == "gpu":
-            out = self._gpu_reader().read(plan, device)
+        if self.fallback_reason is not None:
+            out = np.asarray(self.array[selection])
         else:
-            out = self._cpu_path().read(plan)
-        self.stats.wall_seconds += time.perf_counter() - started
+            plan = self._plan(selection, use_cache=self.backend == "cpu" and self.cache is not None)
+            if self.backend == "gpu":
+                out = self._gpu_reader().read(plan, device)
+            else:
+                out = self._cpu_path().read(plan)
+        self.stats.add(reads=1, bytes_out=out.nbytes, busy_seconds=time.perf_counter() - started)
         return out
 
     def iter_blocks(self, selection=Ellipsis) -> Iterator[tuple[tuple[slice, ...], np.ndarray]]:
         """``(region, block)`` per shard the selection touches, in storage order, with the next
         read prefetched: ``block`` is what ``read(selection)[region]`` holds."""
+        return self._timed(self._blocks(selection), lambda item: item[1].nbytes)
+
+    def _blocks(self, selection) -> Iterator[tuple[tuple[slice, ...], np.ndarray]]:
         if self.fallback_reason is not None:
-            out = self.read(selection)
+            out = np.asarray(self.array[selection])
             yield tuple(slice(0, n) for n in out.shape), out
             return
         plan = self.plan(selection)
@@ -358,22 +365,36 @@ class ShardReader:
         """Each read of ``plan`` (for example ``plan.owned_by(rank, world)``), fetched with
         prefetch and decoded: ``(read, chunks)`` with ``chunks[i]`` the decoded chunk
         ``read.chunks[i]`` of shard ``read.key`` (shape ``chunk_shape``)."""
+        return self._timed(self._reads(plan), lambda item: item[1].nbytes)
+
+    def _reads(self, plan: ReadPlan) -> Iterator[tuple[Read, np.ndarray]]:
         for read, buffer in self._fetched(plan.reads):
             chunks = np.empty((len(read.chunks),) + self.chunk_shape, dtype=self.dtype)
             started = time.perf_counter()
             self._cpu_path().decode_each(read, buffer, functools.partial(_store_chunk, chunks, self.chunk_dtype))
-            self.stats.decode_seconds += time.perf_counter() - started
+            self.stats.add(decode_seconds=time.perf_counter() - started)
             self._recycle([buffer])
             yield read, chunks
 
+    def _timed(self, items: Iterator, nbytes: Callable) -> Iterator:
+        """``items``, counted as one read in :attr:`stats`: the time spent producing each item
+        (not the caller's time between items) and the bytes handed out."""
+        self.stats.add(reads=1)
+        while True:
+            started = time.perf_counter()
+            try:
+                item = next(items)
+            except StopIteration:
+                self.stats.add(busy_seconds=time.perf_counter() - started)
+                return
+            self.stats.add(busy_seconds=time.perf_counter() - started, bytes_out=nbytes(item))
+            yield item
+
     # -- internals ---------------------------------------------------------------------------
     def _fetch(self, read: Read) -> np.ndarray:
+        """The bytes of ``read`` in a recycled buffer (counted by the store objects)."""
         buffer = self._buffers.take(read.size)
-        started = time.perf_counter()
         self._objects.read_into(read.key, read.start, buffer)
-        self.stats.read_seconds += time.perf_counter() - started
-        self.stats.requests += 1
-        self.stats.bytes_read += read.size
         return buffer
 
     def _recycle(self, buffers) -> None:
@@ -396,6 +417,7 @@ class ShardReader:
         return self._gpu
 
     def close(self) -> None:
+        self._objects.close()
         if self._cpu is not None:
             self._cpu.close()
             self._cpu = None
