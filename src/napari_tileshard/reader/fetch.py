@@ -91,7 +91,9 @@ class StoreObjects:
             if size < nbytes:
                 return size, b""
             start = spec.index_offset(size)
-            buffer = await store.get(key, default_buffer_prototype(), byte_range=RangeByteRequest(start, start + nbytes))
+            buffer = await store.get(
+                key, default_buffer_prototype(), byte_range=RangeByteRequest(start, start + nbytes)
+            )
             return size, b"" if buffer is None else buffer.to_bytes()
 
         return list(await asyncio.gather(*(one(key) for key in keys)))

@@ -187,11 +187,18 @@ class ShardReader:
 
     def _read_indexes(self, keys: list[str]) -> list[ShardIndex | None]:
         """Read, validate and cache the indexes of shards ``keys`` (one gather on remote stores)."""
-        found = []
-        for key, read in zip(keys, self._objects.indexes(keys, self.spec)):
-            index = None if read is None else self.spec.decode_index(key, read[1], read[0])
+        reads = self._objects.indexes(keys, self.spec)
+        stored = [i for i, read in enumerate(reads) if read is not None]
+        decoded = self.spec.decode_indexes(
+            [keys[i] for i in stored],
+            [reads[i][1] for i in stored],
+            [reads[i][0] for i in stored],  # type: ignore[index]
+        )
+        found: list[ShardIndex | None] = [None] * len(keys)
+        for i, index in zip(stored, decoded):
+            found[i] = index
+        for key, index in zip(keys, found):
             self._indexes.put(key, index)
-            found.append(index)
         return found
 
     def refresh(self) -> None:

@@ -208,6 +208,19 @@ class LocalFiles:
         if fd is not None:
             return fd
         where = os.path.join(self.root, parent)
+        above, _, name = parent.rpartition("/")
+        if parent and name not in ("", ".", ".."):
+            # a plain directory (not a symlink) inside the one above: opened relative to it
+            outer = self._directory(above)
+            info = os.stat(name, dir_fd=outer, follow_symlinks=False)  # FileNotFoundError: missing
+            if stat.S_ISDIR(info.st_mode):
+                try:
+                    fd = os.open(name, os.O_RDONLY | _O_DIRECTORY | _O_NOFOLLOW | _O_CLOEXEC, dir_fd=outer)
+                except OSError as exc:
+                    if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+                        raise
+                else:
+                    return self._keep(parent, fd)
         target = resolve_inside(self.root, parent) if parent else os.path.realpath(self.root)
         if not stat.S_ISDIR(os.lstat(target).st_mode):  # FileNotFoundError for a missing directory
             raise NotADirectoryError(errno.ENOTDIR, "not a directory", where)
@@ -220,6 +233,10 @@ class LocalFiles:
         if not stat.S_ISDIR(os.fstat(fd).st_mode):
             os.close(fd)
             raise NotADirectoryError(errno.ENOTDIR, "not a directory", where)
+        return self._keep(parent, fd)
+
+    def _keep(self, parent: str, fd: int) -> int:
+        """Hold ``fd`` as directory ``parent``'s, closing the oldest beyond ``max_dirs`` (lock held)."""
         while len(self._dirs) >= self.max_dirs:
             os.close(self._dirs.pop(next(iter(self._dirs))))
         self._dirs[parent] = fd
