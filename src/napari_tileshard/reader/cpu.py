@@ -137,21 +137,21 @@ class BlockSource:
         )
 
     def decode(self, first: int, stop: int, rows: np.ndarray, fill: np.ndarray) -> None:
-        """Box positions ``first..stop`` decoded into ``rows`` (fill value where absent)."""
-        views, decode = self.views, self.codec.decode_into
-        found = zip(
-            self.buffer_of[first:stop].tolist(),
-            self.offset_of[first:stop].tolist(),
-            self.nbytes_of[first:stop].tolist(),
-        )
-        for j, (buffer, offset, nbytes) in enumerate(found):
-            if buffer < 0:
-                rows[j] = fill if buffer == -1 else self.block.cached[first + j]
-                continue
+        """Box positions ``first..stop`` decoded into ``rows`` (fill value where absent): one
+        :meth:`~napari_tileshard.format.codecs.Codec.decode_chunks` call per read buffer they
+        come from (one, mostly), not one call per chunk."""
+        where = self.buffer_of[first:stop]
+        if where.min() < 0:
+            for j in np.flatnonzero(where < 0).tolist():
+                rows[j] = fill if where[j] == -1 else self.block.cached[first + j]
+        offsets = self.offset_of[first:stop].tolist()
+        for buffer in np.unique(where[where >= 0]).tolist():
+            sizes = np.where(where == buffer, self.nbytes_of[first:stop], -1).tolist()
             try:
-                decode(views[buffer][offset : offset + nbytes], rows[j])
+                self.codec.decode_chunks(self.views[buffer], offsets, sizes, rows, absent=-1)
             except CodecError as exc:
-                raise ChunkDecodeError(self.block.key, int(self.block.box_chunks[first + j]), str(exc)) from None
+                chunk = int(self.block.box_chunks[first + (exc.chunk or 0)])
+                raise ChunkDecodeError(self.block.key, chunk, str(exc)) from None
 
 
 class CpuReadPath:
