@@ -638,6 +638,8 @@ def test_napari_reader_re_reads_a_plane_from_its_chunk_cache(tmp_path, monkeypat
     with Writer(tmp_path / "a.zarr", layout, backend="cpu") as writer:
         writer.append(data)
     ((layer, _, _),) = read_zarr(str(tmp_path / "a.zarr"))
+    assert layer.read_ahead  # napari's reader reads ahead when scrubbing (its own test below); not here
+    layer.read_ahead = False
     np.testing.assert_array_equal(layer[5], data[5])
     requests, decoded = layer.stats.requests, layer.stats.chunks_decoded
     assert requests > 0 and decoded == 16  # the 16 tiles holding row 5
@@ -649,6 +651,7 @@ def test_napari_reader_re_reads_a_plane_from_its_chunk_cache(tmp_path, monkeypat
     assert layer.stats.requests > requests
     monkeypatch.setenv("TILESHARD_CACHE_BYTES", str(16 * 1024 + 100))  # room for 16 tiles of 1 KiB
     ((small, _, _),) = read_zarr(str(tmp_path / "a.zarr"))
+    small.read_ahead = False
     for row in (0, 2, 4, 6, 0):
         np.testing.assert_array_equal(small[row], data[row])
         assert small.cache.nbytes <= 16 * 1024 + 100
@@ -725,3 +728,53 @@ def test_lazy_selections_compose_like_numpy(tmp_path_factory, data):
         expected, lazy = expected[key], lazy[key]
         assert lazy.shape == expected.shape, key
     np.testing.assert_array_equal(np.asarray(lazy), expected)
+
+
+def test_scrubbing_reads_only_the_chunks_of_the_plane_shown(tmp_path):
+    """A plane along t reads the chunks holding it, not whole shards (shards 4 tiles deep here),
+    and napari's form of a plane (a slice of one row) reads the same."""
+    layout = Layout([Dim("t", 0, 1, 4), Dim("y", 64, 16, 2), Dim("x", 64, 16, 2)], "uint16")
+    data = _data((8, 64, 64), "uint16")
+    with Writer(tmp_path / "a.zarr", layout, backend="cpu") as writer:
+        writer.append(data)
+    reader = ShardReader(tmp_path / "a.zarr", backend="cpu")
+    plan = reader.plan(...)
+    stored = {(r.key, int(c)): int(n) for r in plan.reads for c, n in zip(r.chunks, r.nbytes)}
+    for form in (5, slice(5, 6)):
+        before = reader.stats.data_bytes
+        np.testing.assert_array_equal(reader[form], data[form])
+        # plane 5 is tile row 1 of shards c/1/*: chunks 4..7 of each (4 x 2 x 2 tiles per shard)
+        needed = sum(n for (key, chunk), n in stored.items() if key.startswith("c/1/") and 4 <= chunk < 8)
+        assert reader.stats.data_bytes - before == needed
+        assert needed < sum(n for (key, _), n in stored.items() if key.startswith("c/1/")) / 3
+
+
+def test_napari_reader_reads_ahead_when_the_time_slider_steps(tmp_path):
+    """Stepping t -> t + 1 decodes the next tile row along t into the cache in the background:
+    the plane after it then costs no store read and no decoding; a jump starts no read-ahead."""
+    from napari_tileshard.apps.napari_reader import read_zarr
+
+    layout = Layout([Dim("t", 0, 2, 4), Dim("y", 64, 16, 2), Dim("x", 64, 16, 2)], "uint16")
+    data = _data((16, 64, 64), "uint16")
+    with Writer(tmp_path / "a.zarr", layout, backend="cpu") as writer:
+        writer.append(data)
+    ((layer, _, _),) = read_zarr(str(tmp_path / "a.zarr"))
+    np.testing.assert_array_equal(np.asarray(layer[slice(0, 1)]), data[0:1])  # napari asks for slices of one row
+    np.testing.assert_array_equal(np.asarray(layer[slice(1, 2)]), data[1:2])  # a step: rows 2-3 read ahead
+    layer._wait_for_read_ahead()
+    requests, decoded = layer.stats.data_requests, layer.stats.chunks_decoded
+    assert decoded == 2 * 16  # rows 0-1 and, ahead, rows 2-3: 16 tiles each
+    np.testing.assert_array_equal(np.asarray(layer[slice(2, 3)]), data[2:3])
+    assert layer.stats.data_requests == requests and layer.stats.chunks_decoded <= decoded + 16
+    layer._wait_for_read_ahead()
+    decoded = layer.stats.chunks_decoded
+    np.testing.assert_array_equal(layer[9], data[9])  # a jump: read, nothing ahead
+    layer._wait_for_read_ahead()
+    assert layer.stats.chunks_decoded == decoded + 16
+    np.testing.assert_array_equal(layer[8], data[8])  # a step back: rows 6-7 ahead
+    layer._wait_for_read_ahead()
+    assert layer.stats.chunks_decoded == decoded + 2 * 16
+    before = layer.stats.data_requests
+    np.testing.assert_array_equal(layer[7], data[7])
+    assert layer.stats.data_requests == before
+    layer.close()

@@ -263,7 +263,8 @@ def fast_array(array):
         if reader_setting() == "zarr":
             return array
         cache = cache_bytes_setting(None, NAPARI_CACHE_BYTES)
-        reader = ShardReader(array, backend="cpu", cache_bytes=cache)
+        # read_ahead: stepping the time slider finds the next planes decoded already
+        reader = ShardReader(array, backend="cpu", cache_bytes=cache, read_ahead=True)
     except Exception:  # noqa: BLE001 - anything unexpected: zarr-python reads it as before
         return array
     return array if reader.fallback_reason is not None else reader

@@ -251,8 +251,9 @@ class CpuReadPath:
         decoded = scratch[:rows]
         source.decode(first, stop, decoded, self.fill_bytes)
         if self.cache is not None:
-            for j, place in source.decoded_places(first, stop):
-                self.cache.put(place, decoded[j])
+            places = source.decoded_places(first, stop)
+            if places:
+                self.cache.put_many([place for _, place in places], decoded, [j for j, _ in places])
         chunks = decoded.view(self.chunk_dtype).reshape((rows,) + self.chunk_shape)
         untile_into(out, chunks, block, ranges, self.chunk_shape)
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import product
 
@@ -81,6 +82,10 @@ class ShardReader:
     (endpoint, credentials, ...).  ``cache_bytes``: keep up to this many bytes of decoded chunks
     (LRU; default ``TILESHARD_CACHE_BYTES`` or 0, none) so that reading a region again (scrubbing
     back and forth in napari) costs no store reads and no decoding; CPU backend only.
+    ``read_ahead`` (needs the cache): when single planes along dim 0 are read one after the
+    other (napari's time slider stepped), the chunks of the next planes in that direction are
+    read and decoded into the cache on a background thread while the caller shows this one; the
+    next read waits for it rather than reading the same chunks again.
     """
 
     def __init__(
@@ -95,6 +100,7 @@ class ShardReader:
         workers: int | None = None,
         storage_options: dict | None = None,
         cache_bytes: int | None = None,
+        read_ahead: bool = False,
     ):
         if backend not in READ_BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(READ_BACKENDS)}, got {backend!r}")
@@ -107,6 +113,11 @@ class ShardReader:
         self.prefetch, self.gap_bytes = prefetch, gap_bytes
         cache = cache_bytes_setting(cache_bytes)
         self.cache = ChunkCache(cache) if cache else None
+        self.read_ahead = bool(read_ahead) and self.cache is not None
+        self._ahead: Future | None = None  # the read-ahead in flight
+        self._ahead_rows: tuple = (0, 0, "")  # its dim-0 rows lo..hi and the rest of its selection
+        self._ahead_pool: ThreadPoolExecutor | None = None
+        self._last_plane: tuple | None = None  # (dim-0 index, the rest of the selection) of the last plane read
         access, array = open_array(source, pyramid_level, storage_options=storage_options)
         self.location = _location(source, access, array)
         self.array = array
@@ -123,6 +134,7 @@ class ShardReader:
         self.backend = self._choose_backend(backend)
         self._cpu: CpuReadPath | None = None
         self._gpu: GpuReadPath | None = None
+        self._io: ThreadPoolExecutor | None = None  # the prefetch threads, kept across reads
 
     # -- configuration ------------------------------------------------------------------
     def _configure(self, array) -> str | None:
@@ -344,13 +356,89 @@ class ShardReader:
         if self.fallback_reason is not None:
             out = np.asarray(self.array[selection])
         else:
+            self._wait_for_read_ahead(selection)
             plan = self._plan(selection, use_cache=self.backend == "cpu" and self.cache is not None)
             if self.backend == "gpu":
                 out = self._gpu_reader().read(plan, device)
             else:
                 out = self._cpu_path().read(plan)
+            if self.read_ahead and self.backend == "cpu":
+                self._start_read_ahead(selection)
         self.stats.add(reads=1, bytes_out=out.nbytes, busy_seconds=time.perf_counter() - started)
         return out
+
+    # -- read-ahead (scrubbing) ------------------------------------------------------------
+    def _start_read_ahead(self, selection) -> None:
+        """After a single plane along dim 0 (``selection[0]`` an int): when the plane before it
+        in either direction was the last one read, decode the next chunk row in that direction
+        into the cache, on the read-ahead thread."""
+        plane = self._plane_of(selection)
+        if plane is None:
+            self._last_plane = None
+            return
+        t, rest, items = plane
+        last, self._last_plane = self._last_plane, (t, rest)
+        if last is None or last[1] != rest or abs(t - last[0]) != 1:
+            return
+        depth = self.chunk_shape[0]
+        ahead = (t // depth + 1) * depth if t > last[0] else (t // depth) * depth - 1
+        if not 0 <= ahead < self.shape[0]:
+            return
+        row = ahead // depth * depth
+        if self._ahead is not None and not self._ahead.done() and self._ahead_rows == (row, row + depth, rest):
+            return  # on its way already
+        if self._ahead_pool is None:
+            self._ahead_pool = ThreadPoolExecutor(1, thread_name_prefix="tileshard-ahead")
+        self._ahead = self._ahead_pool.submit(self._decode_into_cache, (ahead, *items[1:]))
+        self._ahead_rows = (row, row + depth, rest)
+
+    def _plane_of(self, selection) -> tuple[int, str, tuple] | None:
+        """``(t, rest, items)`` when ``selection`` is one plane along dim 0 (an int, or a slice
+        of one row, as napari's slicing asks): its row, the rest of the selection (as text, to
+        compare) and the selection's items; else None."""
+        items = selection if isinstance(selection, tuple) else (selection,)
+        if not items or not self.shape or not self.shape[0] or Ellipsis in items[1:]:
+            return None
+        first = items[0]
+        if isinstance(first, (int, np.integer)) and not isinstance(first, bool):
+            t = int(first)
+        elif isinstance(first, slice):
+            start, stop, step = first.indices(self.shape[0])
+            if stop - start != 1 or step != 1:
+                return None
+            t = start
+        else:
+            return None
+        if not -self.shape[0] <= t < self.shape[0]:
+            return None
+        return t % self.shape[0], repr(items[1:]), items
+
+    def _decode_into_cache(self, selection) -> None:
+        """Read and decode ``selection``'s chunks that the cache lacks into the cache (the
+        blocks are decoded into scratch and dropped)."""
+        plan = self._plan(selection, use_cache=True)
+        for _ in self._cpu_path().blocks(plan, lambda b: np.empty(b.shape, dtype=self.dtype)):
+            pass
+
+    def _wait_for_read_ahead(self, selection=Ellipsis) -> None:
+        """Wait for the read-ahead in flight when ``selection`` may need its chunks (anything but
+        a plane of another chunk row along dim 0): it is decoding them already.  A plane of a
+        chunk row decoded before is read at once, beside it.  The read-ahead's errors are not
+        the caller's: the caller's own read meets them again, if at all."""
+        ahead = self._ahead
+        if ahead is None:
+            return
+        plane = self._plane_of(selection)
+        if plane is not None and not ahead.done():
+            lo, hi, rest = self._ahead_rows
+            if plane[1] == rest and not lo <= plane[0] < hi:
+                return  # another chunk row: no chunk in common with the read-ahead
+        self._ahead = None
+        if ahead is not None:
+            try:
+                ahead.result()
+            except Exception:  # noqa: BLE001 - see above
+                pass
 
     def iter_blocks(self, selection=Ellipsis) -> Iterator[tuple[tuple[slice, ...], np.ndarray]]:
         """``(region, block)`` per shard the selection touches, in storage order, with the next
@@ -411,7 +499,9 @@ class ShardReader:
     def _fetched(self, reads, fetch=None) -> Iterator[tuple]:
         """``(read, buffer)`` in order, ``prefetch`` reads fetched ahead (by ``fetch``, default
         :meth:`_fetch`): :func:`~napari_tileshard.reader.fetch.prefetched`."""
-        return prefetched(reads, fetch or self._fetch, self.prefetch)
+        if self.prefetch and self._io is None:
+            self._io = ThreadPoolExecutor(min(8, self.prefetch), thread_name_prefix="tileshard-read")
+        return prefetched(reads, fetch or self._fetch, self.prefetch, self._io)
 
     def _cpu_path(self) -> CpuReadPath:
         if self._cpu is None:
@@ -424,6 +514,13 @@ class ShardReader:
         return self._gpu
 
     def close(self) -> None:
+        self._wait_for_read_ahead()
+        if self._ahead_pool is not None:
+            self._ahead_pool.shutdown()
+            self._ahead_pool = None
+        if self._io is not None:
+            self._io.shutdown()
+            self._io = None
         self._objects.close()
         if self._cpu is not None:
             self._cpu.close()
