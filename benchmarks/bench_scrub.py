@@ -58,7 +58,7 @@ def percentile(values, q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, int(np.ceil(q / 100 * len(ordered))) - 1))]
 
 
-def scrub(path: Path, steps: int, order: str, show: bool) -> dict:
+def scrub(path: Path, steps: int, order: str, show: bool, ab_read_ahead: int = 0) -> dict:
     import napari
     from qtpy.QtWidgets import QApplication
 
@@ -75,7 +75,9 @@ def scrub(path: Path, steps: int, order: str, show: bool) -> dict:
     targets = rng.integers(0, frames, steps).tolist() if order == "random" else [(1 + i) % frames for i in range(steps)]
     stats = data.stats
     rows = []
-    for t in targets:
+    for k, t in enumerate(targets):
+        if ab_read_ahead:  # alternate blocks of steps with and without read-ahead (interleaved A/B)
+            data.read_ahead = (k // ab_read_ahead) % 2 == 0
         busy, read, decoded = stats.busy_seconds, stats.data_bytes, stats.bytes_decoded
         started = time.perf_counter()
         viewer.dims.set_current_step(0, t)
@@ -89,6 +91,7 @@ def scrub(path: Path, steps: int, order: str, show: bool) -> dict:
                 "plugin_ms": 1e3 * plugin,
                 "napari_ms": 1e3 * (step - plugin),
                 "data_bytes": stats.data_bytes - read,
+            "read_ahead": data.read_ahead,
                 "decoded_bytes": stats.bytes_decoded - decoded,
             }
         )
@@ -103,13 +106,20 @@ def scrub(path: Path, steps: int, order: str, show: bool) -> dict:
         "shard_shape": list(data.shard_shape),
         "plane_bytes": int(np.prod(data.shape[1:])) * data.dtype.itemsize,
     }
-    for key in ("plugin_ms", "napari_ms", "step_ms"):
-        values = [r[key] for r in rows[1:]]  # the first step warms napari's texture up
-        summary[key] = {
-            "p50": round(percentile(values, 50), 2),
-            "p99": round(percentile(values, 99), 2),
-            "max": round(max(values), 2),
+    groups = {"all": rows[1:]}  # the first step warms napari's texture up
+    if ab_read_ahead:  # the first step of each block is the switch: left out
+        groups = {
+            f"read_ahead={on}": [r for k, r in enumerate(rows) if k % ab_read_ahead and r["read_ahead"] == on]
+            for on in (True, False)
         }
+    for name, group in groups.items():
+        for key in ("plugin_ms", "napari_ms", "step_ms"):
+            values = [r[key] for r in group]
+            summary.setdefault(name, {})[key] = {
+                "p50": round(percentile(values, 50), 2),
+                "p99": round(percentile(values, 99), 2),
+                "max": round(max(values), 2),
+            }
     summary["decoded_bytes_per_step"] = round(float(np.mean([r["decoded_bytes"] for r in rows])))
     summary["data_bytes_per_step"] = round(float(np.mean([r["data_bytes"] for r in rows])))
     summary["rows"] = rows
@@ -125,6 +135,9 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--order", choices=("forward", "random"), default="forward")
     parser.add_argument("--no-show", action="store_true", help="a hidden viewer: nothing drawn")
+    parser.add_argument(
+        "--ab-read-ahead", type=int, default=0, metavar="N", help="alternate blocks of N steps with read-ahead on and off"
+    )
     parser.add_argument("--out", type=Path)
     parser.add_argument("--keep", action="store_true")
     args = parser.parse_args(argv)
@@ -134,7 +147,7 @@ def main(argv=None) -> int:
         path = args.dir / f"scrub-{'x'.join(map(str, tile))}.zarr"
         write_recording(path, args.frames, tile)
     try:
-        result = scrub(path, args.steps, args.order, not args.no_show)
+        result = scrub(path, args.steps, args.order, not args.no_show, args.ab_read_ahead)
     finally:
         if args.path is None and not args.keep:
             shutil.rmtree(path, ignore_errors=True)

@@ -638,8 +638,7 @@ def test_napari_reader_re_reads_a_plane_from_its_chunk_cache(tmp_path, monkeypat
     with Writer(tmp_path / "a.zarr", layout, backend="cpu") as writer:
         writer.append(data)
     ((layer, _, _),) = read_zarr(str(tmp_path / "a.zarr"))
-    assert layer.read_ahead  # napari's reader reads ahead when scrubbing (its own test below); not here
-    layer.read_ahead = False
+    layer.read_ahead = False  # read-ahead (on hosts of 4+ CPUs) has its own test below
     np.testing.assert_array_equal(layer[5], data[5])
     requests, decoded = layer.stats.requests, layer.stats.chunks_decoded
     assert requests > 0 and decoded == 16  # the 16 tiles holding row 5
@@ -749,16 +748,22 @@ def test_scrubbing_reads_only_the_chunks_of_the_plane_shown(tmp_path):
         assert needed < sum(n for (key, _), n in stored.items() if key.startswith("c/1/")) / 3
 
 
-def test_napari_reader_reads_ahead_when_the_time_slider_steps(tmp_path):
+def test_read_ahead_when_the_time_slider_steps(tmp_path, monkeypatch):
     """Stepping t -> t + 1 decodes the next tile row along t into the cache in the background:
-    the plane after it then costs no store read and no decoding; a jump starts no read-ahead."""
-    from napari_tileshard.apps.napari_reader import read_zarr
+    the plane after it then costs no store read and no decoding; a jump starts no read-ahead.
+    napari's reader reads ahead on hosts with 4 CPUs or more."""
+    from napari_tileshard.apps import napari_reader
 
     layout = Layout([Dim("t", 0, 2, 4), Dim("y", 64, 16, 2), Dim("x", 64, 16, 2)], "uint16")
     data = _data((16, 64, 64), "uint16")
     with Writer(tmp_path / "a.zarr", layout, backend="cpu") as writer:
         writer.append(data)
-    ((layer, _, _),) = read_zarr(str(tmp_path / "a.zarr"))
+    for cpus, expected in ((2, False), (16, True)):
+        monkeypatch.setattr(napari_reader.os, "cpu_count", lambda cpus=cpus: cpus)
+        ((shown, _, _),) = napari_reader.read_zarr(str(tmp_path / "a.zarr"))
+        assert shown.read_ahead is expected
+    assert not ShardReader(tmp_path / "a.zarr", read_ahead=True).read_ahead  # no cache: nothing to read ahead into
+    layer = ShardReader(tmp_path / "a.zarr", backend="cpu", cache_bytes=1 << 20, read_ahead=True)
     np.testing.assert_array_equal(np.asarray(layer[slice(0, 1)]), data[0:1])  # napari asks for slices of one row
     np.testing.assert_array_equal(np.asarray(layer[slice(1, 2)]), data[1:2])  # a step: rows 2-3 read ahead
     layer._wait_for_read_ahead()
