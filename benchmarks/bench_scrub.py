@@ -91,7 +91,7 @@ def scrub(path: Path, steps: int, order: str, show: bool, ab_read_ahead: int = 0
                 "plugin_ms": 1e3 * plugin,
                 "napari_ms": 1e3 * (step - plugin),
                 "data_bytes": stats.data_bytes - read,
-            "read_ahead": data.read_ahead,
+                "read_ahead": data.read_ahead,
                 "decoded_bytes": stats.bytes_decoded - decoded,
             }
         )
@@ -136,7 +136,7 @@ def main(argv=None) -> int:
     parser.add_argument("--order", choices=("forward", "random"), default="forward")
     parser.add_argument("--no-show", action="store_true", help="a hidden viewer: nothing drawn")
     parser.add_argument(
-        "--ab-read-ahead", type=int, default=0, metavar="N", help="alternate blocks of N steps with read-ahead on and off"
+        "--ab-read-ahead", type=int, default=0, metavar="N", help="alternate blocks of N steps, read-ahead on and off"
     )
     parser.add_argument("--out", type=Path)
     parser.add_argument("--keep", action="store_true")

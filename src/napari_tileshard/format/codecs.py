@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import re
 import struct
 import threading
 import zlib

@@ -25,7 +25,6 @@ import functools
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from itertools import product
 
 import numpy as np
@@ -49,8 +48,8 @@ from .plan import (
     pack_runs,
     single_runs,
 )
-from .stats import ReadStats
 from .settings import cache_bytes_setting, max_read_bytes_setting, reader_setting, workers_setting
+from .stats import ReadStats
 
 #: the read paths in ``backend="auto"``'s order, each with why it cannot read an array here (None: it can)
 READ_PATHS: dict[str, Callable[[ShardSpec], str | None]] = {
@@ -199,18 +198,15 @@ class ShardReader:
 
     def _read_indexes(self, keys: list[str]) -> list[ShardIndex | None]:
         """Read, validate and cache the indexes of shards ``keys`` (one gather on remote stores)."""
-        reads = self._objects.indexes(keys, self.spec)
-        stored = [i for i, read in enumerate(reads) if read is not None]
+        stored = [(i, read) for i, read in enumerate(self._objects.indexes(keys, self.spec)) if read is not None]
         decoded = self.spec.decode_indexes(
-            [keys[i] for i in stored],
-            [reads[i][1] for i in stored],
-            [reads[i][0] for i in stored],  # type: ignore[index]
+            [keys[i] for i, _ in stored], [raw for _, (_, raw) in stored], [size for _, (size, _) in stored]
         )
         found: list[ShardIndex | None] = [None] * len(keys)
-        for i, index in zip(stored, decoded):
-            found[i] = index
-        for key, index in zip(keys, found):
-            self._indexes.put(key, index)
+        for (i, _), shard_index in zip(stored, decoded):
+            found[i] = shard_index
+        for key, maybe in zip(keys, found):
+            self._indexes.put(key, maybe)
         return found
 
     def refresh(self) -> None:
@@ -260,9 +256,9 @@ class ShardReader:
                     box += local[d][j].reshape([-1 if e == d else 1 for e in range(self.ndim)])
                 box_chunks = boxes[box_key] = box.ravel()
                 box_chunks.flags.writeable = False
-            parts = tuple(per_dim[d][j] for d, j in enumerate(combo))
-            shard = tuple(p.shard for p in parts)
-            blocks.append(Block(self.shard_key(shard), shard, parts, box_chunks))
+            shard_parts = tuple(per_dim[d][j] for d, j in enumerate(combo))
+            shard = tuple(p.shard for p in shard_parts)
+            blocks.append(Block(self.shard_key(shard), shard, shard_parts, box_chunks))
             box_of.append(box_key)
         indexes = self._indexes_of([block.key for block in blocks])
         runs_per_block: list[list[tuple]] = [[] for _ in blocks]
@@ -270,6 +266,7 @@ class ShardReader:
         # stored and nothing taken from the chunk cache; one run per shard where the chunks need
         # no split (pack_runs's answer, for all shards at once).  The rest, shard by shard.
         by_box: dict[tuple, list[int]] = {}
+        stored: dict[int, ShardIndex] = {}
         cached_chunks = use_cache and self.cache is not None and len(self.cache) > 0
         for b, (block, index) in enumerate(zip(blocks, indexes)):
             if index is None:
@@ -277,11 +274,12 @@ class ShardReader:
             elif cached_chunks:
                 runs_per_block[b] = self._block_runs(b, block, index, use_cache)
             else:
+                stored[b] = index
                 by_box.setdefault(box_of[b], []).append(b)
         for box_key, members in by_box.items():
             box_chunks = boxes[box_key]
-            offsets = np.stack([indexes[b].offsets for b in members])[:, box_chunks]  # type: ignore[union-attr]
-            nbytes = np.stack([indexes[b].nbytes for b in members])[:, box_chunks]  # type: ignore[union-attr]
+            offsets = np.stack([stored[b].offsets for b in members])[:, box_chunks]
+            nbytes = np.stack([stored[b].nbytes for b in members])[:, box_chunks]
             whole, order, starts, sizes = single_runs(offsets, nbytes, self.gap_bytes, self.max_read_bytes)
             chunks = box_chunks[order]
             first, stop = starts[:, 0].tolist(), (starts[:, -1] + sizes[:, -1]).tolist()
@@ -292,7 +290,7 @@ class ShardReader:
                         (blocks[b].key, b, first[row], stop[row], chunks[row], relative[row], sizes[row], order[row])
                     ]
                 else:
-                    runs_per_block[b] = self._block_runs(b, blocks[b], indexes[b], use_cache)
+                    runs_per_block[b] = self._block_runs(b, blocks[b], stored[b], use_cache)
         return ReadPlan(shape, out_shape, blocks, number_reads(runs_per_block))
 
     def _indexes_of(self, keys: list[str]) -> list[ShardIndex | None]:
