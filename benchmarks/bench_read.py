@@ -4,6 +4,11 @@ One command produces the issue's table (issue 15) on the GPU machine:
 
     python benchmarks/bench_read.py --out benchmarks/results/read-h100.json
 
+and issue 30's (4 and 16 MiB shards, libzstd's own decode rate beside, the engines measured in
+turn three times):
+
+    python benchmarks/bench_read.py --tiles 64k-4m,256k-4m,1m-16m --cpu-ceiling --rounds 3 --out read.json
+
 For each tile size (64 KiB = 8 x 64 x 64, 256 KiB = 8 x 128 x 128, 1 MiB = 32 x 128 x 128) a
 recording of ``--gib`` GiB (4 by default; ``--gib 16`` for the large one) of 2048² uint16 frames
 from ``SyntheticCamera`` is written by our Writer (zstd level 1, shards of one tile deep x 1024 x
@@ -46,7 +51,17 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from napari_tileshard import Dim, Layout, ShardReader, SyntheticCamera, Writer
 
-TILES = {"64k": (8, 64, 64), "256k": (8, 128, 128), "1m": (32, 128, 128)}
+#: tile shapes (t, y, x) by name; shards are one tile deep x 1024 x 1024 pixels, so the shard
+#: size follows: 8-deep tiles make 16 MiB shards, 2-deep 4 MiB (issue 30's layouts: "64k-4m",
+#: "256k-4m", "1m-16m")
+TILES = {
+    "64k": (8, 64, 64),
+    "256k": (8, 128, 128),
+    "1m": (32, 128, 128),
+    "64k-4m": (2, 128, 128),
+    "256k-4m": (2, 256, 256),
+    "1m-16m": (8, 256, 256),
+}
 ENGINES = ("tileshard-cpu", "tileshard-gpu-host", "tileshard-gpu-device", "tensorstore", "zarr-python", "zarrs")
 MAX_REPEAT_SECONDS = 3.0
 
@@ -149,7 +164,7 @@ def engine_reader(name: str, path: Path):
                 cupy.cuda.get_current_stream().synchronize()
             return out
 
-        return read, lambda: reader.stats.requests + reader.stats.index_requests
+        return read, lambda: reader.stats.requests  # data and index requests
     if name == "tensorstore":
         import tensorstore as ts
 
@@ -234,6 +249,46 @@ def gpu_ceilings(path: Path) -> dict:
     }
 
 
+def decode_ceiling(path: Path, threads: int) -> dict:
+    """libzstd's decode rate on the array's own chunks: one thread (python-zstandard's
+    ``decompress``, a context reused, the output dropped: ~1 us of Python per chunk), then
+    ``threads`` threads each decoding a share into a reused buffer (the GIL released), and
+    ``ceiling`` = ``threads`` x the one-thread rate (issue 30's limit for the CPU path)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import zstandard
+
+    reader = ShardReader(path, backend="cpu")
+    plan = reader.plan(...)
+    frames = []
+    for read, buffer in reader._fetched(plan.reads):
+        data = bytes(buffer)
+        frames += [data[o : o + n] for o, n in zip(read.offsets.tolist(), read.nbytes.tolist())]
+    decoded = len(frames) * reader.chunk_bytes
+
+    def decode(share) -> None:
+        context = zstandard.ZstdDecompressor()
+        for frame in share:
+            context.decompress(frame)
+
+    one = min(_timed(lambda: decode(frames)) for _ in range(2))
+    shares = [frames[k::threads] for k in range(threads)]
+    with ThreadPoolExecutor(threads) as pool:
+        many = min(_timed(lambda: list(pool.map(decode, shares))) for _ in range(2))
+    return {
+        "zstd_1thread_gbps": round(decoded / one / 1e9, 2),
+        f"zstd_{threads}threads_gbps": round(decoded / many / 1e9, 2),
+        "ceiling_gbps": round(threads * decoded / one / 1e9, 2),
+        "threads": threads,
+    }
+
+
+def _timed(work) -> float:
+    started = time.perf_counter()
+    work()
+    return time.perf_counter() - started
+
+
 def table(results: dict) -> str:
     """The issue's table, in Markdown, from the JSON results."""
     lines = [
@@ -248,6 +303,15 @@ def table(results: dict) -> str:
                 f"| {run['tile']} | {run['where']} | {row['engine']} | {row['whole_gbps']} | {ratio} | "
                 f"{row['plane_median_ms']} / {row['plane_worst_ms']} | {row.get('requests_per_gb', '–')} | "
                 f"{row.get('requests_per_plane', '–')} |"
+            )
+        cpu = run.get("cpu_ceiling")
+        if cpu:
+            ours = next((r["whole_gbps"] for r in run["engines"] if r["engine"] == "tileshard-cpu"), None)
+            share = f", tileshard-cpu = {ours / cpu['ceiling_gbps']:.0%} of it" if ours else ""
+            measured = cpu[f"zstd_{cpu['threads']}threads_gbps"]
+            lines.append(
+                f"| {run['tile']} | {run['where']} | libzstd ceiling ({cpu['threads']} x {cpu['zstd_1thread_gbps']}) | "
+                f"{cpu['ceiling_gbps']}{share}; {cpu['threads']} threads measured {measured} | | | | |"
             )
         ceiling = run.get("gpu_ceilings")
         if ceiling:
@@ -274,6 +338,16 @@ def main(argv=None) -> int:
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--keep", action="store_true", help="keep the recordings")
     parser.add_argument("--quick", action="store_true", help="0.25 GiB, 256 KiB tiles, shm, 8 planes")
+    parser.add_argument(
+        "--cpu-ceiling", action="store_true", help="libzstd's decode rate on the same chunks (1 thread, all cores)"
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="measure the engines this many times in turn (A B A B ...), keeping each one's best: "
+        "on a shared machine the ratios then come from the same minutes",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.gib, args.tiles, args.where, args.planes = 0.25, "256k", "shm", 8
@@ -307,15 +381,26 @@ def main(argv=None) -> int:
         for where, path in places:
             frames = ShardReader(path, backend="cpu").shape[0]
             run = {"tile": tile or "given", "where": where, "path": str(path), "engines": []}
-            for name in args.engines.split(","):
-                try:
-                    row = measure(name, path, args.planes, args.repeat, frames, cold=where == "disk")
-                except (ImportError, RuntimeError, ValueError) as exc:
-                    print(f"{tile} {where} {name}: skipped ({exc})", flush=True)
-                    run.setdefault("skipped", {})[name] = str(exc)
-                    continue
-                run["engines"].append(row)
-                print(json.dumps({"tile": tile, "where": where, **row}), flush=True)
+            best: dict[str, dict] = {}
+            for _ in range(args.rounds):
+                for name in args.engines.split(","):
+                    if name in run.get("skipped", {}):
+                        continue
+                    try:
+                        row = measure(name, path, args.planes, args.repeat, frames, cold=where == "disk")
+                    except (ImportError, RuntimeError, ValueError) as exc:
+                        print(f"{tile} {where} {name}: skipped ({exc})", flush=True)
+                        run.setdefault("skipped", {})[name] = str(exc)
+                        continue
+                    print(json.dumps({"tile": tile, "where": where, **row}), flush=True)
+                    rounds = best.get(name, {}).get("rounds", []) + [row["whole_gbps"]]
+                    if name not in best or row["whole_gbps"] > best[name]["whole_gbps"]:
+                        best[name] = row
+                    best[name]["rounds"] = rounds
+            run["engines"] = list(best.values())
+            if args.cpu_ceiling:
+                run["cpu_ceiling"] = decode_ceiling(path, os.cpu_count() or 1)
+                print(json.dumps(run["cpu_ceiling"]), flush=True)
             if any(e.startswith("tileshard-gpu") for e in args.engines.split(",")):
                 try:
                     run["gpu_ceilings"] = gpu_ceilings(path)

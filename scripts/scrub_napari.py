@@ -111,7 +111,7 @@ def main() -> int:
     readers = {id(r): r for r in (getattr(level, "reader", None) for level in layer.data) if r is not None}
 
     def reading() -> float:
-        return sum(r.stats.wall_seconds for r in readers.values())
+        return sum(r.stats.busy_seconds for r in readers.values())
 
     def step(t: int) -> tuple[float, float, float]:
         read_before = reading()

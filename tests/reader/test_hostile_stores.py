@@ -371,6 +371,42 @@ def test_reader_store_does_not_follow_symlinks_out(tmp_path):
     np.testing.assert_array_equal(array[4], SyntheticCamera((8, 8), "uint16", seed=3).stack(8)[4])
 
 
+@posix_only
+def test_shard_reader_opens_shards_as_safely_as_open_local_file(tmp_path):
+    """ShardReader opens shards relative to the store's directories (LocalFiles): a shard or a
+    directory symlinked outside the store and a FIFO are refused, a symlink inside is followed,
+    a missing shard is fill value; the same after the directories are held open."""
+    from napari_tileshard import ShardReader
+    from napari_tileshard.storage.safe_read import UnsafeStoreError
+
+    data = SyntheticCamera((8, 8), "uint16", seed=3).stack(16)
+    path = write_store(tmp_path / "r.zarr", frames=16)  # shards c/0 .. c/3 of 4 frames each
+    reader = ShardReader(path, backend="cpu")
+    np.testing.assert_array_equal(reader[...], data)  # every directory opened and held
+    (path / "c/1/0/0").rename(path / "inside.bin")
+    (path / "c/1/0/0").symlink_to(path / "inside.bin")  # inside the store: followed
+    (tmp_path / "other.bin").write_bytes((path / "c/2/0/0").read_bytes())
+    (path / "c/2/0/0").unlink()
+    (path / "c/2/0/0").symlink_to(tmp_path / "other.bin")  # outside: refused
+    (path / "c/3/0/0").unlink()
+    os.mkfifo(path / "c/3/0/0")  # a FIFO: refused, never opened for reading
+    (path / "c/0/0/0").unlink()  # missing: fill value
+    for fresh in (False, True):  # the directories held open since the first read, then a new reader
+        reader = ShardReader(path, backend="cpu") if fresh else reader
+        np.testing.assert_array_equal(reader[4:8], data[4:8])
+        with pytest.raises(UnsafeStoreError, match="outside the store"):
+            reader[9]
+        with pytest.raises(UnsafeStoreError, match="FIFO"):
+            reader[13]
+    missing = reader[0:4]
+    assert (missing[:, 0:4, 0:4] == 0).all()  # shard c/0/0/0: the top-left 4 x 4 of frames 0..3
+    np.testing.assert_array_equal(missing[:, 4:], data[0:4, 4:])
+    (path / "c/2").rename(tmp_path / "outside-c2")
+    (path / "c/2").symlink_to(tmp_path / "outside-c2", target_is_directory=True)  # a directory outside
+    with pytest.raises(UnsafeStoreError, match="outside the store"):
+        ShardReader(path, backend="cpu")[9]
+
+
 # -- 6 (reader side): the Writer's record of the rows written ------------------------------------
 def recorded(path, rows, state):
     def change(meta):

@@ -3,6 +3,7 @@ and zarr-python's stores; the plan is deterministic and partitions exactly; host
 chunks give errors naming the shard and chunk; the GPU path equals the CPU path."""
 
 import tempfile
+import time
 from collections import Counter
 
 import crc32c
@@ -162,11 +163,48 @@ def test_whole_shard_is_one_request_and_stats(tmp_path):
     _zarr_array(tmp_path / "a.zarr", (8, 16, 16), (2, 4, 4), (4, 16, 16), "uint16", "zstd", holes=False)
     reader = ShardReader(tmp_path / "a.zarr", backend="cpu")
     out = reader[...]
-    assert reader.stats.requests == 2 and reader.stats.index_requests == 2  # two shards
-    assert reader.stats.chunks_decoded == out.size // 32
-    assert reader.stats.bytes_decoded == out.nbytes and reader.stats.bytes_read > 0
+    stats = reader.stats
+    assert stats.data_requests == 2 and stats.index_requests == 2  # two shards: one data read and one index each
+    assert stats.requests == 4 and stats.reads == 1
+    assert stats.index_bytes == 2 * (32 * 16 + 4)  # 32 chunks a shard: 16 bytes each and the CRC
+    shard_files = sorted((tmp_path / "a.zarr" / "c").rglob("*"))
+    stored = sum(f.stat().st_size for f in shard_files if f.is_file())
+    assert stats.data_bytes + stats.index_bytes == stored == stats.bytes_read  # every byte of both shards, once
+    assert stats.chunks_decoded == out.size // 32
+    assert stats.bytes_decoded == out.nbytes == stats.bytes_out
     reader[1]  # indexes are cached: no second index read
-    assert reader.stats.index_requests == 2
+    assert stats.index_requests == 2 and stats.data_requests == 3 and stats.reads == 2
+
+
+def test_stats_count_iterators_and_time_spent_not_time_open(tmp_path):
+    """iter_blocks and iter_reads are reads like read(): their requests, bytes and time count;
+    GB/s is over the time spent reading, not the time since the reader was opened."""
+    _zarr_array(tmp_path / "a.zarr", (8, 16, 16), (2, 4, 4), (4, 16, 16), "uint16", "zstd", holes=False)
+    reader = ShardReader(tmp_path / "a.zarr", backend="cpu", prefetch=2)
+    blocks = list(reader.iter_blocks(...))
+    stats = reader.stats
+    assert len(blocks) == 2 and stats.reads == 1
+    assert (stats.data_requests, stats.index_requests) == (2, 2)
+    assert stats.bytes_out == 8 * 16 * 16 * 2 and stats.busy_seconds > 0
+    plan = reader.plan(...)
+    chunks = [c for _, c in reader.iter_reads(plan)]
+    assert stats.reads == 2 and stats.data_requests == 4 and stats.index_requests == 2  # indexes cached
+    assert stats.bytes_out == 2 * 8 * 16 * 16 * 2 == 2 * sum(c.nbytes for c in chunks)
+    assert stats.chunks_decoded == 2 * 64  # 64 chunks of 2 x 4 x 4, twice
+    spent = stats.busy_seconds
+    time.sleep(0.2)  # idle: neither reading nor counted
+    reader[0]
+    assert stats.busy_seconds - spent < 0.2 and stats.reads == 3
+    assert stats.gbps == pytest.approx(stats.bytes_out / stats.busy_seconds / 1e9)
+
+
+def test_stats_are_not_lost_across_prefetch_threads(tmp_path):
+    """Requests are made by prefetch threads: every one is counted."""
+    _zarr_array(tmp_path / "a.zarr", (64, 8, 8), (1, 4, 4), (1, 8, 8), "uint16", "zstd", holes=False)
+    reader = ShardReader(tmp_path / "a.zarr", backend="cpu", prefetch=8, workers=2)
+    for _ in range(20):
+        reader[...]
+    assert reader.stats.data_requests == 20 * 64 and reader.stats.index_requests == 64
 
 
 def test_iter_blocks_and_iter_reads_of_owned_plans(tmp_path):
@@ -600,6 +638,7 @@ def test_napari_reader_re_reads_a_plane_from_its_chunk_cache(tmp_path, monkeypat
     with Writer(tmp_path / "a.zarr", layout, backend="cpu") as writer:
         writer.append(data)
     ((layer, _, _),) = read_zarr(str(tmp_path / "a.zarr"))
+    layer.read_ahead = False  # read-ahead (on hosts of 4+ CPUs) has its own test below
     np.testing.assert_array_equal(layer[5], data[5])
     requests, decoded = layer.stats.requests, layer.stats.chunks_decoded
     assert requests > 0 and decoded == 16  # the 16 tiles holding row 5
@@ -611,6 +650,7 @@ def test_napari_reader_re_reads_a_plane_from_its_chunk_cache(tmp_path, monkeypat
     assert layer.stats.requests > requests
     monkeypatch.setenv("TILESHARD_CACHE_BYTES", str(16 * 1024 + 100))  # room for 16 tiles of 1 KiB
     ((small, _, _),) = read_zarr(str(tmp_path / "a.zarr"))
+    small.read_ahead = False
     for row in (0, 2, 4, 6, 0):
         np.testing.assert_array_equal(small[row], data[row])
         assert small.cache.nbytes <= 16 * 1024 + 100
@@ -703,15 +743,72 @@ def test_stats_count_every_read_and_only_the_time_spent_reading(tmp_path):
         time.sleep(0.3)  # the caller's time: not the reader's
     assert blocks == 2
     stats = reader.stats
-    assert (stats.requests, stats.index_requests, stats.index_bytes_read) == (2, 2, 2 * spec_index_bytes)
+    assert (stats.data_requests, stats.index_requests, stats.index_bytes) == (2, 2, 2 * spec_index_bytes)
     assert stats.bytes_decoded == 8 * 16 * 16 * 2 and stats.chunks_decoded == 2 * 32
-    assert 0 < stats.wall_seconds < 0.3, stats.wall_seconds
-    assert stats.gbps == stats.bytes_decoded / stats.wall_seconds / 1e9
-    data_bytes = stats.bytes_read
+    assert 0 < stats.busy_seconds < 0.3, stats.busy_seconds
+    assert stats.bytes_out == stats.bytes_decoded and stats.reads == 1
+    assert stats.gbps == stats.bytes_out / stats.busy_seconds / 1e9
+    data_bytes = stats.data_bytes
     plan = reader.plan(...)
     for _ in reader.iter_reads(plan):
         time.sleep(0.3)
-    assert reader.stats.requests == 4 and reader.stats.bytes_read == 2 * data_bytes
+    assert reader.stats.data_requests == 4 and reader.stats.data_bytes == 2 * data_bytes
     assert reader.stats.index_requests == 2  # indexes cached
-    assert reader.stats.chunks_decoded == 4 * 32 and reader.stats.wall_seconds < 0.6
-    assert "4 data requests (+2 index reads" in str(reader.stats)
+    assert reader.stats.chunks_decoded == 4 * 32 and reader.stats.busy_seconds < 0.6
+    assert "in 4 data requests, 2 index requests" in str(reader.stats)
+
+
+def test_scrubbing_reads_only_the_chunks_of_the_plane_shown(tmp_path):
+    """A plane along t reads the chunks holding it, not whole shards (shards 4 tiles deep here),
+    and napari's form of a plane (a slice of one row) reads the same."""
+    layout = Layout([Dim("t", 0, 1, 4), Dim("y", 64, 16, 2), Dim("x", 64, 16, 2)], "uint16")
+    data = _data((8, 64, 64), "uint16")
+    with Writer(tmp_path / "a.zarr", layout, backend="cpu") as writer:
+        writer.append(data)
+    reader = ShardReader(tmp_path / "a.zarr", backend="cpu")
+    plan = reader.plan(...)
+    stored = {(r.key, int(c)): int(n) for r in plan.reads for c, n in zip(r.chunks, r.nbytes)}
+    for form in (5, slice(5, 6)):
+        before = reader.stats.data_bytes
+        np.testing.assert_array_equal(reader[form], data[form])
+        # plane 5 is tile row 1 of shards c/1/*: chunks 4..7 of each (4 x 2 x 2 tiles per shard)
+        needed = sum(n for (key, chunk), n in stored.items() if key.startswith("c/1/") and 4 <= chunk < 8)
+        assert reader.stats.data_bytes - before == needed
+        assert needed < sum(n for (key, _), n in stored.items() if key.startswith("c/1/")) / 3
+
+
+def test_read_ahead_when_the_time_slider_steps(tmp_path, monkeypatch):
+    """Stepping t -> t + 1 decodes the next tile row along t into the cache in the background:
+    the plane after it then costs no store read and no decoding; a jump starts no read-ahead.
+    napari's reader reads ahead on hosts with 4 CPUs or more."""
+    from napari_tileshard.apps import napari_reader
+
+    layout = Layout([Dim("t", 0, 2, 4), Dim("y", 64, 16, 2), Dim("x", 64, 16, 2)], "uint16")
+    data = _data((16, 64, 64), "uint16")
+    with Writer(tmp_path / "a.zarr", layout, backend="cpu") as writer:
+        writer.append(data)
+    for cpus, expected in ((2, False), (16, True)):
+        monkeypatch.setattr(napari_reader.os, "cpu_count", lambda cpus=cpus: cpus)
+        ((shown, _, _),) = napari_reader.read_zarr(str(tmp_path / "a.zarr"))
+        assert shown.read_ahead is expected
+    assert not ShardReader(tmp_path / "a.zarr", read_ahead=True).read_ahead  # no cache: nothing to read ahead into
+    layer = ShardReader(tmp_path / "a.zarr", backend="cpu", cache_bytes=1 << 20, read_ahead=True)
+    np.testing.assert_array_equal(np.asarray(layer[slice(0, 1)]), data[0:1])  # napari asks for slices of one row
+    np.testing.assert_array_equal(np.asarray(layer[slice(1, 2)]), data[1:2])  # a step: rows 2-3 read ahead
+    layer._wait_for_read_ahead()
+    requests, decoded = layer.stats.data_requests, layer.stats.chunks_decoded
+    assert decoded == 2 * 16  # rows 0-1 and, ahead, rows 2-3: 16 tiles each
+    np.testing.assert_array_equal(np.asarray(layer[slice(2, 3)]), data[2:3])
+    assert layer.stats.data_requests == requests and layer.stats.chunks_decoded <= decoded + 16
+    layer._wait_for_read_ahead()
+    decoded = layer.stats.chunks_decoded
+    np.testing.assert_array_equal(layer[9], data[9])  # a jump: read, nothing ahead
+    layer._wait_for_read_ahead()
+    assert layer.stats.chunks_decoded == decoded + 16
+    np.testing.assert_array_equal(layer[8], data[8])  # a step back: rows 6-7 ahead
+    layer._wait_for_read_ahead()
+    assert layer.stats.chunks_decoded == decoded + 2 * 16
+    before = layer.stats.data_requests
+    np.testing.assert_array_equal(layer[7], data[7])
+    assert layer.stats.data_requests == before
+    layer.close()

@@ -21,6 +21,7 @@ coloured and windowed from ``omero``); nodes beside the images that are not imag
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 from ..format.ome import channel_axis, image_axes, omero_channels
@@ -36,10 +37,12 @@ __all__ = [
     "MAX_CHANNEL_LAYERS",
     "MAX_DISPLAY_SLICE_BYTES",
     "NAPARI_CACHE_BYTES",
+    "READ_AHEAD_MIN_CPUS",
     "check_displayable",
     "fast_array",
     "napari_get_reader",
     "open_lazy",
+    "read_ahead_setting",
     "read_zarr",
     "written_rows",
 ]
@@ -263,10 +266,23 @@ def fast_array(array):
         if reader_setting() == "zarr":
             return array
         cache = cache_bytes_setting(None, NAPARI_CACHE_BYTES)
-        reader = ShardReader(array, backend="cpu", cache_bytes=cache)
+        reader = ShardReader(array, backend="cpu", cache_bytes=cache, read_ahead=read_ahead_setting())
     except Exception:  # noqa: BLE001 - anything unexpected: zarr-python reads it as before
         return array
     return array if reader.fallback_reason is not None else reader
+
+
+#: the fewest CPUs with which napari's reader reads ahead while the time slider steps
+READ_AHEAD_MIN_CPUS = 4
+
+
+def read_ahead_setting() -> bool:
+    """Whether napari's reader decodes the next tile row along t while napari draws this one
+    (``ShardReader(read_ahead=True)``): only with cores to spare.  On the 2-core dev box the
+    background decode took the core napari draws on: the plugin's time per step stayed the same
+    and napari's grew (p50 step 60 ms against 47 ms without, ``benchmarks/bench_scrub.py
+    --ab-read-ahead 10``, 2 x 128² tiles)."""
+    return (os.cpu_count() or 1) >= READ_AHEAD_MIN_CPUS
 
 
 def check_displayable(array, path) -> None:

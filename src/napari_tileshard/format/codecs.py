@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import re
 import struct
 import threading
 import zlib
@@ -62,7 +61,10 @@ _local = threading.local()  # zstandard contexts are not thread-safe: one per th
 
 
 class CodecError(ValueError):
-    """A chunk that does not decode to exactly one chunk of the expected size; says why."""
+    """A chunk that does not decode to exactly one chunk of the expected size; says why.
+    ``chunk``: its position in a :meth:`Codec.decode_chunks` batch (None otherwise)."""
+
+    chunk: int | None = None
 
 
 @dataclass(frozen=True)
@@ -151,6 +153,22 @@ class Codec:
         at most ``len(dest)`` bytes are ever produced; anything else than exactly one chunk
         (shorter, longer, bytes after it) is refused."""
         raise NotImplementedError
+
+    def decode_chunks(self, src, offsets, nbytes, dest: np.ndarray, absent: int = -1) -> None:
+        """Decode many chunks of one buffer: chunk ``i`` is bytes ``offsets[i]`` .. ``offsets[i] +
+        nbytes[i]`` of ``src`` (a memoryview of bytes), decoded into row ``dest[i]`` (``dest``:
+        uint8, one chunk a row); rows whose ``nbytes`` is ``absent`` are left as they are.  One
+        call per batch instead of one per chunk (the reader decodes a unit of chunks per task);
+        a chunk that does not decode raises :class:`CodecError` with ``.chunk`` its position."""
+        decode = self.decode_into
+        for i, (offset, size) in enumerate(zip(offsets, nbytes)):
+            if size == absent:
+                continue
+            try:
+                decode(src[offset : offset + size], dest[i])
+            except CodecError as exc:
+                exc.chunk = i
+                raise
 
     def decode(self, data, nbytes: int) -> bytes:
         """Exactly ``nbytes`` decoded bytes, or :class:`CodecError`; never allocates more."""
@@ -304,15 +322,13 @@ class Zstd(Codec):
         return chunks, list(map(len, chunks))
 
     def decode_into(self, src, dest):
-        # python-zstandard with a context reused per thread: ~1 us of Python per call under the
-        # GIL, against ~10 us for numcodecs' decompress(src, dest) (its argument checks; measured
-        # on the 2-core box), paid for by one copy out of a chunk-sized buffer still in cache.  On
-        # the 16-core H100 host the whole-read rate did not change at 256 KiB tiles (libzstd
-        # dominates there, docs/benchmarks.md); less GIL time per chunk is what matters with many
-        # small chunks.  zarr-python's codec cannot bound its output (a small frame may expand to
-        # gigabytes) nor tell that bytes follow the first frame: a frame that declares another
-        # size is refused before anything is allocated from it; ``allow_extra_data=False``
-        # refuses bytes after the frame.
+        # python-zstandard's stream reader decodes straight into ``dest`` (a context reused per
+        # thread): no bytes object per chunk and no copy out of it, 5-8 % more decode rate than
+        # decompress() + copy on the 2-core box at 64 KiB chunks (~2 us of Python per call,
+        # against ~10 us for numcodecs' decompress(src, dest), its argument checks).  Bounded:
+        # at most ``len(dest)`` bytes are produced; a frame that declares another size is
+        # refused before decoding; one more read must find nothing (no byte follows the frame,
+        # or the next frame decodes to nothing, as for zarr-python), else it is refused.
         n = len(dest)
         try:
             declared = zstandard.frame_content_size(src)
@@ -323,16 +339,25 @@ class Zstd(Codec):
         context = getattr(_local, "zstd_d", None)
         if context is None:
             context = _local.zstd_d = zstandard.ZstdDecompressor()
+        got = 0
         try:
-            data = context.decompress(src, max_output_size=n, allow_extra_data=False)
+            with context.stream_reader(src, read_across_frames=True, closefd=False) as reader:
+                while got < n:
+                    count = reader.readinto(dest[got:])
+                    if not count:
+                        break
+                    got += count
+                if got == n:
+                    try:
+                        extra = reader.read(1)
+                    except zstandard.ZstdError:
+                        extra = b"?"
+                    if extra:
+                        raise CodecError("zstd: bytes follow the first frame")
         except zstandard.ZstdError as exc:
-            trailing = re.search(r"contains (\d+) bytes of unused data", str(exc))
-            if trailing:
-                raise CodecError(f"zstd: {trailing.group(1)} bytes follow the first frame") from None
             raise CodecError(f"zstd decode failed: {exc} (expected {n} bytes)") from None
-        if len(data) != n:
-            raise CodecError(f"zstd frame decodes to {len(data)} bytes, expected {n}")
-        dest[:] = np.frombuffer(data, np.uint8)
+        if got != n:
+            raise CodecError(f"zstd frame decodes to {got} bytes, expected {n}")
 
     def compressors(self):
         return [ZstdCodec(level=self.level, checksum=self.checksum).to_dict()]

@@ -504,6 +504,53 @@ class ShardSpec:
         assert index is not None
         return index
 
+    def decode_indexes(
+        self, keys: Sequence[str], raws: Sequence[bytes], object_sizes: Sequence[int]
+    ) -> list[ShardIndex]:
+        """:meth:`decode_index` of many shards: the common case (the index whole, its CRC32C right,
+        every chunk stored, plausibly sized, inside the shard data, none overlapping) checked
+        with NumPy over all shards at once; any other shard goes through :meth:`decode_index`,
+        which raises the first :class:`ShardIndexError` (shards in the order given)."""
+        count, body = len(keys), self.chunks * 16
+        whole = (
+            [
+                len(raw) == self.index_nbytes
+                and size >= self.index_nbytes
+                and self.crc_error("", crc32c.crc32c(raw[:body]), raw[body:]) is None
+                for raw, size in zip(raws, object_sizes)
+            ]
+            if self.index_crc
+            else [len(raw) == self.index_nbytes and size >= self.index_nbytes for raw, size in zip(raws, object_sizes)]
+        )
+        rows = [i for i in range(count) if whole[i]]
+        fast = np.zeros(count, dtype=bool)
+        offsets = nbytes = np.zeros((0, self.chunks), dtype=np.int64)
+        if rows:
+            pairs = np.frombuffer(b"".join(raws[i][:body] for i in rows), dtype=self._index_dtype)
+            pairs = pairs.reshape(len(rows), self.chunks, 2)
+            raw_offsets, raw_nbytes = pairs[..., 0], pairs[..., 1]
+            sizes = np.asarray([object_sizes[i] for i in rows], dtype=np.uint64)
+            data_start = np.uint64(0 if self.index_at_end else self.index_nbytes)
+            data_end = sizes - np.uint64(self.index_nbytes) if self.index_at_end else sizes
+            ok = (raw_nbytes.min(axis=1) >= self.min_chunk_bytes) & (raw_nbytes.max(axis=1) <= self.max_chunk_bytes)
+            ok &= (raw_offsets.min(axis=1) >= data_start) & (raw_offsets.max(axis=1) <= data_end)
+            # where ok, offsets are at most the data end and sizes at most one chunk's bound: no wrap
+            ends = np.where(ok[:, None], raw_offsets + raw_nbytes, 0)
+            ok &= ends.max(axis=1) <= data_end
+            offsets, nbytes = raw_offsets.astype(np.int64), raw_nbytes.astype(np.int64)
+            order = np.argsort(offsets, axis=1, kind="stable")
+            starts = np.take_along_axis(offsets, order, axis=1)
+            stops = starts + np.take_along_axis(nbytes, order, axis=1)
+            ok &= ~np.any(starts[:, 1:] < stops[:, :-1], axis=1)  # sorted by start, none reaches the next
+            fast[rows] = ok
+        row_of = {i: r for r, i in enumerate(rows)}
+        return [
+            ShardIndex(offsets[row_of[i]], nbytes[row_of[i]])
+            if fast[i]
+            else self.decode_index(keys[i], raws[i], object_sizes[i])
+            for i in range(count)
+        ]
+
 
 def array_metadata(layout: LayoutLike, codec, level: int, shape0: int, attributes=None) -> dict:
     """Standard Zarr v3 array metadata with the ``sharding_indexed`` codec for ``layout`` (what

@@ -137,21 +137,21 @@ class BlockSource:
         )
 
     def decode(self, first: int, stop: int, rows: np.ndarray, fill: np.ndarray) -> None:
-        """Box positions ``first..stop`` decoded into ``rows`` (fill value where absent)."""
-        views, decode = self.views, self.codec.decode_into
-        found = zip(
-            self.buffer_of[first:stop].tolist(),
-            self.offset_of[first:stop].tolist(),
-            self.nbytes_of[first:stop].tolist(),
-        )
-        for j, (buffer, offset, nbytes) in enumerate(found):
-            if buffer < 0:
-                rows[j] = fill if buffer == -1 else self.block.cached[first + j]
-                continue
+        """Box positions ``first..stop`` decoded into ``rows`` (fill value where absent): one
+        :meth:`~napari_tileshard.format.codecs.Codec.decode_chunks` call per read buffer they
+        come from (one, mostly), not one call per chunk."""
+        where = self.buffer_of[first:stop]
+        if where.min() < 0:
+            for j in np.flatnonzero(where < 0).tolist():
+                rows[j] = fill if where[j] == -1 else self.block.cached[first + j]
+        offsets = self.offset_of[first:stop].tolist()
+        for buffer in np.unique(where[where >= 0]).tolist():
+            sizes = np.where(where == buffer, self.nbytes_of[first:stop], -1).tolist()
             try:
-                decode(views[buffer][offset : offset + nbytes], rows[j])
+                self.codec.decode_chunks(self.views[buffer], offsets, sizes, rows, absent=-1)
             except CodecError as exc:
-                raise ChunkDecodeError(self.block.key, int(self.block.box_chunks[first + j]), str(exc)) from None
+                chunk = int(self.block.box_chunks[first + (exc.chunk or 0)])
+                raise ChunkDecodeError(self.block.key, chunk, str(exc)) from None
 
 
 class CpuReadPath:
@@ -205,7 +205,7 @@ class CpuReadPath:
             for future in futures:
                 future.result()
             reader._recycle(buffers)
-            stats.decode_seconds += time.perf_counter() - started
+            stats.add(decode_seconds=time.perf_counter() - started)
             in_flight -= nbytes
             return block, out
 
@@ -216,7 +216,7 @@ class CpuReadPath:
                 source = BlockSource(block, buffers, self.codec)
                 units = unit_boxes(block.box_shape, unit_bytes // self.chunk_bytes)
                 work = functools.partial(self._decode_unit, block, out, source)
-                stats.cache_hits += len(block.cached)
+                stats.add(cache_hits=len(block.cached))
                 if not source.present and not block.cached:  # no chunk of this block is stored: fill only
                     out[...] = reader.fill_value
                     units = []
@@ -224,14 +224,13 @@ class CpuReadPath:
                     started = time.perf_counter()
                     for unit in units:
                         work(unit)
-                    stats.decode_seconds += time.perf_counter() - started
+                    stats.add(decode_seconds=time.perf_counter() - started)
                     futures = []
                 else:
                     futures = [pool.submit(work, unit) for unit in units]
                 pending.append((block, out, futures, source.nbytes, [b for _, b in buffers]))
                 in_flight += source.nbytes
-                stats.chunks_decoded += source.present
-                stats.bytes_decoded += source.present * self.chunk_bytes
+                stats.add(chunks_decoded=source.present, bytes_decoded=source.present * self.chunk_bytes)
                 while pending and (in_flight > window or not pending[0][2]):
                     yield finish(pending.pop(0))
             while pending:
@@ -252,8 +251,9 @@ class CpuReadPath:
         decoded = scratch[:rows]
         source.decode(first, stop, decoded, self.fill_bytes)
         if self.cache is not None:
-            for j, place in source.decoded_places(first, stop):
-                self.cache.put(place, decoded[j])
+            places = source.decoded_places(first, stop)
+            if places:
+                self.cache.put_many([place for _, place in places], decoded, [j for j, _ in places])
         chunks = decoded.view(self.chunk_dtype).reshape((rows,) + self.chunk_shape)
         untile_into(out, chunks, block, ranges, self.chunk_shape)
 
@@ -281,8 +281,7 @@ class CpuReadPath:
             pool = self._decode_pool()
             for future in [pool.submit(work, a, b) for a, b in zip(bounds[:-1], bounds[1:])]:
                 future.result()
-        self.stats.chunks_decoded += n
-        self.stats.bytes_decoded += n * self.chunk_bytes
+        self.stats.add(chunks_decoded=n, bytes_decoded=n * self.chunk_bytes)
 
     def _decode_pool(self) -> ThreadPoolExecutor:
         if self._pool is None:

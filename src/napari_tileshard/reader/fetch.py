@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
@@ -13,7 +14,8 @@ import numpy as np
 
 from ..format.shard_spec import ShardReadError, ShardSpec
 from ..storage._zarr_sync import sync
-from ..storage.safe_read import StoreAccess, open_local_file
+from ..storage.safe_read import LocalFiles, StoreAccess
+from .stats import ReadStats
 
 __all__ = ["FREE_BUFFER_BYTES", "ReadBuffers", "StoreObjects", "prefetched"]
 
@@ -25,57 +27,83 @@ B = TypeVar("B")
 
 
 class StoreObjects:
-    """Ranged reads of a store's objects: ``(size, bytes)`` of an index, a range into a buffer.
+    """Ranged reads of a store's objects: ``(size, bytes)`` of shard indexes, a range into a buffer;
+    each request counted in ``stats`` (index reads apart from chunk data, with the time spent).
 
     Local stores are read with ``os.preadv`` straight into the read's buffer through descriptors
-    opened by :func:`~napari_tileshard.storage.safe_read.open_local_file` (regular files inside the
-    store only): no Python bytes object per read, no join, no event-loop round trip per request,
-    which zarr's ``LocalStore.get`` costs.  Other stores go through zarr's ``Store.get`` with byte
-    ranges.
+    opened by :class:`~napari_tileshard.storage.safe_read.LocalFiles` (regular files inside the
+    store only, a few system calls each): no Python bytes object per read, no join, no event-loop
+    round trip per request, which zarr's ``LocalStore.get`` costs.  Other stores go through
+    zarr's ``Store.get`` with byte ranges, the indexes of many shards in one gather.
     """
 
-    def __init__(self, access: StoreAccess):
-        self.access = access
+    def __init__(self, access: StoreAccess, stats: ReadStats):
+        self.access, self.stats = access, stats
         self.local = access.root is not None
-        self.requests = 0
-        self.bytes_read = 0
-        self._lock = threading.Lock()
-
-    def _count(self, n: int) -> None:
-        with self._lock:
-            self.requests += 1
-            self.bytes_read += n
+        self.files = LocalFiles(access.root) if self.local else None
 
     def index(self, key: str, spec: ShardSpec) -> tuple[int, bytes] | None:
         """(object size, the index bytes), or None when the shard does not exist."""
-        nbytes = spec.index_nbytes
-        if self.local:
-            try:
-                fd = open_local_file(self.access.root, key)
-            except (FileNotFoundError, NotADirectoryError):
-                return None
-            try:
-                size = os.fstat(fd).st_size
-                raw = os.pread(fd, nbytes, spec.index_offset(size)) if size >= nbytes else b""
-            finally:
-                os.close(fd)
-            self._count(len(raw))
-            return size, raw
-        from zarr.abc.store import RangeByteRequest
+        return self.indexes([key], spec)[0]
 
+    def indexes(self, keys: list[str], spec: ShardSpec) -> list[tuple[int, bytes] | None]:
+        """:meth:`index` of each of ``keys``: local files one after the other (a few system
+        calls each), other stores in one gather of concurrent requests (an object store's
+        latency is paid once, not once per shard)."""
+        started = time.perf_counter()
+        if self.local:
+            found = [self._local_index(key, spec) for key in keys]
+        else:
+            found = sync(self._remote_indexes(keys, spec))
+        self.stats.add(
+            index_requests=len(keys),
+            index_bytes=sum(len(f[1]) for f in found if f is not None),
+            request_seconds=time.perf_counter() - started,
+        )
+        return found
+
+    def _local_index(self, key: str, spec: ShardSpec) -> tuple[int, bytes] | None:
+        nbytes = spec.index_nbytes
+        assert self.files is not None
         try:
-            size = sync(self.access.store.getsize(key))
-        except FileNotFoundError:
+            fd = self.files.open(key)
+        except (FileNotFoundError, NotADirectoryError):
             return None
-        if size < nbytes:
-            return size, b""
-        start = spec.index_offset(size)
-        return size, self._get(key, RangeByteRequest(start, start + nbytes)).tobytes()
+        try:
+            size = os.fstat(fd).st_size
+            return size, (os.pread(fd, nbytes, spec.index_offset(size)) if size >= nbytes else b"")
+        finally:
+            os.close(fd)
+
+    async def _remote_indexes(self, keys: list[str], spec: ShardSpec) -> list[tuple[int, bytes] | None]:
+        import asyncio
+
+        from zarr.abc.store import RangeByteRequest
+        from zarr.buffer import default_buffer_prototype
+
+        store, nbytes = self.access.store, spec.index_nbytes
+
+        async def one(key: str) -> tuple[int, bytes] | None:
+            try:
+                size = await store.getsize(key)
+            except FileNotFoundError:
+                return None
+            if size < nbytes:
+                return size, b""
+            start = spec.index_offset(size)
+            buffer = await store.get(
+                key, default_buffer_prototype(), byte_range=RangeByteRequest(start, start + nbytes)
+            )
+            return size, b"" if buffer is None else buffer.to_bytes()
+
+        return list(await asyncio.gather(*(one(key) for key in keys)))
 
     def read_into(self, key: str, start: int, out: np.ndarray) -> None:
         """Bytes ``start .. start + len(out)`` of ``key`` into ``out``; ShardReadError if short."""
+        started = time.perf_counter()
         if self.local:
-            fd = open_local_file(self.access.root, key)
+            assert self.files is not None
+            fd = self.files.open(key)
             try:
                 done, view = 0, memoryview(out.data).cast("B")
                 while done < len(view):
@@ -85,23 +113,25 @@ class StoreObjects:
                     done += n
             finally:
                 os.close(fd)
-            self._count(done)
         else:
             from zarr.abc.store import RangeByteRequest
+            from zarr.buffer import default_buffer_prototype
 
-            data = self._get(key, RangeByteRequest(start, start + len(out)))
+            buffer = sync(
+                self.access.store.get(
+                    key, default_buffer_prototype(), byte_range=RangeByteRequest(start, start + len(out))
+                )
+            )
+            data = np.zeros(0, np.uint8) if buffer is None else buffer.as_numpy_array().view(np.uint8)
             done = len(data)
             out[:done] = data[: len(out)]
+        self.stats.add(data_requests=1, data_bytes=done, request_seconds=time.perf_counter() - started)
         if done != len(out):
             raise ShardReadError(key, None, f"bytes {start}..{start + len(out)} asked, {done} read: shard truncated")
 
-    def _get(self, key, byte_range) -> np.ndarray:
-        from zarr.buffer import default_buffer_prototype
-
-        buffer = sync(self.access.store.get(key, default_buffer_prototype(), byte_range=byte_range))
-        data = np.zeros(0, np.uint8) if buffer is None else buffer.as_numpy_array().view(np.uint8)
-        self._count(len(data))
-        return data
+    def close(self) -> None:
+        if self.files is not None:
+            self.files.close()
 
 
 class ReadBuffers:
@@ -136,25 +166,32 @@ class ReadBuffers:
                     self._free_bytes += base.size
 
 
-def prefetched(reads: Iterable[R], fetch: Callable[[R], B], prefetch: int) -> Iterator[tuple[R, B]]:
-    """``(read, fetch(read))`` in order, up to ``prefetch`` reads fetched ahead, on up to
-    ``prefetch`` threads (at most 8: one thread copies ~5-8 GB/s out of the page cache, less than
-    16 decode threads or a GPU take).  Reads not yet consumed when the caller stops are cancelled."""
+def prefetched(
+    reads: Iterable[R], fetch: Callable[[R], B], prefetch: int, pool: ThreadPoolExecutor | None = None
+) -> Iterator[tuple[R, B]]:
+    """``(read, fetch(read))`` in order, up to ``prefetch`` reads fetched ahead on ``pool`` (a
+    reader's, kept across reads: starting threads for every read cost ~0.2 ms, a tenth of a
+    scrubbing step's budget) or, without one, on up to ``prefetch`` threads of its own (at most
+    8: one thread copies ~5-8 GB/s out of the page cache, less than 16 decode threads or a GPU
+    take).  Reads not yet consumed when the caller stops are cancelled."""
     if not prefetch:
         for read in reads:
             yield read, fetch(read)
         return
-    with ThreadPoolExecutor(min(8, prefetch), thread_name_prefix="tileshard-read") as io:
-        pending: list[tuple[R, Future]] = []
-        try:
-            for read in reads:
-                pending.append((read, io.submit(fetch, read)))
-                if len(pending) > prefetch:
-                    done, future = pending.pop(0)
-                    yield done, future.result()
-            while pending:
+    if pool is None:
+        with ThreadPoolExecutor(min(8, prefetch), thread_name_prefix="tileshard-read") as own:
+            yield from prefetched(reads, fetch, prefetch, own)
+        return
+    pending: list[tuple[R, Future]] = []
+    try:
+        for read in reads:
+            pending.append((read, pool.submit(fetch, read)))
+            if len(pending) > prefetch:
                 done, future = pending.pop(0)
                 yield done, future.result()
-        finally:
-            for _, future in pending:
-                future.cancel()
+        while pending:
+            done, future = pending.pop(0)
+            yield done, future.result()
+    finally:
+        for _, future in pending:
+            future.cancel()

@@ -394,15 +394,12 @@ class GpuReadPath:
         elif uploaded is not None:
             uploaded.synchronize()  # its previous batch's H2D may still be reading it
         reader = self.reader
-        started = time.perf_counter()
 
         def fetch(read: Read, base: int) -> None:
             reader._objects.read_into(read.key, read.start, buffer[base : base + read.size])
 
-        list(self._io.map(fetch, batch.reads, batch.read_base.tolist()))  # a batch has many reads
-        reader.stats.read_seconds += time.perf_counter() - started
-        reader.stats.requests += len(batch.reads)
-        reader.stats.bytes_read += sum(read.size for read in batch.reads)
+        # a batch has many reads; each is counted in reader.stats by the store objects
+        list(self._io.map(fetch, batch.reads, batch.read_base.tolist()))
         return buffer
 
     def _recycle(self, host: np.ndarray, uploaded=None) -> None:
@@ -437,7 +434,7 @@ class GpuReadPath:
                 for k, (batch, host) in enumerate(reader._fetched(batches, self._fetch)):
                     started = time.perf_counter()
                     checks.append(self._decode_and_place(plan, batch, host, k % 2, out, tables, dim_offset))
-                    reader.stats.decode_seconds += time.perf_counter() - started
+                    reader.stats.add(decode_seconds=time.perf_counter() - started)
             self.stream.synchronize()
             self._raise_on_failed_chunks(checks)
         out = out.reshape(plan.out_shape)
@@ -484,13 +481,12 @@ class GpuReadPath:
         elif n:
             statuses, actual = self._decompress(meta["pointers"], meta["sizes"], n)
             check = (batch, statuses, actual)
-            self.reader.stats.device_decode_calls += 1
+            self.reader.stats.add(device_decode_calls=1)
         self._place(plan, batch, pool, out, meta, int(rows.sum()), tables)
         done = cupy.cuda.Event(block=True, disable_timing=True)
         done.record(self.stream)
         self._consumed[parity] = done  # the H2D two batches on may overwrite staging buffer ``parity``
-        self.reader.stats.chunks_decoded += n
-        self.reader.stats.bytes_decoded += n * chunk_bytes
+        self.reader.stats.add(chunks_decoded=n, bytes_decoded=n * chunk_bytes)
         return check
 
     def _staging_for(self, batch: DeviceBatch, raw):

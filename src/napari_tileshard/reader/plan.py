@@ -31,6 +31,7 @@ __all__ = [
     "normalize_selection",
     "number_reads",
     "pack_runs",
+    "single_runs",
 ]
 
 #: gaps between needed chunks up to this are read through rather than split into two requests.
@@ -112,6 +113,28 @@ def pack_runs(
             runs.append((run_start, int(ends[last]), order[first : last + 1]))
             first = last + 1
     return runs
+
+
+def single_runs(
+    offsets: np.ndarray, nbytes: np.ndarray, gap_bytes: int, max_read_bytes: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`pack_runs` for many shards at once, where it gives one run per shard: ``offsets``
+    and ``nbytes`` are ``(shards, chunks)`` (int64, -1 where absent), the chunks each shard needs.
+    Returns ``(whole, order, starts, sizes)``: per shard whether its chunks are all stored and
+    make one run (gaps up to ``gap_bytes``, within ``max_read_bytes``), the chunks' storage
+    order (positions into the row) and their offsets and sizes in that order.  The run of a
+    ``whole`` row is ``starts[0] .. starts[-1] + sizes[-1]`` with positions ``order``, exactly
+    what :func:`pack_runs` returns for it; other rows need :func:`pack_runs`."""
+    order = np.argsort(offsets, axis=1, kind="stable")
+    starts = np.take_along_axis(offsets, order, axis=1)
+    sizes = np.take_along_axis(nbytes, order, axis=1)
+    if not offsets.shape[1]:
+        return np.zeros(offsets.shape[0], dtype=bool), order, starts, sizes
+    ends = starts + sizes
+    whole = sizes.min(axis=1) >= 0
+    whole &= np.all(starts[:, 1:] - ends[:, :-1] <= gap_bytes, axis=1)
+    whole &= ends[:, -1] - starts[:, 0] <= max_read_bytes
+    return whole, order, starts, sizes
 
 
 @dataclass

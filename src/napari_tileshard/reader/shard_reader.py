@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
 from itertools import product
 
 import numpy as np
@@ -46,8 +46,10 @@ from .plan import (
     normalize_selection,
     number_reads,
     pack_runs,
+    single_runs,
 )
 from .settings import cache_bytes_setting, max_read_bytes_setting, reader_setting, workers_setting
+from .stats import ReadStats
 
 #: the read paths in ``backend="auto"``'s order, each with why it cannot read an array here (None: it can)
 READ_PATHS: dict[str, Callable[[ShardSpec], str | None]] = {
@@ -61,57 +63,6 @@ __all__ = ["READ_BACKENDS", "READ_PATHS", "ReadStats", "ShardReader"]
 
 def _store_chunk(chunks: np.ndarray, chunk_dtype, i: int, decoded: np.ndarray) -> None:
     chunks[i] = decoded.view(chunk_dtype).reshape(chunks.shape[1:])
-
-
-@dataclass
-class ReadStats:
-    """What a reader has done so far: every read (``read``, ``[...]``, ``iter_blocks``,
-    ``iter_reads``, lazy views), on either backend."""
-
-    #: bytes of chunk data read, in ``requests`` data requests (coalesced ranges of shards)
-    bytes_read: int = 0
-    requests: int = 0
-    #: shard index reads, counted apart from the data requests (one per shard, cached after)
-    index_requests: int = 0
-    index_bytes_read: int = 0
-    chunks_decoded: int = 0
-    bytes_decoded: int = 0
-    decode_seconds: float = 0.0
-    #: batched GPU decompress calls (the GPU path decodes a whole batch of blocks per call)
-    device_decode_calls: int = 0
-    #: chunks taken from the decoded-chunk cache (not read, not decoded)
-    cache_hits: int = 0
-    read_seconds: float = 0.0
-    #: time spent inside the reader's calls (for ``iter_blocks``/``iter_reads``: while producing
-    #: a block, not while the caller holds it)
-    wall_seconds: float = 0.0
-
-    @property
-    def gbps(self) -> float:
-        """Decoded bytes per second of the time spent reading (``wall_seconds``), in GB/s."""
-        return self.bytes_decoded / self.wall_seconds / 1e9 if self.wall_seconds else 0.0
-
-    def __str__(self):
-        return (
-            f"{self.bytes_read / 1e6:.1f} MB read in {self.requests} data requests (+{self.index_requests} index "
-            f"reads, {self.index_bytes_read / 1e3:.1f} kB), {self.chunks_decoded} chunks "
-            f"({self.bytes_decoded / 1e6:.1f} MB) decoded in {self.decode_seconds:.3f} s, "
-            f"{self.gbps:.2f} GB/s over {self.wall_seconds:.3f} s"
-        )
-
-
-def _timed(stats: ReadStats, items: Iterator):
-    """``items``, adding the time spent producing each one to ``stats.wall_seconds`` (the time
-    the caller spends between items is the caller's)."""
-    while True:
-        started = time.perf_counter()
-        try:
-            item = next(items)
-        except StopIteration:
-            stats.wall_seconds += time.perf_counter() - started
-            return
-        stats.wall_seconds += time.perf_counter() - started
-        yield item
 
 
 # -- the reader ------------------------------------------------------------------------------
@@ -130,6 +81,10 @@ class ShardReader:
     (endpoint, credentials, ...).  ``cache_bytes``: keep up to this many bytes of decoded chunks
     (LRU; default ``TILESHARD_CACHE_BYTES`` or 0, none) so that reading a region again (scrubbing
     back and forth in napari) costs no store reads and no decoding; CPU backend only.
+    ``read_ahead`` (needs the cache): when single planes along dim 0 are read one after the
+    other (napari's time slider stepped), the chunks of the next planes in that direction are
+    read and decoded into the cache on a background thread while the caller shows this one; the
+    next read waits for it rather than reading the same chunks again.
     """
 
     def __init__(
@@ -144,6 +99,7 @@ class ShardReader:
         workers: int | None = None,
         storage_options: dict | None = None,
         cache_bytes: int | None = None,
+        read_ahead: bool = False,
     ):
         if backend not in READ_BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(READ_BACKENDS)}, got {backend!r}")
@@ -156,6 +112,11 @@ class ShardReader:
         self.prefetch, self.gap_bytes = prefetch, gap_bytes
         cache = cache_bytes_setting(cache_bytes)
         self.cache = ChunkCache(cache) if cache else None
+        self.read_ahead = bool(read_ahead) and self.cache is not None
+        self._ahead: Future | None = None  # the read-ahead in flight
+        self._ahead_rows: tuple = (0, 0, "")  # its dim-0 rows lo..hi and the rest of its selection
+        self._ahead_pool: ThreadPoolExecutor | None = None
+        self._last_plane: tuple | None = None  # (dim-0 index, the rest of the selection) of the last plane read
         access, array = open_array(source, pyramid_level, storage_options=storage_options)
         self.location = _location(source, access, array)
         self.array = array
@@ -164,7 +125,7 @@ class ShardReader:
         self.ndim = len(self.shape)
         self.fill_value = np.array(array.metadata.fill_value, dtype=self.dtype)
         self.stats = ReadStats()
-        self._objects = StoreObjects(access)
+        self._objects = StoreObjects(access, self.stats)
         self._buffers = ReadBuffers()
         self.fallback_reason = self._configure(array)
         #: validated shard indexes, 16 bytes per chunk (none are read when zarr-python reads the array)
@@ -172,6 +133,7 @@ class ShardReader:
         self.backend = self._choose_backend(backend)
         self._cpu: CpuReadPath | None = None
         self._gpu: GpuReadPath | None = None
+        self._io: ThreadPoolExecutor | None = None  # the prefetch threads, kept across reads
 
     # -- configuration ------------------------------------------------------------------
     def _configure(self, array) -> str | None:
@@ -232,18 +194,26 @@ class ShardReader:
         found, index = self._indexes.lookup(key)
         if found:
             return index
-        read = self._objects.index(key, self.spec)
-        self.stats.index_requests += 1
-        if read is not None:
-            size, raw = read
-            self.stats.index_bytes_read += len(raw)
-            index = self.spec.decode_index(key, raw, size)
-        self._indexes.put(key, index)
-        return index
+        return self._read_indexes([key])[0]
+
+    def _read_indexes(self, keys: list[str]) -> list[ShardIndex | None]:
+        """Read, validate and cache the indexes of shards ``keys`` (one gather on remote stores)."""
+        stored = [(i, read) for i, read in enumerate(self._objects.indexes(keys, self.spec)) if read is not None]
+        decoded = self.spec.decode_indexes(
+            [keys[i] for i, _ in stored], [raw for _, (_, raw) in stored], [size for _, (size, _) in stored]
+        )
+        found: list[ShardIndex | None] = [None] * len(keys)
+        for (i, _), shard_index in zip(stored, decoded):
+            found[i] = shard_index
+        for key, maybe in zip(keys, found):
+            self._indexes.put(key, maybe)
+        return found
 
     def refresh(self) -> None:
-        """Forget the cached indexes (a recording in progress rewrites its open shards)."""
+        """Forget the cached indexes and the store's directories held open (a recording in
+        progress rewrites its open shards)."""
         self._indexes.clear()
+        self._objects.close()
 
     # -- the plan --------------------------------------------------------------------------
     def plan(self, selection=Ellipsis) -> ReadPlan:
@@ -262,24 +232,23 @@ class ShardReader:
         shape = tuple(len(i) for i in indices)
         out_shape = tuple(n for n, d in zip(shape, dropped) if not d)
         per_dim = [dim_parts(i, s, c) for i, s, c in zip(indices, self.shard_shape, self.chunk_shape)]
-        strides = np.array([int(np.prod(self.chunks_per_shard[d + 1 :], dtype=np.int64)) for d in range(self.ndim)])
-        blocks: list[Block] = []
-        runs_per_block = []
+        strides = [int(np.prod(self.chunks_per_shard[d + 1 :], dtype=np.int64)) for d in range(self.ndim)]
         # Shards along a dim mostly need the same chunks of themselves (all of them, or the same
-        # plane): their boxes (chunk numbers inside the shard) are computed once and shared
-        # (read-only).  Planning a 4 GiB read of 256 shards took 25 ms on the H100 host, most of
-        # it rebuilding the same boxes.
-        local = [
-            [(p.chunks - p.shard * cps) * stride for p in parts]
-            for parts, cps, stride in zip(per_dim, self.chunks_per_shard, strides.tolist())
-        ]
-        local_keys = [[x.tobytes() for x in xs] for xs in local]
+        # plane): per dim, parts with equal chunk numbers inside their shard share an id, and each
+        # combination of ids (a box) is built once and shared (read-only).
+        local: list[list[np.ndarray]] = []
+        part_box: list[list[int]] = []
+        for parts, cps, stride in zip(per_dim, self.chunks_per_shard, strides):
+            seen: dict[bytes, int] = {}
+            numbers = [(p.chunks - p.shard * cps) * stride for p in parts]
+            local.append(numbers)
+            part_box.append([seen.setdefault(x.tobytes(), j) for j, x in enumerate(numbers)])
+        combos = list(product(*(range(len(parts)) for parts in per_dim)))  # row-major shard order
         boxes: dict[tuple, np.ndarray] = {}
-        no_chunks = np.zeros(0, np.int64)
-        for combo in product(*(range(len(parts)) for parts in per_dim)):
-            parts = tuple(per_dim[d][j] for d, j in enumerate(combo))
-            shard = tuple(p.shard for p in parts)
-            box_key = tuple(local_keys[d][j] for d, j in enumerate(combo))
+        blocks: list[Block] = []
+        box_of: list[tuple] = []
+        for combo in combos:
+            box_key = tuple(part_box[d][j] for d, j in enumerate(combo))
             box_chunks = boxes.get(box_key)
             if box_chunks is None:
                 box = np.zeros([len(local[d][j]) for d, j in enumerate(combo)], dtype=np.int64)
@@ -287,45 +256,74 @@ class ShardReader:
                     box += local[d][j].reshape([-1 if e == d else 1 for e in range(self.ndim)])
                 box_chunks = boxes[box_key] = box.ravel()
                 box_chunks.flags.writeable = False
-            key = self.shard_key(shard)
-            block = Block(key, shard, parts, box_chunks)
-            index = self.shard_index(key)
-            runs = []
+            shard_parts = tuple(per_dim[d][j] for d, j in enumerate(combo))
+            shard = tuple(p.shard for p in shard_parts)
+            blocks.append(Block(self.shard_key(shard), shard, shard_parts, box_chunks))
+            box_of.append(box_key)
+        indexes = self._indexes_of([block.key for block in blocks])
+        runs_per_block: list[list[tuple]] = [[] for _ in blocks]
+        # The common case in one NumPy pass per box over all its shards: every needed chunk
+        # stored and nothing taken from the chunk cache; one run per shard where the chunks need
+        # no split (pack_runs's answer, for all shards at once).  The rest, shard by shard.
+        by_box: dict[tuple, list[int]] = {}
+        stored: dict[int, ShardIndex] = {}
+        cached_chunks = use_cache and self.cache is not None and len(self.cache) > 0
+        for b, (block, index) in enumerate(zip(blocks, indexes)):
             if index is None:
                 block.missing = np.arange(block.box_chunks.size)
+            elif cached_chunks:
+                runs_per_block[b] = self._block_runs(b, block, index, use_cache)
             else:
-                offsets, nbytes = index.offsets[block.box_chunks], index.nbytes[block.box_chunks]
-                if nbytes.size and nbytes.min() >= 0:  # every chunk present: the common case
-                    present, block.missing = np.arange(nbytes.size), no_chunks
+                stored[b] = index
+                by_box.setdefault(box_of[b], []).append(b)
+        for box_key, members in by_box.items():
+            box_chunks = boxes[box_key]
+            offsets = np.stack([stored[b].offsets for b in members])[:, box_chunks]
+            nbytes = np.stack([stored[b].nbytes for b in members])[:, box_chunks]
+            whole, order, starts, sizes = single_runs(offsets, nbytes, self.gap_bytes, self.max_read_bytes)
+            chunks = box_chunks[order]
+            first, stop = starts[:, 0].tolist(), (starts[:, -1] + sizes[:, -1]).tolist()
+            relative = starts - starts[:, :1]
+            for row, b in enumerate(members):
+                if whole[row]:
+                    runs_per_block[b] = [
+                        (blocks[b].key, b, first[row], stop[row], chunks[row], relative[row], sizes[row], order[row])
+                    ]
                 else:
-                    present = np.flatnonzero(nbytes >= 0)
-                    block.missing = np.flatnonzero(nbytes < 0)
-                if use_cache and self.cache is not None and present.size:
-                    chunks = block.box_chunks[present].tolist()
-                    places = zip(chunks, offsets[present].tolist(), nbytes[present].tolist())
-                    found = [(p, self.cache.get((key, *place))) for p, place in zip(present.tolist(), places)]
-                    block.cached = {p: decoded for p, decoded in found if decoded is not None}
-                    if block.cached:
-                        present = present[~np.isin(present, list(block.cached))]
-                for start, stop, positions in pack_runs(
-                    offsets[present], nbytes[present], self.gap_bytes, self.max_read_bytes
-                ):
-                    chosen = present[positions]
-                    runs.append(
-                        (
-                            key,
-                            len(blocks),
-                            start,
-                            stop,
-                            block.box_chunks[chosen],
-                            offsets[chosen] - start,
-                            nbytes[chosen],
-                            chosen,
-                        )
-                    )
-            blocks.append(block)
-            runs_per_block.append(runs)
+                    runs_per_block[b] = self._block_runs(b, blocks[b], stored[b], use_cache)
         return ReadPlan(shape, out_shape, blocks, number_reads(runs_per_block))
+
+    def _indexes_of(self, keys: list[str]) -> list[ShardIndex | None]:
+        """The indexes of shards ``keys``: from the cache, the others read in one batch."""
+        found = [self._indexes.lookup(key) for key in keys]
+        unknown = [key for key, (cached, _) in zip(keys, found) if not cached]
+        read = dict(zip(unknown, self._read_indexes(unknown))) if unknown else {}
+        return [index if cached else read[key] for key, (cached, index) in zip(keys, found)]
+
+    def _block_runs(self, b: int, block: Block, index: ShardIndex, use_cache: bool) -> list[tuple]:
+        """The runs of one shard's block (absent chunks, chunks in the cache, runs split by gaps
+        or the cap): ``(key, block, start, stop, chunks, offsets, nbytes, slots)`` each."""
+        key = block.key
+        offsets, nbytes = index.offsets[block.box_chunks], index.nbytes[block.box_chunks]
+        if nbytes.size and nbytes.min() >= 0:  # every chunk present
+            present = np.arange(nbytes.size)
+        else:
+            present = np.flatnonzero(nbytes >= 0)
+            block.missing = np.flatnonzero(nbytes < 0)
+        if use_cache and self.cache is not None and present.size:
+            chunks = block.box_chunks[present].tolist()
+            places = zip(chunks, offsets[present].tolist(), nbytes[present].tolist())
+            found = [(p, self.cache.get((key, *place))) for p, place in zip(present.tolist(), places)]
+            block.cached = {p: decoded for p, decoded in found if decoded is not None}
+            if block.cached:
+                present = present[~np.isin(present, list(block.cached))]
+        runs = []
+        for start, stop, positions in pack_runs(offsets[present], nbytes[present], self.gap_bytes, self.max_read_bytes):
+            chosen = present[positions]
+            runs.append(
+                (key, b, start, stop, block.box_chunks[chosen], offsets[chosen] - start, nbytes[chosen], chosen)
+            )
+        return runs
 
     # -- reading ---------------------------------------------------------------------------
     def __getitem__(self, selection) -> np.ndarray:
@@ -353,27 +351,101 @@ class ShardReader:
         if device and self.backend != "gpu":
             raise ValueError(f"device=True needs backend='gpu' (this reader decodes on the {self.backend})")
         started = time.perf_counter()
-        if self.fallback_reason is not None:  # zarr-python reads it: what it decoded still counts
+        if self.fallback_reason is not None:
             out = np.asarray(self.array[selection])
-            self.stats.bytes_decoded += out.nbytes
-            self.stats.wall_seconds += time.perf_counter() - started
-            return out
-        plan = self._plan(selection, use_cache=self.backend == "cpu" and self.cache is not None)
-        if self.backend == "gpu":
-            out = self._gpu_reader().read(plan, device)
         else:
-            out = self._cpu_path().read(plan)
-        self.stats.wall_seconds += time.perf_counter() - started
+            self._wait_for_read_ahead(selection)
+            plan = self._plan(selection, use_cache=self.backend == "cpu" and self.cache is not None)
+            if self.backend == "gpu":
+                out = self._gpu_reader().read(plan, device)
+            else:
+                out = self._cpu_path().read(plan)
+            if self.read_ahead and self.backend == "cpu":
+                self._start_read_ahead(selection)
+        self.stats.add(reads=1, bytes_out=out.nbytes, busy_seconds=time.perf_counter() - started)
         return out
+
+    # -- read-ahead (scrubbing) ------------------------------------------------------------
+    def _start_read_ahead(self, selection) -> None:
+        """After a single plane along dim 0 (``selection[0]`` an int): when the plane before it
+        in either direction was the last one read, decode the next chunk row in that direction
+        into the cache, on the read-ahead thread."""
+        plane = self._plane_of(selection)
+        if plane is None:
+            self._last_plane = None
+            return
+        t, rest, items = plane
+        last, self._last_plane = self._last_plane, (t, rest)
+        if last is None or last[1] != rest or abs(t - last[0]) != 1:
+            return
+        depth = self.chunk_shape[0]
+        ahead = (t // depth + 1) * depth if t > last[0] else (t // depth) * depth - 1
+        if not 0 <= ahead < self.shape[0]:
+            return
+        row = ahead // depth * depth
+        if self._ahead is not None and not self._ahead.done() and self._ahead_rows == (row, row + depth, rest):
+            return  # on its way already
+        if self._ahead_pool is None:
+            self._ahead_pool = ThreadPoolExecutor(1, thread_name_prefix="tileshard-ahead")
+        self._ahead = self._ahead_pool.submit(self._decode_into_cache, (ahead, *items[1:]))
+        self._ahead_rows = (row, row + depth, rest)
+
+    def _plane_of(self, selection) -> tuple[int, str, tuple] | None:
+        """``(t, rest, items)`` when ``selection`` is one plane along dim 0 (an int, or a slice
+        of one row, as napari's slicing asks): its row, the rest of the selection (as text, to
+        compare) and the selection's items; else None."""
+        items = selection if isinstance(selection, tuple) else (selection,)
+        if not items or not self.shape or not self.shape[0] or Ellipsis in items[1:]:
+            return None
+        first = items[0]
+        if isinstance(first, (int, np.integer)) and not isinstance(first, bool):
+            t = int(first)
+        elif isinstance(first, slice):
+            start, stop, step = first.indices(self.shape[0])
+            if stop - start != 1 or step != 1:
+                return None
+            t = start
+        else:
+            return None
+        if not -self.shape[0] <= t < self.shape[0]:
+            return None
+        return t % self.shape[0], repr(items[1:]), items
+
+    def _decode_into_cache(self, selection) -> None:
+        """Read and decode ``selection``'s chunks that the cache lacks into the cache (the
+        blocks are decoded into scratch and dropped)."""
+        plan = self._plan(selection, use_cache=True)
+        for _ in self._cpu_path().blocks(plan, lambda b: np.empty(b.shape, dtype=self.dtype)):
+            pass
+
+    def _wait_for_read_ahead(self, selection=Ellipsis) -> None:
+        """Wait for the read-ahead in flight when ``selection`` may need its chunks (anything but
+        a plane of another chunk row along dim 0): it is decoding them already.  A plane of a
+        chunk row decoded before is read at once, beside it.  The read-ahead's errors are not
+        the caller's: the caller's own read meets them again, if at all."""
+        ahead = self._ahead
+        if ahead is None:
+            return
+        plane = self._plane_of(selection)
+        if plane is not None and not ahead.done():
+            lo, hi, rest = self._ahead_rows
+            if plane[1] == rest and not lo <= plane[0] < hi:
+                return  # another chunk row: no chunk in common with the read-ahead
+        self._ahead = None
+        if ahead is not None:
+            try:
+                ahead.result()
+            except Exception:  # noqa: BLE001 - see above
+                pass
 
     def iter_blocks(self, selection=Ellipsis) -> Iterator[tuple[tuple[slice, ...], np.ndarray]]:
         """``(region, block)`` per shard the selection touches, in storage order, with the next
         read prefetched: ``block`` is what ``read(selection)[region]`` holds."""
-        return _timed(self.stats, self._iter_blocks(selection))
+        return self._timed(self._blocks(selection), lambda item: item[1].nbytes)
 
-    def _iter_blocks(self, selection) -> Iterator[tuple[tuple[slice, ...], np.ndarray]]:
+    def _blocks(self, selection) -> Iterator[tuple[tuple[slice, ...], np.ndarray]]:
         if self.fallback_reason is not None:
-            out = self.read(selection)
+            out = np.asarray(self.array[selection])
             yield tuple(slice(0, n) for n in out.shape), out
             return
         plan = self.plan(selection)
@@ -386,25 +458,36 @@ class ShardReader:
         """Each read of ``plan`` (for example ``plan.owned_by(rank, world)``), fetched with
         prefetch and decoded: ``(read, chunks)`` with ``chunks[i]`` the decoded chunk
         ``read.chunks[i]`` of shard ``read.key`` (shape ``chunk_shape``)."""
-        return _timed(self.stats, self._iter_reads(plan))
+        return self._timed(self._reads(plan), lambda item: item[1].nbytes)
 
-    def _iter_reads(self, plan: ReadPlan) -> Iterator[tuple[Read, np.ndarray]]:
+    def _reads(self, plan: ReadPlan) -> Iterator[tuple[Read, np.ndarray]]:
         for read, buffer in self._fetched(plan.reads):
             chunks = np.empty((len(read.chunks),) + self.chunk_shape, dtype=self.dtype)
             started = time.perf_counter()
             self._cpu_path().decode_each(read, buffer, functools.partial(_store_chunk, chunks, self.chunk_dtype))
-            self.stats.decode_seconds += time.perf_counter() - started
+            self.stats.add(decode_seconds=time.perf_counter() - started)
             self._recycle([buffer])
             yield read, chunks
 
+    def _timed(self, items: Iterator, nbytes: Callable) -> Iterator:
+        """``items``, counted as one read in :attr:`stats`: the time spent producing each item
+        (not the caller's time between items) and the bytes handed out."""
+        self.stats.add(reads=1)
+        while True:
+            started = time.perf_counter()
+            try:
+                item = next(items)
+            except StopIteration:
+                self.stats.add(busy_seconds=time.perf_counter() - started)
+                return
+            self.stats.add(busy_seconds=time.perf_counter() - started, bytes_out=nbytes(item))
+            yield item
+
     # -- internals ---------------------------------------------------------------------------
     def _fetch(self, read: Read) -> np.ndarray:
+        """The bytes of ``read`` in a recycled buffer (counted by the store objects)."""
         buffer = self._buffers.take(read.size)
-        started = time.perf_counter()
         self._objects.read_into(read.key, read.start, buffer)
-        self.stats.read_seconds += time.perf_counter() - started
-        self.stats.requests += 1
-        self.stats.bytes_read += read.size
         return buffer
 
     def _recycle(self, buffers) -> None:
@@ -414,7 +497,9 @@ class ShardReader:
     def _fetched(self, reads, fetch=None) -> Iterator[tuple]:
         """``(read, buffer)`` in order, ``prefetch`` reads fetched ahead (by ``fetch``, default
         :meth:`_fetch`): :func:`~napari_tileshard.reader.fetch.prefetched`."""
-        return prefetched(reads, fetch or self._fetch, self.prefetch)
+        if self.prefetch and self._io is None:
+            self._io = ThreadPoolExecutor(min(8, self.prefetch), thread_name_prefix="tileshard-read")
+        return prefetched(reads, fetch or self._fetch, self.prefetch, self._io)
 
     def _cpu_path(self) -> CpuReadPath:
         if self._cpu is None:
@@ -427,6 +512,14 @@ class ShardReader:
         return self._gpu
 
     def close(self) -> None:
+        self._wait_for_read_ahead()
+        if self._ahead_pool is not None:
+            self._ahead_pool.shutdown()
+            self._ahead_pool = None
+        if self._io is not None:
+            self._io.shutdown()
+            self._io = None
+        self._objects.close()
         if self._cpu is not None:
             self._cpu.close()
             self._cpu = None

@@ -26,6 +26,7 @@ import errno
 import json
 import os
 import stat
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -42,6 +43,7 @@ __all__ = [
     "MAX_METADATA_BYTES",
     "METADATA_NAMES",
     "Listing",
+    "LocalFiles",
     "SafeLocalStore",
     "StoreAccess",
     "StoreObject",
@@ -150,6 +152,102 @@ def open_local_file(root, key: str) -> int:
         os.close(fd)
         raise
     return fd
+
+
+class LocalFiles:
+    """:func:`open_local_file` for many keys of one store, with the same refusals, at a few
+    system calls per file: the directories holding the keys are opened once (checked as
+    :func:`open_local_file` checks a file, kept open, at most ``max_dirs``), and a key is
+    ``lstat``-ed and opened relative to its directory with ``O_NOFOLLOW``.  A key that is not a
+    plain regular file there (a symlink, which may lead inside the store, or a special file) and
+    any key on a platform without ``dir_fd`` go through :func:`open_local_file`.
+
+    A reader opens every shard once per read: ``open_local_file`` resolves the whole path
+    (``realpath``: an ``lstat`` per component) and opens each component, ~40 system calls for
+    ``c/t/y/x``, which cost ~60 us per shard on the 2-core box.  Thread-safe: the directory
+    table and the opens relative to it share a lock, so a directory is never closed under an
+    open that uses it."""
+
+    def __init__(self, root, max_dirs: int = 256):
+        self.root, self.max_dirs = root, max_dirs
+        self._dirs: dict[str, int] = {}  # insertion order: the oldest is closed first
+        self._lock = threading.Lock()
+        self._fast = os.open in os.supports_dir_fd and os.stat in os.supports_dir_fd and bool(_O_NOFOLLOW)
+
+    def open(self, key: str) -> int:
+        """A read-only descriptor of the regular file ``key`` (as :func:`open_local_file`)."""
+        parent, _, name = key.rpartition("/")
+        if not self._fast or name in ("", ".", "..") or ".." in parent.split("/") or os.sep != "/":
+            return open_local_file(self.root, key)
+        flags = os.O_RDONLY | _O_NONBLOCK | _O_NOFOLLOW | _O_CLOEXEC
+        with self._lock:
+            directory = self._directory(parent)
+            info = os.stat(name, dir_fd=directory, follow_symlinks=False)  # FileNotFoundError: missing
+            if not stat.S_ISREG(info.st_mode):
+                fd = -1
+            else:
+                try:
+                    fd = os.open(name, flags, dir_fd=directory)
+                except OSError as exc:
+                    if exc.errno not in (errno.ELOOP, errno.ENXIO):
+                        raise
+                    fd = -1  # swapped for a symlink or a special file since the lstat
+        if fd < 0:
+            return open_local_file(self.root, key)  # follows a symlink inside, refuses the rest
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise UnsafeStoreError(f"{os.path.join(self.root, key)}: not a regular file: not read")
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _directory(self, parent: str) -> int:
+        """The descriptor of directory ``parent`` (the store root for ""), opened once (lock held)."""
+        fd = self._dirs.get(parent)
+        if fd is not None:
+            return fd
+        where = os.path.join(self.root, parent)
+        above, _, name = parent.rpartition("/")
+        if parent and name not in ("", ".", ".."):
+            # a plain directory (not a symlink) inside the one above: opened relative to it
+            outer = self._directory(above)
+            info = os.stat(name, dir_fd=outer, follow_symlinks=False)  # FileNotFoundError: missing
+            if stat.S_ISDIR(info.st_mode):
+                try:
+                    fd = os.open(name, os.O_RDONLY | _O_DIRECTORY | _O_NOFOLLOW | _O_CLOEXEC, dir_fd=outer)
+                except OSError as exc:
+                    if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+                        raise
+                else:
+                    return self._keep(parent, fd)
+        target = resolve_inside(self.root, parent) if parent else os.path.realpath(self.root)
+        if not stat.S_ISDIR(os.lstat(target).st_mode):  # FileNotFoundError for a missing directory
+            raise NotADirectoryError(errno.ENOTDIR, "not a directory", where)
+        root_real = os.path.realpath(self.root)
+        relative = os.path.relpath(target, root_real)
+        if relative == ".":
+            fd = os.open(root_real, os.O_RDONLY | _O_DIRECTORY | _O_CLOEXEC)
+        else:
+            fd = _open_no_follow(root_real, relative, where)
+        if not stat.S_ISDIR(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise NotADirectoryError(errno.ENOTDIR, "not a directory", where)
+        return self._keep(parent, fd)
+
+    def _keep(self, parent: str, fd: int) -> int:
+        """Hold ``fd`` as directory ``parent``'s, closing the oldest beyond ``max_dirs`` (lock held)."""
+        while len(self._dirs) >= self.max_dirs:
+            os.close(self._dirs.pop(next(iter(self._dirs))))
+        self._dirs[parent] = fd
+        return fd
+
+    def close(self) -> None:
+        """Close the directories (a later :meth:`open` opens them again)."""
+        with self._lock:
+            for fd in self._dirs.values():
+                os.close(fd)
+            self._dirs.clear()
 
 
 def _open_no_follow(root_real: str, relative: str, where: str) -> int:
