@@ -3,6 +3,7 @@ its own workers cannot deadlock in CPython gh-106883.  Each test starts ``conver
 process of its own session (so a signal for the group reaches only it and its workers) and
 checks every descendant with psutil."""
 
+import contextlib
 import json
 import os
 import signal
@@ -114,11 +115,32 @@ def source(tmp_path):
 LAYOUT = ("--tile", "1,32,32", "--tiles-per-shard", "1,1,1", "--backend", "cpu", "--local", "1")
 
 
+GATED_CHUNK = Path("c") / "10" / "0" / "0"  # the source's rows 100-109
+
+
+@contextlib.contextmanager
+def gated(src: Path):
+    """The source's chunk of rows 100-109 replaced by a named pipe while the block runs: a worker
+    that reads it waits until the block ends, so a conversion started in it cannot finish (however
+    fast the machine) and is still running when a test signals it.  The chunk is back afterwards."""
+    chunk = src / GATED_CHUNK
+    aside = chunk.with_name("0.aside")
+    chunk.rename(aside)
+    os.mkfifo(chunk)
+    try:
+        yield
+    finally:
+        chunk.unlink()
+        aside.rename(chunk)
+
+
 def started_convert(src, dst) -> subprocess.Popen:
-    """A CLI convert with its worker running and at least one shard epoch done."""
+    """A CLI convert with its worker running and at least one shard epoch done (in ``gated``:
+    the conversion cannot finish)."""
     process = start(cli(src, dst, *LAYOUT))
     wait_until(lambda: workers_of(process.pid) and epochs_done(dst) >= 1, 60, "worker and first epoch", process)
     assert len(group(process.pid)) >= 3  # convert, its worker, the resource tracker
+    assert process.poll() is None and epochs_done(dst) < 200
     return process
 
 
@@ -127,14 +149,15 @@ def test_no_process_outlives_a_convert_killed_by_any_signal(tmp_path, source, ho
     """SIGKILL included: a worker dies with it (PR_SET_PDEATHSIG), even one stuck with the GIL
     held, and the resource tracker follows once the last worker is gone."""
     src, _ = source
-    process = started_convert(src, tmp_path / "out.zarr")
-    try:
-        os.kill(process.pid, getattr(signal, how))  # the main process only, not its group
-        _, err = process.communicate(timeout=30)
-    finally:
-        if process.poll() is None:
-            process.kill()
-        assert_group_ends(process)
+    with gated(src):
+        process = started_convert(src, tmp_path / "out.zarr")
+        try:
+            os.kill(process.pid, getattr(signal, how))  # the main process only, not its group
+            _, err = process.communicate(timeout=30)
+        finally:
+            if process.poll() is None:
+                process.kill()
+            assert_group_ends(process)
     if how != "SIGKILL":
         text = err.decode()
         assert process.returncode == 128 + getattr(signal, how), text
@@ -145,14 +168,15 @@ def test_ctrl_c_stops_convert_cleanly_and_resume_finishes_it(tmp_path, source):
     """Ctrl-C in a terminal: SIGINT for the whole process group."""
     src, a = source
     dst = tmp_path / "out.zarr"
-    process = started_convert(src, dst)
-    try:
-        os.killpg(process.pid, signal.SIGINT)
-        out, err = process.communicate(timeout=30)
-    finally:
-        if process.poll() is None:
-            process.kill()
-        assert_group_ends(process)
+    with gated(src):
+        process = started_convert(src, dst)
+        try:
+            os.killpg(process.pid, signal.SIGINT)
+            out, err = process.communicate(timeout=30)
+        finally:
+            if process.poll() is None:
+                process.kill()
+            assert_group_ends(process)
     text = err.decode()
     assert process.returncode == 130, text
     assert "Traceback" not in text and "CancelledError" not in text
