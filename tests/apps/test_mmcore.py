@@ -287,9 +287,8 @@ def test_drop_policy_under_slow_storage_counts_every_drop(core, capture, tmp_pat
         queue_frames=2,
         tiles_per_shard={"t": 1},
         options=EngineOptions(backend="cpu", batch_bytes=1),
-        store_for=lambda location: FaultInjectingSink(
-            location, delay={"c/*": 0.08}
-        ),  # slower than the camera even on a loaded box
+        # 80 ms a shard: slower than the camera even on a loaded box
+        store_for=lambda location: FaultInjectingSink(location, delay={"c/*": 0.08}),
     )
     detach = sink.attach(core.mda.events)  # synchronously on the MDA thread: drops happen at the camera's pace
     try:
