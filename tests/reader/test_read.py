@@ -812,3 +812,23 @@ def test_read_ahead_when_the_time_slider_steps(tmp_path, monkeypatch):
     np.testing.assert_array_equal(layer[7], data[7])
     assert layer.stats.data_requests == before
     layer.close()
+
+
+def test_chunk_cache_keeps_adopted_rows_without_copying_and_drops_the_oldest_first():
+    """``adopt_rows`` keeps views of the decoded unit (no copy); ``put_many`` copies the rows it
+    is given; both count bytes and drop the least recently used entries beyond ``max_bytes``."""
+    from napari_tileshard.reader.cache import ChunkCache
+
+    cache = ChunkCache(max_bytes=3 * 8)
+    unit = np.arange(16, dtype=np.uint8).reshape(2, 8)
+    cache.adopt_rows([("a", 0), ("a", 1)], unit)
+    assert np.shares_memory(cache.get(("a", 0)), unit) and cache.nbytes == 16
+    other = np.full((2, 8), 7, dtype=np.uint8)
+    cache.put_many([("b", 1)], other, [1])
+    assert not np.shares_memory(cache.get(("b", 1)), other) and cache.nbytes == 24
+    cache.get(("a", 0))  # used: ("a", 1) is now the oldest
+    cache.adopt_rows([("c", 0)], np.zeros((1, 8), dtype=np.uint8))
+    assert cache.get(("a", 1)) is None and cache.nbytes == 24
+    np.testing.assert_array_equal(cache.get(("a", 0)), np.arange(8))
+    cache.adopt_rows([("d", 0)], np.zeros((1, 32), dtype=np.uint8))  # larger than the cache: not kept
+    assert cache.get(("d", 0)) is None and cache.nbytes == 24

@@ -97,9 +97,18 @@ class ChunkCache:
         alive while its neighbours age out."""
         if not keys or decoded[0].nbytes > self.max_bytes:
             return
-        copy = decoded[rows]  # one new array (NumPy's fancy indexing copies)
+        self._insert(keys, decoded[rows])  # one new array (NumPy's fancy indexing copies)
+
+    def adopt_rows(self, keys: list[tuple], decoded: np.ndarray) -> None:
+        """``put(keys[i], decoded[i])`` for every row of ``decoded``, which the cache then owns
+        (the caller does not touch it again): no copy.  The rows are views of ``decoded``, freed
+        once all of them are dropped, as for :meth:`put_many`."""
+        if len(keys) and decoded[0].nbytes <= self.max_bytes:
+            self._insert(keys, decoded)
+
+    def _insert(self, keys, rows) -> None:
         with self._lock:
-            for key, row in zip(keys, copy):
+            for key, row in zip(keys, rows):
                 if key in self._entries:
                     continue
                 self._entries[key] = row

@@ -245,15 +245,25 @@ class CpuReadPath:
         into scratch and place them into ``out`` (the block's output)."""
         (first, stop), ranges = unit
         rows = stop - first
-        scratch = getattr(self._local, "scratch", None)
-        if scratch is None or scratch.shape[0] < rows:
-            scratch = self._local.scratch = np.empty((rows, self.chunk_bytes), dtype=np.uint8)
-        decoded = scratch[:rows]
+        places = source.decoded_places(first, stop) if self.cache is not None else []
+        if places and len(places) == rows:
+            # every chunk of the unit goes into the cache: decode into memory the cache then
+            # keeps, instead of into scratch and a copy of it (a 16 MiB copy per new tile row
+            # when napari's time slider steps)
+            decoded = np.empty((rows, self.chunk_bytes), dtype=np.uint8)
+        else:
+            scratch = getattr(self._local, "scratch", None)
+            if scratch is None or scratch.shape[0] < rows:
+                scratch = self._local.scratch = np.empty((rows, self.chunk_bytes), dtype=np.uint8)
+            decoded = scratch[:rows]
         source.decode(first, stop, decoded, self.fill_bytes)
-        if self.cache is not None:
-            places = source.decoded_places(first, stop)
-            if places:
-                self.cache.put_many([place for _, place in places], decoded, [j for j, _ in places])
+        if places:
+            assert self.cache is not None
+            keys, kept = [place for _, place in places], [j for j, _ in places]
+            if len(places) == rows:
+                self.cache.adopt_rows(keys, decoded)
+            else:
+                self.cache.put_many(keys, decoded, kept)
         chunks = decoded.view(self.chunk_dtype).reshape((rows,) + self.chunk_shape)
         untile_into(out, chunks, block, ranges, self.chunk_shape)
 
