@@ -832,3 +832,20 @@ def test_chunk_cache_keeps_adopted_rows_without_copying_and_drops_the_oldest_fir
     np.testing.assert_array_equal(cache.get(("a", 0)), np.arange(8))
     cache.adopt_rows([("d", 0)], np.zeros((1, 32), dtype=np.uint8))  # larger than the cache: not kept
     assert cache.get(("d", 0)) is None and cache.nbytes == 24
+
+
+def test_planes_from_the_chunk_cache_are_exact_whatever_units_decoded_them(tmp_path):
+    """A plane whose chunks were all decoded for the plane before comes from the cache (no store
+    read, no decode) and is exact, for the same selection (the units the cache adopted are used
+    as they are) and for other ones (cut into other units: their chunks are gathered)."""
+    layout = Layout([Dim("t", 0, 2, 2), Dim("y", 96, 16, 2), Dim("x", 64, 16, 2)], "uint16")
+    data = _data((8, 96, 64), "uint16")
+    with Writer(tmp_path / "a.zarr", layout, backend="cpu") as writer:
+        writer.append(data)
+    reader = ShardReader(tmp_path / "a.zarr", backend="cpu", cache_bytes=64 << 20, workers=2)
+    np.testing.assert_array_equal(reader[slice(2, 3)], data[2:3])  # decodes tile row 2-3
+    requests, decoded = reader.stats.data_requests, reader.stats.chunks_decoded
+    for selection in [slice(3, 4), (3, slice(5, 90), slice(3, 61)), (slice(2, 4), slice(None), 7), 2]:
+        np.testing.assert_array_equal(reader[selection], data[selection])
+    assert (reader.stats.data_requests, reader.stats.chunks_decoded) == (requests, decoded)
+    assert reader.stats.cache_hits >= 2 * 6 * 4  # two whole planes of 6 x 4 chunks among them

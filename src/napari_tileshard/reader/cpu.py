@@ -136,6 +136,31 @@ class BlockSource:
             )
         )
 
+    def cached_rows(self, first: int, stop: int) -> np.ndarray | None:
+        """Box positions ``first..stop`` as one array of rows when all of them come from the
+        cache and lie back to back in one array there (a unit the cache adopted, read again
+        with the same units: the step back to a plane of a tile row already decoded): no copy
+        of them into scratch.  Else None."""
+        if stop <= first or np.any(self.buffer_of[first:stop] != -2):
+            return None
+        rows = [self.block.cached[position] for position in range(first, stop)]
+        head = rows[0]
+        base = head.base
+        if base is None or not isinstance(base, np.ndarray) or base.ndim != 2 or not base.flags.c_contiguous:
+            return None
+        start = head.__array_interface__["data"][0] - base.__array_interface__["data"][0]
+        step = base.strides[0]
+        if start % step or start // step + len(rows) > base.shape[0]:
+            return None
+        row0 = start // step
+        for j, row in enumerate(rows):
+            if (
+                row.base is not base
+                or row.__array_interface__["data"][0] != head.__array_interface__["data"][0] + j * step
+            ):
+                return None
+        return base[row0 : row0 + len(rows)]
+
     def decode(self, first: int, stop: int, rows: np.ndarray, fill: np.ndarray) -> None:
         """Box positions ``first..stop`` decoded into ``rows`` (fill value where absent): one
         :meth:`~napari_tileshard.format.codecs.Codec.decode_chunks` call per read buffer they
@@ -245,6 +270,11 @@ class CpuReadPath:
         into scratch and place them into ``out`` (the block's output)."""
         (first, stop), ranges = unit
         rows = stop - first
+        in_cache = source.cached_rows(first, stop) if source.block.cached else None
+        if in_cache is not None:
+            chunks = in_cache.view(self.chunk_dtype).reshape((rows,) + self.chunk_shape)
+            untile_into(out, chunks, block, ranges, self.chunk_shape)
+            return
         places = source.decoded_places(first, stop) if self.cache is not None else []
         if places and len(places) == rows:
             # every chunk of the unit goes into the cache: decode into memory the cache then
