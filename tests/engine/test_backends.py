@@ -20,6 +20,7 @@ from napari_tileshard.engine.backends import (
 )
 from napari_tileshard.engine.backends.cpu import CpuBackend, CpuTicket
 from napari_tileshard.engine.backends.gpu import GpuBackend
+from napari_tileshard.engine.writer import estimate_memory
 from napari_tileshard.format import codecs
 from napari_tileshard.format.pyramid import plan_pyramid
 from napari_tileshard.gpu import probe as gpu_probe
@@ -157,3 +158,23 @@ def test_writer_rejects_an_unknown_backend_before_touching_the_store(tmp_path):
     with pytest.raises(ValueError, match="is not one of auto, cpu, gpu"):
         Writer(tmp_path / "x.zarr", LAYOUT, backend="fast")
     assert not (tmp_path / "x.zarr").exists()
+
+
+def test_cpu_batches_are_the_epochs_the_threads_need_and_at_least_16_mib(tmp_path):
+    # 2048^2 uint16 frames, 1024^2-pixel shards: 4 (epoch, shard) tasks per tile epoch
+    def frames(depth, tile):
+        return Layout(
+            [Dim("t", 0, depth, 1), Dim("y", 2048, tile, 1024 // tile), Dim("x", 2048, tile, 1024 // tile)], "uint16"
+        )
+
+    shallow, deep = frames(2, 128), frames(32, 256)  # 16 MiB and 256 MiB tile epochs
+    assert CpuBackend.batch_bytes_for(shallow, threads=2) == 16 << 20  # one epoch: 2 tasks a thread
+    assert CpuBackend.batch_bytes_for(shallow, threads=16) == 8 * (16 << 20)  # 32 tasks
+    assert CpuBackend.batch_bytes_for(frames(1, 128), threads=1) == 16 << 20  # never below 16 MiB
+    assert CpuBackend.batch_bytes_for(deep, threads=16) == 256 << 20  # at most 256 MiB, but a whole epoch
+    # the Writer's default batch is the backend's, and so is the estimate made before it opens
+    with Writer(tmp_path / "a.zarr", shallow, backend="cpu", threads=2) as writer:
+        assert writer.batch_bytes == CpuBackend.batch_bytes_for(shallow, threads=2)
+    batch = CpuBackend.batch_bytes_for(shallow)  # this machine's threads
+    assert estimate_memory(shallow)["cpu_host"] == estimate_memory(shallow, batch_bytes=batch)["cpu_host"]
+    assert estimate_memory(shallow)["cpu_host"] < estimate_memory(shallow, batch_bytes=batch * 2)["cpu_host"]

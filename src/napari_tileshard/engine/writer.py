@@ -124,7 +124,7 @@ def estimate_memory(
     terms as :meth:`Writer.memory_estimate` of an open Writer.
     """
     pyramid = pyramid or Pyramid.single(layout)
-    cpu_epochs = max(1, (batch_bytes or CpuBackend.preferred_batch_bytes) // layout.epoch_bytes)
+    cpu_epochs = max(1, (batch_bytes or CpuBackend.batch_bytes_for(layout)) // layout.epoch_bytes)
     cpu_levels = int(
         cpu_epochs * layout.epoch_bytes * (level_fraction(pyramid) - 1) * (8 if pyramid.method == "mean" else 2) / 4
     )

@@ -1,0 +1,154 @@
+"""Interleaved A/B of CPU-backend variants and tensorstore, in one process, on the user's clock.
+
+Each round runs every engine once (tensorstore and each named variant of ``Writer(backend="cpu")``),
+the order rotating from round to round, so all see the same background load; ratios are taken
+per round (pairwise), then median (min-max) over the rounds.  A variant sets switches of
+:mod:`napari_tileshard.engine.backends.cpu` (UPPER-case names; ``staging.NAME``: of
+:mod:`napari_tileshard.engine.staging`, e.g. ``staging._PARALLEL_COPY_BYTES=1099511627776``) and
+``Writer`` keywords (lower-case, e.g. ``batch_bytes=16777216``); ``base`` with nothing set is the
+default.  The clock runs from ``Writer()`` (tensorstore: ``ts.open``) to ``close()`` as
+``bench_write.py --clock user``; CPU-s/GB is the process's CPU time over the same span, and
+``append`` the part of it on the caller's thread and the staging copy's helpers (tensorstore: the
+harness's copy of frames into slabs), as ``cpu_stages.py`` counts them.
+
+    python benchmarks/ab_cpu_write.py --gib 1 --rounds 5 --tiles 64k-d2,256k-d2 \\
+        --variant base= --variant serial=staging._PARALLEL_COPY_BYTES=1099511627776 --out /dev/shm/abcpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import shutil
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_write import layout_for, setup_tensorstore, tile_cases  # noqa: E402
+from cpu_stages import thread_cpu_seconds  # noqa: E402
+
+from napari_tileshard import SyntheticCamera, Writer  # noqa: E402
+from napari_tileshard.engine import staging as staging_module  # noqa: E402
+from napari_tileshard.engine.backends import cpu as cpu_module  # noqa: E402
+
+#: modules whose switches a variant may set: ``NAME`` (the CPU backend's) or ``staging.NAME``
+MODULES = {"": cpu_module, "staging": staging_module}
+
+
+def parse_variant(text: str) -> tuple[str, dict, dict]:
+    """``name=KEY=v,key=v`` -> (name, cpu-module switches, Writer keywords)."""
+    name, _, settings = text.partition("=")
+    switches, keywords = {}, {}
+    for item in filter(None, settings.split(",")):
+        key, _, value = item.partition("=")
+        number = float(value) if "." in value else int(value)
+        if key.split(".")[-1].lstrip("_").isupper():
+            switches[key] = number
+        else:
+            keywords[key] = number
+    return name, switches, keywords
+
+
+def run_ours(camera, frames, tile, out, level, switches, keywords) -> tuple[float, float, float]:
+    """(seconds, CPU seconds, CPU seconds of the caller's thread and the staging copy's helpers)."""
+
+    def place(key):
+        module, _, name = key.rpartition(".")
+        return MODULES[module], name
+
+    saved = {key: getattr(*place(key)) for key in switches}
+    for key, value in switches.items():
+        setattr(*place(key), type(saved[key])(value))
+    try:
+        shutil.rmtree(out, ignore_errors=True)
+        before = thread_cpu_seconds()
+        cpu0, wall0 = time.process_time(), time.perf_counter()
+        writer = Writer(
+            out, layout_for(camera.shape, tile), codec="zstd", level=level, backend="cpu", overwrite=True, **keywords
+        )
+        with writer:
+            for frame in camera.frames(frames):
+                writer.append(frame)
+            writer.sync()
+            appending = {threading.main_thread().native_id} | {
+                t.native_id for t in threading.enumerate() if t.name.startswith("tileshard-copy")
+            }
+            append = sum(s - before.get(tid, 0.0) for tid, s in thread_cpu_seconds().items() if tid in appending)
+        return time.perf_counter() - wall0, time.process_time() - cpu0, append
+    finally:
+        for key, value in saved.items():
+            setattr(*place(key), value)
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def run_tensorstore(camera, frames, tile, out, level) -> tuple[float, float, float]:
+    """(seconds, CPU seconds, CPU seconds of the caller's thread: the harness's slab copy)."""
+    shutil.rmtree(out, ignore_errors=True)
+    main_thread = threading.main_thread().native_id
+    before = thread_cpu_seconds()[main_thread]
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    setup_tensorstore(camera, frames, tile, out, level)()
+    seconds = time.perf_counter() - wall0, time.process_time() - cpu0, thread_cpu_seconds()[main_thread] - before
+    shutil.rmtree(out, ignore_errors=True)
+    return seconds
+
+
+def spread(values) -> str:
+    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gib", type=float, default=1.0)
+    parser.add_argument("--tiles", default="64k-d2,256k-d2,1m-d8,1m,4m")
+    parser.add_argument("--level", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--variant", action="append", default=None, help="name=SWITCH=v,keyword=v (repeatable)")
+    parser.add_argument("--no-tensorstore", action="store_true")
+    parser.add_argument("--out", default="/dev/shm/tileshard-ab-cpu")
+    args = parser.parse_args(argv)
+    variants = [parse_variant(v) for v in (args.variant or ["base="])]
+    engines = ([] if args.no_tensorstore else ["ts"]) + [name for name, _, _ in variants]
+    by_name = {name: (switches, keywords) for name, switches, keywords in variants}
+    camera = SyntheticCamera((2048, 2048), "uint16", seed=0)
+    camera.prepare()
+    root = Path(args.out)
+    root.mkdir(parents=True, exist_ok=True)
+    print(f"# {args.gib} GiB per run, {args.rounds} rounds, order rotating; variants {args.variant}", flush=True)
+    for case, tile in tile_cases(args.tiles.split(",")):
+        frames = math.ceil(max(1, int(args.gib * 2**30 // camera.frame_bytes)) / tile[0]) * tile[0]
+        gb = frames * camera.frame_bytes / 1e9
+        runs: dict[str, list[tuple[float, float, float]]] = {e: [] for e in engines}
+        for r in range(args.rounds):
+            for engine in engines[r % len(engines) :] + engines[: r % len(engines)]:
+                out = root / f"{engine}.zarr"
+                if engine == "ts":
+                    runs[engine].append(run_tensorstore(camera, frames, tile, out, args.level))
+                else:
+                    runs[engine].append(run_ours(camera, frames, tile, out, args.level, *by_name[engine]))
+        line = [f"{case}:"]
+        for engine in engines:
+            line.append(
+                f"{engine} {statistics.median(gb / w for w, *_ in runs[engine]):.3f} GB/s "
+                f"{statistics.median(c / gb for _, c, _ in runs[engine]):.2f} CPU-s/GB "
+                f"(append {statistics.median(a / gb for _, _, a in runs[engine]):.2f});"
+            )
+        reference = engines[0]
+        for engine in engines[1:]:
+            ratios = [a[0] / b[0] for a, b in zip(runs[reference], runs[engine])]  # speed of engine / reference
+            line.append(f"{engine}/{reference} {spread(ratios)};")
+        if not args.no_tensorstore and len(engines) > 2:
+            first = engines[1]
+            for engine in engines[2:]:
+                ratios = [a[0] / b[0] for a, b in zip(runs[first], runs[engine])]
+                line.append(f"{engine}/{first} {spread(ratios)};")
+        print(" ".join(line), flush=True)
+
+
+if __name__ == "__main__":
+    main()
