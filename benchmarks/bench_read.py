@@ -30,6 +30,10 @@ read and per plane.  On a GPU machine, per tile size: nvCOMP's batched zstd deco
 the chunks of one device batch already on the device (the ceiling of the GPU path) and pinned
 H2D bandwidth.
 
+``--isolate``: each engine's measurement runs in a fresh Python process, so that one engine's
+allocations do not shape the kernel's free memory for the next (on the 2-core VM NumPy's
+huge-page output faulted in after tensorstore's 4 KiB-page reads cost up to 4x the system time).
+
 ``--quick``: a 0.25 GiB recording, 256 KiB tiles, /dev/shm only, 8 planes: a smoke test (CPU
 rows on a machine without a GPU).  The JSON goes to ``--out``; a Markdown table to stdout.
 """
@@ -42,6 +46,7 @@ import os
 import platform
 import shutil
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -283,6 +288,20 @@ def decode_ceiling(path: Path, threads: int) -> dict:
     }
 
 
+def measure_isolated(name: str, path: Path, planes: int, repeat: int, cold: bool) -> dict:
+    """:func:`measure` in a fresh Python process (``--isolate``); RuntimeError with its reason
+    when the engine cannot run there."""
+    command = [sys.executable, __file__, "--out", os.devnull, "--path", str(path), "--measure-one", name]
+    command += ["--planes", str(planes), "--repeat", str(repeat)] + ["--measure-cold"] * cold
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode:
+        raise RuntimeError(f"{name} in a fresh process failed: {done.stderr.strip()[-500:]}")
+    row = json.loads(done.stdout.strip().splitlines()[-1])
+    if "skipped" in row:
+        raise RuntimeError(row["skipped"])
+    return row
+
+
 def _timed(work) -> float:
     started = time.perf_counter()
     work()
@@ -348,7 +367,24 @@ def main(argv=None) -> int:
         help="measure the engines this many times in turn (A B A B ...), keeping each one's best: "
         "on a shared machine the ratios then come from the same minutes",
     )
+    parser.add_argument(
+        "--isolate",
+        action="store_true",
+        help="measure each engine in a fresh process: one engine's allocations do not shape the "
+        "kernel's memory for the next (on the 2-core VM, huge-page faults after tensorstore's reads "
+        "cost ours up to 4x the system time)",
+    )
+    parser.add_argument("--measure-one", help=argparse.SUPPRESS)  # --isolate's child: one engine, one JSON row
+    parser.add_argument("--measure-cold", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.measure_one:
+        frames = ShardReader(args.path, backend="cpu").shape[0]
+        try:
+            row = measure(args.measure_one, args.path, args.planes, args.repeat, frames, cold=args.measure_cold)
+        except (ImportError, RuntimeError, ValueError) as exc:
+            row = {"skipped": str(exc)}
+        print(json.dumps(row))
+        return 0
     if args.quick:
         args.gib, args.tiles, args.where, args.planes = 0.25, "256k", "shm", 8
     shm = args.shm_dir if args.shm_dir.parent.exists() else Path("/tmp/tileshard-read-shm")
@@ -387,7 +423,10 @@ def main(argv=None) -> int:
                     if name in run.get("skipped", {}):
                         continue
                     try:
-                        row = measure(name, path, args.planes, args.repeat, frames, cold=where == "disk")
+                        if args.isolate:
+                            row = measure_isolated(name, path, args.planes, args.repeat, where == "disk")
+                        else:
+                            row = measure(name, path, args.planes, args.repeat, frames, cold=where == "disk")
                     except (ImportError, RuntimeError, ValueError) as exc:
                         print(f"{tile} {where} {name}: skipped ({exc})", flush=True)
                         run.setdefault("skipped", {})[name] = str(exc)
