@@ -183,9 +183,13 @@ class Publisher:
                 return
             if rows != self.rows:
                 self.publishing_since = time.monotonic()
+                # Only storage failures stop publishing.  An interrupt (Ctrl-C or SIGTERM raised in a
+                # future callback on the main thread, as in convert) is none and must reach the
+                # caller: swallowed here, convert heard it only once every epoch was done, and never
+                # while a source read hung.  Nothing is popped then: the next advance publishes.
                 try:
                     self._write_metadata(rows, RECORDING)
-                except BaseException as exc:  # noqa: BLE001 - the previous zarr.json stays (atomic replace): stop here
+                except Exception as exc:  # noqa: BLE001 - the previous zarr.json stays (atomic replace): stop here
                     with self._changed:
                         self._set_error(exc)
                 finally:

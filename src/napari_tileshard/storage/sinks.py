@@ -189,7 +189,7 @@ class DirectorySink(Sink):
         self._dirs: set[str] = set()
         self._made_dirs: list[str] = []  # directories inside root this sink made
         self._written: set[str] = set()
-        self._write_error: BaseException | None = None  # the first failed write: later failures are secondary
+        self._write_error: Exception | None = None  # the first failed write: later failures are secondary
         if self.root.exists() and not self.root.is_dir():
             raise StoreExistsError(f"output path {self.location!r} exists and is not a directory")
         if self.root.is_dir():
@@ -323,7 +323,7 @@ class DirectorySink(Sink):
         views = byte_views(check_key(key), buffers)  # refused arguments are no storage failure
         try:
             self._write(key, views)
-        except BaseException as exc:
+        except Exception as exc:  # an interrupt is no storage failure (it still propagates)
             if self._write_error is None:
                 self._write_error = exc
             raise
