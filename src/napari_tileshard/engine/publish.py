@@ -20,7 +20,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 
 from ..format.codecs import Codec
 from ..format.layout import Layout
@@ -157,7 +157,7 @@ class Publisher:
         # and the group never published (a wait without end), so every path ends in a decision.
         try:
             exc = future.exception()
-        except BaseException as error:  # noqa: BLE001 - cancelled: counts as a failed write
+        except CancelledError as error:  # counts as a failed write (an interrupt is no answer: it propagates)
             exc = error
         with self._changed:
             group.remaining -= 1
