@@ -3,6 +3,7 @@
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -135,6 +136,30 @@ def test_a_worker_process_killed_mid_task_is_retried_and_the_result_verifies(tmp
     assert marker.exists()  # a worker did die
     assert report.verified.ok
     assert len(report.keys) == len(set(report.keys))  # no shard written by two tasks
+    np.testing.assert_array_equal(zarr.open_array(tmp_path / "out.zarr")[...], a)
+
+
+def test_convert_on_its_own_cluster_inside_another_clients_block_waits_on_its_own_loop(tmp_path, client):
+    """``with Client(...)`` makes that client the current one, and Dask's ``as_completed`` tracks
+    futures on the current client's loop unless told otherwise: convert's futures, which belong to
+    its own client, were fetched through another loop (on a loaded 2-core box that corrupted a
+    connection pool and hung the conversion for good).  Here the other client's loop is blocked
+    while convert runs: convert must not need it."""
+    a = data((16, 32, 32), seed=4)
+    released, gave_up = threading.Event(), threading.Event()
+
+    def block_the_loop():
+        if not released.wait(30):
+            gave_up.set()
+
+    with client.as_current():
+        client.loop.add_callback(block_the_loop)  # the current client's loop, blocked until released
+        try:
+            report = convert(a, tmp_path / "out.zarr", layout_for(a), backend="cpu", local_workers=1)
+        finally:
+            released.set()
+    assert not gave_up.is_set(), "convert finished only once the other client's loop ran again"
+    assert report.verified.ok
     np.testing.assert_array_equal(zarr.open_array(tmp_path / "out.zarr")[...], a)
 
 

@@ -631,6 +631,23 @@ def convert(
     raise ConvertInterrupted(report, int(getattr(exc, "signum", signal.SIGINT)), started) from None
 
 
+def _lost_before_its_result(future, result) -> bool:
+    """A task whose worker died before its result reached us: no failure in hand, and Dask has
+    the future pending again (it recomputes the task)."""
+    failed = isinstance(result, BaseException) or (isinstance(result, tuple) and len(result) == 3)
+    return not failed and future.status in ("pending", "lost", "processing")
+
+
+def _task_failure(epoch: int, result) -> BaseException:
+    """The exception of a shard epoch's task from what ``as_completed(with_results=True,
+    raise_errors=False)`` gave instead of its result: Dask's ``(type, exception, traceback)``, or
+    the ``CancelledError`` itself."""
+    exc = result[1] if isinstance(result, tuple) and len(result) == 3 else result
+    if isinstance(exc, BaseException):
+        return exc
+    return RuntimeError(f"the task of shard epoch {epoch} gave no result ({result!r})")
+
+
 class _Stopped(Exception):
     """Internal: a KeyboardInterrupt after the cleanup it needed (carries the interrupt)."""
 
@@ -781,12 +798,21 @@ def _convert(
             }
             if progress is not None:
                 progress(len(done), epochs)
-            # Results come with the futures (fetched on Dask's thread, no round trip here each).
-            completed = as_completed(futures, with_results=True, raise_errors=False)
+            # Results come with the futures (fetched on Dask's thread, no round trip here each), on
+            # the loop of the client the futures belong to: left to itself, as_completed tracks them
+            # on the *current* client's loop, another one when convert runs inside `with Client(...)`
+            # of a different cluster, where it can miss a completion and wait for good.
+            completed = as_completed(futures, with_results=True, raise_errors=False, loop=client.loop)
             for future, result in completed:
                 e = futures[future]
-                if future.status != "finished":  # the first failure stops publishing
-                    exc = result[1] if isinstance(result, tuple) else result
+                # Judged by what came back, not by the future's status now: a worker lost after its
+                # task finished sends the future back to pending (to be recomputed) though its result,
+                # the epoch's shards written, is here.
+                if not isinstance(result, dict):
+                    if _lost_before_its_result(future, result):
+                        completed.add(future)  # Dask recomputes it: wait for that result
+                        continue
+                    exc = _task_failure(e, result)  # the first failure stops publishing
                     finished[e].set_exception(exc)
                     client.cancel(list(futures))  # queued epochs stay unwritten; the manifest says which are done
                     raise exc
