@@ -458,35 +458,24 @@ def test_a_manifest_with_no_epoch_done_resumes(tmp_path, client):
 
 
 # -- the command line's output and exit status ---------------------------------------------------------
-def test_cli_output_of_a_conversion_and_of_resuming_a_finished_one(tmp_path, capsys, client, monkeypatch):
+def test_cli_output_of_a_conversion_and_of_resuming_a_finished_one(tmp_path, capsys, client):
     a = data((16, 32, 32), seed=3)
     zarr.create_array(tmp_path / "in.zarr", shape=a.shape, chunks=(4, 32, 32), dtype=a.dtype)[...] = a
     args = ["convert", str(tmp_path / "in.zarr"), str(tmp_path / "out.zarr"), "--tile", "4,32,32", "--backend", "cpu"]
-    code = run_cli_on(client, args, monkeypatch)
+    code = run_cli_on(client, args)
     out = capsys.readouterr().out.splitlines()
     assert code == 0 and out[0].startswith(f"converted into {tmp_path / 'out.zarr'}: ")
     assert out[1].endswith("0 problems")  # the verify line on its own line
-    assert run_cli_on(client, [*args[:3], "--resume"], monkeypatch) == 0
+    assert run_cli_on(client, [*args[:3], "--resume"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0] == f"nothing left to convert in {tmp_path / 'out.zarr'}: all 4 shard epochs were done"
     assert "nan" not in out[0] and out[1].endswith("0 problems")
 
 
-def run_cli_on(client, argv, monkeypatch):
-    """``cli_main(argv)`` with its conversion on ``client`` (a cluster of threads: fast)."""
-    import napari_tileshard.apps.convert as module
-
-    real = module.convert
-
-    def on_client(*args, **kwargs):
-        kwargs.update(client=client, local_workers=None, announce=None)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(module, "convert", on_client)
-    try:
-        return cli_main(argv)
-    finally:
-        monkeypatch.setattr(module, "convert", real)
+def run_cli_on(client, argv):
+    """``cli_main(argv)`` with its conversion on ``client``'s cluster (threads: fast), through the
+    command line's own ``--scheduler``."""
+    return cli_main([*argv, "--scheduler", client.scheduler.address])
 
 
 def test_cli_missing_source_is_a_usage_error_without_a_progress_bar(tmp_path, capsys):
@@ -497,13 +486,13 @@ def test_cli_missing_source_is_a_usage_error_without_a_progress_bar(tmp_path, ca
     assert not (tmp_path / "out.zarr").exists()
 
 
-def test_cli_storage_failure_exits_1(tmpfs, tmp_path, capsys, client, monkeypatch):
+def test_cli_storage_failure_exits_1(tmpfs, tmp_path, capsys, client):
     disk = tmpfs("200k")
     rng = np.random.default_rng(1)
     a = rng.integers(0, 2**16, (37, 70, 90), dtype=np.uint16)  # incompressible: the disk fills up
     zarr.create_array(tmp_path / "in.zarr", shape=a.shape, chunks=(8, 70, 90), dtype=a.dtype)[...] = a
     args = ["convert", str(tmp_path / "in.zarr"), str(disk / "out.zarr"), "--tile", "4,32,32", "--backend", "cpu"]
-    code = run_cli_on(client, args, monkeypatch)
+    code = run_cli_on(client, args)
     err = capsys.readouterr().err
     assert code == 1 and "No space left on device" in err and "Traceback" not in err
 
