@@ -631,20 +631,16 @@ def convert(
     raise ConvertInterrupted(report, int(getattr(exc, "signum", signal.SIGINT)), started) from None
 
 
-def _lost_before_its_result(future, result) -> bool:
-    """A task whose worker died before its result reached us: no failure in hand, and Dask has
-    the future pending again (it recomputes the task)."""
-    failed = isinstance(result, BaseException) or (isinstance(result, tuple) and len(result) == 3)
-    return not failed and future.status in ("pending", "lost", "processing")
-
-
-def _task_failure(epoch: int, result) -> BaseException:
+def _task_failure(epoch: int, future, result) -> BaseException | None:
     """The exception of a shard epoch's task from what ``as_completed(with_results=True,
-    raise_errors=False)`` gave instead of its result: Dask's ``(type, exception, traceback)``, or
-    the ``CancelledError`` itself."""
+    raise_errors=False)`` gave instead of its result (Dask's ``(type, exception, traceback)``, or
+    the ``CancelledError`` itself); None when the worker died before the result came and Dask has
+    the future pending again: it recomputes the task."""
     exc = result[1] if isinstance(result, tuple) and len(result) == 3 else result
     if isinstance(exc, BaseException):
         return exc
+    if future.status in ("pending", "lost", "processing"):
+        return None
     return RuntimeError(f"the task of shard epoch {epoch} gave no result ({result!r})")
 
 
@@ -801,7 +797,8 @@ def _convert(
             # Results come with the futures (fetched on Dask's thread, no round trip here each), on
             # the loop of the client the futures belong to: left to itself, as_completed tracks them
             # on the *current* client's loop, another one when convert runs inside `with Client(...)`
-            # of a different cluster, where it can miss a completion and wait for good.
+            # of a different cluster: two loops then share this client's connections, which under
+            # load broke Dask's connection pool and left the conversion waiting for good.
             completed = as_completed(futures, with_results=True, raise_errors=False, loop=client.loop)
             for future, result in completed:
                 e = futures[future]
@@ -809,11 +806,11 @@ def _convert(
                 # task finished sends the future back to pending (to be recomputed) though its result,
                 # the epoch's shards written, is here.
                 if not isinstance(result, dict):
-                    if _lost_before_its_result(future, result):
+                    exc = _task_failure(e, future, result)
+                    if exc is None:
                         completed.add(future)  # Dask recomputes it: wait for that result
                         continue
-                    exc = _task_failure(e, result)  # the first failure stops publishing
-                    finished[e].set_exception(exc)
+                    finished[e].set_exception(exc)  # the first failure stops publishing
                     client.cancel(list(futures))  # queued epochs stay unwritten; the manifest says which are done
                     raise exc
                 finished_epoch(e, result)
