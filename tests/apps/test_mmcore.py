@@ -286,8 +286,9 @@ def test_drop_policy_under_slow_storage_counts_every_drop(core, capture, tmp_pat
         policy="drop",
         queue_frames=2,
         tiles_per_shard={"t": 1},
-        options=EngineOptions(backend="cpu", batch_bytes=1),
-        # 80 ms a shard: slower than the camera even on a loaded box
+        # One shard writer at 80 ms a shard: 12.5 frames/s, slower than the demo camera however
+        # fast the machine (with the default 4 writers a fast box kept up and dropped nothing)
+        options=EngineOptions(backend="cpu", batch_bytes=1, io_threads=1),
         store_for=lambda location: FaultInjectingSink(location, delay={"c/*": 0.08}),
     )
     detach = sink.attach(core.mda.events)  # synchronously on the MDA thread: drops happen at the camera's pace
