@@ -1,0 +1,131 @@
+"""Whether two stores are one place: a conversion must never write where it reads.
+
+Two spellings name the same place when they resolve to the same directory or object prefix, or
+when one lies inside the other (writing into a parent or a child of the source replaces or mixes
+with the source's own files).  Local paths are compared as the file system sees them, not as
+text: symlinks are resolved, and where a path exists its identity (device and inode) decides, so
+a bind mount, ``..`` segments, a case-insensitive file system or a ``file://`` URL are the same
+place as the plain path.  Object store URLs (``s3://``, ``gs://``, ``az://`` and any fsspec URL)
+are compared by scheme family, bucket and prefix, ignoring empty and ``.`` segments and trailing
+slashes; an endpoint is not part of the comparison (the same bucket and prefix are refused even
+if ``storage_options`` might point elsewhere: refusing costs a rename, writing over a source
+costs the data).  ``memory://`` stores are private to their process and never overlap.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+__all__ = ["Place", "overlap", "place_of"]
+
+# Spellings of one object-store family (the URL forms obstore and fsspec accept for each).
+_FAMILY = {"s3a": "s3", "gcs": "gs", "abfs": "az", "abfss": "az", "azure": "az"}
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where a store lives: a local path (as given, made absolute) or a URL's family, bucket and
+    key segments.  ``None`` from :func:`place_of` means a place nothing else can share."""
+
+    local: str | None = None
+    scheme: str = ""
+    bucket: str = ""
+    segments: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        if self.local is not None:
+            return self.local
+        return f"{self.scheme}://{'/'.join((self.bucket, *self.segments))}"
+
+
+def place_of(location) -> Place | None:
+    """The :class:`Place` of a path, ``file://`` or store URL, or zarr ``LocalStore``; None for a
+    private store (``memory://``, a MemoryStore) or anything that names no place."""
+    if isinstance(location, os.PathLike):
+        location = os.fspath(location)
+    if isinstance(location, bytes):
+        location = os.fsdecode(location)
+    if not isinstance(location, str):
+        root = getattr(location, "root", None)  # zarr.storage.LocalStore
+        return place_of(root) if isinstance(root, (str, os.PathLike)) else None
+    if "://" not in location:
+        return Place(local=os.path.abspath(os.path.expanduser(location)))
+    scheme, rest = location.split("://", 1)
+    scheme = scheme.lower()
+    if scheme == "file":
+        return place_of(rest or ".")
+    if scheme == "memory":
+        return None
+    parts = [p for p in rest.split("?", 1)[0].split("/") if p not in ("", ".")]
+    if not parts:
+        return None
+    return Place(scheme=_FAMILY.get(scheme, scheme), bucket=parts[0], segments=tuple(parts[1:]))
+
+
+def overlap(source, destination) -> str | None:
+    """How ``destination`` overlaps ``source`` (paths, URLs or :class:`Place` objects), as words
+    that finish "the destination ...": ``"is the source"``, ``"is inside the source"``,
+    ``"contains the source"``; None when they are apart."""
+    src = source if isinstance(source, Place) or source is None else place_of(source)
+    dst = destination if isinstance(destination, Place) or destination is None else place_of(destination)
+    if src is None or dst is None:
+        return None
+    if src.local is not None or dst.local is not None:
+        if src.local is None or dst.local is None:
+            return None
+        return _local_overlap(src.local, dst.local)
+    if (src.scheme, src.bucket) != (dst.scheme, dst.bucket):
+        return None
+    return _relation(src.segments, dst.segments)
+
+
+def _relation(src: tuple, dst: tuple) -> str | None:
+    if src == dst:
+        return "is the source"
+    if dst[: len(src)] == src:
+        return "is inside the source"
+    if src[: len(dst)] == dst:
+        return "contains the source"
+    return None
+
+
+def _local_overlap(src: str, dst: str) -> str | None:
+    real_src, real_dst = os.path.realpath(src), os.path.realpath(dst)
+    by_text = _relation(_segments(real_src), _segments(real_dst))
+    if by_text:
+        return by_text
+    # Different text, maybe the same directory: a bind mount, a case-insensitive file system, a
+    # hard-linked file.  Compare identities along each path's existing ancestors.
+    src_chain, dst_chain = _identities(real_src), _identities(real_dst)
+    src_id, dst_id = _identity(real_src), _identity(real_dst)
+    if src_id is not None and src_id in dst_chain:
+        return "is the source" if dst_id == src_id else "is inside the source"
+    if dst_id is not None and dst_id in src_chain:
+        return "contains the source"
+    return None
+
+
+def _segments(path: str) -> tuple[str, ...]:
+    return tuple(p for p in os.path.normpath(path).split(os.sep) if p)
+
+
+def _identity(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _identities(path: str) -> set[tuple[int, int]]:
+    """(device, inode) of ``path`` and of every existing directory above it."""
+    found = set()
+    while True:
+        identity = _identity(path)
+        if identity is not None:
+            found.add(identity)
+        parent = os.path.dirname(path)
+        if parent == path:
+            return found
+        path = parent

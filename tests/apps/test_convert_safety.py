@@ -1,0 +1,125 @@
+"""A conversion never destroys its source: every spelling of "the same place" is refused before
+anything is touched, whatever overwrite says (CLI exit status 2, the source byte for byte)."""
+
+import hashlib
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zarr
+
+from napari_tileshard import Dim, Layout, Writer
+from napari_tileshard.apps.cli import main as cli_main
+
+pytest.importorskip("distributed", reason="the convert extra (dask distributed) is not installed")
+from napari_tileshard.apps.convert import SameLocationError, convert  # noqa: E402
+
+
+def frames(shape=(8, 40, 48)):
+    return (np.arange(np.prod(shape), dtype=np.uint32) % 4099).astype(np.uint16).reshape(shape)
+
+
+LAYOUT = Layout([Dim("t", 0, 4, 1), Dim("y", 40, 16, 2), Dim("x", 48, 16, 2)], "uint16")
+
+
+def record(path):
+    with Writer(path, LAYOUT, backend="cpu") as writer:
+        writer.append(frames())
+    return Path(path) if "://" not in str(path) else path
+
+
+def snapshot(root) -> dict:
+    """Every file under ``root`` (names and contents): what must not change."""
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(Path(root).rglob("*"))
+        if p.is_file()
+    }
+
+
+@pytest.fixture
+def source(tmp_path):
+    src = record(tmp_path / "D.zarr")
+    os.symlink(src, tmp_path / "link.zarr")
+    return src
+
+
+def spellings(tmp: Path) -> list[str]:
+    d = tmp / "D.zarr"
+    return [
+        str(d),
+        f"{d}/",
+        f"{tmp}/./D.zarr",
+        f"{tmp}/link.zarr/../D.zarr",
+        f"file://{d}",
+        str(tmp / "link.zarr"),  # a symlink to the source
+        str(d / "copy.zarr"),  # inside the source
+        str(tmp),  # the source's parent
+    ]
+
+
+@pytest.mark.parametrize("which", range(8))
+def test_cli_convert_into_its_own_source_is_refused_and_the_source_is_untouched(source, tmp_path, capsys, which):
+    dst = spellings(tmp_path)[which]
+    before = snapshot(source)
+    code = cli_main(["convert", str(source), dst, "--overwrite", "--local", "1", "--backend", "cpu"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "a conversion never writes where it reads" in err and "Traceback" not in err
+    assert snapshot(source) == before
+    np.testing.assert_array_equal(zarr.open_array(source)[...], frames())
+    assert not (source / "copy.zarr").exists()
+
+
+@pytest.mark.parametrize("resume", [False, True], ids=["overwrite", "resume"])
+def test_api_convert_into_its_own_source_is_refused(source, tmp_path, resume):
+    before = snapshot(source)
+    options = {"resume": True} if resume else {"overwrite": True}
+    with pytest.raises(SameLocationError, match="is the source"):
+        convert(source, tmp_path / "link.zarr", local_workers=1, backend="cpu", **options)
+    assert snapshot(source) == before
+
+
+def test_an_array_read_from_the_destination_is_refused(source, tmp_path):
+    """A zarr array, or a dask array built on one, reads from its store: writing there is refused too."""
+    import dask.array as da
+
+    before = snapshot(source)
+    with pytest.raises(SameLocationError, match="is the source"):
+        convert(zarr.open_array(source), source, overwrite=True, local_workers=1, backend="cpu")
+    with pytest.raises(SameLocationError, match="contains the source"):
+        convert(da.from_zarr(zarr.open_array(source)) + 1, tmp_path, overwrite=True, local_workers=1)
+    assert snapshot(source) == before
+
+
+def test_a_source_inside_the_destination_folder_of_tiffs_is_refused(tmp_path):
+    tifffile = pytest.importorskip("tifffile")
+    (tmp_path / "frames").mkdir()
+    for i, frame in enumerate(frames()):
+        tifffile.imwrite(tmp_path / "frames" / f"f{i}.tif", frame)
+    with pytest.raises(SameLocationError, match="is inside the source"):
+        convert(tmp_path / "frames", tmp_path / "frames" / "out.zarr", local_workers=1)
+    assert sorted(os.listdir(tmp_path / "frames")) == [f"f{i}.tif" for i in range(8)]
+
+
+def test_a_conversion_beside_its_source_still_works(source, tmp_path):
+    """The refusal is exact: a sibling whose name starts with the source's is another place."""
+    report = convert(source, f"{source}2", local_workers=1, backend="cpu")
+    assert report.verified.ok
+    np.testing.assert_array_equal(zarr.open_array(f"{source}2")[...], frames())
+
+
+@pytest.mark.parametrize(
+    "dst", ["s3://{b}/D.zarr", "s3://{b}/D.zarr/", "s3://{b}//D.zarr", "s3://{b}/D.zarr/copy", "s3://{b}"]
+)
+def test_s3_convert_into_its_own_prefix_is_refused(s3, tmp_path, dst, capsys):
+    """The same bucket and prefix in any spelling (and a parent or child prefix) is refused."""
+    local = record(tmp_path / "D.zarr")
+    src = f"s3://{s3.bucket}/D.zarr"
+    record(src)
+    keys = s3.keys(s3.bucket)
+    code = cli_main(["convert", src, dst.format(b=s3.bucket), "--overwrite", "--local", "1", "--backend", "cpu"])
+    assert code == 2, capsys.readouterr().err
+    assert s3.keys(s3.bucket) == keys
+    np.testing.assert_array_equal(zarr.open_array(local)[...], frames())
