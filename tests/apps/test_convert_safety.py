@@ -123,3 +123,65 @@ def test_s3_convert_into_its_own_prefix_is_refused(s3, tmp_path, dst, capsys):
     assert code == 2, capsys.readouterr().err
     assert s3.keys(s3.bucket) == keys
     np.testing.assert_array_equal(zarr.open_array(local)[...], frames())
+
+
+# -- options that cannot run are refused at once; no wait for workers lasts for good ------------
+
+
+@pytest.mark.parametrize("flags", [["--local", "-1"], ["--local", "0"], ["--retries", "-1"], ["--worker-timeout", "0"]])
+def test_cli_refuses_options_that_cannot_run_before_anything(source, tmp_path, capsys, flags):
+    with pytest.raises(SystemExit) as stop:
+        cli_main(["convert", str(source), str(tmp_path / "out.zarr"), *flags])
+    assert stop.value.code == 2
+    assert f"argument {flags[0]}" in capsys.readouterr().err
+    assert not (tmp_path / "out.zarr").exists()
+
+
+@pytest.mark.parametrize(
+    "options, named",
+    [
+        ({"local_workers": -2}, "local_workers must be a positive number of worker processes, got -2"),
+        ({"local_workers": 0}, "got 0"),
+        ({"local_workers": True}, "got True"),
+        ({"local_workers": 1.5}, "got 1.5"),
+        ({"retries": -1}, "retries must be 0 or more"),
+        ({"retries": 0.5}, "got 0.5"),
+        ({"worker_timeout": 0}, "worker_timeout must be a positive number of seconds, got 0"),
+    ],
+)
+def test_api_refuses_options_that_cannot_run_before_anything(source, tmp_path, options, named):
+    with pytest.raises(ValueError, match=named):
+        convert(source, tmp_path / "out.zarr", **options)
+    assert not (tmp_path / "out.zarr").exists()
+
+
+@pytest.fixture
+def workerless():
+    """A scheduler nobody started a worker for."""
+    import distributed
+
+    with distributed.LocalCluster(n_workers=0, processes=False, dashboard_address=None) as cluster:
+        with distributed.Client(cluster) as client:
+            yield client
+
+
+def test_a_cluster_without_workers_is_an_error_within_the_deadline(source, tmp_path, workerless):
+    import time
+
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"no Dask worker was connected to .* for 1 s: start workers"):
+        convert(source, tmp_path / "out.zarr", client=workerless, worker_timeout=1)
+    assert time.monotonic() - start < 15
+    # The destination claims nothing; a resume on a cluster with workers finishes it.
+    assert zarr.open_array(tmp_path / "out.zarr").attrs["tileshard"]["rows_written"] == 0
+    report = convert(source, tmp_path / "out.zarr", resume=True, local_workers=1)
+    assert report.verified.ok
+    np.testing.assert_array_equal(zarr.open_array(tmp_path / "out.zarr")[...], frames())
+
+
+def test_cli_scheduler_without_workers_is_one_line_and_exit_1(source, tmp_path, workerless, capsys):
+    argv = ["convert", str(source), str(tmp_path / "out.zarr"), "--scheduler", workerless.scheduler.address]
+    code = cli_main([*argv, "--worker-timeout", "1"])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert "no Dask worker was connected" in err and "Traceback" not in err

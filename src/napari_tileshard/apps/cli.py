@@ -46,6 +46,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
 def _positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -301,7 +311,9 @@ def _parser() -> argparse.ArgumentParser:
     conv.add_argument("--downsample", default=None, help="pyramid method: mean, max, min, decimate (default: mean)")
     where = conv.add_mutually_exclusive_group()
     where.add_argument("--scheduler", default=None, help="address of a running Dask scheduler (tcp://...)")
-    where.add_argument("--local", type=int, default=None, help="workers of a local Dask cluster (default: cores/2)")
+    where.add_argument(
+        "--local", type=_positive_int, default=None, help="workers of a local Dask cluster (default: cores/2, max 4)"
+    )
     where.add_argument(
         "--devices",
         default=None,
@@ -312,6 +324,16 @@ def _parser() -> argparse.ArgumentParser:
     )
     conv.add_argument("--overwrite", action="store_true", help="replace DST (only data this tool wrote)")
     conv.add_argument("--no-verify", action="store_true", help="skip verifying the output")
+    conv.add_argument(
+        "--retries", type=_non_negative_int, default=2, help="reruns of a shard epoch whose task failed (default: 2)"
+    )
+    conv.add_argument(
+        "--worker-timeout",
+        type=_positive_float,
+        default=60.0,
+        metavar="SECONDS",
+        help="stop with an error when the cluster has had no worker this long (default: 60)",
+    )
     return parser
 
 
@@ -478,6 +500,8 @@ def convert_command(args) -> int:
                 overwrite=args.overwrite,
                 verify=not args.no_verify,
                 progress=progress,
+                retries=args.retries,
+                worker_timeout=args.worker_timeout,
             )
         finally:
             for bar in bars:

@@ -35,6 +35,7 @@ import json
 import logging
 import math
 import multiprocessing
+import numbers
 import os
 import signal
 import struct
@@ -89,6 +90,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 MANIFEST_KEY = CONVERT_MANIFEST_NAME
+#: seconds a conversion waits while its cluster has no worker (convert's ``worker_timeout``)
+WORKER_TIMEOUT_S = 60.0
 _TIFF_SUFFIXES = (".tif", ".tiff")
 
 
@@ -563,6 +566,7 @@ def convert(
     progress=None,
     devices=None,
     announce=None,
+    worker_timeout: float = WORKER_TIMEOUT_S,
 ) -> ConvertReport:
     """Convert ``src`` (see :func:`open_source`) into ``dst`` with ``layout`` (default:
     :func:`default_layout` from ``tile``/``tiles_per_shard``) on a Dask ``client`` (default: a
@@ -579,6 +583,10 @@ def convert(
     (work starts), then after each finished epoch.  ``devices`` (``"all"``, a count or GPU numbers;
     no ``client``): a local cluster of one worker per GPU (:func:`gpu_cluster`) whose tasks use the
     GPU backend.  ``announce``: called with the Dask dashboard's address once the cluster is up.
+    ``local_workers`` (at least 1) and ``retries`` (0 or more: how often Dask reruns a failed
+    epoch's task) are checked before anything is opened.  ``worker_timeout``: seconds the
+    conversion waits while its cluster has no worker (none started, or all gone) before it stops
+    with an error saying so.
 
     Ctrl-C (any ``KeyboardInterrupt``) stops the conversion cleanly and raises
     :class:`ConvertInterrupted`: queued and running epochs are dropped (Dask cannot stop a task
@@ -591,6 +599,7 @@ def convert(
     report = ConvertReport(str(dst))
     start = time.perf_counter()
     try:
+        check_run_options(client, local_workers, retries, worker_timeout)
         source = open_source(src)
         refuse_writing_into_the_source(src, dst)
         identity = source_identity(source)
@@ -622,6 +631,7 @@ def convert(
             progress=progress,
             devices=devices,
             announce=announce,
+            worker_timeout=worker_timeout,
         )
     except _Stopped as stop:
         started = stop.started
@@ -631,6 +641,56 @@ def convert(
     report.interrupted = True
     report.seconds = report.seconds or time.perf_counter() - start
     raise ConvertInterrupted(report, int(getattr(exc, "signum", signal.SIGINT)), started) from None
+
+
+def check_run_options(client, local_workers, retries, worker_timeout) -> None:
+    """ValueError naming the first option that cannot run: a local cluster needs at least one
+    worker (``LocalCluster(n_workers=-1)`` starts none, and the conversion would wait for good),
+    retries cannot be negative, a deadline must be positive."""
+    if local_workers is not None:
+        if isinstance(local_workers, bool) or not isinstance(local_workers, numbers.Integral) or local_workers < 1:
+            raise ValueError(f"local_workers must be a positive number of worker processes, got {local_workers!r}")
+        if client is not None:
+            raise ValueError("local_workers= starts a local cluster; with client= the cluster is yours")
+    if isinstance(retries, bool) or not isinstance(retries, numbers.Integral) or retries < 0:
+        raise ValueError(f"retries must be 0 or more (reruns of a failed task), got {retries!r}")
+    if not isinstance(worker_timeout, numbers.Real) or not worker_timeout > 0:
+        raise ValueError(f"worker_timeout must be a positive number of seconds, got {worker_timeout!r}")
+
+
+class _WorkerWatch:
+    """Cancels the conversion's futures when its cluster has had no worker for ``timeout`` seconds
+    (a scheduler nobody started workers for, or every worker gone): Dask would wait for one for
+    good.  Checks once a second on its own thread; :attr:`reason` says why it cancelled."""
+
+    def __init__(self, client, futures, timeout: float):
+        self.client, self.futures, self.timeout = client, list(futures), timeout
+        self.reason: str | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="tileshard-convert-workers", daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        since = time.monotonic()
+        while not self._stop.wait(min(1.0, self.timeout / 4)):
+            try:
+                workers = len(self.client.nthreads())
+            except Exception:  # noqa: BLE001 - the client closing: the conversion ends anyway
+                return
+            if workers:
+                since = time.monotonic()
+            elif time.monotonic() - since >= self.timeout:
+                address = getattr(self.client.scheduler, "address", "the scheduler")
+                self.reason = (
+                    f"no Dask worker was connected to {address} for {self.timeout:g} s: start workers for it "
+                    "(dask worker ADDRESS), or let convert start a local cluster (without client= or --scheduler)"
+                )
+                with contextlib.suppress(Exception):
+                    self.client.cancel(self.futures, reason="no workers", msg=self.reason)
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
 
 
 class SameLocationError(ValueError):
@@ -721,6 +781,7 @@ def _convert(
     progress,
     devices,
     announce,
+    worker_timeout,
 ) -> ConvertReport:
     from distributed import Client, as_completed
 
@@ -801,6 +862,7 @@ def _convert(
         report.task_seconds = sum(r["seconds"] for r in written)
 
     finished: dict[int, Future] = {e: Future() for e in range(epochs)}
+    watch: _WorkerWatch | None = None
     try:
         _write_manifest(sink, manifest, done)  # before anything else: a conversion stopped from now on resumes
         publisher.begin()
@@ -843,6 +905,7 @@ def _convert(
             }
             if progress is not None:
                 progress(len(done), epochs)
+            watch = _WorkerWatch(client, futures, worker_timeout)
             # Results come with the futures (fetched on Dask's thread, no round trip here each), on
             # the loop of the client the futures belong to: left to itself, as_completed tracks them
             # on the *current* client's loop, another one when convert runs inside `with Client(...)`
@@ -859,6 +922,8 @@ def _convert(
                     if exc is None:
                         completed.add(future)  # Dask recomputes it: wait for that result
                         continue
+                    if watch.reason is not None:
+                        exc = RuntimeError(watch.reason)
                     finished[e].set_exception(exc)  # the first failure stops publishing
                     client.cancel(list(futures))  # queued epochs stay unwritten; the manifest says which are done
                     raise exc
@@ -884,6 +949,8 @@ def _convert(
         publisher.mark_failed()
         raise
     finally:
+        if watch is not None:
+            watch.stop()
         if restore_signals is None:
             restore_signals = _ignore_interrupts()
         try:
