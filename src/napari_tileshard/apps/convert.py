@@ -643,7 +643,7 @@ def convert(
     raise ConvertInterrupted(report, int(getattr(exc, "signum", signal.SIGINT)), started) from None
 
 
-def check_run_options(client, local_workers, retries, worker_timeout) -> None:
+def check_run_options(client, local_workers, retries, worker_timeout: float) -> None:
     """ValueError naming the first option that cannot run: a local cluster needs at least one
     worker (``LocalCluster(n_workers=-1)`` starts none, and the conversion would wait for good),
     retries cannot be negative, a deadline must be positive."""
@@ -654,7 +654,7 @@ def check_run_options(client, local_workers, retries, worker_timeout) -> None:
             raise ValueError("local_workers= starts a local cluster; with client= the cluster is yours")
     if isinstance(retries, bool) or not isinstance(retries, numbers.Integral) or retries < 0:
         raise ValueError(f"retries must be 0 or more (reruns of a failed task), got {retries!r}")
-    if not isinstance(worker_timeout, numbers.Real) or not worker_timeout > 0:
+    if isinstance(worker_timeout, bool) or not isinstance(worker_timeout, (int, float)) or not worker_timeout > 0:
         raise ValueError(f"worker_timeout must be a positive number of seconds, got {worker_timeout!r}")
 
 
