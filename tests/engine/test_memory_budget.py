@@ -217,3 +217,41 @@ def test_warm_up_of_small_frames_encodes_one_tile_epoch_not_a_batch_of_shards(ba
     assert estimate["host"] > 0
     bounded = Layout([Dim("t", 3, 4, 2), Dim("y", 48, 16, 2), Dim("x", 40, 16, 2)], "uint16")
     assert Writer.warm_up(bounded, backend=backend)["host"] > 0  # fewer rows than one epoch: nothing encoded
+
+
+def test_frame_buffer_blocks_do_not_nest_and_nothing_unwritten_is_recorded(tmp_path, backend):
+    """A nested block used to be accepted: the outer frame was lost and a zero frame recorded."""
+    frames = SyntheticCamera((64, 64), "uint16", seed=6).stack(3)
+    with Writer(tmp_path / "x.zarr", small_layout(), backend=backend) as writer:
+        with writer.frame_buffer() as outer:
+            outer[...] = frames[0]
+            with pytest.raises(RuntimeError, match=r"frame_buffer\(\) inside a frame_buffer\(\) block"):
+                with writer.frame_buffer():
+                    pass
+            with pytest.raises(RuntimeError, match=r"append\(\) inside a frame_buffer\(\) block"):
+                writer.append(frames[1])
+            with pytest.raises(RuntimeError, match=r"write\(\) inside a frame_buffer\(\) block"):
+                writer.write(frames[1].tobytes())
+        assert writer.stats.frames == 1
+        writer.append(frames[1:])
+    np.testing.assert_array_equal(read_back(tmp_path / "x.zarr"), frames)
+
+
+def test_a_frame_buffer_is_read_only_once_its_block_ends(tmp_path, backend):
+    """Writing through the view after its block used to change a frame already recorded."""
+    frames = SyntheticCamera((64, 64), "uint16", seed=7).stack(4)
+    kept = []
+    with Writer(tmp_path / "x.zarr", small_layout(), backend=backend) as writer:
+        for frame in frames:
+            with writer.frame_buffer() as place:
+                place[...] = frame
+            kept.append(place)
+        for place in kept:
+            with pytest.raises(ValueError, match="read-only"):
+                place[...] = 0
+        with pytest.raises(RuntimeError):
+            with writer.frame_buffer() as place:
+                raise RuntimeError("camera timeout")
+        with pytest.raises(ValueError, match="read-only"):
+            place[0, 0] = 1  # also after a block left by an exception
+    np.testing.assert_array_equal(read_back(tmp_path / "x.zarr"), frames)

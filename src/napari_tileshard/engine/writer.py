@@ -361,6 +361,7 @@ class Writer:
         self._capacity = None if total is None else total * layout.itemsize
         self._error: BaseException | None = None
         self._closed = False
+        self._open_frame = False  # inside a frame_buffer() block
         # Buffers (and the GPU's memory check) before the store is touched: a refusal leaves no trace.
         self._staging = StagingRing(self._backend, self.batch_bytes, staging_buffers)
         try:
@@ -455,6 +456,7 @@ class Writer:
         batch's input buffer without visiting the host.
         """
         self._check_open()
+        self._check_no_open_frame("append()")
         if _is_device_array(array):
             if self._backend.accepts_device_arrays:
                 self._check_frames(array)
@@ -472,6 +474,7 @@ class Writer:
     def write(self, buffer) -> memoryview:
         """Copy what fits of ``buffer`` (bytes of the row-major stream); return the unconsumed tail."""
         self._check_open()
+        self._check_no_open_frame("write()")
         try:
             data = memoryview(buffer)
         except TypeError as exc:
@@ -497,8 +500,14 @@ class Writer:
 
         ``block=False`` (a camera that cannot wait: the drop policy) yields None instead of waiting
         when every staging buffer is still being encoded; the frame is then the caller's to drop.
+
+        One frame at a time: a ``frame_buffer()``, :meth:`append` or :meth:`write` inside an open
+        block raises RuntimeError (the outer frame would be lost and a zero frame recorded in its
+        place).  When the block ends the yielded array becomes read-only, so a late write through
+        it (which would change a frame already recorded) raises instead of landing.
         """
         self._check_open()
+        self._check_no_open_frame("frame_buffer()")
         frame_bytes = self._frame_bytes
         if self.stats.bytes_in % frame_bytes:
             raise ValueError(
@@ -515,7 +524,13 @@ class Writer:
             yield None
             return
         start = staging.fill
-        yield staging.buffer[start : start + frame_bytes].view(self.layout.dtype).reshape(self.layout.frame_shape)
+        place = staging.buffer[start : start + frame_bytes].view(self.layout.dtype).reshape(self.layout.frame_shape)
+        self._open_frame = True
+        try:
+            yield place
+        finally:
+            place.flags.writeable = False  # the place is the next frame's once this one is committed
+            self._open_frame = False
         self._check_open()
         staging.commit(frame_bytes)
         self._filled(frame_bytes)
@@ -785,6 +800,13 @@ class Writer:
         if collector is not None:
             collector.abort(self._error)  # nothing queued can be published any more: don't write it
             collector.wake()  # a producer waiting for room must see the error
+
+    def _check_no_open_frame(self, what: str) -> None:
+        if self._open_frame:
+            raise RuntimeError(
+                f"{what} inside a frame_buffer() block: the frame of the open block is not appended yet "
+                "(finish that block first; frame_buffer() blocks do not nest)"
+            )
 
     def _check_open(self) -> None:
         if self._closed:
