@@ -488,3 +488,86 @@ def test_first_rows_indexing():
     for bad in (4, -5, [4]):
         with pytest.raises(IndexError):
             view[bad]
+
+
+# -- grids that zarr-python divides by, level paths that leave the group, aliased shards ------------
+def _set_inner(value):
+    def change(meta):
+        meta["codecs"][0]["configuration"]["chunk_shape"][1] = value
+
+    return change
+
+
+def _set_outer(value):
+    def change(meta):
+        meta["chunk_grid"]["configuration"]["chunk_shape"][1] = value
+
+    return change
+
+
+@pytest.mark.parametrize(
+    "change, named",
+    [
+        (_set_inner(0), "the sharding codec's chunk shape [2, 0, 4]"),
+        (_set_inner(-4), "the sharding codec's chunk shape [2, -4, 4]"),
+        (_set_outer(0), "the chunk grid's chunk shape [4, 0, 4]"),
+        (_set_outer(2.5), "the chunk grid's chunk shape [4, 2.5, 4]"),
+    ],
+)
+def test_a_grid_of_zeros_is_a_clear_error_in_every_reader(tmp_path, change, named):
+    """An inner chunk shape of 0 raised ZeroDivisionError from zarr-python at open; a shard grid
+    of 0 opened and raised it at the first read."""
+    path = write_store(tmp_path / "g.zarr")
+    edit_metadata(path, change)
+    from napari_tileshard import ShardReader
+
+    message = f"{path}/zarr.json: {named} is not a list of integers >= 1: not read"
+    for read in (
+        lambda: ShardReader(path)[...],
+        lambda: np.asarray(napari_get_reader(str(path))(str(path))[0][0][0]),
+        lambda: inspect_array(path),
+    ):
+        with pytest.raises(ValueError) as caught:
+            read()
+        assert str(caught.value) == message
+    report = verify(path)
+    assert not report.ok and named in str(report)
+
+
+def test_an_ome_level_path_leaving_the_group_is_named(tmp_path):
+    layout = Layout([Dim("t", 0, 2, 1), Dim("y", 16, 4, 2), Dim("x", 16, 4, 2)], "uint16")
+    path = tmp_path / "ome.zarr"
+    with Writer(path, layout, backend="cpu", ome=True) as writer:
+        writer.append(SyntheticCamera((16, 16), "uint16", seed=1).stack(4))
+    edit_metadata(path, lambda meta: meta["attributes"]["ome"]["multiscales"][0]["datasets"][0].update(path="../x"))
+    from napari_tileshard import ShardReader
+
+    said = "OME-Zarr multiscale dataset path '../x' is not inside the group"
+    readers = (lambda: ShardReader(path), lambda: napari_get_reader(str(path))(str(path)), lambda: inspect_array(path))
+    for read in readers:
+        with pytest.raises(ValueError, match=said):  # was: "a group without OME-Zarr multiscales"
+            read()
+    assert said in str(verify(path))
+
+
+@posix_only
+def test_a_shard_symlinked_to_another_shard_of_the_array_is_refused(tmp_path):
+    """Its index and CRC are valid, so nothing else would tell that the data shown at c/1/0/0 are
+    those of c/0/0/0 (zarr-python and tensorstore read it): our readers and verify refuse it."""
+    from napari_tileshard import ShardReader
+
+    path = write_store(tmp_path / "a.zarr")
+    (path / "c/1/0/0").unlink()
+    (path / "c/1/0/0").symlink_to(path / "c/0/0/0")
+    plain = zarr.open_array(path)[...]  # what a plain reader shows: shard (1, 0, 0) is shard (0, 0, 0) again
+    np.testing.assert_array_equal(plain[4:, :4, :4], plain[:4, :4, :4])
+    report = verify(path)
+    assert [(p.key, p.message) for p in report.problems] == [
+        ("c/1/0/0", "symlink to c/0/0/0, another chunk of this array: not read")
+    ]
+    with pytest.raises(ValueError, match="c/1/0/0: symlink to c/0/0/0, another chunk of this array"):
+        ShardReader(path)[...]
+    array, _ = open_lazy(path)
+    with pytest.raises(ValueError, match="another chunk of this array"):
+        np.asarray(array[4])
+    np.testing.assert_array_equal(array[0], SyntheticCamera((8, 8), "uint16", seed=3).stack(8)[0])

@@ -135,7 +135,10 @@ def _open_array(kind: str, location):
         return zarr.open(tifffile.imread(location, aszarr=True), mode="r")
     node = zarr.open(resolve_store(location), mode="r")
     if isinstance(node, zarr.Group):  # OME-Zarr: its first multiscale level
-        paths = multiscale_paths(dict(node.attrs)) or multiscale_paths({"ome": dict(node.attrs)})  # 0.5, 0.4
+        try:
+            paths = multiscale_paths(dict(node.attrs)) or multiscale_paths({"ome": dict(node.attrs)})  # 0.5, 0.4
+        except ValueError as exc:
+            raise ValueError(f"{location}: {exc}") from None
         if not paths:
             raise ValueError(f"{location}: a zarr group without OME multiscales; name one of its arrays")
         node = node[paths[0]]

@@ -79,14 +79,23 @@ def group_metadata(pyramid: Pyramid, name: str, attributes: dict | None = None, 
 
 
 def multiscale_paths(group_attributes: dict) -> list[str] | None:
-    """Dataset paths (highest resolution first) of the first multiscale, or None if not OME-Zarr."""
+    """Dataset paths (highest resolution first) of the first multiscale, or None if not OME-Zarr.
+
+    ValueError naming the path when a dataset's path would leave the group (empty, absolute, or
+    with a ``..`` segment): such a group is OME-Zarr, but not one that may be read."""
     try:
         datasets = group_attributes["ome"]["multiscales"][0]["datasets"]
         paths = [str(d["path"]) for d in datasets]
     except (KeyError, IndexError, TypeError):
         return None
-    if not paths or any(not p or p.startswith("/") or ".." in p.split("/") for p in paths):
-        return None  # refuse paths that would leave the group
+    if not paths:
+        return None
+    for path in paths:
+        if not path or path.startswith("/") or ".." in path.split("/"):
+            raise ValueError(
+                f"OME-Zarr multiscale dataset path {path!r} is not inside the group (empty, absolute or with "
+                "'..'): not read"
+            )
     return paths
 
 

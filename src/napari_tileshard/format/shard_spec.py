@@ -43,6 +43,7 @@ __all__ = [
     "ShardSpec",
     "UnsupportedArray",
     "array_metadata",
+    "grid_refusal",
 ]
 
 #: the index entry of a chunk that does not exist: offset and nbytes both 2^64-1
@@ -557,6 +558,33 @@ def array_metadata(layout: LayoutLike, codec, level: int, shape0: int, attribute
     the writer publishes); ``codec``: a codec name or :class:`~napari_tileshard.format.codecs.Codec`."""
     configured = codecs.get(codec).configure(level, layout.dtype)
     return ShardSpec.from_layout(layout, configured, shape0).to_metadata(attributes)
+
+
+def grid_refusal(meta: dict) -> str | None:
+    """Why an array's ``zarr.json`` has a chunk grid no reader can use (a shard or chunk shape
+    holding 0, a negative number or a non-integer: zarr-python divides by it), or None.  Checked
+    for any Zarr v3 array, sharded or not, before zarr-python is given the metadata."""
+    grid = meta.get("chunk_grid")
+    if isinstance(grid, dict) and isinstance(grid.get("configuration"), dict):
+        try:
+            _shape(grid["configuration"].get("chunk_shape"), "the chunk grid's chunk shape", 1)
+        except UnsupportedArray as exc:
+            return str(exc)
+    pending = list(meta.get("codecs") or []) if _seq(meta.get("codecs")) else []
+    while pending:
+        codec = pending.pop()
+        if not isinstance(codec, dict) or codec.get("name") != "sharding_indexed":
+            continue
+        config = codec.get("configuration")
+        if not isinstance(config, dict):
+            continue
+        try:
+            _shape(config.get("chunk_shape"), "the sharding codec's chunk shape", 1)
+        except UnsupportedArray as exc:
+            return str(exc)
+        if _seq(config.get("codecs")):
+            pending.extend(config["codecs"])  # nested sharding
+    return None
 
 
 # -- parsing helpers (untrusted metadata) ----------------------------------------------------------

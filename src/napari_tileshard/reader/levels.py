@@ -50,17 +50,21 @@ def open_levels(source) -> list | None:
 
 
 def _levels(access: StoreAccess, node) -> list | None:
-    paths = _level_paths(node)
+    paths = _level_paths(node, access)
     if paths is None:
         return None
     return [_open_level(access, node, p) for p in paths]
 
 
-def _level_paths(node) -> list[str] | None:
-    """The paths of ``node``'s OME multiscale levels (relative to it), None when it has none."""
+def _level_paths(node, access: StoreAccess) -> list[str] | None:
+    """The paths of ``node``'s OME multiscale levels (relative to it), None when it has none;
+    ValueError naming the store for a level path that would leave the group."""
     if not isinstance(node, zarr.Group):
         return None
-    return multiscale_paths(dict(node.attrs))
+    try:
+        return multiscale_paths(dict(node.attrs))
+    except ValueError as exc:
+        raise ValueError(f"{access.location}: {exc}") from None
 
 
 def _open_level(access: StoreAccess, group: zarr.Group, path: str) -> zarr.Array:
@@ -94,7 +98,7 @@ def open_array(source, pyramid_level: int | None = None, *, storage_options: dic
         if pyramid_level not in (None, 0):
             raise ValueError(f"{access.location}: a plain array has no pyramid_level {pyramid_level!r} (not OME-Zarr)")
         return access, node
-    paths = _level_paths(node)
+    paths = _level_paths(node, access)
     if not paths:
         raise ValueError(f"{access.location}: a group without OME-Zarr multiscales, not an array")
     chosen = 0 if pyramid_level is None else pyramid_level

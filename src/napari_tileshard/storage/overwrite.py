@@ -168,7 +168,11 @@ def _node_members(meta: dict | None, rel: str, plan: _Plan, collection: bool = F
             if _plain_name(path, plan, "stream"):
                 members[path] = _image
         return members
-    paths = multiscale_paths(attributes)
+    try:
+        paths = multiscale_paths(attributes)
+    except ValueError as exc:
+        plan.problems.append(f"{_join(rel, METADATA_KEY)!r}: {exc}" if rel else f"its zarr.json: {exc}")
+        return {}
     if paths is None:
         where = f"{_join(rel, METADATA_KEY)!r}" if rel else "its zarr.json"
         plan.problems.append(f"{where} describes a group without OME-Zarr multiscales")

@@ -34,6 +34,7 @@ from typing import Any, cast
 from zarr.storage import LocalStore
 
 from ..format.metadata import STATE_KEY
+from ..format.shard_spec import grid_refusal
 from ._zarr_sync import sync
 from .sinks import check_store_path
 from .urls import resolve_store
@@ -131,15 +132,39 @@ def resolve_inside(root, key: str) -> str:
     return target
 
 
+def aliased_chunk(root_real: str, key: str, target: str) -> str | None:
+    """The store key of another chunk object of the same array that ``key`` leads to through a
+    symlink (``c/1/0/0`` -> ``c/0/0/0``), or None.  Such a shard would show another position's
+    data in its place without any check failing (its index and CRC are valid), so readers and
+    verify refuse it; a symlink to a file elsewhere in the store (outside the array's ``c/``
+    tree, e.g. a deduplicated copy) is read."""
+    if target == os.path.normpath(os.path.join(root_real, key)):
+        return None  # no symlink on the way
+    parts = key.split("/")
+    directories = parts[:-1]
+    if "c" not in directories:
+        return None
+    tree = "/".join(directories[: len(directories) - directories[::-1].index("c")])  # up to the last "c"
+    tree_real = os.path.realpath(os.path.join(root_real, tree))
+    own = os.path.join(os.path.realpath(os.path.join(root_real, *directories)), parts[-1])
+    if target != own and _inside(tree_real, target) and target != tree_real:
+        return os.path.relpath(target, root_real).replace(os.sep, "/")
+    return None
+
+
 def open_local_file(root, key: str) -> int:
     """A read-only file descriptor of the regular file ``key`` inside the store ``root``.
 
-    Symlinks inside the store are followed; one leading outside, a FIFO, a device or a socket is
-    refused with :class:`UnsafeStoreError` without being opened for reading.  A missing key
-    raises ``FileNotFoundError``.
+    Symlinks inside the store are followed; one leading outside, one to another chunk object of
+    the same array (:func:`aliased_chunk`), a FIFO, a device or a socket is refused with
+    :class:`UnsafeStoreError` without being opened for reading.  A missing key raises
+    ``FileNotFoundError``.
     """
     where = os.path.join(root, key)
     target = resolve_inside(root, key)
+    alias = aliased_chunk(os.path.realpath(root), key, target)
+    if alias is not None:
+        raise UnsafeStoreError(f"{where}: symlink to {alias}, another chunk of this array: not read")
     info = os.lstat(target)  # FileNotFoundError for a missing key
     if not stat.S_ISREG(info.st_mode):
         raise UnsafeStoreError(f"{where}: {_kind(info.st_mode)}, not a regular file: not read")
@@ -374,7 +399,11 @@ def _classify_symlink(root_real: str, key: str, path: str, listing: Listing) -> 
         listing.refused.append((key, "dangling symlink, not read"))
         return
     if stat.S_ISREG(mode):
-        listing.keys.append(key)  # a file elsewhere in the same store: harmless
+        alias = aliased_chunk(root_real, key, target)
+        if alias is not None:
+            listing.refused.append((key, f"symlink to {alias}, another chunk of this array: not read"))
+        else:
+            listing.keys.append(key)  # a file elsewhere in the same store: harmless
     elif stat.S_ISDIR(mode):
         listing.refused.append((key, "symlink to a directory, not followed"))
     else:
@@ -576,11 +605,20 @@ class StoreAccess:
         if not isinstance(meta, dict) or meta.get("zarr_format") != 3:
             raise UnsafeStoreError(f"{self.location}/{key}: not Zarr v3 metadata")
         node_type = meta.get("node_type")
+        where = f"{self.location}/{key}"
         if node_type == "array":
-            # meta was checked above; zarr's typed-dict overloads cannot know that
-            return zarr.Array(zarr.AsyncArray(metadata=cast(Any, meta), store_path=store_path))
+            refusal = grid_refusal(meta)
+            if refusal:
+                raise UnsafeStoreError(f"{where}: {refusal}: not read")
+            try:  # meta was checked above; zarr's typed-dict overloads cannot know that
+                return zarr.Array(zarr.AsyncArray(metadata=cast(Any, meta), store_path=store_path))
+            except Exception as exc:  # noqa: BLE001 - untrusted metadata: any failure is one message
+                raise UnsafeStoreError(f"{where}: zarr-python cannot open it ({type(exc).__name__}: {exc})") from exc
         if node_type == "group":
-            return zarr.Group(zarr.AsyncGroup.from_dict(store_path, meta))
+            try:
+                return zarr.Group(zarr.AsyncGroup.from_dict(store_path, meta))
+            except Exception as exc:  # noqa: BLE001
+                raise UnsafeStoreError(f"{where}: zarr-python cannot open it ({type(exc).__name__}: {exc})") from exc
         raise UnsafeStoreError(f"{self.location}/{key}: node_type {node_type!r} is neither array nor group")
 
     # -- objects ------------------------------------------------------------------------
