@@ -22,6 +22,7 @@ from napari_tileshard.storage.errors import StoreExistsError, StoreLockedError, 
 from napari_tileshard.storage.overwrite import LOCK_NAME
 from napari_tileshard.storage.sinks import DirectorySink, ZarrStoreSink
 from napari_tileshard.storage.urls import list_shard_keys
+from napari_tileshard.testing import InterruptAt
 
 LAYOUT = Layout([Dim("t", 0, 2, 1), Dim("y", 8, 4, 1), Dim("x", 8, 4, 1)], "uint16")
 
@@ -360,3 +361,43 @@ def test_cli_names_the_flag(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "use --overwrite" in err and "overwrite=True" not in err
     assert cli_record(path, "--overwrite") == 0
+
+
+def test_an_interrupt_anywhere_in_a_write_leaves_no_temporary_file(tmp_path):
+    """The temporary file used to be created before the try that removes it: Ctrl-C landing just
+    after it was created left a 0-byte `.zarr.json.*.tmp` behind (seen in interrupted converts)."""
+    sink = DirectorySink(tmp_path / "s.zarr")
+    sink.write("zarr.json", [b"old"])
+    landed = 0
+    for k in range(1, 300):
+        try:
+            with InterruptAt(k, {"_write", "_writev_all"}):
+                sink.write("zarr.json", [b"new-", b"metadata"])
+        except KeyboardInterrupt:
+            pass
+        else:
+            break  # k is past the last place: every one was tried
+        landed += 1
+        names = sorted(os.listdir(tmp_path / "s.zarr"))
+        assert names == [".tileshard.lock", "zarr.json"], f"interrupt at line event {k}: {names}"
+        assert (tmp_path / "s.zarr" / "zarr.json").read_bytes() in (b"old", b"new-metadata")
+        (tmp_path / "s.zarr" / "zarr.json").write_bytes(b"old")
+    assert landed > 5
+    sink.release()
+
+
+def test_resuming_a_store_removes_only_our_stale_temporary_files(tmp_path):
+    """A worker killed mid-write (SIGKILL: no cleanup possible) leaves its temporary file; the
+    next sink that continues the store removes it, and nothing else."""
+    root = tmp_path / "s.zarr"
+    sink = DirectorySink(root)
+    sink.write("c/0/0", [b"shard"])
+    sink.release()
+    stale = [root / ".zarr.json.0123456789ab.tmp", root / "c" / "0" / ".1.deadbeef0123.tmp"]
+    kept = [root / "c" / "0" / ".notes.tmp", root / "c" / "0" / "x.0123456789ab.tmp"]
+    for path in stale + kept:
+        path.write_bytes(b"")
+    DirectorySink(root, keep_existing=True).release()
+    assert [p.exists() for p in stale] == [False, False]
+    assert [p.exists() for p in kept] == [True, True]
+    assert (root / "c" / "0" / "0").read_bytes() == b"shard"

@@ -847,10 +847,14 @@ def _convert(
     results: dict[int, dict] = {}  # by epoch, in the order they finished
 
     def finished_epoch(e: int, result: dict) -> None:
-        results[e] = result
-        _write_manifest(sink, manifest, done | {e})
-        done.add(e)  # counted (in the report too) once the manifest says so
-        finished[e].set_result(None)
+        # The manifest and zarr.json writes of an epoch are one step for Ctrl-C/SIGTERM: landing
+        # inside them, an interrupt left a temporary file behind or a report claiming fewer rows
+        # than the zarr.json just written; it takes effect once the step is done.
+        with _interrupts_deferred(children=False):
+            results[e] = result
+            _write_manifest(sink, manifest, done | {e})
+            done.add(e)  # counted (in the report too) once the manifest says so
+            finished[e].set_result(None)  # the publisher's callback writes zarr.json here
 
     def count() -> None:
         """The report of the epochs this run finished (consistent even when Ctrl-C struck anywhere)."""
@@ -867,16 +871,17 @@ def _convert(
     finished: dict[int, Future] = {e: Future() for e in range(epochs)}
     watch: _WorkerWatch | None = None
     try:
-        _write_manifest(sink, manifest, done)  # before anything else: a conversion stopped from now on resumes
-        publisher.begin()
-        if spec.array.ome:
-            group = group_metadata(pyramid, Path(dst.rstrip("/")).stem, dict(spec.array.attributes))
-            sink.write(METADATA_KEY, [metadata_bytes(group)])
-        for e in range(epochs):  # in order: the publisher advances over the prefix of finished epochs
-            rows = min((e + 1) * layout.shard_epoch_rows, layout.shape[0])
-            publisher.track([finished[e]], rows)
-        for e in done:
-            finished[e].set_result(None)
+        with _interrupts_deferred(children=False):  # the store's first metadata, whole
+            _write_manifest(sink, manifest, done)  # before anything else: a conversion stopped from now on resumes
+            publisher.begin()
+            if spec.array.ome:
+                group = group_metadata(pyramid, Path(dst.rstrip("/")).stem, dict(spec.array.attributes))
+                sink.write(METADATA_KEY, [metadata_bytes(group)])
+            for e in range(epochs):  # in order: the publisher advances over the prefix of finished epochs
+                rows = min((e + 1) * layout.shard_epoch_rows, layout.shape[0])
+                publisher.track([finished[e]], rows)
+            for e in done:
+                finished[e].set_result(None)
         todo = [e for e in range(epochs) if e not in done]
         if todo:
             if client is None:
@@ -933,7 +938,8 @@ def _convert(
                 finished_epoch(e, result)
                 if progress is not None:
                     progress(len(done), epochs)
-        publisher.finish(layout.shape[0])
+        with _interrupts_deferred(children=False):
+            publisher.finish(layout.shape[0])
         if errors:
             raise errors[0]
     except KeyboardInterrupt as exc:
@@ -1015,18 +1021,18 @@ def _plan(source: Source, layout: Layout, dst: str, storage_options, options: di
 
 
 @contextlib.contextmanager
-def _interrupts_deferred():
+def _interrupts_deferred(children: bool = True):
     """Ctrl-C and SIGTERM deferred to the end of the block (main thread: their handlers record them,
-    then run), and SIGINT blocked in this thread and in the threads it starts meanwhile, so in the
-    processes those start (a signal mask survives fork and exec): they are born ignoring a Ctrl-C
-    for the whole process group (dask_setup then ignores it for good)."""
+    then run).  ``children``: also SIGINT blocked in this thread and in the threads it starts
+    meanwhile, so in the processes those start (a signal mask survives fork and exec): they are
+    born ignoring a Ctrl-C for the whole process group (dask_setup then ignores it for good)."""
     pending: list[int] = []
     handlers: dict = {}
     if threading.current_thread() is threading.main_thread():
         for s in (signal.SIGINT, signal.SIGTERM):
             handlers[s] = signal.signal(s, lambda signum, frame: pending.append(signum))
     previous_mask = None
-    if hasattr(signal, "pthread_sigmask"):
+    if children and hasattr(signal, "pthread_sigmask"):
         # The resource tracker first: when started later (by Dask's first multiprocessing queue), it
         # unblocks SIGINT and SIGTERM in the thread that starts it.
         from multiprocessing import resource_tracker

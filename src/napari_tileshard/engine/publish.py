@@ -209,7 +209,10 @@ class Publisher:
 
     def _write_metadata(self, rows: int, state: str) -> None:
         pyramid = self._pyramid
-        for k, (layout, prefix) in enumerate(zip(pyramid.layouts, self._prefixes)):
+        # Coarsest level first, level 0 last: when a write fails part way, level 0 (whose rows
+        # :attr:`rows` reports) still holds the previous claim, so the two never disagree.
+        levels = list(enumerate(zip(pyramid.layouts, self._prefixes)))
+        for k, (layout, prefix) in reversed(levels):
             level_rows = pyramid.level_rows(k, rows)
             shape0 = level_rows if layout.unbounded else layout.shape[0]
             attributes = {**self._attributes, STATE_KEY: {"rows_written": level_rows, "state": state}}

@@ -28,6 +28,7 @@ __all__ = [
     "METADATA_CAP",
     "OVERWRITE_HINT",
     "TAKEOVER_NAME",
+    "TEMP_NAME",
     "KeyTree",
     "LocalTree",
     "Unreadable",
@@ -51,6 +52,7 @@ TAKEOVER_NAME = LOCK_NAME + ".takeover"  # serialises takers-over of a stale loc
 METADATA_CAP = 16 << 20
 
 
+#: the name of a write's temporary file (DirectorySink: ``.<name>.<12 hex digits>.tmp``, renamed onto <name>)
 TEMP_NAME = re.compile(r"\.[^/]+\.[0-9a-f]{12}\.tmp")
 
 

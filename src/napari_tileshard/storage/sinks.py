@@ -16,6 +16,7 @@ such arrays, nothing else in it), file by file; anything else is refused.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -32,6 +33,7 @@ from .locks import LockFile
 from .overwrite import (
     LOCK_NAME,
     METADATA_CAP,
+    TEMP_NAME,
     KeyTree,
     LocalTree,
     Unreadable,
@@ -201,6 +203,8 @@ class DirectorySink(Sink):
         try:
             self._lock.acquire()
             self._check_contents(overwrite, locked=True)
+            if keep_existing:
+                self._remove_stale_temporary_files()
         except BaseException:
             self.discard()  # a root we made (e.g. on a full disk) goes again
             raise
@@ -261,6 +265,17 @@ class DirectorySink(Sink):
             raise StoreExistsError(refusal)
         if locked:
             delete_local(self.root, plan)
+
+    def _remove_stale_temporary_files(self) -> None:
+        """Continuing a store of ours (its lock held): the temporary files of writes that an
+        earlier process never finished (named as :meth:`_write` names them) go; nothing else is
+        touched, and symlinks are not followed."""
+        for top, dirs, files in os.walk(self.root):
+            dirs[:] = [d for d in dirs if not os.path.islink(os.path.join(top, d))]
+            for name in files:
+                if TEMP_NAME.fullmatch(name) and os.path.isfile(os.path.join(top, name)):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(os.path.join(top, name))
 
     def release(self) -> None:
         try:
@@ -342,19 +357,25 @@ class DirectorySink(Sink):
                 except FileExistsError:
                     pass
                 self._dirs.add(rel)
-            path = self.root / key
-            tmp = path.parent / f".{path.name}.{uuid.uuid4().hex[:12]}.tmp"
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         except FileNotFoundError:
             self._check_root()
             raise
+        path = self.root / key
+        tmp = path.parent / f".{path.name}.{uuid.uuid4().hex[:12]}.tmp"
+        # The temporary file is created inside the try that removes it: an interrupt landing just
+        # after it was created (Ctrl-C while convert publishes zarr.json) left a 0-byte file.
         try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
                 for start in range(0, len(views), _IOV_MAX):
                     _writev_all(fd, views[start : start + _IOV_MAX])
             finally:
                 os.close(fd)
             os.replace(tmp, path)
+        except FileNotFoundError:
+            tmp.unlink(missing_ok=True)
+            self._check_root()
+            raise
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise

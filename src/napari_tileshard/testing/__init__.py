@@ -1,4 +1,5 @@
-"""Public test hooks: storage faults through the Sink seam (:mod:`.faults`) and the conformance
+"""Public test hooks: storage faults through the Sink seam (:mod:`.faults`), interrupts aimed at
+every place of a piece of code (:mod:`.interrupts`) and the conformance
 suite every Sink passes (:mod:`.sink_tests`, :class:`SinkTests`), as zarr-python ships
 ``zarr.testing``.  ``SinkTests`` needs pytest; without it, it is left out (as ``zarr.testing``
 leaves out its ``StoreTests``) and the fault hooks still import."""
@@ -6,8 +7,9 @@ leaves out its ``StoreTests``) and the fault hooks still import."""
 import importlib.util
 
 from .faults import FaultInjectingSink, SlowDownError, StorageFaults
+from .interrupts import InterruptAt
 
-__all__ = ["FaultInjectingSink", "SlowDownError", "StorageFaults"]
+__all__ = ["FaultInjectingSink", "InterruptAt", "SlowDownError", "StorageFaults"]
 
 if importlib.util.find_spec("pytest") is not None:
     import pytest
