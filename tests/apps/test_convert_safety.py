@@ -259,3 +259,14 @@ def test_an_interrupt_anywhere_while_publishing_leaves_a_store_and_summary_that_
             places = injector.seen  # the run went past every place: how many there are
         k += 9
     assert runs >= 8, f"{runs} interrupted runs of {places} places"
+
+
+def test_cli_resume_with_overwrite_is_refused_in_the_command_lines_words(source, tmp_path, capsys):
+    code = cli_main(["convert", str(source), str(tmp_path / "out.zarr"), "--resume", "--overwrite"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert err == (
+        "napari-tileshard: error: --resume continues an earlier conversion; it cannot be combined with "
+        "--overwrite, which starts over"
+    )
+    assert not (tmp_path / "out.zarr").exists()

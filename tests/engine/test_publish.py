@@ -63,3 +63,24 @@ def test_a_storage_failure_during_a_zarr_json_write_stops_publishing(tmp_path):
     assert isinstance(publisher.error, OSError) and errors == [publisher.error]
     publisher.wait()  # returns: a failed publisher has nothing pending to wait for
     assert claimed(tmp_path / "a.zarr") == 0
+
+
+@pytest.mark.parametrize(
+    "failure, said",
+    [
+        (TimeoutError("the write got no answer within 5 s"), "got no answer in time (the write got no answer"),
+        (OSError("Generic S3 error: operation timed out"), "the mark may still land"),
+        (OSError(28, "No space left on device"), "could not mark"),
+    ],
+)
+def test_marking_failed_says_what_is_known_of_the_mark(tmp_path, caplog, failure, said):
+    """A frozen endpoint's timeout used to print 'could not mark ... as failed', and the mark
+    landed later: a write without an answer may have been stored."""
+    sink = FaultInjectingSink(tmp_path / "a.zarr")
+    publisher, _ = publisher_on(sink)
+    publisher.begin()
+    sink.fail["zarr.json"] = failure
+    publisher.mark_failed()
+    assert said in caplog.text
+    if isinstance(failure, TimeoutError) or "timed out" in str(failure):
+        assert "could not mark" not in caplog.text

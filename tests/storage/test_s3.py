@@ -635,3 +635,28 @@ def test_verify_s3_exits_with_its_verdict_even_when_obstore_threads_are_late_in_
     failures = [o for o in outcomes if o[0] != o[1]]
     assert not failures, f"{len(failures)} of 20 runs did not exit with the verdict: {failures[0]}"
     assert not any(o[2] for o in outcomes)  # no thread but Python's called into the event loop
+
+
+def test_verify_and_convert_name_a_missing_bucket_an_empty_prefix_and_a_dead_endpoint(s3, monkeypatch, capsys):
+    """A missing bucket said "no zarr.json at 'zarr.json'"; a dead endpoint printed obstore's
+    39-line debug dump.  Each is one line naming what is wrong, verify exits 1, convert 2 or 1."""
+    from napari_tileshard.apps.cli import main as cli_main
+
+    for url, said in (
+        ("s3://no-such-bucket/x.zarr", "the bucket 'no-such-bucket' does not exist at http://127.0.0.1:"),
+        (f"s3://{s3.bucket}/missing.zarr", "nothing is stored there (no zarr.json and no other object"),
+    ):
+        assert cli_main(["verify", url]) == 1
+        out = capsys.readouterr().out
+        assert said in out and len(out.strip().splitlines()) == 2, out
+        assert cli_main(["convert", url, "/nonexistent-dir/out.zarr", "--local", "1"]) == 2
+        ours = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("127.0.0.1 - -")]
+        assert len(ours) == 1 and said in ours[0], ours  # (the other lines: the S3 server's request log)
+    with Writer(f"s3://{s3.bucket}/r.zarr", LAYOUT, backend="cpu") as writer:
+        writer.append(FRAMES)
+    port = free_port()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+    assert cli_main(["verify", f"s3://{s3.bucket}/r.zarr"]) == 1
+    out = capsys.readouterr().out
+    assert f"the endpoint http://127.0.0.1:{port} cannot be reached" in out
+    assert "Debug source" not in out and len(out.strip().splitlines()) == 2, out

@@ -386,6 +386,7 @@ _CLI_WORDING = (
     ("convert without resume=True (--resume) to start a conversion", "run it without --resume to start a conversion"),
     ("resume=True (--resume on the command line)", "--resume"),
     (_OVERWRITE_HINT, "use --overwrite"),
+    ("overwrite=True (--overwrite on the command line)", "--overwrite"),
 )
 _CONVERT_FLAGS = {"tile": "--tile", "tiles_per_shard": "--tiles-per-shard", "codec": "--codec", "level": "--level"}
 _CONVERT_FLAGS.update(backend="--backend", ome="--ome", downsample="--downsample")

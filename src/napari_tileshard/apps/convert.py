@@ -57,6 +57,7 @@ from ..format.array_spec import ArraySpec
 from ..format.layout import Dim, Layout
 from ..format.metadata import METADATA_KEY, metadata_bytes
 from ..format.ome import group_metadata, multiscale_paths
+from ..reader.levels import open_root
 from ..storage.errors import StoreExistsError
 from ..storage.overwrite import CONVERT_MANIFEST_NAME
 from ..storage.overwrite import OVERWRITE_HINT as _OVERWRITE_HINT
@@ -133,7 +134,7 @@ def _open_array(kind: str, location):
         import tifffile
 
         return zarr.open(tifffile.imread(location, aszarr=True), mode="r")
-    node = zarr.open(resolve_store(location), mode="r")
+    _, node = open_root(location)  # zarr.json read as carefully as a reader does, then zarr-python
     if isinstance(node, zarr.Group):  # OME-Zarr: its first multiscale level
         try:
             paths = multiscale_paths(dict(node.attrs)) or multiscale_paths({"ome": dict(node.attrs)})  # 0.5, 0.4
@@ -789,7 +790,10 @@ def _convert(
     from distributed import Client, as_completed
 
     if resume and overwrite:
-        raise ValueError("resume=True continues an earlier conversion; it cannot be combined with overwrite=True")
+        raise ValueError(
+            "resume=True (--resume on the command line) continues an earlier conversion; it cannot be combined "
+            "with overwrite=True (--overwrite on the command line), which starts over"
+        )
     if devices is not None:
         if client is not None:
             raise ValueError("devices= starts a local cluster of GPU workers; with client= the cluster is yours")

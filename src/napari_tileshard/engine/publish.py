@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 import threading
 import time
 from collections import deque
@@ -32,6 +33,14 @@ from ..storage.sinks import Sink
 __all__ = ["Publisher"]
 
 log = logging.getLogger(__name__)
+
+
+_NO_ANSWER = re.compile(r"timed? ?out|deadline|error sending request|connection (reset|closed)", re.IGNORECASE)
+
+
+def _no_answer(exc: BaseException) -> bool:
+    """A write that got no answer (a timeout, a connection cut): it may have been stored anyway."""
+    return isinstance(exc, TimeoutError) or bool(_NO_ANSWER.search(str(exc)))
 
 
 class _Group:
@@ -139,7 +148,9 @@ class Publisher:
         Gives up after ``timeout`` seconds waiting for a zarr.json write still in progress."""
         if not self._publish_lock.acquire(timeout=-1 if timeout is None else timeout):
             log.warning(
-                "also: could not mark %s as failed: a zarr.json write is still in progress", self._sink.location
+                "also: %s is not marked as failed: an earlier zarr.json write still waits on the storage "
+                "(whichever zarr.json lands, it claims only rows whose shards are stored)",
+                self._sink.location,
             )
             return
         try:
@@ -147,7 +158,15 @@ class Publisher:
                 return
             self._write_metadata(self.rows, FAILED)
         except Exception as exc:  # noqa: BLE001 - storage is failing already: the previous zarr.json stays
-            log.warning("also: could not mark %s as failed: %s", self._sink.location, exc)
+            if _no_answer(exc):  # the request may have reached the storage: say so, not "could not"
+                log.warning(
+                    "also: marking %s as failed got no answer in time (%s); the mark may still land, and either "
+                    "way zarr.json claims only rows whose shards are stored",
+                    self._sink.location,
+                    str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+                )
+            else:
+                log.warning("also: could not mark %s as failed: %s", self._sink.location, exc)
         finally:
             self._publish_lock.release()
 

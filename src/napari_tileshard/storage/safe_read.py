@@ -36,6 +36,7 @@ from zarr.storage import LocalStore
 from ..format.metadata import STATE_KEY
 from ..format.shard_spec import grid_refusal
 from ._zarr_sync import sync
+from .object_store import describe_failure
 from .sinks import check_store_path
 from .urls import resolve_store
 
@@ -572,9 +573,14 @@ class StoreAccess:
 
         where = f"{self.location}/{key}"
         # One byte past the cap tells "too large" apart from "exactly the cap" without reading more.
-        buffer = sync(
-            self.store.get(key, default_buffer_prototype(), byte_range=RangeByteRequest(0, MAX_METADATA_BYTES + 1))
-        )
+        try:
+            buffer = sync(
+                self.store.get(key, default_buffer_prototype(), byte_range=RangeByteRequest(0, MAX_METADATA_BYTES + 1))
+            )
+        except FileNotFoundError:
+            raise
+        except Exception as exc:  # the client's own text may be a 40-line debug dump: one sentence
+            raise OSError(self._failure("reading", exc)) from exc
         if buffer is None:
             raise FileNotFoundError(f"{where}: not found")
         if len(buffer) > MAX_METADATA_BYTES:
@@ -601,7 +607,7 @@ class StoreAccess:
                 except FileNotFoundError:
                     continue
                 return zarr.open(store_path, mode="r", zarr_format=2)
-            raise FileNotFoundError(f"{self.location}: no zarr.json at {key!r}") from None
+            raise FileNotFoundError(self._missing(key)) from None
         if not isinstance(meta, dict) or meta.get("zarr_format") != 3:
             raise UnsafeStoreError(f"{self.location}/{key}: not Zarr v3 metadata")
         node_type = meta.get("node_type")
@@ -620,6 +626,31 @@ class StoreAccess:
             except Exception as exc:  # noqa: BLE001
                 raise UnsafeStoreError(f"{where}: zarr-python cannot open it ({type(exc).__name__}: {exc})") from exc
         raise UnsafeStoreError(f"{self.location}/{key}: node_type {node_type!r} is neither array nor group")
+
+    def _failure(self, action: str, exc: BaseException) -> str:
+        if "://" in self.location:
+            return describe_failure(self.location, action, exc)
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        return f"{action} {self.location!r} failed: {type(exc).__name__}: {first}"
+
+    def _missing(self, key: str) -> str:
+        """Why there is no ``key``: for a store URL, whether the bucket exists and the prefix holds
+        anything at all (one listing), so that a typo in the bucket is not 'no zarr.json'."""
+        if self.root is not None or "://" not in self.location:
+            return f"{self.location}: no zarr.json at {key!r}"
+
+        async def first_key():
+            async for found in self.store.list_prefix(""):
+                return found
+            return None
+
+        try:
+            found = sync(first_key())
+        except Exception as exc:  # noqa: BLE001 - the reason the listing failed is the message
+            return self._failure("reading", exc)
+        if found is None:
+            return f"{self.location}: nothing is stored there (no zarr.json and no other object under this prefix)"
+        return f"{self.location}: no zarr.json at {key!r}"
 
     # -- objects ------------------------------------------------------------------------
     def list_keys(self, prefix: str) -> Listing:
