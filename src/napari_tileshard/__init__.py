@@ -15,7 +15,7 @@ from .engine.backends.gpu import release_gpu_memory
 from .engine.errors import PipelineStalledError
 from .engine.multi_writer import MultiWriter
 from .engine.options import EngineOptions
-from .engine.writer import CloseAbandoned, Writer, WriterError, WriterStats
+from .engine.writer import CloseAbandoned, IncompleteFrameWarning, Writer, WriterError, WriterStats
 from .format.array_spec import ArraySpec, OmeOptions
 from .format.codecs import CODECS, CodecError
 from .format.layout import MAX_RANK, SUPPORTED_DTYPES, Dim, Layout
@@ -44,6 +44,7 @@ __all__ = [
     "SUPPORTED_DTYPES",
     "ArraySpec",
     "CloseAbandoned",
+    "IncompleteFrameWarning",
     "CodecError",
     "ConvertInterrupted",
     "ConvertReport",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -96,7 +97,7 @@ def test_duration_and_max_bytes_stop_an_unbounded_recording(tmp_path, capsys):
 
 
 def test_verbose_after_the_subcommand_version_and_plain_help(tmp_path, capsys):
-    assert main(["verify", str(tmp_path / "none.zarr"), "-v"]) == 1  # -v accepted after the subcommand
+    assert main(["verify", str(tmp_path / "none.zarr"), "-v"]) == 2  # -v accepted after it (2: no store)
     with pytest.raises(SystemExit):
         main(["--version"])
     assert "napari-tileshard" in capsys.readouterr().out
@@ -195,8 +196,42 @@ def test_an_output_that_overwrite_would_refuse_is_not_offered_for_overwriting(tm
     assert "use --overwrite to replace it" in capsys.readouterr().err  # here it would go ahead
 
 
-def test_verify_of_a_store_that_does_not_exist_says_so_in_one_line(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("command", [["verify", "nope.zarr"], ["convert", "nope.zarr", "new.zarr", "--local", "1"]])
+def test_a_store_that_does_not_exist_is_the_same_usage_error_in_every_command(tmp_path, capsys, monkeypatch, command):
+    """verify exited 1 ("nope.zarr does not exist"), convert 2 ("no such file or directory")."""
+    pytest.importorskip("distributed", reason="the convert extra is not installed")
     monkeypatch.chdir(tmp_path)
-    assert main(["verify", "nope.zarr"]) == 1
+    assert main(command) == 2
     captured = capsys.readouterr()
     assert captured.err == "napari-tileshard: error: nope.zarr does not exist\n" and captured.out == ""
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    "argv, said",
+    [
+        (["convert", "a.zarr", "b.zarr", "--local", "0"], "argument --local: must be at least 1, got 0"),
+        (["record", "a.zarr", "--frames", "x"], "argument --frames: 'x' is not an integer"),
+        (["verify"], "the following arguments are required: path"),
+        (["bogus"], "invalid choice: 'bogus' (choose from 'gui', 'record', 'verify', 'convert')"),
+    ],
+)
+def test_option_errors_are_one_line_in_every_command(capsys, argv, said):
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2
+    assert err.startswith("napari-tileshard: error: ") and said in err and err.count("\n") == 1, err
+    assert "(see: napari-tileshard" in err and "--help)" in err
+
+
+def test_gui_without_a_display_is_one_line_not_a_qt_abort(monkeypatch, capsys):
+    """Qt aborted the process (status 134) with its xcb messages."""
+    for name in ("DISPLAY", "WAYLAND_DISPLAY", "QT_QPA_PLATFORM"):
+        monkeypatch.delenv(name, raising=False)
+    if not sys.platform.startswith("linux"):
+        pytest.skip("only Linux runs without a display server")
+    assert main(["gui"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("napari-tileshard: error: the GUI needs a display") and "xvfb-run" in err
+    assert err.count("\n") == 1

@@ -199,7 +199,7 @@ def test_bad_inputs_are_named(tmp_path, client):
         convert(a, tmp_path / "empty.zarr", layout_for(a), client=client, resume=True)
     with pytest.raises(ValueError, match="may not include 't'"):
         convert(a, tmp_path / "z.zarr", layout_for(a), client=client, ome=True, downsample_dims=("t", "y", "x"))
-    with pytest.raises(FileNotFoundError, match="no such file or directory"):
+    with pytest.raises(FileNotFoundError, match="missing.zarr does not exist"):
         convert(tmp_path / "missing.zarr", tmp_path / "w.zarr", client=client)
 
 
@@ -482,7 +482,7 @@ def test_cli_missing_source_is_a_usage_error_without_a_progress_bar(tmp_path, ca
     code = cli_main(["convert", str(tmp_path / "missing.zarr"), str(tmp_path / "out.zarr"), "--local", "1"])
     err = capsys.readouterr().err
     assert code == 2
-    assert err.strip() == f"napari-tileshard: error: no such file or directory: {tmp_path / 'missing.zarr'}"
+    assert err.strip() == f"napari-tileshard: error: {tmp_path / 'missing.zarr'} does not exist"
     assert not (tmp_path / "out.zarr").exists()
 
 

@@ -360,3 +360,34 @@ def test_control_the_same_conversion_with_the_profiler_on_deadlocks(tmp_path):
     not finish (probabilistic; run on demand)."""
     finished, _ = run_stress(tmp_path, "profiler-on", 100, timeout=30)
     assert not finished
+
+
+def test_convert_in_a_script_without_a_main_guard_says_so_in_one_line_and_leaves_nothing(tmp_path):
+    """Each worker process imports the script again (spawn): the call at its top level ran again
+    in every worker.  It printed 74 lines ending in 'Nanny failed to start', a misleading
+    'continue it with resume=True', and left a partial store."""
+    a = np.arange(4 * 16 * 16, dtype=np.uint16).reshape(4, 16, 16)
+    zarr.create_array(tmp_path / "in.zarr", shape=a.shape, chunks=(2, 16, 16), dtype=a.dtype)[...] = a
+    script = tmp_path / "no_guard.py"
+    script.write_text(
+        "from napari_tileshard.apps.convert import convert\n"
+        f"convert({str(tmp_path / 'in.zarr')!r}, {str(tmp_path / 'out.zarr')!r}, local_workers=1)\n"
+        "print('converted')\n"
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 1
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("napari_tileshard.apps.convert.ClusterStartError: the local Dask cluster did not start")
+    assert "call convert() under 'if __name__ == \"__main__\":'" in last and last.endswith("nothing was written")
+    assert "resume" not in done.stderr and "Nanny failed to start worker process" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) <= 12, done.stderr
+    assert not (tmp_path / "out.zarr").exists()
+    guarded = tmp_path / "guarded.py"
+    guarded.write_text(
+        "from napari_tileshard.apps.convert import convert\n"
+        "if __name__ == '__main__':\n"
+        f"    convert({str(tmp_path / 'in.zarr')!r}, {str(tmp_path / 'out.zarr')!r}, local_workers=1)\n"
+    )
+    done = subprocess.run([sys.executable, str(guarded)], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-2000:]
+    np.testing.assert_array_equal(zarr.open_array(tmp_path / "out.zarr")[...], a)

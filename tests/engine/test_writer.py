@@ -286,3 +286,20 @@ def test_slow_stream_reaches_disk_within_max_latency(tmp_path, backend):
         writer.close()
     with pytest.raises(ValueError, match="max_latency_s"):
         Writer(tmp_path / "bad.zarr", layout, backend=backend, max_latency_s=0)
+
+
+def test_a_frame_left_incomplete_by_write_is_named_when_closing(tmp_path):
+    """write() bytes short of a whole frame were dropped at close() without a word."""
+    from napari_tileshard import IncompleteFrameWarning
+
+    layout = Layout([Dim("t", 0, 1, 1), Dim("y", 8, 8, 1), Dim("x", 8, 8, 1)], "uint16")
+    writer = Writer(tmp_path / "a.zarr", layout, backend="cpu")
+    writer.write(bytes(128) + bytes(10))  # one frame of 128 bytes, then 10 of the next
+    with pytest.warns(IncompleteFrameWarning, match="the last 10 bytes given to write.*the store holds 1 whole frames"):
+        writer.close()
+    assert writer.closed
+    assert zarr.open_array(tmp_path / "a.zarr").shape[0] == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with Writer(tmp_path / "b.zarr", layout, backend="cpu") as whole:
+            whole.write(bytes(256))  # whole frames: no warning

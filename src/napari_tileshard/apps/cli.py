@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 import shutil
 import signal
 import sys
@@ -144,15 +145,22 @@ def _package_version() -> str:
         return "unknown"
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with the command's one-line error format (its own prints the usage block first)."""
+
+    def error(self, message: str):
+        self.exit(USAGE_ERROR, f"napari-tileshard: error: {message} (see: {self.prog} --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
     formatter = _HelpFormatter
     # -v works before and after the subcommand: each subparser knows it too, without a default of
     # its own so that it never resets a -v given before the subcommand.
-    verbose = argparse.ArgumentParser(add_help=False)
+    verbose = _Parser(add_help=False)
     verbose.add_argument(
         "-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="log what the writer decides"
     )
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="napari-tileshard",
         formatter_class=formatter,
         description="Record camera streams into sharded Zarr v3 arrays (GPU or CPU), check them, "
@@ -698,7 +706,28 @@ def _claimed(writer: Writer | None) -> str:
     return f"{writer.location} claims {writer.stats.rows_complete} rows, all of them on disk"
 
 
+def display_missing() -> str | None:
+    """Why no window can open here (Linux without ``DISPLAY`` or ``WAYLAND_DISPLAY``, and Qt not
+    told to draw offscreen), or None.  Qt would abort the process (status 134) with its xcb
+    plugin's messages instead."""
+    if not sys.platform.startswith("linux"):
+        return None
+    if os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY"):
+        return None
+    if os.environ.get("QT_QPA_PLATFORM", "").split(":")[0] in ("offscreen", "minimal", "vnc", "eglfs", "linuxfb"):
+        return None
+    return (
+        "the GUI needs a display, and neither DISPLAY nor WAYLAND_DISPLAY is set: run it on a desktop "
+        "session, over 'ssh -X', or under 'xvfb-run napari-tileshard gui'; without a screen, record with "
+        "'napari-tileshard record'"
+    )
+
+
 def gui(args) -> int:
+    missing = display_missing()
+    if missing:
+        print(f"napari-tileshard: error: {missing}", file=sys.stderr)
+        return USAGE_ERROR
     try:
         import napari
     except ImportError:
@@ -738,9 +767,9 @@ def main(argv=None) -> int:
             bars[0].refresh()
 
         missing = missing_store(args.path)
-        if missing:  # nothing to check: a one-line error (exit 1, as for a store with problems)
+        if missing:  # nothing to check: a usage error, as a missing source is for convert
             print(f"napari-tileshard: error: {missing}", file=sys.stderr)
-            return FAILURE
+            return USAGE_ERROR
         report = verify(args.path, progress)
         for bar in bars:
             bar.close()

@@ -166,11 +166,11 @@ def open_source(src) -> Source:
         return Source("tiff-folder", (len(files), *first.shape), first.dtype, files, chunks=[1, *first.shape])
     if path.lower().endswith(_TIFF_SUFFIXES):
         if not Path(path).is_file():
-            raise FileNotFoundError(f"no such TIFF file: {path}")
+            raise FileNotFoundError(f"{path} does not exist")
         array = _open_array("tiff", path)
         return Source("tiff", tuple(array.shape), np.dtype(array.dtype), path, chunks=_jsonable(array.chunks))
     if "://" not in path and not Path(path).exists():
-        raise FileNotFoundError(f"no such file or directory: {path}")
+        raise FileNotFoundError(f"{path} does not exist")
     array = _open_array("zarr", path)
     names = getattr(array.metadata, "dimension_names", None)
     chunks = {"chunks": _jsonable(array.chunks), "shards": _jsonable(getattr(array, "shards", None))}
@@ -602,6 +602,7 @@ def convert(
     started = False
     report = ConvertReport(str(dst))
     start = time.perf_counter()
+    _refuse_a_worker_bootstrap()
     try:
         check_run_options(client, local_workers, retries, worker_timeout)
         source = open_source(src)
@@ -660,6 +661,36 @@ def check_run_options(client, local_workers, retries, worker_timeout: float) -> 
         raise ValueError(f"retries must be 0 or more (reruns of a failed task), got {retries!r}")
     if isinstance(worker_timeout, bool) or not isinstance(worker_timeout, (int, float)) or not worker_timeout > 0:
         raise ValueError(f"worker_timeout must be a positive number of seconds, got {worker_timeout!r}")
+
+
+class ClusterStartError(RuntimeError):
+    """The local cluster convert starts did not come up (nothing was converted)."""
+
+
+def _cluster_start_failure(exc: BaseException) -> str:
+    """One line for a local cluster that did not start; where the program is a script, what the
+    usual cause is: its worker processes import the script again (multiprocessing's spawn), which
+    calls convert() again unless the call is under ``if __name__ == "__main__":``."""
+    main = sys.modules.get("__main__")
+    script = getattr(main, "__file__", None) if getattr(main, "__spec__", None) is None else None
+    cause = str(exc).splitlines()[0] if str(exc) else ""
+    text = f"the local Dask cluster did not start ({type(exc).__name__}: {cause})"
+    if script:
+        text += (
+            f"; in a script such as {os.path.basename(script)}, call convert() under "
+            "'if __name__ == \"__main__\":' (each worker process imports the script again); nothing was written"
+        )
+    return text
+
+
+def _refuse_a_worker_bootstrap() -> None:
+    """In a process that multiprocessing is still starting (a Dask worker importing the user's
+    script again, spawn's re-import of ``__main__``), convert() must not run: it would start
+    clusters of its own and touch the destination.  Exits that process at once and quietly; the
+    conversion that started it reports the cause (:func:`_cluster_start_failure`).  The flag read
+    is the one multiprocessing's own check of this mistake reads."""
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        raise SystemExit(1)
 
 
 class _WorkerWatch:
@@ -892,10 +923,14 @@ def _convert(
                 # Ctrl-C waits until the cluster is up (then lands here, with own_cluster set, and
                 # stops it cleanly); the worker processes are born ignoring it.
                 with _interrupts_deferred():
-                    if gpu_list is not None:
-                        own_cluster = gpu_cluster(gpu_list)
-                    else:
-                        own_cluster = local_cluster(local_workers or max(1, min(4, (os.cpu_count() or 1) // 2)))
+                    try:
+                        if gpu_list is not None:
+                            own_cluster = gpu_cluster(gpu_list)
+                        else:
+                            own_cluster = local_cluster(local_workers or max(1, min(4, (os.cpu_count() or 1) // 2)))
+                    except Exception as start_failure:
+                        log.info("the local cluster did not start", exc_info=True)  # Dask's own traceback: -v
+                        raise ClusterStartError(_cluster_start_failure(start_failure)) from None
                     client = Client(own_cluster)
             else:
                 warn_if_the_profiler_can_deadlock(client)
@@ -958,6 +993,12 @@ def _convert(
         if futures and client is not None:
             with contextlib.suppress(Exception):
                 client.cancel(list(futures))
+    except ClusterStartError:
+        if not resume:  # nothing was converted: the store this run began goes again
+            sink.discard()
+        else:
+            publisher.mark_failed()
+        raise
     except BaseException:
         publisher.mark_failed()
         raise

@@ -24,6 +24,7 @@ import math
 import os
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -49,6 +50,7 @@ from .staging import StagingRing
 
 __all__ = [
     "CloseAbandoned",
+    "IncompleteFrameWarning",
     "Writer",
     "WriterError",
     "WriterStats",
@@ -74,6 +76,10 @@ class WriterError(RuntimeError):
 
 class CloseAbandoned(WriterError):
     """close() was abandoned (a second Ctrl-C): the store claims only rows that are on disk."""
+
+
+class IncompleteFrameWarning(UserWarning):
+    """close() found bytes of a frame that write() never completed: they are not recorded."""
 
 
 @dataclass
@@ -630,6 +636,20 @@ class Writer:
                     log.warning("also: releasing %s failed: %s", self._sink.location, exc)
         self.stats.elapsed_s = time.perf_counter() - self._start
         self._raise_if_failed()
+        self._warn_of_a_partial_frame()  # last: a warning turned into an error leaves nothing open
+
+    def _warn_of_a_partial_frame(self) -> None:
+        """Bytes of a frame that :meth:`write` never completed are not recorded (a store holds
+        whole frames only): say so when closing instead of dropping them silently."""
+        partial = self.stats.bytes_in % self._frame_bytes
+        if partial and self._error is None:
+            warnings.warn(
+                f"{self._sink.location}: the last {partial} bytes given to write() are part of a frame of "
+                f"{self._frame_bytes} bytes that never completed: they are not recorded (the store holds "
+                f"{self.stats.bytes_in // self._frame_bytes} whole frames)",
+                IncompleteFrameWarning,
+                stacklevel=3,  # the caller of close() (or of __exit__)
+            )
 
     def _finish(self) -> None:
         """close()'s work (on its helper thread): the last batch, the collector, the I/O."""
