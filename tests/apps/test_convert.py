@@ -183,7 +183,7 @@ def test_an_interrupted_conversion_claims_only_finished_epochs_and_resumes(tmp_p
 
 def test_bad_inputs_are_named(tmp_path, client):
     a = data((9, 40, 50))
-    with pytest.raises(ValueError, match=r"layout is \(37, 70, 90\) uint16 but the source is \(9, 40, 50\)"):
+    with pytest.raises(ValueError, match=r"layout's shape is \(37, 70, 90\) but the source's is \(9, 40, 50\)"):
         convert(a, tmp_path / "x.zarr", layout_for(data()), client=client)
     (tmp_path / "frames").mkdir()
     tifffile.imwrite(tmp_path / "frames" / "a.tif", a[0])
