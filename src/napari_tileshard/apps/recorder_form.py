@@ -198,14 +198,14 @@ def figures(settings: RecorderSettings) -> str:
     """One line of what the settings imply: tile/shard/epoch sizes, files per GB, pyramid, memory."""
     layout = settings.checked_layout()
     shard_bytes = layout.chunks_per_shard * layout.tile_bytes
-    files_per_gb = 1e9 / shard_bytes
+    files_per_gb = layout.files_per_gb  # the figure the tiling's notes warn about
     pyramid = settings.pyramid()
     memory = estimate_memory(layout, pyramid=pyramid)
     levels = f" · {pyramid.levels} pyramid levels, smallest {pyramid.layouts[-1].shape[-2:]}" if settings.ome else ""
     return (
         f"tile {size_text(layout.tile_bytes)} · shard {size_text(shard_bytes)} ({layout.chunks_per_shard} tiles) · "
         f"{layout.tiles_per_epoch} tiles and {layout.inner_shard_count} shards per epoch "
-        f"({size_text(layout.epoch_bytes)}) · {files_per_gb:.1f} files/GB{levels} · "
+        f"({size_text(layout.epoch_bytes)}) · {files_per_gb:,.1f} files/GB{levels} · "
         f"host ≈ {size_text(memory['cpu_host'])} (CPU backend) or {size_text(memory['gpu_host'])} + "
         f"GPU ≈ {size_text(memory['gpu_device'])} (GPU backend)"
     )
