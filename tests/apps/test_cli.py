@@ -235,3 +235,38 @@ def test_gui_without_a_display_is_one_line_not_a_qt_abort(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert err.startswith("napari-tileshard: error: the GUI needs a display") and "xvfb-run" in err
     assert err.count("\n") == 1
+
+
+# -- the tiling: checked once, the same way as convert's --------------------------------------------
+def test_record_refuses_an_impossible_tile_naming_it_as_convert_does(tmp_path, capsys):
+    out = tmp_path / "x.zarr"
+    assert main(["record", str(out), "--shape", "0,32,32", "--tile", "0,-5,32", "--frames", "1"]) == 2
+    assert capsys.readouterr().err == "napari-tileshard: error: dimension 't': tile_size must be >= 1, got 0\n"
+    assert main(["record", str(out), "--shape", "0,32,32", "--tiles-per-shard", "1,1", "--frames", "1"]) == 2
+    assert "--shape has 3 values but --tiles-per-shard has 2" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_record_clamps_a_tile_larger_than_the_frame_as_convert_does_with_a_note(tmp_path, capsys):
+    out = tmp_path / "big-tile.zarr"
+    args = ["--shape", "0,64,48", "--tile", "2,1000,1000", "--frames", "2", "--backend", "cpu", "--no-progress"]
+    assert main(["record", str(out), *args]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err[:2] == [
+        "napari-tileshard: warning: tile 1000 along 'y' is larger than the dimension (64): using 64",
+        "napari-tileshard: warning: tile 1000 along 'x' is larger than the dimension (48): using 48",
+    ]
+    assert zarr.open_array(out).metadata.codecs[0].chunk_shape == (2, 64, 48)
+
+
+def test_record_warns_with_numbers_before_it_starts_a_tiling_that_explodes(tmp_path, capsys):
+    """1x1x1 tiles of 512x512 frames once wrote 131,072 files for 20 frames in 371 s, silently."""
+    out = tmp_path / "t6.zarr"
+    args = ["--shape", "0,32,32", "--tile", "1,1,1", "--tiles-per-shard", "1,4,4", "--frames", "1"]
+    assert main(["record", str(out), *args, "--backend", "cpu", "--no-progress"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("napari-tileshard: warning: chunks of 1x1x1 uint16 are 2 bytes, under 4 KiB")
+    assert err[1].startswith(
+        "napari-tileshard: warning: shards of 1x4x4 uint16 make 31,250,000 files per GB of data (over 10,000"
+    )
+    assert err[2].startswith("recording to")  # said before the first frame

@@ -14,6 +14,7 @@ from conftest import read_tensorstore
 
 from napari_tileshard import Dim, Layout, Writer, WriterError
 from napari_tileshard.apps.cli import main as cli_main
+from napari_tileshard.format.layout import TilingWarning
 
 distributed = pytest.importorskip("distributed", reason="the convert extra (dask distributed) is not installed")
 tifffile = pytest.importorskip("tifffile", reason="the convert extra (tifffile) is not installed")
@@ -183,7 +184,7 @@ def test_an_interrupted_conversion_claims_only_finished_epochs_and_resumes(tmp_p
 
 def test_bad_inputs_are_named(tmp_path, client):
     a = data((9, 40, 50))
-    with pytest.raises(ValueError, match=r"layout is \(37, 70, 90\) uint16 but the source is \(9, 40, 50\)"):
+    with pytest.raises(ValueError, match=r"layout's shape is \(37, 70, 90\) but the source's is \(9, 40, 50\)"):
         convert(a, tmp_path / "x.zarr", layout_for(data()), client=client)
     (tmp_path / "frames").mkdir()
     tifffile.imwrite(tmp_path / "frames" / "a.tif", a[0])
@@ -517,3 +518,71 @@ def test_a_manifest_of_the_previous_format_still_resumes(tmp_path, client, caplo
     assert json.loads((out / "zarr.json").read_text())["codecs"][0]["configuration"]["codecs"][1]["configuration"][
         "level"
     ] == 3  # fmt: skip
+
+
+# -- the tiling: checked once, the same way as everywhere ----------------------------------------------
+def test_an_impossible_tile_is_refused_naming_it_before_anything_is_written(tmp_path, client, capsys):
+    a = data((4, 64, 64))
+    with pytest.raises(ValueError, match=r"^dimension 't': tile_size must be >= 1, got -1$"):
+        convert(a, tmp_path / "api.zarr", tile=(-1, 4, 4), client=client, backend="cpu")
+    with pytest.raises(ValueError, match=r"^dimension 'y': tiles_per_shard must be >= 1, got 0$"):
+        convert(a, tmp_path / "api.zarr", tiles_per_shard=(1, 0, 1), client=client, backend="cpu")
+    assert not (tmp_path / "api.zarr").exists()
+    zarr.create_array(tmp_path / "in.zarr", shape=a.shape, chunks=(1, 64, 64), dtype=a.dtype)[...] = a
+    code = run_cli_on(client, ["convert", str(tmp_path / "in.zarr"), str(tmp_path / "cli.zarr"), "--tile", "0,-5,32"])
+    assert code == 2  # a usage error, as record's
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1] == "napari-tileshard: error: dimension 't': tile_size must be >= 1, got 0"  # after "dashboard:"
+    assert len(err) == 2 and "Traceback" not in err[0]
+    assert not (tmp_path / "cli.zarr").exists()
+
+
+def test_a_tile_larger_than_the_frame_is_clamped_with_a_note(tmp_path, client, capsys):
+    a = data((4, 40, 50))
+    with pytest.warns(TilingWarning, match=r"^tile 1000 along 'y' is larger than the dimension \(40\): using 40$"):
+        convert(a, tmp_path / "api.zarr", tile=(2, 1000, 32), client=client, backend="cpu")
+    assert zarr.open_array(tmp_path / "api.zarr").metadata.codecs[0].chunk_shape == (2, 40, 32)
+    zarr.create_array(tmp_path / "in.zarr", shape=a.shape, chunks=(1, 40, 50), dtype=a.dtype)[...] = a
+    args = ["convert", str(tmp_path / "in.zarr"), str(tmp_path / "cli.zarr"), "--tile", "2,1000,1000"]
+    args += ["--backend", "cpu"]
+    assert run_cli_on(client, args) == 0
+    err = capsys.readouterr().err
+    assert "napari-tileshard: warning: tile 1000 along 'y' is larger than the dimension (40): using 40\n" in err
+    assert "napari-tileshard: warning: tile 1000 along 'x' is larger than the dimension (50): using 50\n" in err
+    assert zarr.open_array(tmp_path / "cli.zarr").metadata.codecs[0].chunk_shape == (2, 40, 50)
+    np.testing.assert_array_equal(zarr.open_array(tmp_path / "cli.zarr")[...], a)
+
+
+def test_the_shards_reported_are_the_shards_on_disk_and_tiny_ones_are_noted(tmp_path, client, capsys):
+    """--tile 1,1,32 once reported 518 shards for 512 on disk: a hedged write (a second copy of a
+    slow one) was counted as another shard."""
+    a = data((8, 64, 256))
+    zarr.create_array(tmp_path / "in.zarr", shape=a.shape, chunks=(1, 64, 256), dtype=a.dtype)[...] = a
+    args = ["convert", str(tmp_path / "in.zarr"), str(tmp_path / "out.zarr"), "--tile", "1,1,32", "--backend", "cpu"]
+    assert run_cli_on(client, args) == 0
+    captured = capsys.readouterr()
+    on_disk = len(shard_files(tmp_path / "out.zarr"))
+    assert on_disk == 8 * 64 * 8
+    assert f", {on_disk} shards" in captured.out.splitlines()[0]
+    assert "napari-tileshard: warning: chunks of 1x1x32 uint16 are 64 bytes, under 4 KiB" in captured.err
+    assert "files per GB of data, 4,096 files for the whole array (over 10,000 per GB" in captured.err
+
+
+def test_a_shard_written_twice_by_a_hedged_write_counts_once(tmp_path):
+    from napari_tileshard.apps.convert import _EpochSink
+    from napari_tileshard.storage.sinks import DirectorySink
+
+    (tmp_path / "out.zarr").mkdir()
+    sink = _EpochSink(DirectorySink.attach(tmp_path / "out.zarr"), epoch=3)
+    sink.write("c/0/0", [b"abcd"])
+    sink.write("c/0/0", [b"abcd"])  # the dispatcher's second copy of a slow write
+    sink.write("c/0/1", [b"xy"])
+    assert sink.keys == ["c/3/0", "c/3/1"] and sink.bytes == 6
+    assert (tmp_path / "out.zarr" / "c" / "3" / "0").read_bytes() == b"abcd"
+
+
+def test_a_big_endian_source_is_refused_saying_so(tmp_path, client):
+    a = data((4, 8, 8)).astype(">u2")
+    with pytest.raises(ValueError, match=r"dtype '>u2' is big-endian; the store is little-endian '<u2'"):
+        convert(a, tmp_path / "be.zarr", client=client, backend="cpu")
+    assert not (tmp_path / "be.zarr").exists()

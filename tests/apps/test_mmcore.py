@@ -591,3 +591,26 @@ def test_the_stop_decision_and_message_from_the_frame_metadata_alone(tmp_path, s
     np.testing.assert_array_equal(level0[-1], frame * (len(waiting_counts) - 1))
     assert verify(out / "0").ok
     assert zarr.open_group(out, mode="r").attrs["tileshard_mmcore"]["state"] == "stopped"
+
+
+# -- the tiling: checked once, the same way as every entry point's -------------------------------------
+def test_impossible_tile_sizes_are_refused_when_the_sink_is_made(tmp_path):
+    with pytest.raises(ValueError, match=r"^dimension 'y': tile_size must be >= 1, got 0$"):
+        TileShardSink(tmp_path / "x", tile={"y": 0})
+    with pytest.raises(ValueError, match=r"^dimension 't': tiles_per_shard must be >= 1, got -2$"):
+        TileShardSink(tmp_path / "x", tiles_per_shard={"t": -2})
+    with pytest.raises(TypeError, match=r"^dimension 'x': tile_size must be an integer, got 2.5$"):
+        TileShardSink(tmp_path / "x", tile={"x": 2.5})
+
+
+def test_a_tile_larger_than_the_camera_frame_is_clamped_with_a_warning(tmp_path):
+    from napari_tileshard.format.layout import TilingWarning
+
+    sink = TileShardSink(tmp_path / "run.ome.zarr", backend="cpu", tile={"t": 2, "y": 4096, "x": 16})
+    with pytest.warns(TilingWarning) as caught:
+        sink.setup(useq.MDASequence(time_plan={"interval": 0, "loops": 2}), _meta())
+    try:
+        assert str(caught[0].message) == "tile 4096 along 'y' is larger than the dimension (8): using 8"
+        assert sink.writers[0].layout.tile_shape == (2, 8, 16)  # the camera's 16x8 frame
+    finally:
+        sink.close()

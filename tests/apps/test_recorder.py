@@ -1,6 +1,7 @@
 """The Qt-free recording loop (what the widget's QThread hosts)."""
 
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -8,6 +9,7 @@ from conftest import read_back
 
 from napari_tileshard import Dim, Layout, SyntheticCamera, verify
 from napari_tileshard.apps.recorder import Recorder, RecorderSettings
+from napari_tileshard.format.layout import TilingWarning
 
 
 def layout(size=(48, 40)):
@@ -278,3 +280,51 @@ def test_a_stack_lays_out_the_table_so_its_planes_keep_their_arrangement():
     assert [r[0] for r in unnamed] == ["z", "c", "y", "x"]
     # a table with more dims than the stack is left as it is (planes fill it in order)
     assert rows_for_layer(stack, (20, 300, 400)) == stack
+
+
+# -- the tiling: checked once, the same way as every entry point's -------------------------------------
+def test_settings_warn_with_numbers_about_a_tiling_that_explodes(tmp_path):
+    tiny = Layout([Dim("t", 0, 1, 1), Dim("y", 512, 1, 2), Dim("x", 512, 1, 2)], "uint16")
+    settings = RecorderSettings(output=str(tmp_path / "t6.zarr"), layout=tiny, backend="cpu")
+    with pytest.warns(TilingWarning) as caught:
+        settings.validate()
+    assert [str(w.message) for w in caught] == [
+        "chunks of 1x1x1 uint16 are 2 bytes, under 4 KiB: each costs a 16-byte index entry and a codec frame "
+        "and compresses poorly; use larger tiles",
+        "shards of 1x2x2 uint16 make 125,000,000 files per GB of data (over 10,000 per GB, file systems and "
+        "object stores slow down): use more tiles per shard or larger tiles",
+    ]
+    assert caught[0].filename.endswith("recorder.py")  # not from deep inside the format layer
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TilingWarning)
+        settings.validate()  # told once per layout: a Recorder's own check and its thread stay quiet
+        default = Layout.default_for((0, 48, 40), "uint16")
+        RecorderSettings(output=str(tmp_path / "ok.zarr"), layout=default, backend="cpu").validate()
+
+
+def test_the_docks_table_is_checked_and_clamped_as_the_command_line_is():
+    from napari_tileshard.apps.cli import build_layout
+    from napari_tileshard.apps.recorder_form import layout_from_rows, with_tiling_notes
+
+    rows = [["t", "0", "2", "1", "1.0", ""], ["y", "512", "1000", "1", "0.5", "um"], ["x", "512", "1000", "1", "", ""]]
+    table, notes = with_tiling_notes(lambda: layout_from_rows(rows, "uint16"))
+    assert notes == [
+        "tile 1000 along 'y' is larger than the dimension (512): using 512",
+        "tile 1000 along 'x' is larger than the dimension (512): using 512",
+    ]
+    cli, cli_notes = with_tiling_notes(lambda: build_layout([0, 512, 512], [2, 1000, 1000], [1, 1, 1], "uint16"))
+    assert table.tile_shape == cli.tile_shape == (2, 512, 512) and cli_notes == notes
+    assert (table.dims[1].unit, table.dims[1].scale) == ("micrometer", 0.5)  # the row's axis kept
+    with pytest.raises(ValueError, match=r"^dimension 'y': tile_size must be >= 1, got -5$"):
+        layout_from_rows([rows[0], ["y", "512", "-5", "1", "", ""], rows[2]], "uint16")
+
+
+def test_warnings_other_than_the_tilings_pass_on_from_the_docks_check():
+    from napari_tileshard.apps.recorder_form import with_tiling_notes
+
+    def check():
+        warnings.warn("something else", DeprecationWarning, stacklevel=1)
+        return 7
+
+    with pytest.warns(DeprecationWarning, match="something else"):
+        assert with_tiling_notes(check) == (7, [])

@@ -1,5 +1,7 @@
 """The napari plugin under Xvfb: widget, recording on a QThread, preview, reader/writer/sample."""
 
+import warnings
+
 import numpy as np
 import pytest
 import zarr
@@ -9,6 +11,7 @@ pytest.importorskip("qtpy")
 
 from napari_tileshard import Dim, Layout, SyntheticCamera, Writer, verify
 from napari_tileshard.apps.recorder import RecorderSettings
+from napari_tileshard.format.layout import TilingWarning
 
 pytestmark = pytest.mark.qt
 
@@ -75,6 +78,36 @@ def test_record_from_an_image_layer_frame_for_frame(widget, qtbot, tmp_path):
     widget.stop()
     wait_until(qtbot, lambda: not widget.is_recording)
     np.testing.assert_array_equal(zarr.open_array(out)[:], np.stack(frames))
+
+
+def test_what_a_tiling_costs_is_shown_under_the_form_and_start_stays_possible(widget, qtbot, tmp_path):
+    out = tmp_path / "t6.zarr"
+    layout = Layout.default_for((0, 512, 512), "uint16")
+    widget.settings = RecorderSettings(output=str(out), layout=layout, backend="cpu", fps=100.0)
+    form = widget.form
+    assert form.notes.isHidden() and widget.start_button.isEnabled()  # the default: nothing to note
+    for row in range(3):
+        form.table.item(row, 2).setText("1")  # tiles of 1x1x1
+    assert widget.start_button.isEnabled(), form.message.text()  # it records: a note, not an error
+    notes = form.notes.text().splitlines()
+    assert notes[0].startswith("note: chunks of 1x1x1 uint16 are 2 bytes, under 4 KiB")
+    assert notes[1].startswith("note: shards of 16x2x2 uint16 make 7,812,500 files per GB of data")
+    assert not form.notes.isHidden() and "e05050" not in form.message.styleSheet()
+    form.table.item(0, 2).setText("2")
+    form.table.item(1, 2).setText("1000")  # larger than the frame: clamped, as on the command line
+    form.table.item(2, 2).setText("256")
+    assert form.notes.text() == "note: tile 1000 along 'y' is larger than the dimension (512): using 512"
+    assert widget.settings.layout.tile_shape == (2, 512, 256)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TilingWarning)  # shown under the form: not again at Start
+        widget.start()
+    assert widget.is_recording
+    wait_until(qtbot, lambda: widget.stats.rows_complete >= 2)
+    widget.stop()
+    wait_until(qtbot, lambda: not widget.is_recording)
+    assert widget.stats.error is None and zarr.open_array(out).metadata.codecs[0].chunk_shape == (2, 512, 256)
+    form.table.item(1, 2).setText("256")
+    assert form.notes.isHidden() and form.notes.text() == ""
 
 
 def test_invalid_settings_disable_start_and_explain(widget, tmp_path):

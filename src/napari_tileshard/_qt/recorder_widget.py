@@ -18,7 +18,7 @@ from qtpy.QtWidgets import QHBoxLayout, QPushButton, QSizePolicy, QVBoxLayout, Q
 
 from ..apps.mmcore import MMCORE_SOURCE, MDARecorder
 from ..apps.recorder import RecorderSettings, RecorderStats, recent_recordings
-from ..apps.recorder_form import next_output
+from ..apps.recorder_form import next_output, with_tiling_notes
 from ..engine.writer import Writer
 from .inspector_widget import InspectorWidget
 from .labels import WrappedLabel
@@ -107,7 +107,8 @@ class RecorderWidget(QWidget):
         if not self.form.validate():
             self.form.show_error(f"cannot start: {self.form.message.text()}")
             return
-        settings = self.form.settings
+        # the tiling's notes are on show under the form since validate(): not again as warnings
+        settings, _ = with_tiling_notes(lambda: self.form.settings)
 
         if settings.source == MMCORE_SOURCE:
             self._start_mda_recording(settings)
@@ -116,7 +117,9 @@ class RecorderWidget(QWidget):
         try:
             self.form.freeze(True)
             streams = {name: self.form.source_layer(name) for name in settings.streams or {}}
-            self.controller.start(settings, self.form.source_layer(settings.source), streams or None)
+            with_tiling_notes(
+                lambda: self.controller.start(settings, self.form.source_layer(settings.source), streams or None)
+            )
         except (ValueError, TypeError, OSError) as exc:
             self.form.freeze(False)
             self.form.show_error(str(exc))

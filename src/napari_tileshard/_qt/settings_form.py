@@ -46,6 +46,7 @@ from ..apps.recorder_form import (
     layout_from_rows,
     rows_for_frames,
     rows_for_layer,
+    with_tiling_notes,
 )
 from ..engine.backends import available_backends, gpu_unavailable_reason
 from ..format import codecs
@@ -53,12 +54,13 @@ from ..format.layout import SUPPORTED_DTYPES
 from ..format.pyramid import DOWNSAMPLE
 from .labels import WrappedLabel
 
-__all__ = ["ERROR_STYLE", "INFO_STYLE", "SettingsForm"]
+__all__ = ["ERROR_STYLE", "INFO_STYLE", "NOTE_STYLE", "SettingsForm"]
 
 # The one colour set by hand: errors must read as errors on both napari themes, and the themes'
 # own "error" colour is too dark to read as text on the dark one.
 ERROR_STYLE = "color: #e05050"
 INFO_STYLE = ""  # the theme's own text colour
+NOTE_STYLE = "color: #d09030"  # what a tiling costs: it records, but should be looked at
 
 
 class SettingsForm(QWidget):
@@ -124,6 +126,12 @@ class SettingsForm(QWidget):
         self.message.setStyleSheet(ERROR_STYLE)
         self.message.setVisible(False)  # no empty line's height while there is nothing to say
         layout.addWidget(self.message)
+        # What the tiling costs (a tile clamped to its dim, tiny chunks, too many files): the
+        # settings record, but the user should see it before pressing Start
+        self.notes = WrappedLabel()
+        self.notes.setStyleSheet(NOTE_STYLE)
+        self.notes.setVisible(False)
+        layout.addWidget(self.notes)
 
     def _fit_table(self) -> None:
         """The table's height: its header and every row (the dock gives it no less)."""
@@ -451,19 +459,29 @@ class SettingsForm(QWidget):
         if self._frozen or not hasattr(self, "message"):
             return False
         try:
-            settings = self.settings
-            settings.validate()
+            settings, notes = with_tiling_notes(self._checked_settings)
             if settings.backend == "gpu" and self._gpu_reason:
                 raise RuntimeError(f"GPU backend unavailable: {self._gpu_reason}")
         except (ValueError, TypeError, OSError, RuntimeError) as exc:
             self._say(str(exc), ERROR_STYLE)
+            self._show_notes([])
             self.figures.setText("")
             self.validated.emit(False)
             return False
         self._say(self._note, INFO_STYLE, self._note_detail)
+        self._show_notes(notes)
         self.figures.setText(figures(settings))
         self.validated.emit(True)
         return True
+
+    def _checked_settings(self) -> RecorderSettings:
+        settings = self.settings
+        settings.validate()
+        return settings
+
+    def _show_notes(self, notes: list[str]) -> None:
+        self.notes.setText("\n".join(f"note: {note}" for note in notes))
+        self.notes.setVisible(bool(notes))
 
     def show_error(self, text: str) -> None:
         from napari.utils.notifications import show_error

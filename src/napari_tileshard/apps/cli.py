@@ -10,6 +10,8 @@ import shutil
 import signal
 import sys
 import time
+import warnings
+from dataclasses import replace
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
@@ -19,7 +21,7 @@ from ..engine.backends import BACKENDS
 from ..engine.options import writer_settings
 from ..engine.writer import CloseAbandoned, Writer, WriterError
 from ..format import codecs
-from ..format.layout import SUPPORTED_DTYPES, Dim, Layout
+from ..format.layout import SUPPORTED_DTYPES, Layout, TilingWarning
 from ..format.pyramid import DOWNSAMPLE
 from ..format.shard_spec import array_metadata
 from ..storage.errors import StoreExistsError, StoreLockedError
@@ -101,17 +103,9 @@ def build_layout(shape, tile, tiles_per_shard, dtype, names=None, scale=None, un
     """A Layout from per-dimension lists, as the CLI and the plugin take them.
 
     ``scale`` and ``unit`` map dim names to pixel size / frame interval and unit (OME-Zarr axes);
-    ``tile`` / ``tiles_per_shard`` None: the one default tiling (:meth:`Layout.default_for`)."""
+    ``tile`` / ``tiles_per_shard``: the sizes asked for, checked and clamped by the one tiling
+    (:meth:`Layout.default_for`), its default where None."""
     rank = len(shape)
-    if tile is None or tiles_per_shard is None:
-        default = Layout.default_for(shape, dtype)
-        tile = list(default.tile_shape) if tile is None else tile
-        tiles_per_shard = list(default.tiles_per_shard) if tiles_per_shard is None else tiles_per_shard
-    if len(tile) != rank or len(tiles_per_shard) != rank:
-        raise ValueError(
-            f"--shape has {rank} values but --tile has {len(tile)} and --tiles-per-shard "
-            f"{len(tiles_per_shard)}: give one per dimension"
-        )
     if names is None:
         inner = rank - 1
         names = ["t"] + (
@@ -121,17 +115,15 @@ def build_layout(shape, tile, tiles_per_shard, dtype, names=None, scale=None, un
         )
     if len(names) != rank:
         raise ValueError(f"{len(names)} names for {rank} dimensions")
+    for flag, values in (("--tile", tile), ("--tiles-per-shard", tiles_per_shard)):
+        if values is not None and len(values) != rank:
+            raise ValueError(f"--shape has {rank} values but {flag} has {len(values)}: give one per dimension")
     scale, unit = dict(scale or {}), dict(unit or {})
     unknown = sorted((set(scale) | set(unit)) - set(names))
     if unknown:
         raise ValueError(f"--scale/--unit name {unknown[0]!r}, which is not one of the dims {list(names)}")
-    return Layout(
-        [
-            Dim(n, s, t, p, unit=unit.get(n), scale=scale.get(n, 1.0))
-            for n, s, t, p in zip(names, shape, tile, tiles_per_shard)
-        ],
-        dtype=dtype,
-    )
+    layout = Layout.default_for(shape, dtype, names, tile=tile, tiles_per_shard=tiles_per_shard)
+    return Layout([replace(d, unit=unit.get(d.name), scale=scale.get(d.name, 1.0)) for d in layout.dims], dtype)
 
 
 class _Interrupted(Exception):
@@ -743,11 +735,34 @@ def gui(args) -> int:
     return 0
 
 
+@contextlib.contextmanager
+def _tiling_warnings_on_stderr():
+    """Each TilingWarning (a clamped tile, tiny chunks, too many files) as one line on stderr when
+    it comes, before the work starts (Python's own display names a source line, not the option)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("always", TilingWarning)
+        show = warnings.showwarning
+
+        def print_or_show(message, category, filename, lineno, file=None, line=None):
+            if issubclass(category, TilingWarning):
+                print(f"napari-tileshard: warning: {message}", file=sys.stderr, flush=True)
+            else:
+                show(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = print_or_show  # catch_warnings puts the original back
+        yield
+
+
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING, format="%(message)s"
     )
+    with _tiling_warnings_on_stderr():
+        return _run(args)
+
+
+def _run(args) -> int:
     try:
         if args.command == "record":
             return record(args)

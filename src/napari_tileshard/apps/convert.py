@@ -42,6 +42,7 @@ import struct
 import sys
 import threading
 import time
+import warnings
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -54,7 +55,7 @@ from ..engine.options import EngineOptions, normalize_devices
 from ..engine.publish import Publisher
 from ..engine.writer import Writer
 from ..format.array_spec import ArraySpec
-from ..format.layout import Dim, Layout
+from ..format.layout import Dim, Layout, TilingWarning
 from ..format.metadata import METADATA_KEY, metadata_bytes
 from ..format.ome import group_metadata, multiscale_paths
 from ..reader.levels import open_root
@@ -345,23 +346,12 @@ def _show(key: str, value) -> str:
 
 
 def default_layout(source: Source, tile=None, tiles_per_shard=None, names=None) -> Layout:
-    """The package's one default tiling of the source (:meth:`Layout.default_for`, dims named after
-    the source's where it names them), with ``tile`` / ``tiles_per_shard`` (one value per dim)
-    replacing it where given."""
-    rank = len(source.shape)
-    base = Layout.default_for(source.shape, source.dtype, names or source.names)
-    for what, values in (("tile", tile), ("tiles_per_shard", tiles_per_shard)):
-        if values is not None and len(values) != rank:
-            raise ValueError(f"{what} has {len(values)} values, the source has {rank} dimensions {source.shape}")
-    dims = [
-        replace(
-            dim,
-            tile_size=dim.tile_size if tile is None else max(1, min(int(tile[d]), dim.size or int(tile[d]))),
-            tiles_per_shard=dim.tiles_per_shard if tiles_per_shard is None else int(tiles_per_shard[d]),
-        )
-        for d, dim in enumerate(base.dims)
-    ]
-    return Layout(dims, source.dtype)
+    """The package's one tiling of the source (:meth:`Layout.default_for`, dims named after the
+    source's where it names them), with ``tile`` / ``tiles_per_shard`` (one value per dim) where
+    given: checked, and tiles larger than their dim clamped with a TilingWarning, as everywhere."""
+    return Layout.default_for(
+        source.shape, source.dtype, names or source.names, tile=tile, tiles_per_shard=tiles_per_shard
+    )
 
 
 # -- tasks -------------------------------------------------------------------------------------
@@ -392,6 +382,7 @@ class _EpochSink(Sink):
         self._epoch = epoch
         self.keys: list[str] = []
         self.bytes = 0
+        self._written: dict[str, int] = {}  # bytes of each key, counted once however often it was written
         self._count_lock = threading.Lock()  # the Writer's I/O threads write at once
 
     def __repr__(self):
@@ -416,9 +407,11 @@ class _EpochSink(Sink):
         key = self.global_key(key)
         self._target.write(key, views)
         nbytes = sum(view.nbytes for view in views)
-        with self._count_lock:
-            self.keys.append(key)
-            self.bytes += nbytes
+        with self._count_lock:  # a hedged write (a second copy of a slow one) is the same shard
+            if key not in self._written:
+                self.keys.append(key)
+            self.bytes += nbytes - self._written.get(key, 0)
+            self._written[key] = nbytes
 
 
 def _attach(dst: str, storage_options) -> Sink:
@@ -1039,9 +1032,15 @@ def _convert(
 
 def _plan(source: Source, layout: Layout, dst: str, storage_options, options: dict):
     """The task spec, pyramid and level prefixes (validates the layout against the source)."""
-    if tuple(layout.shape) != tuple(source.shape) or layout.dtype != source.dtype:
+    if tuple(layout.shape) != tuple(source.shape):
+        raise ValueError(f"the layout's shape is {layout.shape} but the source's is {source.shape}")
+    if layout.dtype != source.dtype:
+        same_values = layout.dtype == source.dtype.newbyteorder("<")
         raise ValueError(
-            f"the layout is {layout.shape} {layout.dtype.name} but the source is {source.shape} {source.dtype.name}"
+            f"the source's dtype {source.dtype.str!r} is big-endian; the store is little-endian "
+            f"{layout.dtype.str!r}: convert the source to little-endian first (e.g. array.astype({layout.dtype.str!r}))"
+            if same_values
+            else f"the layout's dtype is {layout.dtype.name} but the source's is {source.dtype.name}"
         )
     downsample_dims = _tuple(options["downsample_dims"])
     if options["ome"] and downsample_dims and layout.names[0] in downsample_dims:
@@ -1394,9 +1393,10 @@ def _resolve_for_resume(manifest: dict, given: dict, layout: Layout | None, shap
         used = [d[attribute] for d in saved["dims"]]
         if value is None:
             continue
-        values = [int(v) for v in value]
-        if key == "tile" and len(values) == len(source.shape):  # as default_layout clamps them
-            values = [max(1, min(v, int(s))) for v, s in zip(values, source.shape)]
+        with warnings.catch_warnings():  # a clamp was noted when the conversion started
+            warnings.simplefilter("ignore", TilingWarning)
+            asked = default_layout(source, **{key: value})  # checked and clamped as when it started
+        values = [getattr(d, attribute) for d in asked.dims]
         if values != used:
             raise ResumeMismatch(key, list(value), used)
     return options, recorded_layout

@@ -8,12 +8,15 @@ a user can get wrong is testable without a display.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import TypeVar
 
 import numpy as np
 
 from ..engine.writer import estimate_memory
-from ..format.layout import Dim, Layout, is_valid_name
+from ..format.layout import Dim, Layout, TilingWarning, is_valid_name
 from .recorder import RecorderSettings
 
 __all__ = [
@@ -24,6 +27,7 @@ __all__ = [
     "SYNTHETIC",
     "figures",
     "frame_dims",
+    "with_tiling_notes",
     "is_own_layer",
     "layout_from_rows",
     "next_output",
@@ -67,7 +71,7 @@ def layout_from_rows(rows: Sequence[Sequence[str]], dtype: str, source=None) -> 
     decides the dtype, and its frames must match the last dims: checked here, because otherwise
     the mismatch would only surface as a Writer error on the first frame.
     """
-    dims = []
+    names, sizes, tiles, per_shard, axes = [], [], [], [], []
     for row, texts in enumerate(rows):
         texts = [t.strip() for t in texts]
         try:
@@ -80,15 +84,40 @@ def layout_from_rows(rows: Sequence[Sequence[str]], dtype: str, source=None) -> 
             scale = float(texts[4]) if texts[4] else 1.0
         except ValueError:
             raise ValueError(f"row {row + 1} ({texts[0] or '?'}): scale must be a number, got {texts[4]!r}") from None
-        dims.append(Dim(texts[0], size, tile, tps, unit=texts[5] or None, scale=scale))
+        axes.append(Dim(texts[0], size, tile, tps, unit=texts[5] or None, scale=scale))  # the row's own check
+        names.append(texts[0])
+        sizes.append(size)
+        tiles.append(tile)
+        per_shard.append(tps)
     if source is not None:
         dtype = np.dtype(source.data.dtype).name
         shape = tuple(np.shape(source.data))
-        frame = shape[-frame_dims(len(dims)) :]
-        expected = tuple(d.size for d in dims[-len(frame) :])
+        frame = shape[-frame_dims(len(rows)) :]
+        expected = tuple(sizes[-len(frame) :])
         if frame != expected:
             raise ValueError(f"layer {source.name!r} has frames of shape {frame} but the dimensions give {expected}")
-    return Layout(dims, dtype)
+    # the table's numbers are asked for as any entry point's: tiles larger than their dim are clamped
+    layout = Layout.default_for(sizes, dtype, names, tile=tiles, tiles_per_shard=per_shard)
+    return Layout([replace(d, unit=a.unit, scale=a.scale) for d, a in zip(layout.dims, axes)], dtype)
+
+
+_Result = TypeVar("_Result")
+
+
+def with_tiling_notes(check: Callable[[], _Result]) -> tuple[_Result, list[str]]:
+    """``check()`` (reading and validating the form's settings) and the :class:`TilingWarning`
+    notes it raised, each once, in order: what the form shows under its message instead of
+    warnings on the console.  Other warnings pass on as they came."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", TilingWarning)
+        result = check()
+    notes = []
+    for warning in caught:
+        if issubclass(warning.category, TilingWarning):
+            notes.append(str(warning.message))
+        else:
+            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+    return result, list(dict.fromkeys(notes))
 
 
 def frame_dims(rank: int) -> int:
@@ -169,14 +198,14 @@ def figures(settings: RecorderSettings) -> str:
     """One line of what the settings imply: tile/shard/epoch sizes, files per GB, pyramid, memory."""
     layout = settings.checked_layout()
     shard_bytes = layout.chunks_per_shard * layout.tile_bytes
-    files_per_gb = 1e9 / shard_bytes
+    files_per_gb = layout.files_per_gb  # the figure the tiling's notes warn about
     pyramid = settings.pyramid()
     memory = estimate_memory(layout, pyramid=pyramid)
     levels = f" · {pyramid.levels} pyramid levels, smallest {pyramid.layouts[-1].shape[-2:]}" if settings.ome else ""
     return (
         f"tile {size_text(layout.tile_bytes)} · shard {size_text(shard_bytes)} ({layout.chunks_per_shard} tiles) · "
         f"{layout.tiles_per_epoch} tiles and {layout.inner_shard_count} shards per epoch "
-        f"({size_text(layout.epoch_bytes)}) · {files_per_gb:.1f} files/GB{levels} · "
+        f"({size_text(layout.epoch_bytes)}) · {files_per_gb:,.1f} files/GB{levels} · "
         f"host ≈ {size_text(memory['cpu_host'])} (CPU backend) or {size_text(memory['gpu_host'])} + "
         f"GPU ≈ {size_text(memory['gpu_device'])} (GPU backend)"
     )

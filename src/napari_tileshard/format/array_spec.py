@@ -102,7 +102,13 @@ class ArraySpec:
         attributes: Mapping | None = None,
     ) -> ArraySpec:
         """The spec from the keywords users know (the Writer's): ``codec`` by name (or object)
-        at ``level``, ``ome=True`` with the pyramid options (or an :class:`OmeOptions`)."""
+        at ``level``, ``ome=True`` with the pyramid options (or an :class:`OmeOptions`).
+
+        What the layout's tiling costs (:meth:`Layout.tiling_notes`: tiles larger than their
+        dimension, chunks under 4 KiB, over 10,000 files per GB) is warned here, as a
+        :class:`~napari_tileshard.format.layout.TilingWarning` per note, since every entry point
+        that writes a layout a user chose builds its spec here (once per layout object:
+        :meth:`Layout.warn_tiling`)."""
         if not isinstance(layout, Layout):
             raise TypeError(f"layout must be a Layout, got {type(layout).__name__}")
         if not isinstance(ome, (bool, OmeOptions)):
@@ -110,7 +116,9 @@ class ArraySpec:
         configured = get(codec).configure(level, layout.dtype)
         if ome is True:
             ome = OmeOptions(downsample, downsample_dims, max_levels, image_name, dict(ome_fields or {}))
-        return cls(layout, configured, ome or None, dict(attributes or {}))
+        spec = cls(layout, configured, ome or None, dict(attributes or {}))
+        layout.warn_tiling(stacklevel=2)  # once the spec is valid: a refusal comes without them
+        return spec
 
     @functools.cached_property
     def pyramid(self) -> Pyramid:

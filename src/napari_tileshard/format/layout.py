@@ -30,7 +30,9 @@ import functools
 import math
 import operator
 import re
-from dataclasses import dataclass
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 import numpy as np
@@ -50,10 +52,13 @@ __all__ = [
     "LiftedStrides",
     "MAX_CHUNKS_PER_SHARD",
     "MAX_DIM_SIZE",
+    "MAX_FILES_PER_GB",
     "MAX_RANK",
+    "MIN_CHUNK_BYTES",
     "SPACE_UNITS",
     "SUPPORTED_DTYPES",
     "TIME_UNITS",
+    "TilingWarning",
     "is_valid_name",
     "lifted_strides",
     "normalize_unit",
@@ -265,12 +270,35 @@ def is_valid_name(name) -> bool:
     return isinstance(name, str) and bool(_NAME_RE.match(name))
 
 
+def _shape_text(shape) -> str:
+    return "x".join(str(n) for n in shape)
+
+
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
 def _is_int(value) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _checked_count(name: str, field: str, value) -> int:
+    """``value`` of ``field`` (size, tile_size, tiles_per_shard) of dimension ``name``, checked: the
+    one check of these numbers, whether they come from a :class:`Dim`, :meth:`Layout.default_for`
+    or an entry point's options (TypeError/ValueError naming the dimension and the value)."""
+    if not _is_int(value):
+        raise TypeError(f"dimension {name!r}: {field} must be an integer, got {value!r}")
+    value = int(value)
+    smallest = 0 if field == "size" else 1
+    if value < smallest:
+        unbounded = " (0 = unbounded)" if field == "size" else ""
+        raise ValueError(f"dimension {name!r}: {field} must be >= {smallest}{unbounded}, got {value}")
+    if value > MAX_DIM_SIZE:
+        raise ValueError(
+            f"dimension {name!r}: {field} {value} is larger than {MAX_DIM_SIZE} (2^62 - 1), the largest "
+            "that Zarr readers such as tensorstore open"
+        )
+    return value
 
 
 @dataclass(frozen=True)
@@ -305,22 +333,7 @@ class Dim:
                 "letters, digits, '_' or '-' (at most 64 characters, no path separators)"
             )
         for field in ("size", "tile_size", "tiles_per_shard"):
-            value = getattr(self, field)
-            if not _is_int(value):
-                raise TypeError(f"dimension {self.name!r}: {field} must be an integer, got {value!r}")
-            object.__setattr__(self, field, int(value))
-        if self.size < 0:
-            raise ValueError(f"dimension {self.name!r}: size must be >= 0 (0 = unbounded), got {self.size}")
-        for field in ("size", "tile_size", "tiles_per_shard"):
-            if getattr(self, field) > MAX_DIM_SIZE:
-                raise ValueError(
-                    f"dimension {self.name!r}: {field} {getattr(self, field)} is larger than "
-                    f"{MAX_DIM_SIZE} (2^62 - 1), the largest that Zarr readers such as tensorstore open"
-                )
-        if self.tile_size < 1:
-            raise ValueError(f"dimension {self.name!r}: tile_size must be >= 1, got {self.tile_size}")
-        if self.tiles_per_shard < 1:
-            raise ValueError(f"dimension {self.name!r}: tiles_per_shard must be >= 1, got {self.tiles_per_shard}")
+            object.__setattr__(self, field, _checked_count(self.name, field, getattr(self, field)))
 
         if self.kind is not None and self.kind not in AXIS_KINDS:
             raise ValueError(f"dimension {self.name!r}: kind {self.kind!r} is not one of {', '.join(AXIS_KINDS)}")
@@ -482,27 +495,94 @@ DEFAULT_TILE_BYTES = 256 << 10
 DEFAULT_SHARD_BYTES = 16 << 20
 #: the rows of one shard epoch stay in memory until its shards are written: at most this much
 DEFAULT_SHARD_EPOCH_BYTES = 64 << 20
+#: below this many bytes a chunk costs more than it holds: its 16-byte shard index entry and the
+#: codec's frame header weigh on it, it compresses poorly, and every one is a separate codec call
+MIN_CHUNK_BYTES = 4 << 10
+#: above this many shard files per GB of frames, file systems and object stores slow down (listing,
+#: copying, deleting and every request cost per file): the tiling warns
+MAX_FILES_PER_GB = 10_000
+#: a bounded array of at most this many chunks gets no notes about its costs: whatever its tiling,
+#: it is small (test arrays, a few frames)
+_FEW_CHUNKS = 1024
+
+
+class TilingWarning(UserWarning):
+    """A tiling that works but costs: a requested tile clamped to its dimension, chunks of a few
+    bytes, or thousands of files per GB (:meth:`Layout.tiling_notes` says which, with numbers)."""
+
+
 #: names of the dims of an array of rank 1 to 5 when none are given: t first from rank 3 (frames
 #: appended along it), then the last of c, z, y, x
 DEFAULT_NAMES = {1: ("x",), 2: ("y", "x"), 3: ("t", "y", "x"), 4: ("t", "z", "y", "x"), 5: ("t", "c", "z", "y", "x")}
+
+
+def _checked_dims(dims) -> list[Dim]:
+    """``dims`` as a list, refused where they make no layout: not Dims, none or too many, a
+    dim after the first unbounded, names that repeat."""
+    dims = list(dims)
+    if not dims:
+        raise ValueError("a layout needs at least one dimension")
+    if len(dims) > MAX_RANK:
+        raise ValueError(f"a layout has at most {MAX_RANK} dimensions, got {len(dims)}")
+    for d, dim in enumerate(dims):
+        if not isinstance(dim, Dim):
+            raise TypeError(f"dimension {d} must be a Dim, got {type(dim).__name__}")
+        if d > 0 and dim.unbounded:
+            raise ValueError(
+                f"dimension {dim.name!r} (position {d}) has size 0: only the first dimension may be unbounded"
+            )
+    names = [dim.name for dim in dims]
+    if len(set(names)) != len(names):
+        raise ValueError(f"dimension names must be unique, got {names}")
+    return dims
+
+
+def _requested(values, what: str, field: str, names: list[str]) -> list[int | None]:
+    """The ``field`` values a user asked for, one per dim of ``names`` (None: the default there),
+    from a sequence (one per dim) or a mapping of dim names; each checked as :class:`Dim` does."""
+    rank = len(names)
+    if values is None:
+        return [None] * rank
+    if isinstance(values, Mapping):
+        unknown = [name for name in values if name not in names]
+        if unknown:
+            raise ValueError(f"{what} names dimensions {unknown} that the array does not have {tuple(names)}")
+        values = [values.get(name) for name in names]
+    elif isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
+        raise TypeError(f"{what} must be one value per dimension or a mapping of dimension names, got {values!r}")
+    values = list(values)
+    if len(values) != rank:
+        raise ValueError(
+            f"{what} has {len(values)} values {values} for the {rank} dimensions {tuple(names)}: give one per dimension"
+        )
+    return [None if value is None else _checked_count(name, field, value) for name, value in zip(names, values)]
 
 
 class Layout:
     """Tiling and sharding of an array of ``dims`` (slowest first) holding ``dtype``."""
 
     @classmethod
-    def default_for(cls, shape, dtype, names=None) -> Layout:
-        """The one default tiling of an array of ``shape`` (dim 0 may be 0: unbounded), used by
-        every entry point that is not told a tiling (record, convert, the napari writer, the
-        recorder dock, pymmcore-plus).
+    def default_for(cls, shape, dtype, names=None, *, tile=None, tiles_per_shard=None) -> Layout:
+        """The one tiling of an array of ``shape`` (dim 0 may be 0: unbounded), used by every entry
+        point (record, convert, the napari writer, the recorder dock, pymmcore-plus): the default
+        where not told one, and the tile sizes and tiles per shard a user asked for where told.
 
         The frame dims (the last two for rank >= 3, the last one otherwise) get tiles of up to
         256 px and up to 4 tiles per shard; dim 0 (when it is not a frame dim) gets as many rows
         per tile as make a tile of about 256 KiB and as many tiles per shard as make a shard of
         about 16 MiB, while a shard epoch (the rows held in memory until their shards are
         written) stays within about 64 MiB; dims in between (channels, z) tile 1.  ``names``
-        default to :data:`DEFAULT_NAMES` (t, z, y, x for rank 4), d0, d1, ... beyond rank 5."""
-        shape = tuple(int(s) for s in shape)
+        default to :data:`DEFAULT_NAMES` (t, z, y, x for rank 4), d0, d1, ... beyond rank 5.
+
+        ``tile`` / ``tiles_per_shard``: what a user asked for, one value per dim (None: the
+        default there) or a mapping of dim names to values (dims it leaves out: the default).
+        Each value is checked as a :class:`Dim` checks it (an integer >= 1; ValueError/TypeError
+        naming the dim and the value).  A tile larger than its bounded dim is clamped to the dim
+        (a chunk cannot hold more than the dim; the rest would be padding), with a
+        :class:`TilingWarning` naming both; ``tiles_per_shard`` is taken as given.  What the
+        tiling costs (:meth:`tiling_notes`) is warned where it is written (:meth:`ArraySpec.of
+        <napari_tileshard.format.array_spec.ArraySpec.of>`)."""
+        shape = tuple(shape)
         rank = len(shape)
         if not 1 <= rank <= MAX_RANK:
             raise ValueError(f"a layout has 1 to {MAX_RANK} dimensions, got shape {shape}")
@@ -511,6 +591,9 @@ class Layout:
         names = list(names)
         if len(names) != rank:
             raise ValueError(f"{len(names)} names {names} for the {rank} dimensions of shape {shape}")
+        shape = tuple(d.size for d in _checked_dims([Dim(n, s, 1) for n, s in zip(names, shape)]))
+        requested_tiles = _requested(tile, "tile", "tile_size", names)
+        requested_per_shard = _requested(tiles_per_shard, "tiles_per_shard", "tiles_per_shard", names)
         itemsize = np.dtype(dtype).itemsize
         frame = min(2 if rank >= 3 else 1, rank)
         tiles = [1] * rank
@@ -528,24 +611,25 @@ class Layout:
             shard_rows = max(tiles[0], min(shard_rows, DEFAULT_SHARD_EPOCH_BYTES // row_bytes))
             tiles_along = _ceil_div(shape[0], tiles[0]) if shape[0] else shard_rows
             per_shard[0] = max(1, min(shard_rows // tiles[0], tiles_along))
-        return cls([Dim(n, s, t, p) for n, s, t, p in zip(names, shape, tiles, per_shard)], dtype)
+        dims = [Dim(n, s, t, p) for n, s, t, p in zip(names, shape, tiles, per_shard)]
+        for d, dim in enumerate(dims):
+            asked, asked_per_shard = requested_tiles[d], requested_per_shard[d]
+            if asked is not None and dim.size and asked > dim.size:
+                warnings.warn(
+                    f"tile {asked} along {dim.name!r} is larger than the dimension ({dim.size}): using {dim.size}",
+                    TilingWarning,
+                    stacklevel=2,
+                )
+                asked = dim.size
+            dims[d] = replace(
+                dim,
+                tile_size=dim.tile_size if asked is None else asked,
+                tiles_per_shard=dim.tiles_per_shard if asked_per_shard is None else asked_per_shard,
+            )
+        return cls(dims, dtype)
 
     def __init__(self, dims, dtype="uint16"):
-        dims = list(dims)
-        if not dims:
-            raise ValueError("a layout needs at least one dimension")
-        if len(dims) > MAX_RANK:
-            raise ValueError(f"a layout has at most {MAX_RANK} dimensions, got {len(dims)}")
-        for d, dim in enumerate(dims):
-            if not isinstance(dim, Dim):
-                raise TypeError(f"dimension {d} must be a Dim, got {type(dim).__name__}")
-            if d > 0 and dim.unbounded:
-                raise ValueError(
-                    f"dimension {dim.name!r} (position {d}) has size 0: only the first dimension may be unbounded"
-                )
-        names = [dim.name for dim in dims]
-        if len(set(names)) != len(names):
-            raise ValueError(f"dimension names must be unique, got {names}")
+        dims = _checked_dims(dims)
         try:
             np_dtype = np.dtype(dtype)
         except TypeError as exc:
@@ -703,6 +787,61 @@ class Layout:
     def epoch_count(self) -> int | None:
         """Tile epochs of a bounded array."""
         return None if self.unbounded else self.tile_count[0]
+
+    # -- what the tiling costs ------------------------------------------------------------
+    @property
+    def files_per_gb(self) -> float:
+        """Shard files per GB (10^9 bytes) of the array's data: of a whole bounded array, or of
+        each shard epoch of an unbounded one (edge shards counted as they are, smaller)."""
+        counts, shards = self.shard_count, self.shard_shape
+        extents = [size / count if size else shard for size, count, shard in zip(self.shape, counts, shards)]
+        return 1e9 / (math.prod(extents) * self.itemsize)
+
+    def tiling_notes(self) -> tuple[str, ...]:
+        """What this tiling costs, one sentence with numbers each (empty when nothing stands out):
+
+        * a tile larger than its bounded dimension (its chunks are padding beyond the dim; where
+          tile sizes are asked for, :meth:`default_for` clamps them instead);
+        * chunks under :data:`MIN_CHUNK_BYTES` (4 KiB);
+        * more than :data:`MAX_FILES_PER_GB` (10,000) shard files per GB of data.
+
+        A bounded array of at most 1,024 chunks gets only the first: whatever its tiling, it is
+        small.  :meth:`ArraySpec.of <napari_tileshard.format.array_spec.ArraySpec.of>` warns
+        each note as a :class:`TilingWarning`."""
+        notes = [
+            f"tile {dim.tile_size} along {dim.name!r} is larger than the dimension ({dim.size}): its chunks are "
+            f"padded to {dim.tile_size}, a tile of {dim.size} holds the same"
+            for dim in self.dims
+            if dim.size and dim.tile_size > dim.size
+        ]
+        if not self.unbounded and math.prod(self.tile_count) <= _FEW_CHUNKS:
+            return tuple(notes)
+        dtype = self.dtype.name
+        if self.tile_bytes < MIN_CHUNK_BYTES:
+            notes.append(
+                f"chunks of {_shape_text(self.tile_shape)} {dtype} are {self.tile_bytes:,} bytes, under "
+                f"{MIN_CHUNK_BYTES // 1024} KiB: each costs a 16-byte index entry and a codec frame and compresses "
+                "poorly; use larger tiles"
+            )
+        files_per_gb = self.files_per_gb
+        if files_per_gb > MAX_FILES_PER_GB:
+            total = "" if self.unbounded else f", {math.prod(self.shard_count):,} files for the whole array"
+            notes.append(
+                f"shards of {_shape_text(self.shard_shape)} {dtype} make {files_per_gb:,.0f} files per GB of data"
+                f"{total} (over {MAX_FILES_PER_GB:,} per GB, file systems and object stores slow down): use more "
+                "tiles per shard or larger tiles"
+            )
+        return tuple(notes)
+
+    def warn_tiling(self, stacklevel: int = 2) -> None:
+        """Warn each of :meth:`tiling_notes` as a :class:`TilingWarning`, once per layout object
+        (an entry point checks the layout it was given, then its recording thread builds its
+        Writer from the same object: the user hears of it once)."""
+        if self.__dict__.get("_tiling_warned"):
+            return
+        self.__dict__["_tiling_warned"] = True
+        for note in self.tiling_notes():
+            warnings.warn(note, TilingWarning, stacklevel=stacklevel + 1)
 
     # -- the shard permutation P ------------------------------------------------------------
     @cached_property

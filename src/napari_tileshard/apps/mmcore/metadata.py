@@ -129,8 +129,9 @@ def image_layout(
     tiles_per_shard: Mapping[str, int] | None = None,
 ) -> Layout:
     """The layout of each image: the axes ``inner_sizes`` (t, c, z, ... in the sequence's order)
-    then y and x from the camera, the package's default tiling (:meth:`Layout.default_for`) where
-    ``tile``/``tiles_per_shard`` name no size, and the OME type, unit and scale of every axis.
+    then y and x from the camera, the package's one tiling (:meth:`Layout.default_for`: the sizes
+    ``tile``/``tiles_per_shard`` name, checked and clamped to the frame; the default elsewhere), and
+    the OME type, unit and scale of every axis.
 
     The first axis grows as rows complete (the series' Writer is unbounded): a run that stops early
     (cancelled, fell behind) keeps the rows it has, and the store claims no row it never wrote.
@@ -143,7 +144,8 @@ def image_layout(
     height, width = camera.height, camera.width
     counts = list(inner_sizes.values())
     shape = (0, *counts[1:], height, width) if counts else (height, width)  # one image: a plane
-    base = Layout.default_for(shape, camera.dtype, names)
+    # checked and clamped to the camera's frame as every entry point's tiling is
+    base = Layout.default_for(shape, camera.dtype, names, tile=tile, tiles_per_shard=tiles_per_shard)
     pixel_um = camera.pixel_size_um
     dims = []
     for dim in base.dims:
@@ -151,16 +153,7 @@ def image_layout(
             kind, unit, scale = None, ("micrometer" if pixel_um > 0 else None), (pixel_um if pixel_um > 0 else 1.0)
         else:
             kind, unit, scale = axis_description(dim.name, sequence)
-        dims.append(
-            dataclasses.replace(
-                dim,
-                tile_size=tile.get(dim.name, dim.tile_size),
-                tiles_per_shard=tiles_per_shard.get(dim.name, dim.tiles_per_shard),
-                kind=kind,
-                unit=unit,
-                scale=scale,
-            )
-        )
+        dims.append(dataclasses.replace(dim, kind=kind, unit=unit, scale=scale))
     return Layout(dims, camera.dtype)
 
 

@@ -27,7 +27,7 @@ from ...engine.options import EngineOptions
 from ...engine.writer import Writer
 from ...format.array_spec import ArraySpec
 from ...format.codecs import get as get_codec
-from ...format.layout import Layout
+from ...format.layout import Dim, Layout
 from ...format.pyramid import check_method
 from ...reader.levels import open_level0
 from ...storage.sinks import check_store_path
@@ -130,6 +130,8 @@ class TileShardSink:
         for name, mapping in (("tile", tile), ("tiles_per_shard", tiles_per_shard)):
             if mapping is not None and not isinstance(mapping, dict):
                 raise TypeError(f"{name} must map axis names to sizes, got {mapping!r}")
+        for axis in {**(tile or {}), **(tiles_per_shard or {})}:  # the sizes, checked as every Dim's are
+            Dim(axis, 0, (tile or {}).get(axis, 1), (tiles_per_shard or {}).get(axis, 1))
         check_store_path(path)  # "" would put the series at /0, /1, ...
         self.path = str(path).rstrip("/")
         # Every setting is checked here, before an MDA starts (the layouts come with the sequence).
