@@ -2,9 +2,10 @@
 
 Two kinds of trials, alternating until ``--minutes`` have passed:
 
-* **aimed in-process**: one conversion (plain array or OME-Zarr) on a thread cluster per place of
-  the coordinator's publishing code, with a Ctrl-C sent at that place
-  (:class:`napari_tileshard.testing.InterruptAt`): every place is tried in turn.
+* **aimed in-process**: one conversion (plain array or OME-Zarr) on a thread cluster with a
+  Ctrl-C sent at one place of the coordinator's publishing code
+  (:class:`napari_tileshard.testing.InterruptAt`); a first run without an interrupt counts the
+  places, then each trial picks one of them at random (every place, in a long enough run).
 * **real signals**: ``napari-tileshard convert SRC DST --local 1`` as a process; inotify watches
   DST and the moment a temporary file of the manifest or a ``zarr.json`` is created, SIGINT or
   SIGTERM goes to the process.
@@ -209,18 +210,20 @@ def main() -> int:
     client = distributed.Client(cluster)
     end = time.monotonic() + args.minutes * 60
     counts = {"aimed": 0, "aimed_interrupted": 0, "signals": 0, "signals_interrupted": 0}
-    places = {False: None, True: None}
-    next_place = {False: 1, True: 1}
+    places: dict[bool, int] = {}
+    tried: dict[bool, set] = {False: set(), True: set()}
+    for ome in (False, True):  # count the places: a run that no interrupt reaches
+        places[ome] = aimed_trial(client, workdir, 10**9, ome, a)[1]
     try:
         while time.monotonic() < end:
             ome = random.random() < 0.5
             if random.random() < 0.5:
-                interrupted, seen = aimed_trial(client, workdir, next_place[ome], ome, a)
+                untried = sorted(set(range(1, places[ome] + 1)) - tried[ome])
+                k = random.choice(untried or range(1, places[ome] + 1))
+                interrupted, _ = aimed_trial(client, workdir, k, ome, a)
+                tried[ome].add(k)
                 counts["aimed"] += 1
                 counts["aimed_interrupted"] += interrupted
-                if not interrupted:
-                    places[ome] = seen
-                next_place[ome] = next_place[ome] + 1 if interrupted else 1  # every place, then again
             else:
                 signum = random.choice([signal.SIGINT, signal.SIGTERM])
                 interrupted = signal_trial(workdir, source, a, ome, signum, random.randint(1, 12))
@@ -229,7 +232,8 @@ def main() -> int:
             done = counts["aimed"] + counts["signals"]
             if done % 20 == 0:
                 left = (end - time.monotonic()) / 60
-                print(f"{done} trials: {counts} places {places}, {left:.1f} min left", flush=True)
+                covered = {ome: f"{len(tried[ome])}/{places[ome]}" for ome in places}
+                print(f"{done} trials: {counts}, places tried (plain, ome) {covered}, {left:.1f} min left", flush=True)
     except Violation as exc:
         print(f"VIOLATION: {exc}", flush=True)
         return 1
@@ -237,7 +241,8 @@ def main() -> int:
         client.close()
         cluster.close()
         threading.Thread(target=shutil.rmtree, args=(workdir, True), daemon=True).start()
-    print(f"done: {counts}; places per conversion {places}; no violation", flush=True)
+    covered = {ome: f"{len(tried[ome])}/{places[ome]}" for ome in places}
+    print(f"done: {counts}; places tried (plain, ome) {covered}; no violation", flush=True)
     return 0
 
 
