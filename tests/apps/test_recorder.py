@@ -328,3 +328,32 @@ def test_warnings_other_than_the_tilings_pass_on_from_the_docks_check():
 
     with pytest.warns(DeprecationWarning, match="something else"):
         assert with_tiling_notes(check) == (7, [])
+
+
+def test_a_layer_read_from_the_output_is_refused_before_anything_is_deleted(tmp_path):
+    """A store opened in napari and recorded into itself with overwrite: the Writer deleted its
+    shards while the layer was still reading them."""
+    import hashlib
+    import os
+
+    from napari_tileshard import Writer
+    from napari_tileshard.apps.napari_reader import napari_get_reader
+
+    stack = np.random.default_rng(2).integers(0, 4000, (8, 48, 40)).astype(np.uint16)
+    store = tmp_path / "D.zarr"
+    with Writer(store, layout(), backend="cpu") as writer:
+        writer.append(stack)
+    before = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in store.rglob("*") if p.is_file()}
+    data, meta, _ = napari_get_reader(str(store))(str(store))[0]
+    opened = FakeLayer(data, "D")
+    os.symlink(store, tmp_path / "link.zarr")
+    for output in (store, f"{store}/", tmp_path / "link.zarr", store / "inside.zarr"):
+        settings = RecorderSettings(output=str(output), layout=layout(), backend="cpu", overwrite=True)
+        with pytest.raises(ValueError, match=r"layer 'D' is read from .*D.zarr, and the output .* that store"):
+            Recorder(settings).add_layer(opened)
+    assert {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in store.rglob("*") if p.is_file()} == before
+    settings = RecorderSettings(output=str(tmp_path / "copy.zarr"), layout=layout(), backend="cpu")
+    recorder = Recorder(settings)
+    recorder.add_layer(opened)  # another output: recorded
+    assert recorder.start().join(timeout=60).error is None
+    np.testing.assert_array_equal(read_back(tmp_path / "copy.zarr"), stack)

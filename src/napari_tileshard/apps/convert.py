@@ -62,7 +62,7 @@ from ..reader.levels import open_root
 from ..storage.errors import StoreExistsError
 from ..storage.overwrite import CONVERT_MANIFEST_NAME
 from ..storage.overwrite import OVERWRITE_HINT as _OVERWRITE_HINT
-from ..storage.places import overlap, place_of
+from ..storage.places import overlap, places_read_by
 from ..storage.sinks import DirectorySink, Sink, ZarrStoreSink, byte_views, check_key
 from ..storage.urls import open_sink, resolve_store
 from .verify import verify as verify_store
@@ -730,42 +730,13 @@ def refuse_writing_into_the_source(src, dst) -> None:
     URL or prefix in any spelling, a symlink to it, a parent or a child of it; see
     :func:`~napari_tileshard.storage.places.overlap`), whatever ``overwrite`` says: converting a
     store into itself would replace the data it is reading."""
-    for place in source_places(src):
+    for place in places_read_by(src):
         how = overlap(place, dst)
         if how:
             raise SameLocationError(
                 f"the destination {str(dst)!r} {how} ({place}): a conversion never writes where it reads; "
                 "choose a destination outside the source"
             )
-
-
-def source_places(src) -> list:
-    """Where ``src`` is read from: its path or URL, or for an array-like the stores of the zarr
-    arrays and napari-tileshard readers it is made of (a dask array's graph included)."""
-    if isinstance(src, (str, bytes, os.PathLike)):
-        return [p for p in (place_of(src),) if p is not None]
-    found: list = []
-    seen: set[int] = set()
-    pending = [src]
-    while pending and len(seen) < 10_000:
-        obj = pending.pop()
-        if id(obj) in seen:
-            continue
-        seen.add(id(obj))
-        for attr in ("store", "location"):  # zarr.Array.store; ShardReader/napari-tileshard views' location
-            value = getattr(obj, attr, None)
-            place = place_of(value) if value is not None and not callable(value) else None
-            if place is not None:
-                found.append(place)
-        graph = getattr(obj, "dask", None)  # a dask array: the arrays its tasks read from
-        if graph is not None:
-            with contextlib.suppress(Exception):
-                pending.extend(v for v in dict(graph).values() if hasattr(v, "shape"))
-        for attr in ("reader", "array", "source"):  # wrappers that hold the array they read
-            inner = getattr(obj, attr, None)
-            if inner is not None and hasattr(inner, "shape"):
-                pending.append(inner)
-    return found
 
 
 def _task_failure(epoch: int, future, result) -> BaseException | None:

@@ -34,6 +34,7 @@ from ..format.array_spec import ArraySpec
 from ..format.layout import Layout
 from ..format.pyramid import Pyramid, plan_pyramid
 from ..storage.overwrite import overwrite_refusal
+from ..storage.places import overlap, places_read_by
 from .camera import SyntheticCamera
 
 __all__ = [
@@ -222,6 +223,20 @@ def _same_frame(a: np.ndarray, b: np.ndarray, block_bytes: int = 1 << 20) -> boo
     )
 
 
+def refuse_recording_over_its_source(layer, output) -> None:
+    """ValueError when ``output`` is where ``layer`` reads its frames from (a store opened in
+    napari, recorded into itself with overwrite would be deleted while it is read), in any
+    spelling (:func:`~napari_tileshard.storage.places.overlap`)."""
+    for place in places_read_by(layer):
+        how = overlap(place, output)
+        if how:
+            raise ValueError(
+                f"layer {getattr(layer, 'name', 'layer')!r} is read from {place}, and the output {str(output)!r} "
+                f"{how.replace('the source', 'that store')}: recording there would overwrite the frames being "
+                "recorded; choose another output"
+            )
+
+
 class LayerSource:
     """The frames of an image layer (a napari layer, or anything with ``data`` and ``name``).
 
@@ -378,6 +393,7 @@ class Recorder:
     def add_layer(self, layer, stream: str | None = None) -> LayerSource:
         """Record ``layer`` (into ``stream`` when several are recorded) once started: see
         :class:`LayerSource`.  Raises ValueError naming the layer when its frames don't fit."""
+        refuse_recording_over_its_source(layer, self.settings.output)
         source = LayerSource(self, layer, stream)
         self.sources.append(source)
         return source

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-__all__ = ["Place", "overlap", "place_of"]
+__all__ = ["Place", "overlap", "place_of", "places_read_by"]
 
 # Spellings of one object-store family (the URL forms obstore and fsspec accept for each).
 _FAMILY = {"s3a": "s3", "gcs": "gs", "abfs": "az", "abfss": "az", "azure": "az"}
@@ -129,3 +129,58 @@ def _identities(path: str) -> set[tuple[int, int]]:
         if parent == path:
             return found
         path = parent
+
+
+def places_read_by(source) -> list[Place]:
+    """Where ``source`` is read from: a path or URL itself; for an array-like, the stores of the
+    zarr arrays and napari-tileshard readers it is made of (a dask array's graph, the levels of a
+    multiscale list, a wrapper's ``array``/``reader``) and, for a napari layer, the path it was
+    opened from (``layer.source.path``) and its data's stores."""
+    if isinstance(source, (str, bytes, os.PathLike)):
+        return [p for p in (place_of(source),) if p is not None]
+    found: list[Place] = []
+    seen: set[int] = set()
+    pending = [source]
+    while pending and len(seen) < 10_000:
+        obj = pending.pop()
+        if obj is None or id(obj) in seen or isinstance(obj, (str, bytes, int, float)):
+            continue
+        seen.add(id(obj))
+        for attr in ("store", "location"):  # zarr.Array.store; ShardReader's location
+            value = getattr(obj, attr, None)
+            place = place_of(value) if value is not None and not callable(value) else None
+            if place is not None:
+                found.append(place)
+        opened_from = getattr(getattr(obj, "source", None), "path", None)  # a napari layer
+        if isinstance(opened_from, (str, os.PathLike)):
+            found.extend(p for p in (place_of(opened_from),) if p is not None)
+        graph = getattr(obj, "dask", None)  # a dask array: the arrays its tasks read from
+        if graph is not None:
+            pending.extend(_graph_arrays(graph))
+        for attr in ("reader", "array", "data"):  # wrappers (FirstRows, lazy views, layers)
+            inner = getattr(obj, attr, None)
+            if inner is not None and inner is not obj and (hasattr(inner, "shape") or isinstance(inner, (list, tuple))):
+                pending.append(inner)
+        if isinstance(obj, (list, tuple)) or type(obj).__name__ == "MultiScaleData":  # pyramid levels
+            try:
+                pending.extend(obj)
+            except TypeError:
+                pass
+    return found
+
+
+def _graph_arrays(graph) -> list:
+    """The array-likes held in a dask graph's materialized layers (``from_zarr`` keeps its zarr
+    array there, one entry): never materializes a layer of tasks, which may be millions."""
+    layers = getattr(graph, "layers", None)
+    found: list = []
+    for layer in layers.values() if isinstance(layers, dict) else [graph]:
+        if layers is not None and type(layer).__name__ != "MaterializedLayer":
+            continue
+        try:
+            if len(layer) > 1000:
+                continue
+            found.extend(v for v in dict(layer).values() if hasattr(v, "shape"))
+        except Exception:  # noqa: BLE001 - a layer that cannot be listed names no place
+            continue
+    return found
