@@ -25,6 +25,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # zstd_ceiling, beside this script
+from zstd_ceiling import zstd_ceiling
+
 from napari_tileshard import Dim, Layout, SyntheticCamera, Writer
 
 ENGINES = ("tileshard-gpu", "tileshard-cpu", "tensorstore", "zarr-python", "acquire-zarr")
@@ -246,13 +249,6 @@ def gpu_ceilings(camera, frames, tile, level):
     import gpu_ceiling  # benchmarks/, beside this script (sys.path[0] when run as a script)
 
     return gpu_ceiling.measure(camera, frames, layout_for(camera.shape, tile), level)
-
-
-def zstd_ceiling(camera, tile, level):
-    """libzstd's single-thread rate on the same tiles x cores: the CPU backend's physical limit."""
-    import cpu_stages  # benchmarks/, beside this script
-
-    return cpu_stages.zstd_ceiling(camera, tile, level)
 
 
 def main(argv=None):

@@ -1,4 +1,4 @@
-"""Probes behind the Readback section of docs/benchmarks.md (where a ShardReader's time goes).
+"""Probes behind the Read section of docs/benchmarks.md (where a ShardReader's time goes).
 
 Each subcommand reads an existing recording (``bench_read.py --keep`` writes one, e.g.
 ``/dev/shm/tileshard-read/256k.zarr``) and prints what it measured:

@@ -159,8 +159,11 @@ def test_the_inspector_lists_the_images_and_inspects_the_one_chosen(multi, mda):
     with pytest.raises(ValueError, match="no image 'middle'.*'left' \\(0/\\), 'right' \\(1/\\)"):
         inspect_array(path, image="middle")
     assert [(i.name, i.path) for i in list_images(mda)] == [("A1", "0"), ("B2", "1")]
-    single = path / "0"  # one image alone: nothing to choose
-    assert list_images(single) == []
+    single = path / "0"  # one image alone: listed as that image, which inspect_array takes by name or ""
+    assert [(i.name, i.path) for i in list_images(single)] == [("left", "")]
+    assert inspect_array(single, image="left").shape == inspect_array(single, image="").shape == frames["left"].shape
+    with pytest.raises(ValueError, match="no image 'right' here; this store is one image, 'left'"):
+        inspect_array(single, image="right")
 
 
 def _foreign_collection(root: Path, *, series_list: bool) -> dict[str, np.ndarray]:
@@ -253,8 +256,8 @@ def test_the_inspector_widget_picks_an_image_of_a_collection(make_napari_viewer,
     assert not picker.isHidden() and widget.inspection.shape == frames["left"].shape
     picker.setCurrentIndex(1)
     assert widget.image == "1" and widget.inspection.shape == frames["right"].shape
-    widget.open(str(path / "0"))  # a single image: no picker
-    assert picker.isHidden() and widget.image is None
+    widget.open(str(path / "0"))  # a single image: nothing to pick
+    assert picker.isHidden() and widget.image == "" and widget.inspection.shape == frames["left"].shape
 
 
 @pytest.mark.parametrize("stream_path", [".", "", "../elsewhere", "/abs", "0/../0"])

@@ -298,3 +298,45 @@ def test_closing_the_viewer_waits_for_a_refresh_in_flight(make_napari_viewer, qt
     assert inspector.refreshing
     viewer.close()
     assert not inspector.refreshing  # waited for: nothing emits into the deleted widget later
+
+
+def _recording(tmp_path, frames=6, **writer_options):
+    layout = Layout([Dim("t", 0, 2, 2), Dim("y", 64, 16, 2), Dim("x", 48, 16, 2)], "uint16")
+    path = tmp_path / ("rec.ome.zarr" if writer_options.get("ome") else "rec.zarr")
+    with Writer(path, layout, backend="cpu", **writer_options) as writer:
+        writer.append(SyntheticCamera((64, 48), "uint16", seed=2).stack(frames))
+    return path
+
+
+def test_an_inspection_prints_as_one_short_line(tmp_path):
+    result = inspect_array(_recording(tmp_path, frames=400))
+    text = repr(result)
+    assert len(text) < 300 and "\n" not in text  # the chunk map (200 x 4 x 3 numbers) is summarised, not dumped
+    assert text.startswith("Inspection(shape=(400, 64, 48), shard_shape=(4, 32, 32), chunk_shape=(2, 16, 16)")
+    assert "axis_names=('t', 'y', 'x'), shards=400, chunks=2400, empty_chunks=0, crc_mismatches=0" in text
+
+
+def test_an_array_or_a_single_image_is_listed_as_its_one_image(tmp_path):
+    from napari_tileshard.apps.inspect_shards import list_images
+
+    plain = _recording(tmp_path / "a")
+    ome = _recording(tmp_path / "b", ome=True, image_name="beads")
+    assert [(i.name, i.path, i.error) for i in list_images(plain)] == [("rec", "", None)]
+    assert [(i.name, i.path) for i in list_images(ome)] == [("beads", "")]
+    assert str(list_images(ome)[0]) == "beads"
+    for path, name in ((plain, "rec"), (ome, "beads")):  # what list_images names, inspect_array takes
+        assert inspect_array(path, image=name).shape == inspect_array(path).shape == (6, 64, 48)
+    assert inspect_array(ome).axis_names == ("t", "y", "x")
+
+
+def test_the_inspectors_layers_keep_the_arrays_axis_names(make_napari_viewer, tmp_path):
+    """Alone in a viewer (opened from the recorder, before the data is), the inspector's layers
+    label the sliders with the array's axes: t, not -3."""
+    from napari_tileshard._qt.inspector_widget import InspectorWidget
+
+    viewer = make_napari_viewer()
+    widget = InspectorWidget(viewer)
+    widget.open(str(_recording(tmp_path)))
+    assert tuple(viewer.dims.axis_labels) == ("t", "y", "x")
+    assert tuple(widget._layers["chunk ratio"].axis_labels) == ("t", "y", "x")
+    assert tuple(widget._layers["shard grid"].axis_labels) == ("y", "x")

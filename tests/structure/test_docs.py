@@ -140,3 +140,92 @@ def test_relative_links_reach_a_file_of_the_repository_and_its_heading(doc):
         elif anchor and path.suffix == ".md" and anchor not in anchors(path):
             broken.append(f"{target} (no heading with that anchor in {path.relative_to(ROOT)})")
     assert not broken, f"{doc.relative_to(ROOT)}: " + "; ".join(broken)
+
+
+#: the pages a user reads (the benchmark notebook and history in benchmarks/results/ keep their work notes)
+USER_PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
+#: notes only the people who wrote them can use: tracker numbers, work logs, the device kit, device calls
+INTERNAL_NOTE = re.compile(r"\b(?:issues? \d+|sessions? \d+)|\.kit/|GPU machine, call", re.IGNORECASE)
+BENCHMARKS_MAX_LINES = 300
+
+
+@pytest.mark.parametrize("doc", USER_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_user_pages_carry_no_internal_notes(doc):
+    found = [
+        f"line {number}: {match.group(0)!r}"
+        for number, line in enumerate(doc.read_text(encoding="utf-8").splitlines(), 1)
+        for match in INTERNAL_NOTE.finditer(line)
+    ]
+    assert not found, f"{doc.relative_to(ROOT)}: " + "; ".join(found)
+
+
+def test_the_benchmarks_page_stays_one_table_per_question():
+    lines = (ROOT / "docs" / "benchmarks.md").read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= BENCHMARKS_MAX_LINES, (
+        f"docs/benchmarks.md has {len(lines)} lines (at most {BENCHMARKS_MAX_LINES})"
+    )
+
+
+def _commands(text: str) -> list[str]:
+    """The shell commands of a document's fenced and inline code, continuation lines joined."""
+    text = re.sub(r"\\\n\s*", " ", text)
+    return re.findall(r"(?:^|`)[^`\n]*?\b((?:benchmarks|scripts)/[\w/]+\.(?:py|sh)\b[^`\n#]*)", text, re.M)
+
+
+@pytest.mark.parametrize("doc", USER_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_benchmark_commands_name_scripts_and_options_that_exist(doc):
+    bad = []
+    for command in _commands(doc.read_text(encoding="utf-8")):
+        script = ROOT / command.split()[0]
+        if not script.exists():
+            bad.append(f"{command.split()[0]} (no such script)")
+            continue
+        source = script.read_text(encoding="utf-8")
+        bad += [
+            f"{script.name} {flag} (no such option)"
+            for flag in re.findall(r"\s(--[\w-]+)", command)
+            if f'"{flag}"' not in source and script.suffix == ".py"
+        ]
+    assert not bad, f"{doc.relative_to(ROOT)}: " + "; ".join(bad)
+
+
+def test_api_md_names_every_public_name():
+    import napari_tileshard
+    from napari_tileshard.apps import inspect_shards
+
+    api = (ROOT / "docs" / "api.md").read_text(encoding="utf-8")
+    public = [*napari_tileshard.__all__, "inspect_array", "list_images", "Inspection", "ShardInfo", "ImageEntry"]
+    assert set(public[-5:]) <= set(inspect_shards.__all__)
+    missing = [name for name in public if not re.search(rf"`[^`]*\b{re.escape(name)}\b[^`]*`", api)]
+    assert not missing, f"docs/api.md never names {missing}"
+
+
+def test_the_memory_defaults_are_stated_as_the_code_has_them():
+    """README and api.md say the GPU backend's default budget in the same words, from its constants."""
+    from napari_tileshard.engine.backends.gpu import GpuBackend as gpu
+
+    def gib(n: int) -> str:
+        return f"{n >> 30} GiB"
+
+    part = {0.125: "an eighth", 0.25: "a quarter", 0.5: "half"}
+    expected = [
+        f"{gib(gpu.DEFAULT_MAX_DEVICE_BYTES)} device (at most {part[gpu.DEFAULT_DEVICE_FRACTION]} of the free "
+        f"device memory) and {gib(gpu.DEFAULT_MAX_HOST_BYTES)} pinned",
+        f"at least {gib(gpu.LARGE_DEVICE_FREE)} free in a host with at least {gib(gpu.LARGE_HOST_RAM)} of RAM",
+        f"up to {gib(gpu.LARGE_MAX_DEVICE_BYTES)} device ({part[gpu.LARGE_DEVICE_FRACTION]} the free memory) "
+        f"and {gib(gpu.LARGE_MAX_HOST_BYTES)} pinned",
+        f"pinned memory never more than {part[gpu.DEFAULT_HOST_FRACTION]} of the RAM",
+    ]
+    for doc in ("README.md", "docs/api.md", "docs/benchmarks.md"):
+        text = " ".join((ROOT / doc).read_text(encoding="utf-8").split())
+        assert all(phrase in text for phrase in expected), f"{doc}: {[p for p in expected if p not in text]}"
+
+
+def test_the_readme_mda_example_attaches_the_sink_so_its_overflow_stop_can_land():
+    """api.md: only ``sink.attach(core)`` hands frames over on the MDA thread and lets the sink stop
+    an MDA it cannot keep up with; the README's example must be the one that works."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme[readme.index("## Record from Micro-Manager") :]
+    example = section[section.index("```python") : section.index("```\n", section.index("```python") + 9)]
+    assert "sink.attach(core)" in example and "output=sink" not in example
+    assert "sink.attach(core)" in (ROOT / "docs" / "api.md").read_text(encoding="utf-8")

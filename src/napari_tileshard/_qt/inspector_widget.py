@@ -135,8 +135,8 @@ class InspectorWidget(QWidget):
         picker.addWidget(self.image_label)
         picker.addWidget(self.image_picker, 1)
         layout.addLayout(picker)
-        self.images: list[ImageEntry] = []  # the collection's images; empty for an array or one image
-        self.image: str | None = None  # the path of the image shown, in a collection
+        self.images: list[ImageEntry] = []  # the store's images (one for an array or a single image)
+        self.image: str | None = None  # the path of the image shown ("" for the store's root)
         self._show_picker(False)
         toggles = QHBoxLayout()
         self.shard_grid = QCheckBox("shard grid")
@@ -225,7 +225,7 @@ class InspectorWidget(QWidget):
         at = next((k for k, entry in enumerate(images) if entry.path == self.image), -1)
         self.image_picker.setCurrentIndex(at)
         self.image_picker.blockSignals(False)
-        self._show_picker(bool(images))
+        self._show_picker(len(images) > 1 or any(entry.path for entry in images))  # a collection's
 
     def _show_picker(self, visible: bool) -> None:
         self.image_label.setVisible(visible)
@@ -328,15 +328,17 @@ class InspectorWidget(QWidget):
     def _show(self, result: Inspection) -> None:
         name = Path(self.path or "").name
         picked = next((entry for entry in self.images if entry.path == self.image), None)
-        if picked is not None:
+        if picked is not None and picked.path:  # an image of a collection
             name = f"{name} {picked.name}"
         plane = result.shape[-2:]
+        labels = result.axis_names[-2:] if result.axis_names else None
         self._replace_shapes(
             "shard grid",
             (plane, result.shard_shape[-2:]),
             edge_color="yellow",
             edge_width=max(1, plane[-1] // 300),
             name=name,
+            axis_labels=labels,
         )
         self._replace_shapes(
             "tile grid",
@@ -344,6 +346,7 @@ class InspectorWidget(QWidget):
             edge_color="cyan",
             edge_width=max(1, plane[-1] // 1000),
             name=name,
+            axis_labels=labels,
         )
         self._show_ratio(result, name)
         # Rows whose text is unchanged keep their items: a live refresh of a growing recording
@@ -386,11 +389,16 @@ class InspectorWidget(QWidget):
         data = levels if len(levels) > 1 else levels[0]
         finite = ratio[np.isfinite(ratio)]
         limits = (float(finite.min()), float(max(finite.max(), finite.min() + 1e-3))) if finite.size else (0.0, 1.0)
+        # The array's axis names, so that the viewer's sliders keep them (t, not -3) where the
+        # inspector's layers are the only ones, or come before the data's.
+        labels = {"axis_labels": result.axis_names} if result.axis_names else {}
         key = "chunk ratio"
         layer = self._layers.get(key)
         if layer is not None and layer in self.viewer.layers and layer.multiscale == (len(levels) > 1):
             layer.data = data
             layer.contrast_limits = limits
+            if labels and tuple(layer.axis_labels) != tuple(result.axis_names or ()):
+                layer.axis_labels = labels["axis_labels"]
             return
         if layer is not None and layer in self.viewer.layers:
             self.viewer.layers.remove(layer)
@@ -403,6 +411,7 @@ class InspectorWidget(QWidget):
             opacity=0.5,
             blending="translucent",
             metadata={OWN_LAYER_KEY: "inspector"},
+            **labels,
         )
         layer.colorbar.visible = True
         self._layers[key] = layer
@@ -464,12 +473,12 @@ class InspectorWidget(QWidget):
         worker.start()
         return worker
 
-    def _replace_shapes(self, key, grid, edge_color, edge_width, name):
+    def _replace_shapes(self, key, grid, edge_color, edge_width, name, axis_labels=None):
         """The grid ``(plane, cell)`` as a Shapes layer; kept as it is when a refresh gives the same
         grid (a recording grows along the append dim only): re-adding layers stalls the GUI."""
         visible = (self.shard_grid if key == "shard grid" else self.tile_grid).isChecked()
         present = key in self._layers and self._layers[key] in self.viewer.layers
-        signature = (tuple(grid[0]), tuple(grid[1]), name)
+        signature = (tuple(grid[0]), tuple(grid[1]), name, axis_labels)
         if present and self._grids.get(key) == signature:
             return
         if present:
@@ -484,6 +493,7 @@ class InspectorWidget(QWidget):
             name=f"{key}: {name}",
             visible=visible,
             metadata={OWN_LAYER_KEY: "inspector"},
+            **({"axis_labels": axis_labels} if axis_labels else {}),
         )
 
     def _set_visible(self, key, on) -> None:
@@ -523,6 +533,7 @@ class InspectorWidget(QWidget):
                 face_color="transparent",
                 edge_width=4,
                 name="selected shard",
+                **({"axis_labels": result.axis_names[-2:]} if result.axis_names else {}),
             )
         # napari 0.9 moved the camera to viewer.scene (viewer.camera warns); older releases lack it.
         camera = getattr(self.viewer, "scene", self.viewer).camera

@@ -29,6 +29,7 @@ from ..storage.overwrite import OVERWRITE_HINT as _OVERWRITE_HINT
 from ..storage.sinks import check_store_path
 from .camera import SyntheticCamera
 from .convert import ConvertInterrupted, ResumeMismatch, convert
+from .units import data_size, plural
 from .verify import missing_store, verify
 
 __all__ = ["FAILURE", "USAGE_ERROR", "build_layout", "convert_command", "gui", "main", "record"]
@@ -448,7 +449,7 @@ def _interrupted_summary(exc) -> str:
         return f"interrupted after all {report.epochs} shard epochs were converted into {report.destination}"
     return (
         f"interrupted: {report.epochs_done} of {report.epochs} shard epochs are done ({report.epochs_written} by "
-        f"this run: {report.shards} shards, {report.bytes_in / 1e9:.3f} GB in {report.seconds:.2f} s); "
+        f"this run: {plural(report.shards, 'shard')}, {data_size(report.bytes_in)} in {report.seconds:.2f} s); "
         f"{report.destination} claims its first {report.rows_claimed} of {report.rows} rows"
     )
 
@@ -532,8 +533,8 @@ def convert_command(args) -> int:
     else:
         ratio = f", compression ratio {report.compression_ratio:.2f}" if report.bytes_out else ""
         print(
-            f"converted into {report.destination}: {report.bytes_in / 1e9:.3f} GB in {report.seconds:.2f} s, "
-            f"{report.gbps:.2f} GB/s{ratio}, {report.shards} shards"
+            f"converted into {report.destination}: {data_size(report.bytes_in)} in {report.seconds:.2f} s, "
+            f"{data_size(report.gbps * 1e9)}/s{ratio}, {plural(report.shards, 'shard')}"
             + (f" ({report.epochs_skipped} shard epochs were already done)" if report.epochs_skipped else "")
         )
     if report.verified is not None:
@@ -644,13 +645,7 @@ def record(args) -> int:
             signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
     stats = writer.stats
     elapsed = time.perf_counter() - start
-    print(
-        f"recorded {stats.frames} frames ({stats.bytes_in / 1e9:.2f} GB) to {writer.location} in {elapsed:.2f} s: "
-        f"{stats.bytes_in / elapsed / 1e9:.2f} GB/s, compression ratio {stats.compression_ratio:.2f}, "
-        f"{stats.shards_written} shards, backend {stats.backend}"
-        + (f", {writer.pyramid.levels} pyramid levels" if args.ome else "")
-        + (" (interrupted)" if interrupted else "")
-    )
+    print(_recorded(stats, writer.location, elapsed, writer.pyramid.levels) + (" (interrupted)" if interrupted else ""))
     unwritten = _unwritten(layout, stats.frames, array_metadata(layout, args.codec, args.level, 0)["fill_value"])
     if unwritten:
         print(unwritten)
@@ -690,6 +685,20 @@ def _raise_interrupted(signum, frame):
 
 def _raise_keyboard_interrupt(signum, frame):
     raise KeyboardInterrupt
+
+
+def _recorded(stats, location, elapsed: float, levels: int) -> str:
+    """The record command's summary line.  The compression ratio is the full-resolution array's
+    (what the codec does to the data); an OME pyramid's levels are counted apart."""
+    shards = f"{plural(stats.shards_written, 'shard')} ({data_size(stats.full_resolution_bytes_out)}"
+    if levels > 1:
+        shards += f" + {data_size(stats.pyramid_bytes_out)} of pyramid levels 1-{levels - 1}"
+    return (
+        f"recorded {plural(stats.frames, 'frame')} ({data_size(stats.bytes_in)}) to {location} in {elapsed:.2f} s: "
+        f"{data_size(stats.bytes_in / elapsed if elapsed > 0 else 0)}/s, compression ratio "
+        f"{stats.compression_ratio:.2f}{' (full resolution)' if levels > 1 else ''}, {shards}), "
+        f"backend {stats.backend}" + (f", {levels} pyramid levels" if levels > 1 else "")
+    )
 
 
 def _claimed(writer: Writer | None) -> str:

@@ -7,7 +7,8 @@ The result is a per-chunk map of compressed bytes on the chunk (tile) grid, with
 chunks (index ``2^64-1``), and a table of shards with their index CRC status.
 
 A collection (``bioformats2raw.layout``) holds several images: :func:`list_images` names them and
-``inspect_array(path, image=...)`` inspects one (level 0, as for a single OME-Zarr image).
+``inspect_array(path, image=...)`` inspects one (level 0, as for a single OME-Zarr image); an array
+or a single image is listed as its one image.
 
 The store is untrusted: metadata is read through :mod:`napari_tileshard.storage.safe_read`, shard keys
 are listed without following symlinks (entries pointing out of the store are noted, never read),
@@ -21,12 +22,15 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
+import zarr
 
 from ..format import EMPTY
+from ..format.ome import image_axes, image_name
 from ..format.shard_spec import ShardSpec, UnsupportedArray
 from ..reader.collection import CollectionImage, images_of
 from ..reader.levels import open_level0
 from ..storage.safe_read import StoreAccess, UnsafeStoreError
+from .napari_reader import store_title
 
 __all__ = [
     "EMPTY_CHUNK",
@@ -72,6 +76,19 @@ class Inspection:
     #: where the inspected array sits in the store ("" for an array, "0" for an image's level 0,
     #: "1/0" in a collection): ``f"{array_path}/{shard.key}"`` is the key verify reports
     array_path: str = ""
+    #: the array's axis names (``dimension_names``, else the OME axes), or None where it has none
+    axis_names: tuple[str, ...] | None = None
+
+    def __repr__(self) -> str:
+        # The chunk map holds one number per chunk (thousands): the default repr printed it whole.
+        empty = int((self.chunk_bytes == EMPTY_CHUNK).sum())
+        mismatches = sum(not shard.crc_ok for shard in self.shards)
+        where = f", array_path={self.array_path!r}" if self.array_path else ""
+        return (
+            f"Inspection(shape={self.shape}, shard_shape={self.shard_shape}, chunk_shape={self.chunk_shape}, "
+            f"axis_names={self.axis_names}, shards={len(self.shards)}, chunks={self.chunk_bytes.size - empty}, "
+            f"empty_chunks={empty}, crc_mismatches={mismatches}, bytes_read={self.bytes_read}{where})"
+        )
 
     @property
     def covered_shape(self) -> tuple[int, ...]:
@@ -195,15 +212,26 @@ class ImageEntry:
     error: str | None = None
 
     def __str__(self):
-        return f"{self.name} ({self.path}/)" + (f": {self.error}" if self.error else "")
+        where = f" ({self.path}/)" if self.path else ""
+        return f"{self.name}{where}" + (f": {self.error}" if self.error else "")
 
 
 def list_images(path) -> list[ImageEntry]:
-    """The images of the collection at ``path`` (a path, URL or zarr Store), in its order; empty
-    for an array or a single OME-Zarr image (nothing to choose)."""
+    """The images at ``path`` (a path, URL or zarr Store) that :func:`inspect_array` takes as
+    ``image``: a collection's, in its order, or the one image of an array or a single OME-Zarr
+    image (its own name, else the store's; path ``""``, the store's root)."""
     access = StoreAccess(path)
-    images = images_of(access, access.open_node(""))
-    return [ImageEntry(i.name, i.path, i.error) for i in images or ()]
+    root = access.open_node("")
+    images = images_of(access, root)
+    if images is not None:
+        return [ImageEntry(i.name, i.path, i.error) for i in images]
+    return [_single_image(access, root)]
+
+
+def _single_image(access: StoreAccess, root) -> ImageEntry:
+    """The entry of an array or a single OME-Zarr image: its own name, else the store's."""
+    attributes = dict(root.attrs) if isinstance(root, zarr.Group) else {}
+    return ImageEntry(image_name(attributes) or store_title(access.location), "")
 
 
 def _choose(images: list[CollectionImage], image: str | None, path) -> CollectionImage:
@@ -223,13 +251,32 @@ def _choose(images: list[CollectionImage], image: str | None, path) -> Collectio
 
 
 def _level0(access: StoreAccess, image: str | None):
-    """Level 0 of the array, OME-Zarr image or collection image at ``access``'s root."""
-    images = images_of(access, access.open_node(""))
+    """``(level 0, the image group's attributes)`` of the array, OME-Zarr image or collection
+    image at ``access``'s root."""
+    root = access.open_node("")
+    images = images_of(access, root)
     if images is not None:
-        return _choose(images, image, access.location).levels[0]  # type: ignore[index]
+        chosen = _choose(images, image, access.location)
+        return chosen.levels[0], chosen.attributes  # type: ignore[index]
     if image is not None:
-        raise ValueError(f"{access.location}: image={image!r} names an image of a collection, and this is none")
-    return open_level0(access)
+        single = _single_image(access, root)
+        if image not in (single.name, single.path):
+            raise ValueError(
+                f"{access.location}: no image {image!r} here; this store is one image, {single.name!r} "
+                f'(image={single.name!r} or image="")'
+            )
+    return open_level0(access), dict(root.attrs) if isinstance(root, zarr.Group) else {}
+
+
+def _axis_names(array, attributes: dict) -> tuple[str, ...] | None:
+    """The array's ``dimension_names`` where every axis has one, else its OME image's axes."""
+    names = array.metadata.dimension_names if array.metadata.zarr_format == 3 else None
+    if names and len(names) == array.ndim and all(names):
+        return tuple(str(n) for n in names)
+    axes = image_axes(attributes)
+    if axes and len(axes) == array.ndim:
+        return tuple(axis["name"] for axis in axes)
+    return None
 
 
 def inspect_array(path, previous: Inspection | None = None, image: str | None = None) -> Inspection:
@@ -244,10 +291,11 @@ def inspect_array(path, previous: Inspection | None = None, image: str | None = 
     else, and every shard when the array's geometry changed, is read as without ``previous``.
     """
     access = StoreAccess(path)
-    array = _level0(access, image)
+    array, attributes = _level0(access, image)
+    names = _axis_names(array, attributes)
     meta = array.metadata.to_dict()
     if not any(isinstance(c, dict) and c.get("name") == "sharding_indexed" for c in meta.get("codecs", [])):
-        return _inspect_unsharded(access, array, meta)
+        return _inspect_unsharded(access, array, meta, names)
     try:  # any inner codec: only the indexes are read
         spec = ShardSpec.from_metadata(meta, opaque=True)
     except UnsupportedArray as exc:
@@ -266,7 +314,14 @@ def inspect_array(path, previous: Inspection | None = None, image: str | None = 
     shards, notes = _shard_keys(access, base, len(shape), "c" if in_c else "", spec.separator)
     chunk_bytes, note = _chunk_map(grid, per_shard, [coords for _, coords in shards], path)
     result = Inspection(
-        shape, shard_shape, chunk_shape, chunk_bytes, spec.chunk_bytes, notes=notes + note, array_path=prefix
+        shape,
+        shard_shape,
+        chunk_shape,
+        chunk_bytes,
+        spec.chunk_bytes,
+        notes=notes + note,
+        array_path=prefix,
+        axis_names=names,
     )
     known = _reusable(previous, result)
     for key, coords in shards:
@@ -386,7 +441,7 @@ def _chunk_map(grid, per_shard, coords, path) -> tuple[np.ndarray, list[str]]:
     return np.full(tuple(extent), EMPTY_CHUNK, dtype=np.int64), notes
 
 
-def _inspect_unsharded(access, array, meta) -> Inspection:
+def _inspect_unsharded(access, array, meta, names) -> Inspection:
     """Unsharded (or Zarr v2) arrays: the chunk grid and each chunk object's size, no data read."""
     shape = tuple(array.shape)
     chunk_shape = tuple(array.chunks)
@@ -408,6 +463,7 @@ def _inspect_unsharded(access, array, meta) -> Inspection:
         math.prod(chunk_shape) * np.dtype(array.dtype).itemsize,
         notes=notes + note,
         array_path=prefix,
+        axis_names=names,
     )
     for key, coords in objects:
         try:

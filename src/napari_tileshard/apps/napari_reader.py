@@ -33,17 +33,21 @@ from ..storage.object_store import is_object_store_url
 from ..storage.safe_read import StoreAccess, read_local_metadata, recording_state
 
 __all__ = [
+    "CONTRAST_PERCENTILES",
+    "CONTRAST_PLANE_PIXELS",
     "FirstRows",
     "MAX_CHANNEL_LAYERS",
     "MAX_DISPLAY_SLICE_BYTES",
     "NAPARI_CACHE_BYTES",
     "READ_AHEAD_MIN_CPUS",
     "check_displayable",
+    "contrast_limits",
     "fast_array",
     "napari_get_reader",
     "open_lazy",
     "read_ahead_setting",
     "read_zarr",
+    "store_title",
     "written_rows",
 ]
 
@@ -228,6 +232,7 @@ def read_zarr(path):
         if not shown:
             del meta["multiscale"]
             return [(_empty_like(levels[0]), meta, "image")]
+        _set_contrast_limits(meta, _display_level(shown))
         return [(shown, meta, "image")]
     if isinstance(root, zarr.Group):  # not OME: its first array
         array, names, note = _open_lazy(access)
@@ -246,6 +251,7 @@ def read_zarr(path):
         meta["metadata"]["unwritten_rows"] = note
     if 0 in array.shape:
         return [(_empty_like(array), meta, "image")]
+    _set_contrast_limits(meta, array)
     return [(array, meta, "image")]
 
 
@@ -332,6 +338,61 @@ def _axis_units(group):
     return [unit or "pixel" for unit in units]
 
 
+#: percentiles of the first plane napari shows that become a layer's contrast limits: a few very
+#: bright pixels (beads, hot pixels) saturate instead of leaving the rest of the image near black,
+#: which is what the plane's minimum and maximum (napari's choice for lazy data) did to the
+#: synthetic camera's frames
+CONTRAST_PERCENTILES = (0.1, 99.9)
+#: the most pixels of the plane the contrast limits are taken from (a pyramid: its finest level
+#: whose planes are no larger)
+CONTRAST_PLANE_PIXELS = 1 << 20
+
+
+def contrast_limits(data, fixed: dict[int, int] | None = None) -> list[float] | None:
+    """Contrast limits for ``data`` (a lazy array of rank >= 2) from the plane napari shows first
+    (the middle of every slider; ``fixed``: axis -> index for axes held elsewhere, a channel's),
+    at :data:`CONTRAST_PERCENTILES`; None where the plane has no finite value or cannot be read.
+
+    napari sets the limits of lazy data from the minimum and maximum of the first plane it
+    draws, and its dtype's whole range until then, as its own readers do for arrays in memory:
+    one plane is read here instead (napari's reader gets it from the chunk cache afterwards)."""
+    import numpy as np
+
+    shape = tuple(data.shape)
+    if len(shape) < 2 or 0 in shape:
+        return None
+    fixed = fixed or {}
+    index = tuple(fixed.get(axis, (size - 1) // 2) for axis, size in enumerate(shape[:-2]))
+    try:
+        plane = np.asarray(data[index])
+    except Exception:  # noqa: BLE001 - napari's own choice then: the limits follow the first plane drawn
+        log.debug("no contrast limits from %r", data, exc_info=True)
+        return None
+    step = max(1, int((plane.size / CONTRAST_PLANE_PIXELS) ** 0.5))
+    values = plane[::step, ::step].ravel()
+    if values.dtype.kind == "f":
+        values = values[np.isfinite(values)]
+    if values.size == 0 or values.dtype.kind not in "uif":
+        return None
+    low, high = (float(v) for v in np.percentile(values, CONTRAST_PERCENTILES))
+    if high <= low:  # a flat plane: a window around its value
+        low, high = float(values.min()), float(values.max())
+        high = high if high > low else low + 1
+    return [low, high]
+
+
+def _display_level(levels: list):
+    """The finest level of a pyramid whose planes hold at most CONTRAST_PLANE_PIXELS pixels."""
+    import math
+
+    return next((level for level in levels if math.prod(level.shape[-2:]) <= CONTRAST_PLANE_PIXELS), levels[-1])
+
+
+def _set_contrast_limits(meta: dict, data) -> None:
+    if "contrast_limits" not in meta and (limits := contrast_limits(data)) is not None:
+        meta["contrast_limits"] = limits
+
+
 def _meta(path, names):
     name = Path(path).stem if isinstance(path, Path) else Path(path.split("://", 1)[1].rstrip("/")).stem
     meta = {"name": name, "metadata": {"path": str(path)}}
@@ -356,7 +417,7 @@ MAX_CHANNEL_LAYERS = 32
 def _read_collection(path, images: list[CollectionImage]) -> list:
     """One layer per image of the collection at ``path`` (per channel where the image has a channel
     axis), each read as :func:`read_zarr` reads the image alone."""
-    title = _store_title(path)
+    title = store_title(path)
     layers = []
     for image in images:
         if not image.ok:
@@ -377,7 +438,7 @@ def _child(path, key: str):
     return f"{str(path).rstrip('/')}/{key}" if _is_object_url(path) else Path(path) / key
 
 
-def _store_title(path) -> str:
+def store_title(path) -> str:
     """``run.ome.zarr`` -> ``run``: what a layer of an unnamed image is called."""
     name = str(path).rstrip("/").rsplit("/", 1)[-1]
     for suffix in (".zarr", ".ome"):
@@ -409,7 +470,11 @@ def _split_channels(data, meta: dict, attributes: dict) -> dict:
             del values[axis]
             split[key] = [values] * count
     split["metadata"] = [dict(meta["metadata"], channel=label) for label in labels]
-    windows = [_window(c, level0.dtype) for c in channels]
+    # Each channel's window from omero, else from its own first plane (not the middle channel's,
+    # which the image's limits were taken from).
+    shown = _display_level(data) if meta.get("multiscale") else data
+    windows = [_window(c, level0.dtype) or contrast_limits(shown, {axis: k}) for k, c in enumerate(channels)]
+    split.pop("contrast_limits", None)
     if all(w is not None for w in windows):
         split["contrast_limits"] = windows
     colors = [color for color in map(_color, channels) if color is not None]

@@ -3,7 +3,7 @@
 During a recording the preview shows only the rows whose shard epochs are complete, as dask
 arrays over the store.  They must stay lazy: napari's multiscale slicing crops the displayed dims
 over *every* row of a level before picking the current one, so an eager array here would read
-the whole recording on each draw (docs/benchmarks.md, "GUI responsiveness while recording").
+the whole recording on each draw (docs/benchmarks.md, "The GUI while recording").
 
 The newest frame of each level is read back on a reader thread (:func:`read_newest`; row 0 too,
 once: :func:`read_first`) and stands in for its row (:class:`RecentFrames`), so the GUI thread does

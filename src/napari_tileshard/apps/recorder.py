@@ -157,7 +157,8 @@ class RecorderStats:
     dropped: int = 0
     queue_depth: int = 0
     bytes_in: int = 0
-    bytes_out: int = 0
+    bytes_out: int = 0  # every shard written, an OME pyramid's levels included
+    pyramid_bytes_out: int = 0  # of those, the pyramid levels' (1, 2, ...)
     shards_written: int = 0
     rows_complete: int = 0
     elapsed_s: float = 0.0
@@ -181,7 +182,9 @@ class RecorderStats:
 
     @property
     def compression_ratio(self) -> float:
-        return self.bytes_in / self.bytes_out if self.bytes_out else float("nan")
+        """Of the full-resolution data, as :attr:`WriterStats.compression_ratio`."""
+        stored = self.bytes_out - self.pyramid_bytes_out
+        return self.bytes_in / stored if stored else float("nan")
 
 
 class RecentRecordings:
@@ -519,6 +522,7 @@ class Recorder:
             every = list(self.multi.stats.values()) if self.multi is not None else [self.writer.stats]
             stats.bytes_in = sum(w.bytes_in for w in every)
             stats.bytes_out = sum(w.bytes_out for w in every)
+            stats.pyramid_bytes_out = sum(w.pyramid_bytes_out for w in every)
             stats.shards_written = sum(w.shards_written for w in every)
             rows = self.writer.stats.rows_complete  # the first stream's: what the preview shows
             if rows != stats.rows_complete:

@@ -18,6 +18,7 @@ import numpy as np
 from ..engine.writer import estimate_memory
 from ..format.layout import Dim, Layout, TilingWarning, is_valid_name
 from .recorder import RecorderSettings
+from .units import memory_size
 
 __all__ = [
     "COLUMNS",
@@ -34,7 +35,6 @@ __all__ = [
     "proposed_tiling",
     "rows_for_frames",
     "rows_for_layer",
-    "size_text",
 ]
 
 SYNTHETIC = "synthetic"
@@ -203,17 +203,9 @@ def figures(settings: RecorderSettings) -> str:
     memory = estimate_memory(layout, pyramid=pyramid)
     levels = f" · {pyramid.levels} pyramid levels, smallest {pyramid.layouts[-1].shape[-2:]}" if settings.ome else ""
     return (
-        f"tile {size_text(layout.tile_bytes)} · shard {size_text(shard_bytes)} ({layout.chunks_per_shard} tiles) · "
+        f"tile {memory_size(layout.tile_bytes)} · shard {memory_size(shard_bytes)} ({layout.chunks_per_shard} tiles) · "
         f"{layout.tiles_per_epoch} tiles and {layout.inner_shard_count} shards per epoch "
-        f"({size_text(layout.epoch_bytes)}) · {files_per_gb:,.1f} files/GB{levels} · "
-        f"host ≈ {size_text(memory['cpu_host'])} (CPU backend) or {size_text(memory['gpu_host'])} + "
-        f"GPU ≈ {size_text(memory['gpu_device'])} (GPU backend)"
+        f"({memory_size(layout.epoch_bytes)}) · {files_per_gb:,.1f} files/GB{levels} · "
+        f"host ≈ {memory_size(memory['cpu_host'])} (CPU backend) or {memory_size(memory['gpu_host'])} + "
+        f"GPU ≈ {memory_size(memory['gpu_device'])} (GPU backend)"
     )
-
-
-def size_text(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"

@@ -46,6 +46,7 @@ from ..reader.plan import DEFAULT_GAP_BYTES, pack_runs
 from ..reader.settings import reader_setting, workers_setting
 from ..storage.safe_read import StoreAccess, UnsafeStoreError, recording_state
 from ..storage.sinks import check_store_path
+from .units import plural
 
 __all__ = [
     "MAX_DECODED_TILE_BYTES",
@@ -75,10 +76,6 @@ class Problem:
         return f"{where}: {self.message}"
 
 
-def _plural(count: int, word: str) -> str:
-    return f"{count} {word}{'s' * (count != 1)}"
-
-
 @dataclass
 class ImageReport:
     """What was checked of one image of a collection (its problems are in the report's list, under
@@ -93,8 +90,8 @@ class ImageReport:
 
     def __str__(self):
         return (
-            f"image {self.name!r} ({self.path}/): {_plural(self.levels, 'level')}, {_plural(self.shards, 'shard')}, "
-            f"{_plural(self.chunks, 'chunk')}, {_plural(self.problems, 'problem')}"
+            f"image {self.name!r} ({self.path}/): {plural(self.levels, 'level')}, {plural(self.shards, 'shard')}, "
+            f"{plural(self.chunks, 'chunk')}, {plural(self.problems, 'problem')}"
         )
 
 
@@ -122,10 +119,14 @@ class VerifyReport:
 
     def __str__(self):
         count = len(self.problems)
-        what = f"a collection of {_plural(len(self.images), 'image')}, " if self.images else ""
-        head = f"{self.path}: {what}{self.shards} shards, {self.chunks} chunks checked, {_plural(count, 'problem')}"
+        what = f"a collection of {plural(len(self.images), 'image')}, " if self.images else ""
+        head = (
+            f"{self.path}: {what}{plural(self.shards, 'shard')}, {plural(self.chunks, 'chunk')} checked, "
+            f"{plural(count, 'problem')}"
+        )
         if self.unpublished:
-            head += f" ({len(self.unpublished)} shards past shape[0] ignored: written after the last published epoch)"
+            ignored = plural(len(self.unpublished), "shard")
+            head += f" ({ignored} past shape[0] ignored: written after the last published epoch)"
         lines = [head] + [f"  {image}" for image in self.images] + [f"  {p}" for p in self.problems]
         return "\n".join(lines + [f"  note: {n}" for n in self.notes])
 

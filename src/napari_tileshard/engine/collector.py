@@ -70,7 +70,7 @@ class Collector:
         batch_epochs: int,
         failed: Callable[[], BaseException | None],
         on_error: Callable[[BaseException], None],
-        on_shard: Callable[[int], None],
+        on_shard: Callable[[int, int], None],
     ):
         self._backend = backend
         self._pyramid = pyramid
@@ -79,7 +79,7 @@ class Collector:
         self._publisher = publisher
         self._failed = failed
         self._on_error = on_error
-        self._on_shard = on_shard  # bytes of each shard written (statistics)
+        self._on_shard = on_shard  # (pyramid level, bytes) of each shard written: statistics
         layout = pyramid.layouts[0]
         self._row_bytes = layout.row_elements * layout.itemsize
         self._accumulators = [ShardAccumulator(lay) for lay in pyramid.layouts]
@@ -301,10 +301,10 @@ class Collector:
                 for k, shard in shards
             ]
         )
-        for future, (_, shard) in zip(futures, shards, strict=True):  # statistics before publication
-            future.add_done_callback(functools.partial(self._written, shard.nbytes))
+        for future, (level, shard) in zip(futures, shards, strict=True):  # statistics before publication
+            future.add_done_callback(functools.partial(self._written, level, shard.nbytes))
         self._publisher.track(futures, rows)
 
-    def _written(self, nbytes: int, future) -> None:
+    def _written(self, level: int, nbytes: int, future) -> None:
         if future.exception() is None:
-            self._on_shard(nbytes)
+            self._on_shard(level, nbytes)

@@ -87,7 +87,8 @@ class WriterStats:
     backend: str
     frames: int = 0
     bytes_in: int = 0
-    bytes_out: int = 0
+    bytes_out: int = 0  # every shard written, pyramid levels included: what the store holds
+    pyramid_bytes_out: int = 0  # of those, the shards of pyramid levels 1, 2, ... (OME-Zarr)
     shards_written: int = 0
     elapsed_s: float = 0.0
     rows_complete: int = 0  # rows along dim 0 whose shards are all on disk
@@ -105,8 +106,17 @@ class WriterStats:
     io_timeouts: int = 0  # shard writes that got no answer within io_timeout
 
     @property
+    def full_resolution_bytes_out(self) -> int:
+        """Bytes of the full-resolution array's shards (level 0): ``bytes_out`` less the pyramid's."""
+        return self.bytes_out - self.pyramid_bytes_out
+
+    @property
     def compression_ratio(self) -> float:
-        return self.bytes_in / self.bytes_out if self.bytes_out else float("nan")
+        """Input bytes over the full-resolution array's stored bytes: the codec's ratio on the data.
+        An OME pyramid's levels (about a third more pixels) are stored on top, in
+        ``pyramid_bytes_out``, and left out here: the ratio means the same with and without it."""
+        stored = self.full_resolution_bytes_out
+        return self.bytes_in / stored if stored else float("nan")
 
     @property
     def throughput_gbps(self) -> float:
@@ -803,9 +813,11 @@ class Writer:
         stats.replaced_workers = io.replaced
         stats.dropped_writes, stats.io_timeouts = io.dropped, io.timeouts
 
-    def _shard_written(self, nbytes: int) -> None:
+    def _shard_written(self, level: int, nbytes: int) -> None:
         with self._stats_lock:
             self.stats.bytes_out += nbytes
+            if level:
+                self.stats.pyramid_bytes_out += nbytes
             self.stats.shards_written += 1
 
     def _published(self, rows: int) -> None:

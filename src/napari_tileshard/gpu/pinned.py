@@ -3,7 +3,7 @@
 Arming a GPU recording used to be mostly pinning: ``cudaHostAlloc`` pins about 1.5 GiB/s on the
 H100 machine, while anonymous pages with transparent huge pages advised, touched, then
 ``cudaHostRegister``'ed pin about 3.3 GiB/s there (``benchmarks/pinning.py``,
-docs/benchmarks.md): the kernel hands out and locks 2 MiB pages instead of 4 KiB ones.  So
+benchmarks/results/notebook-2026-11.md): the kernel hands out and locks 2 MiB pages instead of 4 KiB ones.  So
 :func:`pin` maps and registers its own memory, and falls back to ``cudaHostAlloc`` where
 registering is refused.  CuPy is imported only when memory is pinned.
 """

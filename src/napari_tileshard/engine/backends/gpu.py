@@ -204,8 +204,9 @@ class GpuBackend(Backend):
     estimate_holds_shards = True  # shards are views into the pinned output buffers it counts
     #: overrides the batch size heuristic (tests set it small so each Writer stays cheap)
     default_batch_bytes: int | None = None
-    #: device slots (batches between upload and copy-back); benchmarks/footprint_sweep.py --slots
-    default_slots = 2  # two keep nvCOMP busy (3 measured +3 % for 50 % more slot memory: docs/benchmarks.md)
+    #: device slots (batches between upload and copy-back); benchmarks/footprint_sweep.py --slots.  Two
+    #: keep nvCOMP busy: 3 measured +3 % for 50 % more slot memory (benchmarks/results/notebook-2026-11.md)
+    default_slots = 2
     #: defaults of the memory budget (``Writer(max_device_bytes=, max_host_bytes=)``): at most this
     #: much device memory and this fraction of what is free, at most this much pinned host memory
     #: and this fraction of the machine's RAM (docs/benchmarks.md has the throughput they give)
@@ -216,7 +217,7 @@ class GpuBackend(Backend):
     #: ... and on a machine that has room (a GPU with at least LARGE_DEVICE_FREE free, at least
     #: LARGE_HOST_RAM of RAM) the larger bounds below: nvCOMP's rate grows with the tiles of a
     #: call, and 1 MiB tiles need 1 GiB calls (~11 GiB device, 7 GiB pinned) to come near its best,
-    #: which the 4 GiB / 2 GiB of a small GPU cap at 256 MiB (docs/benchmarks.md, issue 29).
+    #: which the 4 GiB / 2 GiB of a small GPU cap at 256 MiB (docs/benchmarks.md, footprint).
     LARGE_DEVICE_FREE = 24 << 30
     LARGE_MAX_DEVICE_BYTES = 16 << 30
     LARGE_DEVICE_FRACTION = 0.5
