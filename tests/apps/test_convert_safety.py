@@ -270,3 +270,20 @@ def test_cli_resume_with_overwrite_is_refused_in_the_command_lines_words(source,
         "--overwrite, which starts over"
     )
     assert not (tmp_path / "out.zarr").exists()
+
+
+def test_the_compression_ratio_of_a_conversion_is_the_full_resolution_arrays(tmp_path, capsys):
+    """It counted the pyramid's bytes too: the same data gave another ratio with --ome."""
+    source = tmp_path / "in.zarr"
+    a = (np.arange(4 * 128 * 128) % 977).astype(np.uint16).reshape(4, 128, 128)
+    zarr.create_array(source, shape=a.shape, chunks=(1, 128, 128), dtype=a.dtype)[...] = a
+    ratios = {}
+    for ome in (False, True):
+        report = convert(source, tmp_path / f"out{ome}.zarr", local_workers=1, backend="cpu", ome=ome, tile=(1, 32, 32))
+        assert (report.pyramid_bytes_out > 0) == ome
+        ratios[ome] = report.compression_ratio
+    assert ratios[True] == pytest.approx(ratios[False])
+    argv = ["convert", str(source), str(tmp_path / "cli.zarr"), "--local", "1", "--ome", "--tile", "1,32,32"]
+    code = cli_main(argv)
+    out = capsys.readouterr().out
+    assert code == 0 and "(full resolution)" in out and "of pyramid levels)" in out, out

@@ -531,10 +531,15 @@ def convert_command(args) -> int:
     if report.epochs_written == 0 and report.epochs_skipped:
         print(f"nothing left to convert in {report.destination}: all {report.epochs} shard epochs were done")
     else:
+        pyramid = report.pyramid_bytes_out
         ratio = f", compression ratio {report.compression_ratio:.2f}" if report.bytes_out else ""
+        ratio += " (full resolution)" if pyramid else ""
+        stored = f" ({data_size(report.bytes_out - pyramid)}" + (
+            f" + {data_size(pyramid)} of pyramid levels)" if pyramid else ")"
+        )
         print(
             f"converted into {report.destination}: {data_size(report.bytes_in)} in {report.seconds:.2f} s, "
-            f"{data_size(report.gbps * 1e9)}/s{ratio}, {plural(report.shards, 'shard')}"
+            f"{data_size(report.gbps * 1e9)}/s{ratio}, {plural(report.shards, 'shard')}{stored}"
             + (f" ({report.epochs_skipped} shard epochs were already done)" if report.epochs_skipped else "")
         )
     if report.verified is not None:
@@ -732,9 +737,8 @@ def gui(args) -> int:
     try:
         import napari
     except ImportError:
-        print(
-            "napari-tileshard: the GUI needs the napari extra: pip install 'napari-tileshard[napari]'", file=sys.stderr
-        )
+        hint = 'from the checkout, pip install -e ".[napari]"'
+        print(f"napari-tileshard: error: the GUI needs napari: {hint}", file=sys.stderr)
         return 2
     viewer = napari.Viewer(title="napari-tileshard")
     _, widget = viewer.window.add_plugin_dock_widget("napari-tileshard", "Tile/Shard Recorder")

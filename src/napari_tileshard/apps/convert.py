@@ -456,6 +456,7 @@ def _encode_epoch(block, epoch, spec, start, stop, t0, read_s, wait_s) -> dict:
         "epoch": epoch,
         "bytes_in": block.nbytes,
         "bytes_out": sink.bytes,
+        "pyramid_bytes_out": writer.stats.pyramid_bytes_out,
         "keys": sink.keys,
         "read_s": read_s,
         "wait_s": wait_s,
@@ -473,7 +474,8 @@ class ConvertReport:
     epochs_skipped: int = 0  # already done (resume)
     epochs_written: int = 0  # finished by this run
     bytes_in: int = 0
-    bytes_out: int = 0
+    bytes_out: int = 0  # every shard written, pyramid levels included
+    pyramid_bytes_out: int = 0  # of those, the shards of pyramid levels 1, 2, ... (OME-Zarr)
     seconds: float = 0.0
     backends: set = field(default_factory=set)
     read_seconds: float = 0.0  # summed over tasks: reading the source
@@ -494,9 +496,11 @@ class ConvertReport:
 
     @property
     def compression_ratio(self) -> float:
-        """Bytes read over bytes written by this run; NaN when it wrote nothing (a resume of a
-        finished conversion)."""
-        return self.bytes_in / self.bytes_out if self.bytes_out else float("nan")
+        """Bytes read over the full-resolution bytes written by this run (pyramid levels are in
+        :attr:`pyramid_bytes_out`, left out so the ratio means the same with and without them);
+        NaN when it wrote nothing (a resume of a finished conversion)."""
+        stored = self.bytes_out - self.pyramid_bytes_out
+        return self.bytes_in / stored if stored > 0 else float("nan")
 
 
 class ConvertInterrupted(KeyboardInterrupt):
@@ -863,6 +867,7 @@ def _convert(
         report.keys = [key for r in written for key in r["keys"]]
         report.bytes_in = sum(r["bytes_in"] for r in written)
         report.bytes_out = sum(r["bytes_out"] for r in written)
+        report.pyramid_bytes_out = sum(r.get("pyramid_bytes_out", 0) for r in written)
         report.backends = {r["backend"] for r in written}
         report.read_seconds = sum(r["read_s"] for r in written)
         report.task_seconds = sum(r["seconds"] for r in written)

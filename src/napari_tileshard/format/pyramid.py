@@ -4,7 +4,7 @@ Pure layout math plus the NumPy definition of a reduction step; the backends com
 levels from each uploaded batch (the GPU with a generated kernel, the CPU with :func:`reduce2`)
 and tests compare both to :meth:`Pyramid.reference`.
 
-Rules (issue 6):
+Rules:
 
 * level ``k`` halves (ceil) each of ``downsample_dims`` relative to level ``k-1``; by default the
   last two dims (y, x).  A dim already at size 1 stays 1.
