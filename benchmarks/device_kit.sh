@@ -15,8 +15,14 @@
 set -euo pipefail
 top=$(git rev-parse --show-toplevel)
 cd "$top"
-mkdir -p .git/info .kit
-grep -qx '/.kit/' .git/info/exclude 2>/dev/null || echo '/.kit/' >> .git/info/exclude
+mkdir -p .kit
+# .gitignore names /.kit/; a checkout of an older commit learns it through info/exclude (in a
+# worktree that file is the main checkout's: git rev-parse finds it)
+if ! git check-ignore -q .kit/site.tar.xz; then
+  exclude=$(git rev-parse --git-path info/exclude)
+  mkdir -p "$(dirname "$exclude")"
+  echo '/.kit/' >> "$exclude"
+fi
 stage=$(mktemp -d)
 trap 'rm -rf "$stage"' EXIT
 platforms="--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64

@@ -6,19 +6,24 @@ with one backend and prints one SHA-256 per case over every file's relative path
 Run it on the code before and after a change and diff the output:
 
     PYTHONPATH=src python benchmarks/store_hashes.py --out /tmp/hashes > after.txt
+    PYTHONPATH=src python benchmarks/store_hashes.py --recorder ...   # also through the recorder
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import shutil
 import sys
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+# This checkout's code, unless PYTHONPATH names another copy of the package (an A/B against the
+# code before runs this same script with PYTHONPATH=/path/to/before/src)
+if not any((Path(p) / "napari_tileshard").is_dir() for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from napari_tileshard import Dim, Layout, SyntheticCamera, Writer
 
 
@@ -71,11 +76,33 @@ def store_hash(root: Path) -> str:
     return digest.hexdigest()
 
 
+def recorder_cases():
+    """(name, RecorderSettings keywords, synthetic frames): recordings through the Qt-free recorder
+    with its synthetic camera (its frames, its batching and its clock are what differs from a
+    plain Writer)."""
+    yield "rec-default", {"layout": Layout.default_for((0, 512, 640), "uint16", ("t", "y", "x"))}, 37
+    yield "rec-ome", {"layout": Layout.default_for((0, 384, 384), "uint16", ("t", "y", "x")), "ome": True}, 21
+    deep = Layout([Dim("t", 0, 8, 2), Dim("y", 300, 128, 2), Dim("x", 500, 128, 2)], "uint16")
+    yield "rec-deep", {"layout": deep, "seed": 7}, 45
+
+
+def record(store: Path, backend: str, keywords: dict, frames: int) -> None:
+    from napari_tileshard.apps.recorder import Recorder, RecorderSettings
+
+    settings = RecorderSettings(
+        output=str(store), backend=backend, fps=None, policy="block", overwrite=True, **keywords
+    )
+    stats = Recorder(settings).start(synthetic_frames=frames).join()
+    if stats.error or stats.frames != frames:
+        raise RuntimeError(f"{store}: recorded {stats.frames} of {frames} frames: {stats.error}")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", default="cpu")
     parser.add_argument("--out", default="/tmp/tileshard-hashes")
     parser.add_argument("--threads", type=int, default=None, help="CPU backend threads (default: all cores)")
+    parser.add_argument("--recorder", action="store_true", help="also recordings through the recorder's loop")
     args = parser.parse_args(argv)
     out = Path(args.out)
     for name, layout, count, keywords, flush_at in cases():
@@ -88,6 +115,12 @@ def main(argv=None):
                 writer.append(frame)
                 if flush_at is not None and i + 1 == flush_at:
                     writer.flush()
+        print(f"{name:14s} {store_hash(store)}", flush=True)
+        shutil.rmtree(store, ignore_errors=True)
+    for name, keywords, count in recorder_cases() if args.recorder else ():
+        store = out / f"{name}.zarr"
+        shutil.rmtree(store, ignore_errors=True)
+        record(store, args.backend, keywords, count)
         print(f"{name:14s} {store_hash(store)}", flush=True)
         shutil.rmtree(store, ignore_errors=True)
 

@@ -53,3 +53,36 @@ def test_fast_when_unpaced():
 def test_bad_arguments(bad):
     with pytest.raises(ValueError):
         SyntheticCamera(**bad)
+
+
+def test_frames_rendered_on_threads_or_in_the_background_equal_those_rendered_in_order():
+    """Frame i depends on the seed and i alone, whichever thread renders it and when (banks of
+    different sizes are different banks, so each is rendered here its own way)."""
+    in_order = SyntheticCamera((96, 80), "uint16", seed=5, bank_frames=8)
+    expected = [in_order.frame(i) for i in range(8)]
+    threaded = SyntheticCamera((96, 80), "uint16", seed=5, bank_frames=9)
+    threaded.prepare(threads=3)
+    assert threaded.prepared and threaded.rendered == 9
+    background = SyntheticCamera((96, 80), "uint16", seed=5, bank_frames=10)
+    background.render_in_background(threads=2)
+    for i, frame in enumerate(expected):
+        np.testing.assert_array_equal(threaded.frame(i), frame)
+        np.testing.assert_array_equal(background.frame(i), frame)
+
+
+def test_cameras_of_the_same_parameters_share_one_bank():
+    """What the recorder dock renders before Start is what the recording's camera replays."""
+    ahead = SyntheticCamera((64, 48), "uint16", seed=2)
+    ahead.prepare()
+    later = SyntheticCamera((64, 48), "uint16", seed=2, fps=100)
+    assert later.prepared and later.frame(3) is ahead.frame(3)
+    assert not SyntheticCamera((64, 48), "uint16", seed=3).prepared
+
+
+def test_rendering_in_the_background_returns_at_once_and_renders_only_the_frames_asked_for():
+    camera = SyntheticCamera((512, 512), "uint16", seed=11)
+    camera.render_in_background(frames=4, threads=1)
+    assert not camera.prepared  # 64 frames of 512x512 take far longer than returning
+    assert len(list(camera.frames(4))) == 4  # each waited for as it is rendered
+    time.sleep(0.2)
+    assert camera.rendered == 4

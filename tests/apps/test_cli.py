@@ -55,6 +55,29 @@ def test_signal_finishes_the_store_and_says_interrupted(tmp_path, signum, code):
     np.testing.assert_array_equal(array[:], SyntheticCamera((32, 32), "uint16", seed=0).stack(frames))
 
 
+def test_a_default_recording_starts_at_once_and_ctrl_c_while_the_camera_renders_exits_130(tmp_path):
+    """The default 2048x2048 camera renders its frames while the recording starts (it used to
+    render 64 of them, 8-9 s on a 2-core box, before printing anything, whatever --frames said),
+    says so first, and Ctrl-C in that window finishes cleanly: 130, no traceback."""
+    out = tmp_path / "default.zarr"
+    proc = subprocess.Popen(
+        cli("record", str(out), "--frames", "16", "--backend", "cpu", "--no-progress"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        first = proc.stderr.readline()  # type: ignore[union-attr]
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert first.startswith("the synthetic camera renders its 16 distinct 2048x2048 frames while recording"), first
+    assert proc.returncode == 130, first + stderr
+    assert "Traceback" not in stderr
+    assert "(interrupted)" in stdout or "interrupted before the recording started" in stderr, (stdout, stderr)
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

@@ -340,6 +340,78 @@ def test_existing_foreign_store_is_not_overwritten(tmp_path):
     assert sorted(p.name for p in thesis.iterdir()) == ["thesis.tex"]
 
 
+# What the README's Micro-Manager snippet does (a smaller sequence): run twice, the store exists.
+_README_SNIPPET = """
+import useq
+from napari_tileshard import TileShardSink
+from napari_tileshard.apps.mmcore.demo import demo_core
+
+core = demo_core((48, 80))
+sequence = useq.MDASequence(time_plan={"interval": 0, "loops": 3}, channels=["DAPI", "FITC"])
+sink = TileShardSink("mda.ome.zarr", backend="cpu", policy="block")
+core.mda.run(sequence, output=sink)
+print(sink.stats)
+"""
+
+
+def test_running_the_readme_snippet_twice_fails_the_second_run_in_one_line(tmp_path):
+    """The second run must not look like success (a 64-line dump of the signal library's
+    EmitLoopError, stats without an error, exit status 0): it fails before the MDA starts, with
+    one line naming the store and the fix, and a non-zero exit status."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "snippet.py"
+    script.write_text(_README_SNIPPET)
+    first = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr
+    assert "written=6" in first.stdout and "error=None" in first.stdout
+    second = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert second.returncode != 0
+    assert "EmitLoopError" not in second.stderr and "SinkStats(" not in second.stdout
+    last = second.stderr.strip().splitlines()[-1]
+    assert last == (
+        "napari_tileshard.storage.errors.StoreExistsError: mda.ome.zarr already exists; pass overwrite=True to "
+        "replace it (or choose another path)"
+    ), second.stderr
+    assert second.stderr.count("Traceback") == 1
+    assert (tmp_path / "mda.ome.zarr" / "0").is_dir()  # the first recording is untouched
+
+
+@pytest.mark.parametrize("attached", [False, True], ids=["output=sink", "attach(core)"])
+def test_a_sink_that_cannot_open_its_store_fails_the_run_visibly(core, tmp_path, capfd, caplog, attached):
+    """A store that appeared after the sink was made (another run wrote it): the run fails in
+    one log line naming the store and the fix, ``stats.error`` says the same, nothing is dumped,
+    no frame is taken, and with the core known (``attach(core)``) the MDA is stopped."""
+    out = tmp_path / "run.ome.zarr"
+    late = TileShardSink(out, backend="cpu", ome=False)
+    sequence = useq.MDASequence(time_plan={"interval": 0, "loops": 40})
+    core.mda.run(useq.MDASequence(time_plan={"interval": 0, "loops": 2}), output=TileShardSink(out, backend="cpu"))
+    capfd.readouterr()
+    seen = []
+    core.mda.events.frameReady.connect(seen.append)
+    try:
+        if attached:
+            detach = late.attach(core)
+            try:
+                core.mda.run(sequence)
+            finally:
+                detach()
+        else:
+            core.mda.run(sequence, output=late)
+    finally:
+        core.mda.events.frameReady.disconnect(seen.append)
+    expected = f"{out} already exists; pass overwrite=True to replace it (or choose another path)"
+    assert late.stats.error == expected and late.stats.written == 0 and not late.recording
+    dumped = capfd.readouterr().err
+    assert "EmitLoopError" not in dumped and "Traceback" not in dumped, dumped
+    said = [r.getMessage() for r in caplog.records if r.name.startswith("napari_tileshard") and r.levelname == "ERROR"]
+    assert said == [expected + ("; the MDA is stopped" if attached else "")]
+    if attached:  # stopped before its first frame: pymmcore-plus cancels at the next event
+        assert len(seen) <= 1, len(seen)
+    assert zarr.open_group(out, mode="r").attrs["tileshard_mmcore"]["state"] == "complete"  # the other run's
+
+
 def test_importing_the_package_does_not_import_pymmcore_plus():
     import subprocess
     import sys

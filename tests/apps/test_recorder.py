@@ -8,7 +8,7 @@ import pytest
 from conftest import read_back
 
 from napari_tileshard import Dim, Layout, SyntheticCamera, verify
-from napari_tileshard.apps.recorder import Recorder, RecorderSettings
+from napari_tileshard.apps.recorder import LiveRate, Recorder, RecorderSettings
 from napari_tileshard.format.layout import TilingWarning
 
 
@@ -357,3 +357,46 @@ def test_a_layer_read_from_the_output_is_refused_before_anything_is_deleted(tmp_
     recorder.add_layer(opened)  # another output: recorded
     assert recorder.start().join(timeout=60).error is None
     np.testing.assert_array_equal(read_back(tmp_path / "copy.zarr"), stack)
+
+
+def test_the_camera_starts_once_the_writer_is_armed_and_the_clock_with_its_first_frame(tmp_path, monkeypatch):
+    """Arming the Writer (here slowed to 0.6 s by its first metadata write) and rendering the
+    camera's frames happen before the first frame: a fast camera with a 2-frame queue drops
+    nothing at the start, and the recording's clock runs from its first frame."""
+    from napari_tileshard.storage.sinks import DirectorySink
+
+    real_write = DirectorySink.write
+    slowed = []
+
+    def slow_first_write(self, key, buffers):
+        if not slowed:
+            slowed.append(key)
+            time.sleep(0.6)
+        return real_write(self, key, buffers)
+
+    monkeypatch.setattr(DirectorySink, "write", slow_first_write)
+    settings = RecorderSettings(
+        output=str(tmp_path / "armed.zarr"), layout=layout(), fps=100.0, policy="drop", queue_frames=2, backend="cpu"
+    )
+    started = time.perf_counter()
+    stats = Recorder(settings).start(synthetic_frames=30).join(timeout=60)
+    wall = time.perf_counter() - started
+    assert slowed and stats.error is None
+    assert stats.frames == 30 and stats.dropped == 0
+    assert stats.arm_s >= 0.6 and stats.elapsed_s <= wall - 0.6
+    np.testing.assert_array_equal(read_back(tmp_path / "armed.zarr"), SyntheticCamera((48, 40), "uint16").stack(30))
+
+
+def test_the_live_rate_follows_the_last_second():
+    """What the dock shows while recording is the rate of the last second, not the average since
+    the start (a camera that slowed down shows its new rate within a second)."""
+    rate = LiveRate(window_s=1.0, every_s=0.05)
+    frames = 0
+    result = None
+    for step in range(1, 81):  # 4 s in steps of 50 ms: 100 frames/s for 2 s, then 20 frames/s
+        frames += 5 if step <= 40 else 1
+        result = rate.sample(step * 0.05 + 1e-9 * step, frames, frames * 1000) or result
+    assert result is not None
+    fps, bytes_per_s = result
+    assert fps == pytest.approx(20, rel=0.1) and bytes_per_s == pytest.approx(20_000, rel=0.1)
+    assert frames / 4 == 60  # the average since the start would say

@@ -113,6 +113,16 @@ def test_warm_up_prepares_the_next_recording(tmp_path, frames):
     np.testing.assert_array_equal(read_back(tmp_path / "a.zarr"), frames)
 
 
+def test_buffers_kept_for_a_layout_serve_one_that_differs_only_in_names_units_and_scales(tmp_path, frames):
+    """What the buffers depend on is the geometry: a pymmcore-plus run (its own time interval as
+    the t scale) arms from a warm-up made before its sequence was known."""
+    Writer.warm_up(layout_2048(), backend="gpu")
+    described = Layout([Dim("t", 0, 8, 1, kind="time", unit="second", scale=0.25), *layout_2048().dims[1:]], "uint16")
+    _, armed, _ = record(tmp_path / "a.zarr", described, frames)
+    assert armed < 0.2, f"arming after warm_up of the same geometry took {armed:.3f} s"
+    np.testing.assert_array_equal(read_back(tmp_path / "a.zarr"), frames)
+
+
 def test_a_new_layout_releases_the_kept_buffers_first(tmp_path, gpu, frames):
     record(tmp_path / "a.zarr", layout_2048(), frames)
     _, _, held = record(tmp_path / "b.zarr", layout_2048(tile=(32, 128, 128)), frames[:32])

@@ -1,5 +1,6 @@
 """The napari plugin under Xvfb: widget, recording on a QThread, preview, reader/writer/sample."""
 
+import re
 import warnings
 
 import numpy as np
@@ -50,6 +51,9 @@ def test_record_synthetic_and_preview_grows(widget, qtbot, tmp_path):
         return len(set(extents)) >= 3
 
     wait_until(qtbot, grown)
+    # while recording: the rate of the last second, drops and the queue's depth (and its peak)
+    live = re.compile(r"frames \d+ \(\d+\.\d/s\).* dropped 0 \| queue \d+ \(peak \d+\)")
+    wait_until(qtbot, lambda: live.search(widget.stats_label.text()) is not None)
     widget.stop()
     wait_until(qtbot, lambda: not widget.is_recording)
     assert extents == sorted(extents) and all(e % 4 == 0 for e in extents)  # whole shard epochs only

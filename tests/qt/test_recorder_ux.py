@@ -160,15 +160,15 @@ def test_the_recorder_and_the_inspector_are_in_the_menus(make_napari_viewer):
 def test_a_slow_preview_read_never_holds_back_frames(docked, qtbot, tmp_path, monkeypatch):
     import time
 
-    import napari_tileshard._qt.recording_controller as controller
+    import napari_tileshard.apps.preview as preview  # the dock's PreviewReader reads through it
 
-    real = controller.read_newest
+    real = preview.read_newest
 
     def slow_read(*args, **kwargs):  # a store that takes a second to read back (network share)
         time.sleep(1.0)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(controller, "read_newest", slow_read)
+    monkeypatch.setattr(preview, "read_newest", slow_read)
     _, _, widget = docked
     out = tmp_path / "slow.zarr"
     widget.settings = RecorderSettings(

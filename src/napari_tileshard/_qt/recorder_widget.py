@@ -11,11 +11,14 @@ The recording loop itself is :class:`napari_tileshard.apps.recorder.Recorder`, f
 
 from __future__ import annotations
 
+import weakref
+from dataclasses import replace
 from pathlib import Path
 
 from qtpy.QtCore import QEvent, QTimer, Signal
 from qtpy.QtWidgets import QHBoxLayout, QPushButton, QSizePolicy, QVBoxLayout, QWidget
 
+from ..apps.camera import SyntheticCamera
 from ..apps.mmcore import MMCORE_SOURCE, MDARecorder
 from ..apps.recorder import RecorderSettings, RecorderStats, recent_recordings
 from ..apps.recorder_form import next_output, with_tiling_notes
@@ -29,6 +32,19 @@ from .settings_form import SettingsForm
 __all__ = ["RecorderWidget"]
 
 STATS_INTERVAL_MS = 250
+
+
+def _warm_up(layout, seed: int, synthetic: bool, gpu: bool, engine, options: dict) -> SyntheticCamera | None:
+    """What :meth:`RecorderWidget._warm_gpu` prepares (on a worker thread): the synthetic camera's
+    frames, and with ``gpu`` a recording armed and released (``Writer.warm_up``).  Returns the
+    camera, whose frames the recording's camera then shares."""
+    camera = None
+    if synthetic:
+        camera = SyntheticCamera(layout.frame_shape or (1,), layout.dtype, seed=seed)
+        camera.prepare()
+    if gpu:
+        Writer.warm_up(layout, replace(engine, backend="gpu"), **options)
+    return camera
 
 
 class RecorderWidget(QWidget):
@@ -74,6 +90,7 @@ class RecorderWidget(QWidget):
         self.form.validated.connect(self._warm_gpu)
         self._warming = None  # the GPU warm-up worker while it runs
         self._warmed = None  # the settings signature warmed last
+        self._warm_camera = None  # the synthetic camera whose frames were rendered ahead of Start
         self.controller.starting.connect(self.preview.begin)
         self.controller.progress.connect(self.preview.on_progress)
         self.controller.finished.connect(self._on_finished)
@@ -239,26 +256,41 @@ class RecorderWidget(QWidget):
         return f"{how}recorded {stats.frames} frames into {recorded}; the next goes to {following}"
 
     def _warm_gpu(self, ok: bool) -> None:
-        """With the GPU chosen (or auto on a machine with one), arm and release a recording of the
-        current layout in the background: Start then finds the CUDA context, compiled kernels and
-        buffers ready (``Writer.warm_up``) and arms in milliseconds."""
-        if not ok or self.is_recording or self._warming is not None or self.form.gpu_reason:
+        """Prepare what Start needs before it is pressed, in the background: the synthetic camera's
+        frames (rendered once and shared with the recording's camera) and, with the GPU chosen (or
+        auto on a machine with one), a recording of the current layout and batching armed and
+        released (``Writer.warm_up``: Start then finds the CUDA context, compiled kernels and
+        buffers ready and arms in milliseconds)."""
+        if not ok or self.is_recording or self._warming is not None:
             return
         settings = self.form.settings
-        if settings.backend not in ("gpu", "auto"):
-            return
-        options = dict(backend="gpu", codec=settings.codec, level=settings.level, ome=settings.ome)
+        layout = settings.checked_layout()
+        gpu = settings.backend in ("gpu", "auto") and not self.form.gpu_reason
+        options = dict(codec=settings.codec, level=settings.level, ome=settings.ome)
         if settings.ome:
             options["downsample"] = settings.downsample
-        layout = settings.checked_layout()
-        signature = (layout, tuple(sorted(options.items())))
+        engine = settings.engine_options()
+        signature = (layout, tuple(sorted(options.items())), settings.source, settings.seed, gpu, engine)
         if signature == self._warmed:
             return
         from napari.qt.threading import create_worker
 
-        worker = create_worker(Writer.warm_up, layout, _start_thread=False, **options)
-        worker.returned.connect(lambda _: setattr(self, "_warmed", signature))
-        worker.finished.connect(lambda: setattr(self, "_warming", None))
+        synthetic = settings.source == "synthetic" and not settings.streams
+        worker = create_worker(_warm_up, layout, settings.seed, synthetic, gpu, engine, options, _start_thread=False)
+        # The worker refers to the dock weakly: a render still running when the dock closes keeps
+        # neither the dock nor the viewer alive.
+        dock = weakref.ref(self)
+
+        def warmed(camera) -> None:
+            if (widget := dock()) is not None:
+                widget._warmed, widget._warm_camera = signature, camera
+
+        def ended() -> None:
+            if (widget := dock()) is not None:
+                widget._warming = None
+
+        worker.returned.connect(warmed)
+        worker.finished.connect(ended)
         self._warming = worker
         worker.start()
 
@@ -275,13 +307,17 @@ class RecorderWidget(QWidget):
                 )
             return
         s = self.stats
-        state = "recording" if self.is_recording else "idle"
+        recording = self.is_recording
+        state = ("recording" if s.frames or s.backend else "arming") if recording else "idle"
         ratio = f"{s.compression_ratio:.2f}" if s.bytes_out else "–"
         hint = self.controller.hint()
+        # While recording the rate of the last second (what the camera and the Writer do now),
+        # afterwards the average of the whole recording.
+        fps, gbps = (s.rate_fps, s.rate_gbps) if recording else (s.frames_per_s, s.input_gbps)
         self.stats_label.setText(
-            f"{state} | backend {s.backend or '-'} | frames {s.frames} ({s.frames_per_s:.1f}/s) | "
-            f"{s.input_gbps:.3f} GB/s in | ratio {ratio} | shards {s.shards_written} | "
-            f"queue {s.queue_depth} | dropped {s.dropped}"
+            f"{state} | backend {s.backend or '-'} | frames {s.frames} ({fps:.1f}/s) | "
+            f"{gbps:.3f} GB/s in | dropped {s.dropped} | queue {s.queue_depth} (peak {s.max_queue}) | "
+            f"ratio {ratio} | shards {s.shards_written}"
             + ("".join(f" | {name}: {n}" for name, n in s.stream_frames.items()) if s.stream_frames else "")
             + (f"\n{hint}" if hint else "")
         )

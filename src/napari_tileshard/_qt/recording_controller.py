@@ -6,12 +6,11 @@ recording ends (Stop, a stack recorded to its end, an error, the dock or the who
 
 from __future__ import annotations
 
-import threading
 from dataclasses import replace
 
 from qtpy.QtCore import QEvent, QObject, QThread, Signal
 
-from ..apps.preview import read_first, read_newest
+from ..apps.preview import PreviewReader
 from ..apps.recorder import LayerSource, Recorder, RecorderSettings, RecorderStats
 
 __all__ = ["RecordingController"]
@@ -21,12 +20,10 @@ class _RecorderThread(QThread):
     """Runs :meth:`Recorder.run` and relays its callbacks as signals.
 
     On progress the newest complete frame of every level is read back from the store for the
-    preview — on a reader thread of its own, never on the recording thread (a slow read must not
-    hold back frames) nor on the GUI thread (no tile decoding on the event loop).  The reader
-    keeps only the latest progress: when reads are slower than shard epochs complete, it skips
-    to the newest.  With its first read it also brings back row 0 of every level
-    (:func:`~napari_tileshard.apps.preview.read_first`): napari slices that row once, when the first
-    rows replace the preview's placeholder.
+    preview by a :class:`~napari_tileshard.apps.preview.PreviewReader` — on a reader thread of its
+    own, never on the recording thread (a slow read must not hold back frames) nor on the GUI
+    thread (no tile decoding on the event loop); it skips to the newest progress when reads are
+    slower than shard epochs complete.
     """
 
     progress = Signal(object, object, object)  # stats, [(row, frame) per level] or None, row 0 likewise
@@ -35,43 +32,16 @@ class _RecorderThread(QThread):
     def __init__(self, recorder: Recorder, parent=None):
         super().__init__(parent)
         self.recorder = recorder
-        self._pyramid = recorder.settings.preview_settings().pyramid()
-        self._pending: RecorderStats | None = None
-        self._wake = threading.Condition()
-        self._done = False
-        self._reader = threading.Thread(target=self._read_loop, name="tileshard-preview-read", daemon=True)
+        settings = recorder.settings.preview_settings()  # several streams: the first one's image
+        self._reader = PreviewReader(settings.output, settings.pyramid(), settings.ome, self.progress.emit)
         recorder.on_progress = self._progress
         recorder.on_finished = self._finished
 
     def _progress(self, stats: RecorderStats) -> None:
-        with self._wake:  # the recording thread only leaves a note: O(1), never a read
-            self._pending = replace(stats)
-            self._wake.notify()
-
-    def _read_loop(self) -> None:
-        settings = self.recorder.settings.preview_settings()  # several streams: the first one's image
-        first_read = True
-        while True:
-            with self._wake:
-                self._wake.wait_for(lambda: self._pending is not None or self._done)
-                stats, self._pending = self._pending, None
-                if stats is None:
-                    return
-            first = None
-            try:
-                newest = read_newest(settings.output, self._pyramid, stats.rows_complete, settings.ome) or None
-                if first_read and newest:
-                    first, first_read = read_first(settings.output, settings.ome) or None, False
-            except Exception:  # noqa: BLE001 - the preview is best effort; the recording goes on
-                newest = None
-            self.progress.emit(stats, newest, first)
+        self._reader.note(replace(stats), stats.rows_complete)  # the recording thread only leaves a note
 
     def _finished(self, stats: RecorderStats) -> None:
-        with self._wake:
-            self._done = True
-            self._pending = None  # the final state is shown from the finalized store
-            self._wake.notify()
-        self._reader.join()
+        self._reader.finish()  # the final state is shown from the finalized store
         self.finished_recording.emit(stats)
 
     def run(self) -> None:

@@ -126,6 +126,11 @@ def build_layout(shape, tile, tiles_per_shard, dtype, names=None, scale=None, un
     return Layout([replace(d, unit=unit.get(d.name), scale=scale.get(d.name, 1.0)) for d in layout.dims], dtype)
 
 
+#: a synthetic camera's frame bank larger than this says that it renders while recording (64 frames
+#: of 2048x2048 take seconds; small frames are rendered before anyone notices)
+_SAY_RENDERING_BYTES = 64 << 20
+
+
 class _Interrupted(Exception):
     """SIGTERM while recording (Ctrl-C arrives as KeyboardInterrupt)."""
 
@@ -604,24 +609,42 @@ def record(args) -> int:
         layout, codec=args.codec, level=args.level, backend=args.backend, io_timeout=args.io_timeout, **pyramid
     )
     camera = SyntheticCamera(layout.frame_shape or (1,), layout.dtype, seed=args.seed, fps=args.fps)
-    camera.prepare()  # render the frame bank before the clock starts
     stops = [f"{frames} frames" if frames is not None else None, f"{args.duration:g} s" if args.duration else None]
     until = " or ".join(filter(None, stops)) or "Ctrl-C"
     interrupted = None
     writer: Writer | None = None
     previous = signal.signal(signal.SIGTERM, _raise_interrupted) if _main_thread() else None
     try:
-        with Writer(args.output, spec, options, overwrite=args.overwrite) as writer:
-            print(
-                f"recording to {writer.location} ({writer.stats.backend}) until {until}"
-                + ("" if until == "Ctrl-C" else " (Ctrl-C stops earlier)"),
-                file=sys.stderr,
-                flush=True,
-            )
-            bar = tqdm(total=frames, unit="frame", disable=args.no_progress, file=sys.stderr, desc="recording")
+        try:
+            # Rendering the bank takes seconds for large frames: it goes on while the recording
+            # starts, and frames come as fast as they are rendered until it is done.
+            if not camera.prepared and camera.bank_frames * camera.frame_bytes > _SAY_RENDERING_BYTES:
+                print(
+                    f"the synthetic camera renders its {min(frames or camera.bank_frames, camera.bank_frames)} "
+                    f"distinct {'x'.join(map(str, camera.shape))} frames while recording: until they are "
+                    "rendered it delivers frames at its rendering speed",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            camera.render_in_background(frames)
+            writer = Writer(args.output, spec, options, overwrite=args.overwrite)
+        except (KeyboardInterrupt, _Interrupted) as exc:  # the Writer removed what it had created
+            signum = signal.SIGTERM if isinstance(exc, _Interrupted) else signal.SIGINT
+            print("napari-tileshard: interrupted before the recording started; nothing was written", file=sys.stderr)
+            return 128 + int(signum)
+        with writer:
+            bar = None
             start = time.perf_counter()
-            deadline = None if args.duration is None else time.monotonic() + args.duration
             try:
+                print(
+                    f"recording to {writer.location} ({writer.stats.backend}) until {until}"
+                    + ("" if until == "Ctrl-C" else " (Ctrl-C stops earlier)"),
+                    file=sys.stderr,
+                    flush=True,
+                )
+                bar = tqdm(total=frames, unit="frame", disable=args.no_progress, file=sys.stderr, desc="recording")
+                start = time.perf_counter()
+                deadline = None if args.duration is None else time.monotonic() + args.duration
                 for frame in camera.frames(frames):
                     writer.append(frame.reshape(layout.frame_shape))
                     bar.update(1)
@@ -632,7 +655,8 @@ def record(args) -> int:
             except _Interrupted:
                 interrupted = signal.SIGTERM
             finally:
-                bar.close()
+                if bar is not None:
+                    bar.close()
                 # The store is finished below (close), which handles Ctrl-C itself: the first says
                 # what it waits for, a second abandons.  SIGTERM counts as Ctrl-C there.
                 if _main_thread():
@@ -802,6 +826,9 @@ def _run(args) -> int:
             bar.close()
         print(report)
         return 0 if report.ok else 1
+    except KeyboardInterrupt:  # before a command took over Ctrl-C (starting, or a command without a summary)
+        print("napari-tileshard: interrupted", file=sys.stderr)
+        return 128 + int(signal.SIGINT)
     except StoreExistsError as exc:  # the Python API's hint names overwrite=True; here it is a flag
         print(f"napari-tileshard: error: {str(exc).replace(_OVERWRITE_HINT, 'use --overwrite')}", file=sys.stderr)
         return USAGE_ERROR

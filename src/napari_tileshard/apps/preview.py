@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 
 import numpy as np
 import zarr
@@ -31,6 +32,8 @@ from .napari_reader import FirstRows, check_displayable, open_lazy, written_rows
 __all__ = [
     "MAX_BLOCKS",
     "MAX_FRAME_BLOCKS_PER_DIM",
+    "PREVIEW_INTERVAL_S",
+    "PreviewReader",
     "RecentFrames",
     "block_shape",
     "complete_rows",
@@ -135,6 +138,76 @@ def read_first(output, ome: bool) -> list[tuple[int, np.ndarray]]:
 
     array, _ = open_lazy(access)
     return [] if array is None or array.shape[0] == 0 else [(0, np.asarray(array[0]))]
+
+
+#: seconds between two reads of the preview reader (what the preview shows at most)
+PREVIEW_INTERVAL_S = 0.2
+
+
+class PreviewReader:
+    """Reads the newest complete frame of every level of a recording back from its store, on a
+    thread of its own, as shard epochs complete (what the recorder dock's preview shows), at most
+    one read per ``min_interval_s``.
+
+    The recording thread only leaves a note (:meth:`note`, O(1)): a read never holds back frames.
+    Only the latest note is kept, so when reads are slower than shard epochs complete the reader
+    skips to the newest.  With its first read it also brings back row 0 of every level
+    (:func:`read_first`).  ``deliver(state, newest, first)`` is called on the reader thread with
+    the note's ``state`` and the frames (None when there was nothing to read or the read failed:
+    the preview is best effort).  :meth:`finish` drops what is pending and joins the thread.
+    """
+
+    def __init__(self, output, pyramid: Pyramid, ome: bool, deliver, min_interval_s: float = PREVIEW_INTERVAL_S):
+        self.output, self.pyramid, self.ome = output, pyramid, ome
+        self._deliver = deliver
+        self.min_interval_s = min_interval_s
+        self.reads = 0
+        self._pending: tuple | None = None
+        self._done = False
+        self._wake = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="tileshard-preview-read", daemon=True)
+
+    def start(self) -> PreviewReader:
+        self._thread.start()
+        return self
+
+    def note(self, state, rows: int) -> None:
+        """``rows`` rows are complete now (``state``: what to hand to ``deliver`` with the frames)."""
+        with self._wake:
+            self._pending = (state, rows)
+            self._wake.notify()
+
+    def finish(self) -> None:
+        with self._wake:
+            self._done = True
+            self._pending = None
+            self._wake.notify()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def _run(self) -> None:
+        first_read = True
+        next_read = 0.0
+        while True:
+            with self._wake:
+                self._wake.wait_for(lambda: self._pending is not None or self._done)
+                # At most one read per min_interval_s (the preview shows no more): a read decodes a
+                # frame per level, and back to back they took a core and the GIL from the recording.
+                self._wake.wait_for(lambda: self._done, timeout=max(0.0, next_read - time.monotonic()))
+                pending, self._pending = self._pending, None
+                if pending is None or self._done:
+                    return
+            next_read = time.monotonic() + self.min_interval_s
+            self.reads += 1
+            state, rows = pending
+            first = None
+            try:
+                newest = read_newest(self.output, self.pyramid, rows, self.ome) or None
+                if first_read and newest:
+                    first, first_read = read_first(self.output, self.ome) or None, False
+            except Exception:  # noqa: BLE001 - the preview is best effort; the recording goes on
+                newest = None
+            self._deliver(state, newest, first)
 
 
 class RecentFrames:

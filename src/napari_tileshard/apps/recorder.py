@@ -16,19 +16,23 @@ frame per change.  A recording that received no frame leaves no store behind.
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from ..engine.multi_writer import MultiWriter
 from ..engine.options import EngineOptions
+from ..engine.staging import copy_frame
 from ..engine.writer import Writer
 from ..format.array_spec import ArraySpec
 from ..format.layout import Layout
@@ -39,13 +43,17 @@ from .camera import SyntheticCamera
 
 __all__ = [
     "POLICIES",
+    "PREVIEW_LATENCY_S",
     "WAIT_HINT_S",
+    "freeze_objects",
     "LayerSource",
+    "LiveRate",
     "RecentRecordings",
     "Recorder",
     "RecorderSettings",
     "RecorderStats",
     "recent_recordings",
+    "thaw_objects",
 ]
 
 log = logging.getLogger(__name__)
@@ -53,6 +61,10 @@ log = logging.getLogger(__name__)
 POLICIES = ("block", "drop")
 #: seconds without a frame from a live layer after which the status says the recording waits for it
 WAIT_HINT_S = 3.0
+#: seconds a received frame may wait in a partly filled Writer batch (EngineOptions.max_latency_s)
+PREVIEW_LATENCY_S = 0.25
+#: seconds over which the live rate (RecorderStats.rate_fps) is measured
+RATE_WINDOW_S = 1.0
 _STOP = object()
 
 
@@ -71,22 +83,19 @@ class RecorderSettings:
     policy: str = "block"
     queue_frames: int = 64
     seed: int = 0
-    batch_bytes: int | None = None  # Writer batching; default: about 1/4 s of frames (see batch())
+    batch_bytes: int | None = None  # Writer batching; default: the backend's (see engine_options())
     ome: bool = False  # OME-Zarr group with a pyramid (Writer(ome=True))
     downsample: str = "mean"
     #: several sources at once: stream (layer) name -> its Layout, recorded into one collection
     #: (:class:`~napari_tileshard.engine.multi_writer.MultiWriter`) at ``output``; ``layout`` is the first's
     streams: dict[str, Layout] | None = None
 
-    def batch(self) -> int:
-        """Bytes per Writer batch: ~0.25 s of input at ``fps`` (at least one tile epoch), so the
-        preview follows within a fraction of a second at low rates and the GPU still gets large
-        batches at high rates; one tile epoch when the rate is unknown (a layer source)."""
-        if self.batch_bytes:
-            return self.batch_bytes
-        layout = self.checked_layout()
-        frame_bytes = layout.frame_elements * layout.itemsize
-        return max(layout.epoch_bytes, int(frame_bytes * self.fps / 4)) if self.fps else layout.epoch_bytes
+    def engine_options(self) -> EngineOptions:
+        """How the recording is written: the backend's own batching (what a plain Writer gets, so
+        a recording runs at the Writer's speed and the dock's warm-up arms the very buffers the
+        recording takes), with received frames waiting at most :data:`PREVIEW_LATENCY_S` in a
+        partly filled batch, so the preview follows a slow camera within a fraction of a second."""
+        return EngineOptions(backend=self.backend, batch_bytes=self.batch_bytes, max_latency_s=PREVIEW_LATENCY_S)
 
     def array_spec(self, layout: Layout | None = None) -> ArraySpec:
         """What the recording writes (of ``layout``, default the main one)."""
@@ -94,18 +103,15 @@ class RecorderSettings:
             layout or self.checked_layout(), self.codec, self.level, ome=self.ome, downsample=self.downsample
         )
 
-    def engine_options(self) -> EngineOptions:
-        """How the recording is written."""
-        return EngineOptions(backend=self.backend, batch_bytes=self.batch())
-
     def checked_layout(self) -> Layout:
         """``layout``, which has a default only because ``output`` comes first; TypeError without one."""
         if not isinstance(self.layout, Layout):
             raise TypeError("settings.layout must be a Layout")
         return self.layout
 
-    def validate(self) -> None:
-        """Raise ValueError/TypeError naming the first bad setting."""
+    def validate(self, output: bool = True) -> None:
+        """Raise ValueError/TypeError naming the first bad setting (``output=False``: all but the
+        output path, for a recording into a store given as an object)."""
         self.checked_layout()
         if self.policy not in POLICIES:
             raise ValueError(f"policy {self.policy!r} is not one of {', '.join(POLICIES)}")
@@ -122,6 +128,8 @@ class RecorderSettings:
                 self.array_spec(stream_layout)
         self.array_spec()  # raises naming a codec, level or pyramid the layout cannot have
         self.engine_options()
+        if not output:
+            return
         if not str(self.output).strip():
             raise ValueError("the output path is empty")
         path = Path(self.output).expanduser()
@@ -161,6 +169,8 @@ class RecorderStats:
     pyramid_bytes_out: int = 0  # of those, the pyramid levels' (1, 2, ...)
     shards_written: int = 0
     rows_complete: int = 0
+    #: seconds since the first frame was recorded (the clock the user sees: arming the Writer and
+    #: rendering the synthetic camera's frames happen before it starts)
     elapsed_s: float = 0.0
     backend: str = ""
     error: str | None = None
@@ -171,6 +181,19 @@ class RecorderStats:
     ended: str | None = None
     #: True when nothing was recorded and the empty store this recording created was removed
     discarded: bool = False
+    #: frames/s and GB/s of input over the last :data:`RATE_WINDOW_S` (0 before the first frame)
+    rate_fps: float = 0.0
+    rate_gbps: float = 0.0
+    #: the deepest the queue between source and Writer got
+    max_queue: int = 0
+    #: seconds from Start until the Writer was armed (frames wait in the queue meanwhile)
+    arm_s: float = 0.0
+    #: where the recording thread's time went: in Writer.append (its staging copy and its waits
+    #: for the pipeline included), and how long frames waited in the queue, summed over frames
+    append_s: float = 0.0
+    queue_wait_s: float = 0.0
+    #: seconds the sources' threads spent handing frames over (a live layer's copy, the queue)
+    source_s: float = 0.0
 
     @property
     def frames_per_s(self) -> float:
@@ -185,6 +208,60 @@ class RecorderStats:
         """Of the full-resolution data, as :attr:`WriterStats.compression_ratio`."""
         stored = self.bytes_out - self.pyramid_bytes_out
         return self.bytes_in / stored if stored else float("nan")
+
+
+_gc_lock = threading.Lock()
+_gc_holders = 0  # recordings running with the process's objects frozen
+_gc_frozen_by_us = False
+
+
+def freeze_objects() -> None:
+    """Move every object alive now out of the garbage collector's sight (``gc.freeze``) while
+    recordings run: a full collection scans them all (about a million with napari or CuPy
+    loaded), and its pause of 50-150 ms held back the recording thread long enough for a 64-frame
+    queue to overflow at 550 frames/s.  Objects made during the recording are collected as usual;
+    :func:`thaw_objects` hands the frozen ones back when the last recording ends (the
+    recorder and ``TileShardSink`` call both).  A process that
+    froze objects itself is left as it is."""
+    global _gc_holders, _gc_frozen_by_us
+    with _gc_lock:
+        if _gc_holders == 0 and gc.get_freeze_count() == 0:
+            gc.freeze()
+            _gc_frozen_by_us = True
+        _gc_holders += 1
+
+
+def thaw_objects() -> None:
+    global _gc_holders, _gc_frozen_by_us
+    with _gc_lock:
+        _gc_holders -= 1
+        if _gc_holders == 0 and _gc_frozen_by_us:
+            gc.unfreeze()
+            _gc_frozen_by_us = False
+
+
+class LiveRate:
+    """Frames/s and bytes/s over the last ``window_s`` seconds of a count that grows (sampled at
+    most every ``every_s``): what a status line shows while recording, rather than the average
+    since the start."""
+
+    def __init__(self, window_s: float = RATE_WINDOW_S, every_s: float = 0.05):
+        self.window_s, self.every_s = window_s, every_s
+        self._samples: deque[tuple[float, int, int]] = deque()  # (time, frames, bytes)
+
+    def sample(self, now: float, frames: int, nbytes: int) -> tuple[float, float] | None:
+        """The counts at ``now`` (seconds); returns (frames/s, bytes/s) over the window, or None
+        when this sample came too soon after the last one to be taken."""
+        samples = self._samples
+        if samples and now - samples[-1][0] < self.every_s:
+            return None
+        samples.append((now, frames, nbytes))
+        while len(samples) > 2 and now - samples[1][0] >= self.window_s:
+            samples.popleft()
+        then, frames_then, bytes_then = samples[0]
+        if now <= then:
+            return None
+        return (frames - frames_then) / (now - then), (nbytes - bytes_then) / (now - then)
 
 
 class RecentRecordings:
@@ -339,12 +416,15 @@ class LayerSource:
         self._record(data)
 
     def _record(self, data) -> None:
-        # A copy: the camera plugin may reuse its buffer for the next frame.
-        frame = np.array(data, copy=True)
+        started = time.perf_counter()
+        # A copy: the camera plugin may reuse its buffer for the next frame (on several threads:
+        # a 2304x2304 frame by one took 2 ms of napari's thread at 550 frames/s).
+        frame = copy_frame(data)
         self._last, self._last_source = frame, data
         if self.recorder.push(frame, self.stream):
             self.recorded += 1
             self.last_frame_at = time.monotonic()
+        self.recorder.stats.source_s += time.perf_counter() - started
 
     def status(self, now: float | None = None) -> str | None:
         """A stack's progress; for a live layer that has not changed for :data:`WAIT_HINT_S`, that
@@ -365,22 +445,38 @@ class LayerSource:
 
 @dataclass
 class Recorder:
-    """One recording: a Writer fed from a bounded queue on the thread that calls :meth:`run`."""
+    """One recording: a Writer fed from a bounded queue on the thread that calls :meth:`run`.
+
+    :meth:`run` arms the Writer first; the synthetic camera renders its frames meanwhile and
+    starts delivering only once the Writer is armed, so neither counts on the recording's clock
+    (``stats.elapsed_s`` runs from the first frame) nor makes a fast camera drop frames at the
+    start.  Frames of other sources wait in the queue until then.
+
+    ``store``: where the Writer writes instead of ``settings.output`` (a
+    :class:`~napari_tileshard.storage.sinks.Sink` or a zarr store: a benchmark's sink that
+    discards, a test's faulty one); one stream only.
+    """
 
     settings: RecorderSettings
     on_progress: Callable[[RecorderStats], None] | None = None  # called when shard epochs complete
     on_finished: Callable[[RecorderStats], None] | None = None
     stats: RecorderStats = field(default_factory=RecorderStats)
+    store: Any = None
 
     def __post_init__(self):
-        self.settings.validate()
+        self.settings.validate(output=self.store is None)
+        if self.store is not None and self.settings.streams:
+            raise ValueError("a store object takes one stream; several streams are recorded into settings.output")
         self._queue: queue.Queue = queue.Queue(maxsize=self.settings.queue_frames)
         self._stopping = threading.Event()
+        self._armed = threading.Event()
         self._thread: threading.Thread | None = None
         self._feeder: threading.Thread | None = None
         self.writer: Writer | None = None
         self.multi = None  # the MultiWriter of several streams
-        self._start: float = 0.0
+        self._first_frame_at: float | None = None  # perf_counter when the first frame recorded was pushed
+        self._rate = LiveRate()
+        self._frozen = False  # this recording keeps the process's older objects out of the collector's sight
         #: the image layers recorded (:meth:`add_layer`)
         self.sources: list[LayerSource] = []
 
@@ -421,76 +517,116 @@ class Recorder:
             return False
         if self.settings.streams:
             self.layout_of(stream)  # raises naming the streams
-            frame = (stream, frame)  # type: ignore[assignment]
+        item = (stream, frame, time.perf_counter())
         if wait is False or (wait is None and self.settings.policy == "drop"):
             try:
-                self._queue.put_nowait(frame)
+                self._queue.put_nowait(item)
                 return True
             except queue.Full:
                 self.stats.dropped += 1
                 return False
         while not self._stopping.is_set():
             try:
-                self._queue.put(frame, timeout=0.1)
+                self._queue.put(item, timeout=0.1)
                 return True
             except queue.Full:
                 continue
         return False
 
     def feed_synthetic(self, frames: int | None = None) -> None:
-        """Push SyntheticCamera frames at ``settings.fps`` (runs on its own thread via start())."""
+        """Push SyntheticCamera frames at ``settings.fps`` (runs on its own thread via start()).
+
+        The camera renders its frame bank (on several threads, while :meth:`run` arms the Writer)
+        and waits for the Writer before its first frame: the pace it keeps starts then."""
         layout = self.settings.checked_layout()
         camera = SyntheticCamera(
             layout.frame_shape or (1,), layout.dtype, seed=self.settings.seed, fps=self.settings.fps
         )
         camera.prepare()
+        if not self.wait_armed():
+            return
+        shape, push, stats, perf_counter = layout.frame_shape, self.push, self.stats, time.perf_counter
         for frame in camera.frames(frames):
             if self._stopping.is_set():
                 break
-            self.push(frame.reshape(layout.frame_shape))
+            handed = perf_counter()
+            push(frame.reshape(shape))
+            stats.source_s += perf_counter() - handed
         else:
             self.stop(ended=f"the synthetic camera's {frames} frames were recorded")
 
+    def wait_armed(self, timeout: float | None = None) -> bool:
+        """Wait until the Writer is armed (True), or the recording stopped or failed before (False)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._armed.wait(0.1):
+            if self._stopping.is_set() or (deadline is not None and time.monotonic() > deadline):
+                return False
+        return self.writer is not None and not self._stopping.is_set()
+
+    @property
+    def armed(self) -> bool:
+        """The Writer is open: frames go to the store from now on."""
+        return self._armed.is_set() and self.writer is not None
+
     # -- writer side -------------------------------------------------------------------
-    def run(self) -> RecorderStats:
-        """The recording loop: drain the queue into the Writer until stop(); always finalizes."""
+    def _arm(self) -> None:
         s = self.settings
-        self.stats.recording = True
-        self._start = time.perf_counter()
+        options = s.engine_options()
+        if s.streams:
+            streams = {name: s.array_spec(layout) for name, layout in s.streams.items()}
+            self.multi = MultiWriter(s.output, streams, options, overwrite=s.overwrite)
+            self.writer = self.multi[next(iter(s.streams))]  # the first stream's: the preview's
+        else:
+            store = self.store if self.store is not None else s.output
+            self.writer = Writer(store, s.array_spec(), options, overwrite=s.overwrite)
+        self.stats.backend = self.writer.stats.backend
+
+    def run(self) -> RecorderStats:
+        """The recording loop: arm the Writer, then drain the queue into it until stop(); always finalizes."""
+        stats = self.stats
+        stats.recording = True
+        started = time.perf_counter()
         try:
-            options = s.engine_options()
-            if s.streams:
-                streams = {name: s.array_spec(layout) for name, layout in s.streams.items()}
-                self.multi = MultiWriter(s.output, streams, options, overwrite=s.overwrite)
-                self.writer = self.multi[next(iter(s.streams))]  # the first stream's: the preview's
-            else:
-                self.writer = Writer(s.output, s.array_spec(), options, overwrite=s.overwrite)
-            self.stats.backend = self.writer.stats.backend
+            try:
+                self._arm()
+                freeze_objects()
+                self._frozen = True
+            finally:
+                stats.arm_s = time.perf_counter() - started
+                self._armed.set()  # sources waiting for the Writer go on (or see the failure)
+            get, perf_counter, multi = self._queue.get, time.perf_counter, self.multi
+            append = self.writer.append  # type: ignore[union-attr]
             while True:
                 try:
-                    item = self._queue.get(timeout=0.05)
+                    item = get(timeout=0.05)
                 except queue.Empty:
                     if self._stopping.is_set():
                         break
-                    self._update()
+                    self._update(perf_counter())
                     continue
                 if item is _STOP:
                     break
-                if self.multi is not None:
-                    name, frame = item
-                    self.multi.append(name, frame)
-                    self.stats.stream_frames[name] = self.stats.stream_frames.get(name, 0) + 1
+                stream, frame, pushed_at = item
+                taken = perf_counter()
+                if self._first_frame_at is None:
+                    self._first_frame_at = pushed_at
+                if multi is not None:
+                    multi.append(stream, frame)
+                    stats.stream_frames[stream] = stats.stream_frames.get(stream, 0) + 1
                 else:
-                    self.writer.append(item)
-                self.stats.frames += 1
-                self._update()
+                    append(frame)
+                done = perf_counter()
+                stats.append_s += done - taken
+                stats.queue_wait_s += taken - pushed_at
+                stats.frames += 1
+                self._update(done)
         except Exception as exc:  # noqa: BLE001 - reported through stats/on_finished, never raised into Qt
-            log.exception("recording to %s failed", s.output)
-            self.stats.error = f"{type(exc).__name__}: {exc}"
+            log.exception("recording to %s failed", self.writer.location if self.writer else self.settings.output)
+            stats.error = f"{type(exc).__name__}: {exc}"
         finally:
             self._stopping.set()
             self._finalize()
-        return self.stats
+        return stats
 
     def _finalize(self) -> None:
         closing = self.multi if self.multi is not None else self.writer
@@ -507,28 +643,43 @@ class Recorder:
             except Exception as exc:  # noqa: BLE001
                 if self.stats.error is None:
                     self.stats.error = f"{type(exc).__name__}: {exc}"
-        if self.stats.frames and closing is not None:
+        if self.stats.frames and closing is not None and self.store is None:
             recent_recordings.add(self.settings.output)
-        self._update(final=True)
+        self._update(time.perf_counter(), final=True)
+        if self._frozen:
+            self._frozen = False
+            thaw_objects()
         self.stats.recording = False
         if self.on_finished:
             self.on_finished(self.stats)
 
-    def _update(self, final: bool = False) -> None:
+    def _update(self, now: float, final: bool = False) -> None:
         stats = self.stats
-        stats.elapsed_s = time.perf_counter() - self._start
-        stats.queue_depth = self._queue.qsize()
+        if self._first_frame_at is not None and not final:  # the final state keeps the recording's clock
+            stats.elapsed_s = now - self._first_frame_at
+        depth = self._queue.qsize()
+        stats.queue_depth = depth
+        if depth > stats.max_queue:
+            stats.max_queue = depth
         if self.writer is not None:
             every = list(self.multi.stats.values()) if self.multi is not None else [self.writer.stats]
             stats.bytes_in = sum(w.bytes_in for w in every)
             stats.bytes_out = sum(w.bytes_out for w in every)
             stats.pyramid_bytes_out = sum(w.pyramid_bytes_out for w in every)
             stats.shards_written = sum(w.shards_written for w in every)
+            self._measure_rate(now)
             rows = self.writer.stats.rows_complete  # the first stream's: what the preview shows
             if rows != stats.rows_complete:
                 stats.rows_complete = rows
                 if self.on_progress:
                     self.on_progress(stats)
+
+    def _measure_rate(self, now: float) -> None:
+        stats = self.stats
+        rate = self._rate.sample(now, stats.frames, stats.bytes_in)
+        if rate is not None:
+            stats.rate_fps, bytes_per_s = rate
+            stats.rate_gbps = bytes_per_s / 1e9
 
     # -- control ---------------------------------------------------------------------
     def start(self, synthetic_frames: int | None = None) -> Recorder:

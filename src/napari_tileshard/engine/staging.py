@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -18,9 +19,61 @@ import numpy as np
 
 from .backends.base import Backend
 
-__all__ = ["StagingRing"]
+__all__ = ["StagingRing", "copy_frame", "copy_in_parts", "copy_threads"]
 
 _PARALLEL_COPY_BYTES = 2 << 20
+
+
+def copy_threads() -> int:
+    """Helper threads for large copies: a frame copied into pinned staging by 4 threads ran at ~7
+    GB/s on a 16-core host, as slow as nvCOMP itself (benchmarks/profile_writer.py)."""
+    cores = os.cpu_count() or 1
+    return max(min(3, cores - 1), min(7, cores // 2))
+
+
+def copy_in_parts(destination: np.ndarray, source: np.ndarray, pool: ThreadPoolExecutor | None, threads: int) -> None:
+    """``destination[...] = source`` (1-D uint8 arrays of one size); from 2 MiB on split over
+    ``threads`` threads of ``pool`` and the caller's (one thread's memcpy tops out near 4 GB/s).
+    Returns once every part is copied, also when interrupted."""
+    n = source.nbytes
+    if n < _PARALLEL_COPY_BYTES or pool is None or threads < 1:
+        destination[...] = source
+        return
+    parts = threads + 1
+    bounds = [n * i // parts for i in range(parts + 1)]
+    futures = [pool.submit(np.copyto, destination[a:b], source[a:b]) for a, b in zip(bounds[1:-1], bounds[2:])]
+    try:
+        destination[: bounds[1]] = source[: bounds[1]]
+    finally:  # even when interrupted: no copy may land in the destination after we return
+        wait_futures(futures)
+    for future in futures:
+        future.result()
+
+
+_shared_pool: ThreadPoolExecutor | None = None
+_shared_pool_lock = threading.Lock()
+
+
+#: helpers of :func:`copy_frame`: its copy runs beside the Writer's own into staging, and 4
+#: threads copied as fast as 8 on the H100 host (17.5 vs 16.7 GB/s, benchmarks/copy_paths.py),
+#: while 16 copying at once got 10 GB/s together
+_FRAME_COPY_HELPERS = 3
+
+
+def copy_frame(data) -> np.ndarray:
+    """A copy of ``data`` (an array, or anything ``np.array`` takes), large contiguous arrays
+    copied by a few threads (:func:`copy_in_parts`, one pool shared by its callers): a live
+    layer's frame is copied on the thread that changed it, napari's."""
+    if not (isinstance(data, np.ndarray) and data.flags.c_contiguous and data.nbytes >= _PARALLEL_COPY_BYTES):
+        return np.array(data, copy=True)
+    helpers = min(_FRAME_COPY_HELPERS, copy_threads())
+    global _shared_pool
+    with _shared_pool_lock:
+        if _shared_pool is None and helpers > 0:
+            _shared_pool = ThreadPoolExecutor(helpers, thread_name_prefix="tileshard-frame-copy")
+    frame = np.empty_like(data)
+    copy_in_parts(frame.reshape(-1).view(np.uint8), data.reshape(-1).view(np.uint8), _shared_pool, helpers)
+    return frame
 
 
 class StagingRing:
@@ -32,10 +85,7 @@ class StagingRing:
         self.fill = 0  # bytes in the current buffer
         self.fill_started = 0.0  # when the current buffer got its first byte (time.monotonic)
         self.host_ranges: list[list[int]] = []  # byte ranges of the current buffer filled from the host
-        # Helpers of the caller's thread for large copies: a frame copied into pinned staging by 4
-        # threads ran at ~7 GB/s on a 16-core host, as slow as nvCOMP itself (benchmarks/profile_writer.py)
-        cores = os.cpu_count() or 1
-        self._copy_threads = max(min(3, cores - 1), min(7, cores // 2))
+        self._copy_threads = copy_threads()  # helpers of the caller's thread for large copies
         self._copy_pool = (
             ThreadPoolExecutor(self._copy_threads, thread_name_prefix="tileshard-copy")
             if self._copy_threads > 0
@@ -96,22 +146,7 @@ class StagingRing:
             self.host_ranges.append([start, stop])
 
     def _copy(self, destination: np.ndarray, source: np.ndarray) -> None:
-        """Large pieces in parallel (one thread's memcpy tops out near 4 GB/s)."""
-        n = source.nbytes
-        if n < _PARALLEL_COPY_BYTES or self._copy_pool is None:
-            destination[...] = source
-            return
-        parts = self._copy_threads + 1
-        bounds = [n * i // parts for i in range(parts + 1)]
-        futures = [
-            self._copy_pool.submit(np.copyto, destination[a:b], source[a:b]) for a, b in zip(bounds[1:-1], bounds[2:])
-        ]
-        try:
-            destination[: bounds[1]] = source[: bounds[1]]
-        finally:  # even when interrupted: no copy may land in staging after we return
-            wait_futures(futures)
-        for future in futures:
-            future.result()
+        copy_in_parts(destination, source, self._copy_pool, self._copy_threads)
 
     def pad(self, epoch_bytes: int, itemsize: int) -> int:
         """Zero the unfilled part of the current buffer's last epoch; returns its epoch count."""

@@ -92,6 +92,9 @@ class WriterStats:
     shards_written: int = 0
     elapsed_s: float = 0.0
     rows_complete: int = 0  # rows along dim 0 whose shards are all on disk
+    #: seconds the caller's thread spent copying input into staging (the rest of its time in
+    #: append/write is spent waiting for a free staging buffer or room in the pipeline)
+    copy_s: float = 0.0
     # The I/O dispatcher (engine/dispatch/), refreshed by sync/flush/close:
     io_dispatch: str = ""
     io_workers: list = field(default_factory=list)  # per worker: shards, bytes, busy_s, errors, p50/p95
@@ -759,7 +762,9 @@ class Writer:
             self._raise_if_failed()
             if not staging.acquire(block):
                 break
+            copy_started = time.perf_counter()
             n = staging.copy_in(data, device)
+            self.stats.copy_s += time.perf_counter() - copy_started
             self._filled(n)
             data = data[n:]
         if staging.full:

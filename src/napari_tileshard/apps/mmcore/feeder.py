@@ -30,9 +30,10 @@ _WAKE = object()
 
 class FrameFeeder:
     """A bounded queue of frames (``capacity``, policy ``block`` or ``drop``) and the thread that
-    empties it: ``take(item)`` for each item offered, ``advance()`` after every item, ``finish()``
-    once :meth:`stop` was called and everything before it was taken.  ``label`` (the store) starts
-    the log line of a failure."""
+    empties it: ``prepare()`` first (arming the Writers while the first frames queue), then
+    ``take(item)`` for each item offered, ``advance()`` after every item, ``finish()`` once
+    :meth:`stop` was called and everything before it was taken.  ``label`` (the store) starts the
+    log line of a failure."""
 
     def __init__(
         self,
@@ -42,6 +43,7 @@ class FrameFeeder:
         take: Callable[[Any], None],
         advance: Callable[[], None],
         finish: Callable[[], None],
+        prepare: Callable[[], None] | None = None,
         label: str = "",
     ):
         if policy not in POLICIES:
@@ -55,6 +57,7 @@ class FrameFeeder:
         self._take = take
         self._advance = advance
         self._finish = finish
+        self._prepare = prepare
         self._queue: queue.Queue = queue.Queue(maxsize=capacity)
         # bound once: offer() runs on the MDA thread for every frame
         self._put = self._queue.put if policy == "block" else self._queue.put_nowait
@@ -87,6 +90,8 @@ class FrameFeeder:
     def _run(self) -> None:
         get, take, advance = self._queue.get, self._take, self._advance
         try:
+            if self._prepare is not None:  # frames queue meanwhile
+                self._prepare()
             while True:
                 item = get()
                 if item is _STOP:
@@ -97,7 +102,8 @@ class FrameFeeder:
             self._finish()
         except BaseException as exc:  # reported by the owner (the next append, close)
             self.failure = exc
-            log.exception("%s: recording failed", self.label)
+            log.error("%s: recording failed: %s: %s", self.label, type(exc).__name__, exc)
+            log.debug("the failure in detail", exc_info=True)
             while True:  # keep the MDA thread from blocking on a full queue
                 if get() is _STOP:
                     break

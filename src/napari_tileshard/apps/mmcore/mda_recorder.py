@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Callable
+from pathlib import Path
 
 from ...storage.sinks import check_store_path
 from ..recorder_form import next_output
@@ -36,6 +37,7 @@ class MDARecorder:
         self.on_finished = on_finished
         self.sinks: list[TileShardSink] = []
         self._detach: Callable[[], None] | None = None
+        self._next: TileShardSink | None = None  # the next run's sink, made (and warming up) ahead
         self._stop_after_run = False
 
     @property
@@ -48,9 +50,21 @@ class MDARecorder:
         return self._detach is not None
 
     def start(self) -> MDARecorder:
+        """Record the runs from now on; the first run's sink prepares the GPU for the core's
+        camera meanwhile, in the background (:meth:`TileShardSink.warm_up`)."""
         if self._detach is None:
             self._detach = connect_on_mda_thread(self.core.mda.events, self)
+            self._next = TileShardSink(self._next_path(), core=self.core, **self.sink_options)
+            self._next.warm_up(self.core, background=True)
         return self
+
+    def _next_path(self) -> str:
+        """The output, then numbered names after it; a name taken meanwhile is skipped (never
+        replaced unless ``overwrite`` says so)."""
+        path = self.output if not self.sinks else next_output(self.sinks[-1].path)
+        if not self.sink_options.get("overwrite") and Path(path).expanduser().exists():
+            path = next_output(path)
+        return path
 
     def stop(self) -> None:
         """No later run is recorded; a run in progress is recorded to its end."""
@@ -64,14 +78,15 @@ class MDARecorder:
         return self.sink is not None and self.sink.recording
 
     def sequenceStarted(self, sequence, meta=None) -> None:  # noqa: N802 (pymmcore-plus's signal names)
-        path = self.output if not self.sinks else next_output(self.sinks[-1].path)
-        sink = TileShardSink(path, core=self.core, **self.sink_options)
+        sink, self._next = self._next, None
+        if sink is None or Path(sink.path).expanduser().exists() and not self.sink_options.get("overwrite"):
+            sink = TileShardSink(self._next_path(), core=self.core, **self.sink_options)
         self.sinks.append(sink)
-        sink.setup(sequence, meta)
+        sink.sequenceStarted(sequence, meta)  # a failure is said in one line and stops the MDA
 
     def frameReady(self, img, event, meta) -> None:  # noqa: N802
         if self._running():
-            self.sink.append(img, event, meta)  # type: ignore[union-attr]
+            self.sink.frameReady(img, event, meta)  # type: ignore[union-attr]
 
     def sequenceFinished(self, sequence=None) -> None:  # noqa: N802
         sink = self.sink

@@ -43,6 +43,7 @@ __all__ = [
     "jsonable",
     "omero_metadata",
     "open_collection",
+    "refuse_existing",
 ]
 
 #: the columns of the ``frame_metadata`` array, one row per frame received (``stored`` 0: dropped)
@@ -234,7 +235,7 @@ class FrameTable:
             _number(position.get("z")),
             1.0 if stored else 0.0,
         )
-        record = json.dumps(jsonable(meta))
+        record = json.dumps(meta, default=_json_default)  # the text jsonable(meta) dumps to, in one pass
         with self._lock:
             self._rows.append(row)
             self._records.append(record)
@@ -286,12 +287,8 @@ def open_collection(
     # Only a recording of ours is replaced, and only that is offered for replacing: a folder
     # with anything else in it is refused whatever ``overwrite`` says (overwrite could not help).
     ours = root is not None and RECORDING_ATTRIBUTE in root.attrs
-    if not ours and (root is not None or _holds_anything(path)):
-        raise StoreExistsError(
-            f"{path} exists and is not a TileShardSink recording: choose another output (it is not replaced)"
-        )
-    if ours and not overwrite:
-        raise StoreExistsError(f"{path} already exists; pass overwrite=True to replace it")
+    if (not ours and (root is not None or _holds_anything(path))) or (ours and not overwrite):
+        raise StoreExistsError(_exists_message(path, ours))
     root = zarr.open_group(path, mode="a", zarr_format=3)
     root.attrs.put(
         {
@@ -302,6 +299,25 @@ def open_collection(
     )
     ome_group = root.require_group("OME")
     ome_group.attrs.put({"ome": {"version": "0.5", "series": list(series_names)}})
+
+
+def refuse_existing(path: str) -> None:
+    """StoreExistsError, naming the store and what to do, when a local ``path`` holds anything:
+    what :func:`open_collection` refuses without ``overwrite``, said before any MDA starts (a URL
+    store is checked when the run opens it)."""
+    if not _holds_anything(path):
+        return
+    try:
+        ours = RECORDING_ATTRIBUTE in zarr.open_group(path, mode="r").attrs
+    except Exception:  # not a group of ours (an array, unreadable, anything else)
+        ours = False
+    raise StoreExistsError(_exists_message(path, ours))
+
+
+def _exists_message(path: str, ours: bool) -> str:
+    if ours:
+        return f"{path} already exists; pass overwrite=True to replace it (or choose another path)"
+    return f"{path} exists and is not a TileShardSink recording: choose another output (it is not replaced)"
 
 
 def _holds_anything(path: str) -> bool:

@@ -102,12 +102,25 @@ class BufferWatch:
             return waiting
         return None
 
-    def explain(self, *, path: str, waiting: int, received: int, written: int, can_stop: bool) -> str:
-        """Why the run has to stop: the rates (the sink's over the ``written`` frames, the camera's
-        from its timestamps), which side was slow, the buffer, and how to get through next time."""
-        elapsed = time.perf_counter() - self._first_frame if self._first_frame is not None else 0.0
+    def explain(
+        self,
+        *,
+        path: str,
+        waiting: int,
+        received: int,
+        written: int,
+        can_stop: bool,
+        writing_since: float | None = None,
+    ) -> str:
+        """Why the run has to stop: the rates (the sink's: the ``written`` frames since
+        ``writing_since``, the ``perf_counter`` of the first, else since the first frame arrived;
+        the camera's from its timestamps), which side was slow, the buffer, and how to get through
+        next time."""
+        now = time.perf_counter()
+        elapsed = now - self._first_frame if self._first_frame is not None else 0.0
         frame_bytes = self.frame_bytes
-        sink_fps = written / elapsed if elapsed > 0 else 0.0
+        writing = now - writing_since if writing_since is not None else elapsed
+        sink_fps = written / writing if writing > 0 else 0.0
         first = self._camera_first_ms
         span_s = (self._camera_last_ms - first) / 1000 if first is not None else 0.0
         camera_fps = (self._timed - 1) / span_s if span_s > 0 else None

@@ -15,6 +15,7 @@ pymmcore-plus is never imported here: the sink only reads the objects it is hand
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -31,7 +32,7 @@ from ...format.layout import Dim, Layout
 from ...format.pyramid import check_method
 from ...reader.levels import open_level0
 from ...storage.sinks import check_store_path
-from ..recorder import POLICIES
+from ..recorder import POLICIES, freeze_objects, thaw_objects
 from .feeder import FrameFeeder
 from .metadata import (
     CameraInfo,
@@ -42,6 +43,7 @@ from .metadata import (
     jsonable,
     omero_metadata,
     open_collection,
+    refuse_existing,
 )
 from .overflow import BufferWatch, SinkFellBehindError
 from .router import EventRouter, ReorderBuffer
@@ -79,6 +81,11 @@ class _Run:
     watch: BufferWatch  # pymmcore-plus's sequence buffer, on the MDA thread
     feeder: FrameFeeder  # the bounded queue and the feeder thread between them
     table: FrameTable  # the per-frame metadata, from both threads
+
+
+def _geometry(layout: Layout) -> tuple:
+    """What a warm-up prepares the GPU for: the shape and tiling, not the dims' names or scales."""
+    return (layout.shape, layout.tile_shape, layout.tiles_per_shard, layout.dtype.str)
 
 
 class TileShardSink:
@@ -134,6 +141,8 @@ class TileShardSink:
             Dim(axis, 0, (tile or {}).get(axis, 1), (tiles_per_shard or {}).get(axis, 1))
         check_store_path(path)  # "" would put the series at /0, /1, ...
         self.path = str(path).rstrip("/")
+        if not overwrite:  # a script fails here, at once, rather than on the MDA's thread later
+            refuse_existing(self.path)
         # Every setting is checked here, before an MDA starts (the layouts come with the sequence).
         self.codec = get_codec(codec).configure(level, "uint8")
         self.level = level
@@ -150,6 +159,8 @@ class TileShardSink:
         self.reorder_frames = reorder_frames or queue_frames
         self.store_for = store_for  # series location -> the Writer's store (a path, zarr Store or Sink)
         self.core = core  # whose MDA to stop when the sink falls behind (None: it cannot)
+        self._warming: threading.Thread | None = None  # the GPU warm-up attach(core) started
+        self._warmed: tuple | None = None  # the geometry the GPU was last warmed up for
         self._reset_run_state()
 
     def _reset_run_state(self) -> None:
@@ -159,6 +170,8 @@ class TileShardSink:
         self.axes: tuple[str, ...] = ()  # the image axes (without p/g, with y, x)
         self._run: _Run | None = None  # set by setup
         self._fell_behind: str | None = None  # why the MDA was stopped, once it was
+        self._failed = False  # the run failed and said so (stats.error): later frames are ignored
+        self._first_written: float | None = None  # perf_counter when the first frame reached a Writer
         self._closed = False
 
     @property
@@ -180,23 +193,16 @@ class TileShardSink:
             router.inner_sizes, camera, sequence, tile=self.tile, tiles_per_shard=self.tiles_per_shard
         )
         summary = jsonable(dict(meta or {}))
-        self._warm_up(layout)
         series_names = [str(i) for i in range(router.series_count)]
         open_collection(self.path, series_names, self.axes, summary, overwrite=self.overwrite)
         omero = omero_metadata(sequence, camera.dtype, camera.bit_depth)
         names = image_names(sequence, router.keys, router.series_axes)
-        writers: list[Writer] = []
-        try:
-            for name, image_name in zip(series_names, names):
-                location = f"{self.path}/{name}"
-                store = self.store_for(location) if self.store_for else location
-                spec = self._spec(layout, omero, image_name or name)  # unnamed: the series path, read as none
-                writers.append(Writer(store, spec, self.options, overwrite=self.overwrite))
-        except BaseException:  # the Writers already open release their stores (and locks)
-            for writer in writers:
-                writer.close()
-            raise
-        self.series_names, self.writers = series_names, writers
+        series = []
+        for name, image_name in zip(series_names, names):
+            location = f"{self.path}/{name}"
+            store = self.store_for(location) if self.store_for else location
+            series.append((store, self._spec(layout, omero, image_name or name)))  # unnamed: the series path
+        self.series_names = series_names
         per_series = router.frames_per_series
         reorder = ReorderBuffer(
             [per_series] * router.series_count,
@@ -218,17 +224,77 @@ class TileShardSink:
             take=self._take,
             advance=reorder.advance,
             finish=reorder.finish,
+            prepare=lambda: self._arm(layout, series),
             label=self.path,
         )
         self._run = _Run(router, reorder, watch, feeder, FrameTable())
+        freeze_objects()  # no full collection pauses the MDA thread or the feeder while frames come
         feeder.start()
 
+    def _arm(self, layout: Layout, series: list) -> None:
+        """The Writers, on the feeder thread while the first frames queue (the MDA thread does not
+        wait for them): after the warm-up attach(core) started, if any, or one of this layout."""
+        if self._warming is not None:
+            self._warming.join()
+        if _geometry(layout) != self._warmed:  # else the GPU is ready for it: nothing to wait for
+            self._warm_up(layout)
+        writers: list[Writer] = []
+        try:
+            for store, spec in series:
+                writers.append(Writer(store, spec, self.options, overwrite=self.overwrite))
+        except BaseException:  # the Writers already open release their stores (and locks)
+            for writer in writers:
+                writer.close()
+            raise
+        self.writers = writers
+
     def _warm_up(self, layout: Layout) -> None:
-        """Arm the GPU before the camera starts (setup runs before the MDA's first event): the
-        first batch of a cold GPU loads its kernels (50+ ms), which at 4 GB/s from the camera
-        filled the sink's queue and overflowed pymmcore-plus's 1 GiB buffer (H100, 2048² frames)."""
+        """Arm the GPU (and release it again, keeping its buffers for the Writers) before frames
+        reach it: the first batch of a cold GPU loads its kernels (50+ ms), which at 4 GB/s from
+        the camera filled the sink's queue and overflowed pymmcore-plus's 1 GiB buffer (H100,
+        2048² frames).  Takes milliseconds when the GPU is warm already."""
         if self.backend in ("gpu", "auto") and gpu_unavailable_reason() is None:
             Writer.warm_up(self._spec(layout, None), self.options)
+            self._warmed = _geometry(layout)
+
+    def warm_up(self, core, *, background: bool = False) -> None:
+        """Prepare the GPU for this sink's recordings of ``core``'s camera: its CUDA context,
+        kernels and buffers for frames of the camera's current size, as a time series records them
+        (a sequence of another shape, z or channels say, arms its own at its start), so that a run
+        started later arms at once.  ``background``: on a thread of its own (:meth:`wait_warm`);
+        :meth:`attach` with a core does so.  Nothing to do with the CPU backend."""
+        if background:
+            self._warm_in_background(core)
+            return
+        if self.backend not in ("gpu", "auto") or gpu_unavailable_reason() is not None:
+            return
+        height, width = int(core.getImageHeight()), int(core.getImageWidth())
+        dtype = {1: np.uint8, 2: np.uint16}.get(int(core.getBytesPerPixel()))
+        if dtype is None or not height or not width:
+            return  # a colour camera or none: nothing to guess from
+        camera = CameraInfo(height=height, width=width, dtype=np.dtype(dtype))
+        layout = image_layout({"t": 0}, camera, None, tile=self.tile, tiles_per_shard=self.tiles_per_shard)
+        self._warm_up(layout)
+
+    def wait_warm(self, timeout: float | None = None) -> bool:
+        """Wait for the warm-up :meth:`attach` started (True once it ended, or when there is none)."""
+        if self._warming is not None:
+            self._warming.join(timeout)
+            return not self._warming.is_alive()
+        return True
+
+    def _warm_in_background(self, core) -> None:
+        if self.backend not in ("gpu", "auto") or (self._warming is not None and self._warming.is_alive()):
+            return
+
+        def warm() -> None:
+            try:
+                self.warm_up(core)
+            except Exception as exc:  # noqa: BLE001 - only a head start: the run arms (and reports) itself
+                log.debug("%s: warming the GPU up for %r failed: %s", self.path, core, exc)
+
+        self._warming = threading.Thread(target=warm, name="tileshard-mda-warm-up", daemon=True)
+        self._warming.start()
 
     def _spec(self, layout: Layout, omero, image_name: str | None = None) -> ArraySpec:
         return ArraySpec.of(
@@ -278,6 +344,7 @@ class TileShardSink:
             received=self.stats.received,
             written=self.stats.written,
             can_stop=self.core is not None,
+            writing_since=self._first_written,
         )
         self._fell_behind = message
         self.stats.error = message
@@ -307,7 +374,10 @@ class TileShardSink:
         run = self._run
         if run is None or self._closed:
             return
-        run.feeder.stop()
+        try:
+            run.feeder.stop()
+        finally:
+            thaw_objects()
         self._closed = True
         errors = []
         for writer in self.writers:
@@ -340,26 +410,55 @@ class TileShardSink:
 
     # -- pymmcore-plus frame-handler protocol (how `output=` takes objects in 0.18) ---
     def sequenceStarted(self, sequence, meta=None) -> None:  # noqa: N802 (pymmcore-plus's signal names)
-        self.setup(sequence, meta)
+        try:
+            self.setup(sequence, meta)
+        except Exception as exc:  # noqa: BLE001 - said in one line and in stats.error; the MDA is stopped
+            self._fail(exc)
 
     def frameReady(self, img, event, meta) -> None:  # noqa: N802
-        self.append(img, event, meta)
+        if self._failed:
+            return  # said once already; the MDA is being stopped (or ends by itself)
+        try:
+            self.append(img, event, meta)
+        except Exception as exc:  # noqa: BLE001
+            self._fail(exc)
 
     def sequenceFinished(self, sequence=None) -> None:  # noqa: N802
         try:
             self.close()
         except SinkFellBehindError:
             pass  # logged when it happened; in stats.error and the store's metadata
-        except Exception:
-            log.exception("%s: closing the recording failed", self.path)
+        except Exception as exc:  # noqa: BLE001
+            if not self._failed:
+                self._fail(exc, running=False)
+
+    def _fail(self, exc: BaseException, running: bool = True) -> None:
+        """The run failed (on the MDA thread, where an exception would end in a dump by the signal
+        library and an MDA that goes on): say so in one line naming the store, keep it in
+        ``stats.error``, ignore later frames and stop the MDA when the core is known."""
+        text = str(exc) or type(exc).__name__
+        message = text if text.startswith(self.path) else f"{self.path}: {text}"
+        self._failed = True
+        self.stats.error = message
+        stop = running and self.core is not None
+        log.error("%s%s", message, "; the MDA is stopped" if stop else "")
+        log.debug("the failure in detail", exc_info=exc)
+        if stop:
+            try:
+                self.core.mda.cancel()
+            except Exception:  # noqa: BLE001 - the message stands
+                log.debug("%s: could not stop the MDA", self.path, exc_info=True)
 
     def attach(self, mda_events) -> Callable[[], None]:
         """Connect to ``core.mda.events`` directly: every MDA started on that core is recorded,
         its frames handed over on the MDA thread itself (through the bounded queue).  Given the
-        core itself (``attach(core)``), the sink can also stop its MDA when it falls behind
-        (``core=``).  Returns the function that disconnects again."""
+        core itself (``attach(core)``), the sink can also stop its MDA when it falls behind or
+        fails (``core=``), and it prepares the GPU for the core's camera at once, on a thread of
+        its own (:meth:`warm_up`), so that the next run arms without delaying its first frames.
+        Returns the function that disconnects again."""
         if hasattr(mda_events, "mda"):  # a CMMCorePlus / UniMMCore
             self.core = mda_events
+            self._warm_in_background(mda_events)
             mda_events = mda_events.mda.events
         return connect_on_mda_thread(mda_events, self)
 
@@ -374,6 +473,8 @@ class TileShardSink:
 
     def _deliver(self, series: int, img: np.ndarray) -> None:
         self.writers[series].append(img)
+        if self._first_written is None:
+            self._first_written = time.perf_counter()
         self.stats.written += 1
 
     def _fill(self, series: int, frame: int, reason: str) -> None:

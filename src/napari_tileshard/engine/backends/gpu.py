@@ -176,6 +176,13 @@ def release_gpu_memory(device: int | None = None) -> dict[str, int]:
     return released
 
 
+def _geometry_key(pyramid) -> tuple:
+    """What the kept buffers depend on: every level's shape, tiling and dtype, not the dims' names,
+    units or scales (a pymmcore-plus run's time interval must not cost a new set of buffers)."""
+    layouts = tuple((lay.shape, lay.tile_shape, lay.tiles_per_shard, lay.dtype.str) for lay in pyramid.layouts)
+    return (layouts, pyramid.factors, pyramid.method)
+
+
 def _take_warm(key: tuple) -> _Resources | None:
     """The kept resources if they fit ``key``; anything else kept on that GPU is released (a new layout)."""
     with _warm_lock:
@@ -455,7 +462,7 @@ class GpuBackend(Backend):
         layout = self.layout
         levels = self.pyramid.layouts
         epochs = batch_bytes // layout.epoch_bytes
-        key = (self.device.id, self.pyramid, self.nvcomp, epochs, self._slot_count)
+        key = (self.device.id, _geometry_key(self.pyramid), self.nvcomp, epochs, self._slot_count)
         resources = _take_warm(key)
         if resources is None:
             self._check_free_memory(self.memory_estimate(batch_bytes, self.preferred_staging_buffers)["device"], epochs)
