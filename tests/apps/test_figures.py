@@ -10,7 +10,7 @@ import zarr
 
 from napari_tileshard import Dim, Layout, SyntheticCamera, Writer
 from napari_tileshard.apps.cli import main
-from napari_tileshard.apps.units import data_size, memory_size, plural
+from napari_tileshard.apps.units import data_size, duration, memory_size, plural
 
 
 def stored_bytes(path, level: str = "") -> int:
@@ -99,3 +99,12 @@ def test_verify_counts_in_words(tmp_path, capsys):
     _record(tmp_path, capsys, "one.zarr", *ONE_SHARD)
     assert main(["verify", str(tmp_path / "one.zarr")]) == 0
     assert capsys.readouterr().out.splitlines()[0].endswith("one.zarr: 1 shard, 1 chunk checked, 0 problems")
+
+
+@pytest.mark.parametrize(
+    "seconds, text",
+    [(0.0012, "1.20 ms"), (0.0047, "4.70 ms"), (0.0347, "34.7 ms"), (0.347, "347 ms"), (1.0, "1.00 s"), (12.345, "12.35 s")],
+)
+def test_durations_never_read_zero(seconds, text):
+    """A fast recording's summary said 'in 0.00 s'."""
+    assert duration(seconds) == text

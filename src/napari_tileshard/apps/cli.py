@@ -29,7 +29,7 @@ from ..storage.overwrite import OVERWRITE_HINT as _OVERWRITE_HINT
 from ..storage.sinks import check_store_path
 from .camera import SyntheticCamera
 from .convert import ConvertInterrupted, ResumeMismatch, convert
-from .units import data_size, plural
+from .units import data_size, duration, plural
 from .verify import missing_store, verify
 
 __all__ = ["FAILURE", "USAGE_ERROR", "build_layout", "convert_command", "gui", "main", "record"]
@@ -453,7 +453,7 @@ def _interrupted_summary(exc) -> str:
         return f"interrupted after all {report.epochs} shard epochs were converted into {report.destination}"
     return (
         f"interrupted: {report.epochs_done} of {report.epochs} shard epochs are done ({report.epochs_written} by "
-        f"this run: {plural(report.shards, 'shard')}, {data_size(report.bytes_in)} in {report.seconds:.2f} s); "
+        f"this run: {plural(report.shards, 'shard')}, {data_size(report.bytes_in)} in {duration(report.seconds)}); "
         f"{report.destination} claims its first {report.rows_claimed} of {report.rows} rows"
     )
 
@@ -542,7 +542,7 @@ def convert_command(args) -> int:
             f" + {data_size(pyramid)} of pyramid levels)" if pyramid else ")"
         )
         print(
-            f"converted into {report.destination}: {data_size(report.bytes_in)} in {report.seconds:.2f} s, "
+            f"converted into {report.destination}: {data_size(report.bytes_in)} in {duration(report.seconds)}, "
             f"{data_size(report.gbps * 1e9)}/s{ratio}, {plural(report.shards, 'shard')}{stored}"
             + (f" ({report.epochs_skipped} shard epochs were already done)" if report.epochs_skipped else "")
         )
@@ -722,7 +722,7 @@ def _recorded(stats, location, elapsed: float, levels: int) -> str:
     if levels > 1:
         shards += f" + {data_size(stats.pyramid_bytes_out)} of pyramid levels 1-{levels - 1}"
     return (
-        f"recorded {plural(stats.frames, 'frame')} ({data_size(stats.bytes_in)}) to {location} in {elapsed:.2f} s: "
+        f"recorded {plural(stats.frames, 'frame')} ({data_size(stats.bytes_in)}) to {location} in {duration(elapsed)}: "
         f"{data_size(stats.bytes_in / elapsed if elapsed > 0 else 0)}/s, compression ratio "
         f"{stats.compression_ratio:.2f}{' (full resolution)' if levels > 1 else ''}, {shards}), "
         f"backend {stats.backend}" + (f", {levels} pyramid levels" if levels > 1 else "")

@@ -8,7 +8,7 @@ unit that keeps the number readable, so a small recording never reads "(0.00 GB)
 
 from __future__ import annotations
 
-__all__ = ["data_size", "memory_size", "plural"]
+__all__ = ["data_size", "duration", "memory_size", "plural"]
 
 _DECIMAL = ("B", "kB", "MB", "GB", "TB", "PB")
 _BINARY = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
@@ -29,6 +29,15 @@ def memory_size(nbytes: float) -> str:
     """``nbytes`` in B, KiB, MiB, GiB, ... (powers of 1024), one decimal from KiB on."""
     value, unit = _scaled(nbytes, 1024, _BINARY)
     return f"{value:.0f} B" if unit == "B" else f"{value:.1f} {unit}"
+
+
+def duration(seconds: float) -> str:
+    """``seconds`` as a person reads them: ``"4.70 ms"`` under a second (never ``"0.00 s"``),
+    ``"12.35 s"`` from there on."""
+    if seconds < 1:
+        ms = seconds * 1000
+        return f"{ms:.2f} ms" if ms < 10 else f"{ms:.1f} ms" if ms < 100 else f"{ms:.0f} ms"
+    return f"{seconds:.2f} s"
 
 
 def plural(count: int, noun: str, nouns: str | None = None) -> str:
