@@ -23,6 +23,7 @@ import numpy as np
 from ..format.codecs import Codec, CodecError
 from ..format.shard_spec import ChunkDecodeError
 from .fetch import FREE_BUFFER_BYTES
+from .memory import output_pool
 from .plan import Block, DimPart, Read, ReadPlan
 
 __all__ = ["UNIT_BYTES", "BlockSource", "CpuReadPath", "dim_pieces", "unit_boxes", "untile_into"]
@@ -197,7 +198,7 @@ class CpuReadPath:
 
     def read(self, plan: ReadPlan) -> np.ndarray:
         """All of ``plan`` as one array of the plan's output shape."""
-        out = np.empty(plan.shape, dtype=self.reader.dtype)
+        out = output_pool().empty(plan.shape, dtype=self.reader.dtype)  # reused memory where it can be
         for _ in self.blocks(plan, lambda b: out[b.region]):
             pass
         return out.reshape(plan.out_shape)
