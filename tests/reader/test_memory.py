@@ -170,3 +170,34 @@ def test_whole_reads_over_reused_memory_equal_zarr_python(tmp_path):
             np.testing.assert_array_equal(plane, expected[3])
     finally:
         memory.set_output_pool(previous)
+
+
+def test_cached_units_in_pooled_memory_are_placed_without_a_copy():
+    """Rows the chunk cache adopted from a pooled unit (their base a 1-D mapping, not the 2-D
+    unit) are handed to the un-tiling as one view of that memory, as rows of a NumPy unit are."""
+    from napari_tileshard.format.codecs import REGISTRY
+    from napari_tileshard.reader.cpu import BlockSource
+    from napari_tileshard.reader.plan import Block
+
+    row_bytes = 1 << 18
+    for unit in (_pool().empty((4, row_bytes), np.uint8), np.zeros((4, row_bytes), np.uint8)):
+        unit[...] = np.arange(4, dtype=np.uint8)[:, None]
+        block = Block("c/0", (0,), (), np.arange(4, dtype=np.int64))
+        block.cached = {position: unit[position] for position in range(4)}
+        rows = BlockSource(block, [], REGISTRY["zstd"]).cached_rows(0, 4)
+        assert rows is not None and rows.shape == (4, row_bytes) and np.shares_memory(rows, unit)
+        np.testing.assert_array_equal(rows[:, 0], [0, 1, 2, 3])
+        block.cached = {0: unit[0], 1: unit[2], 2: unit[1], 3: unit[3]}  # not back to back
+        assert BlockSource(block, [], REGISTRY["zstd"]).cached_rows(0, 4) is None
+
+
+def test_a_large_mapping_given_back_is_reused_after_madvise_free():
+    pool = OutputPool(256 * MIB, min_bytes=MIB) if pool_unsupported_reason() is None else pytest.skip("pool off")
+    size = max(memory.FREE_PAGES_MIN_BYTES, MIB)
+    a = pool.empty((size,), np.uint8)
+    a[...] = 1
+    del a  # MADV_FREE where the platform has it
+    b = pool.empty((size,), np.uint8)
+    assert pool.reused == 1
+    b[...] = 2
+    assert int(b.min()) == int(b.max()) == 2

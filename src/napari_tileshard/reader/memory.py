@@ -9,9 +9,10 @@ the VM gave back to its host, which the host faults in again), as much as decodi
 :meth:`OutputPool.empty` lies in an anonymous mapping that the pool keeps; once nothing refers to
 that memory any more (the array, its views, a buffer taken from it: CPython counts them all as
 references to the mapping), the next output of a size that fits reuses it, faulted in already.
-A mapping given back has its pages marked ``MADV_FREE`` where the platform has it, so under
-memory pressure the kernel takes them without writing anything out (and the next user then
-faults them in again).
+A large mapping given back (a whole-array read's) has its pages marked ``MADV_FREE`` where the
+platform has it, so under memory pressure the kernel takes them without writing anything out
+(and the next user faults them in again); small ones (planes, the chunk cache's decoded units,
+given back at every step of napari's time slider) are kept as they are.
 
 The pool keeps at most ``max_bytes`` of mappings (the least recently used forgotten first).
 Where reference counts cannot tell whether memory is in use (not CPython, or a free-threaded
@@ -42,13 +43,19 @@ __all__ = [
     "set_output_pool",
 ]
 
-#: arrays smaller than this come from ``np.empty``
-MIN_POOLED_BYTES = 4 << 20
+#: arrays smaller than this come from ``np.empty``: the allocator's own reuse of freed memory
+#: works there (the chunk cache's decoded units of napari's steps, 2 MiB, did not: half of their
+#: pages were fresh at every step)
+MIN_POOLED_BYTES = 1 << 20
 
-#: mark the pages of a mapping given back ``MADV_FREE`` (where the platform has it): the kernel may
-#: take them under memory pressure.  Costs ~0.05 s per GiB given back and ~0.07 CPU-s per GiB
-#: when reused (the 2-core VM), against 0.5-2.6 for fresh memory.
-FREE_PAGES = True
+#: mappings of at least this size have their pages marked ``MADV_FREE`` when given back (where the
+#: platform has it): the kernel may take them under memory pressure.  Costs ~0.05 s per GiB given
+#: back and ~0.07 CPU-s per GiB reused (the 2-core VM), against 0.5-2.6 for fresh memory and 0.01
+#: for memory kept as it is: paid on large outputs only.
+FREE_PAGES_MIN_BYTES = 64 << 20
+#: mappings of at least this size ask for transparent huge pages (as NumPy's own allocations of
+#: 4 MiB and more do)
+HUGE_PAGES_MIN_BYTES = 4 << 20
 
 
 def pool_unsupported_reason(implementation: str | None = None, gil_disabled: bool | None = None) -> str | None:
@@ -88,6 +95,11 @@ class _Mapping:
             self.map = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         else:  # Windows: anonymous memory backed by the paging file
             self.map = mmap.mmap(-1, nbytes)
+        if nbytes >= HUGE_PAGES_MIN_BYTES and hasattr(mmap, "MADV_HUGEPAGE"):
+            try:
+                self.map.madvise(mmap.MADV_HUGEPAGE)
+            except OSError:  # not supported by this kernel: small pages
+                pass
 
     def references(self) -> int:
         return sys.getrefcount(self.map)
@@ -149,7 +161,7 @@ class OutputPool:
                 self._trim()
                 self.created += 1
         root = np.frombuffer(mapping.map, dtype=np.uint8, count=nbytes)  # holds a buffer of the mapping
-        if FREE_PAGES and hasattr(mmap, "MADV_FREE"):
+        if mapping.nbytes >= FREE_PAGES_MIN_BYTES and hasattr(mmap, "MADV_FREE"):
             weakref.finalize(root, _given_back, weakref.ref(mapping), self._idle + 1)
         return root.view(dtype).reshape(shape)
 
@@ -160,6 +172,8 @@ class OutputPool:
             if nbytes <= mapping.nbytes <= 2 * nbytes and (best is None or mapping.nbytes < best.nbytes):
                 if mapping.references() == self._idle:
                     best = mapping
+                    if mapping.nbytes == nbytes:
+                        break
         if best is not None:
             self._mappings.remove(best)
             self._mappings.append(best)
