@@ -23,6 +23,7 @@ from SyntheticCamera is written first (``--tile t,y,x``, shards of one tile deep
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -75,10 +76,21 @@ def scrub(path: Path, steps: int, order: str, show: bool, ab_read_ahead: int = 0
     targets = rng.integers(0, frames, steps).tolist() if order == "random" else [(1 + i) % frames for i in range(steps)]
     stats = data.stats
     rows = []
+    collections: list[tuple[int, float]] = []  # (generation, seconds) of each cyclic GC run
+    started_gc = [0.0]
+
+    def on_gc(phase, info):
+        if phase == "start":
+            started_gc[0] = time.perf_counter()
+        else:
+            collections.append((info["generation"], time.perf_counter() - started_gc[0]))
+
+    gc.callbacks.append(on_gc)
     for k, t in enumerate(targets):
         if ab_read_ahead:  # alternate blocks of steps with and without read-ahead (interleaved A/B)
             data.read_ahead = (k // ab_read_ahead) % 2 == 0
         busy, read, decoded = stats.busy_seconds, stats.data_bytes, stats.bytes_decoded
+        runs = len(collections)
         started = time.perf_counter()
         viewer.dims.set_current_step(0, t)
         app.processEvents()
@@ -93,8 +105,11 @@ def scrub(path: Path, steps: int, order: str, show: bool, ab_read_ahead: int = 0
                 "data_bytes": stats.data_bytes - read,
                 "read_ahead": data.read_ahead,
                 "decoded_bytes": stats.bytes_decoded - decoded,
+                "gc_ms": 1e3 * sum(seconds for _, seconds in collections[runs:]),
+                "gc_full": sum(generation == 2 for generation, _ in collections[runs:]),
             }
         )
+    gc.callbacks.remove(on_gc)
     viewer.close()
     summary = {
         "steps": steps,
@@ -120,6 +135,12 @@ def scrub(path: Path, steps: int, order: str, show: bool, ab_read_ahead: int = 0
                 "p99": round(percentile(values, 99), 2),
                 "max": round(max(values), 2),
             }
+    summary["gc"] = {
+        "collections": len(collections),
+        "full": sum(generation == 2 for generation, _ in collections),
+        "ms_max": round(1e3 * max((seconds for _, seconds in collections), default=0.0), 1),
+        "ms_total": round(1e3 * sum(seconds for _, seconds in collections), 1),
+    }
     summary["decoded_bytes_per_step"] = round(float(np.mean([r["decoded_bytes"] for r in rows])))
     summary["data_bytes_per_step"] = round(float(np.mean([r["data_bytes"] for r in rows])))
     summary["rows"] = rows

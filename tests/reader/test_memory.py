@@ -201,3 +201,14 @@ def test_a_large_mapping_given_back_is_reused_after_madvise_free():
     assert pool.reused == 1
     b[...] = 2
     assert int(b.min()) == int(b.max()) == 2
+
+
+def test_chunk_cache_get_many_finds_each_key_and_marks_the_found_ones_used():
+    from napari_tileshard.reader.cache import ChunkCache
+
+    cache = ChunkCache(max_bytes=3 * 8)
+    cache.adopt_rows([("a", 0), ("a", 1), ("a", 2)], np.arange(24, dtype=np.uint8).reshape(3, 8))
+    found = cache.get_many([("a", 0), ("x", 9), ("a", 2)])
+    assert found[1] is None and int(found[0][0]) == 0 and int(found[2][0]) == 16
+    cache.adopt_rows([("b", 0)], np.zeros((1, 8), dtype=np.uint8))  # ("a", 1) was the least recently used
+    assert cache.get(("a", 1)) is None and cache.get(("a", 0)) is not None and cache.get(("a", 2)) is not None

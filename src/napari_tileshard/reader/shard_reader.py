@@ -312,10 +312,9 @@ class ShardReader:
             present = np.flatnonzero(nbytes >= 0)
             block.missing = np.flatnonzero(nbytes < 0)
         if use_cache and self.cache is not None and present.size:
-            chunks = block.box_chunks[present].tolist()
-            places = zip(chunks, offsets[present].tolist(), nbytes[present].tolist())
-            found = [(p, self.cache.get((key, *place))) for p, place in zip(present.tolist(), places)]
-            block.cached = {p: decoded for p, decoded in found if decoded is not None}
+            places = zip(block.box_chunks[present].tolist(), offsets[present].tolist(), nbytes[present].tolist())
+            found = self.cache.get_many([(key, chunk, offset, size) for chunk, offset, size in places])
+            block.cached = {p: decoded for p, decoded in zip(present.tolist(), found) if decoded is not None}
             if block.cached:
                 present = present[~np.isin(present, list(block.cached))]
         runs = []
