@@ -287,7 +287,7 @@ class CpuReadPath:
         else:
             scratch = getattr(self._local, "scratch", None)
             if scratch is None or scratch.shape[0] < rows:
-                scratch = self._local.scratch = np.empty((rows, self.chunk_bytes), dtype=np.uint8)
+                scratch = self._local.scratch = output_pool().empty((rows, self.chunk_bytes), np.uint8)
             decoded = scratch[:rows]
         source.decode(first, stop, decoded, self.fill_bytes)
         if places:
