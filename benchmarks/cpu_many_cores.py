@@ -189,7 +189,7 @@ def contiguous_tiles(camera, tile, sample_bytes: int) -> np.ndarray:
     frames = max(tz, sample_bytes // camera.frame_bytes // tz * tz)
     stack = np.stack(list(camera.frames(frames)))
     lifted = stack.reshape(-1, tz, FRAME[0] // ty, ty, FRAME[1] // tx, tx).transpose(0, 2, 4, 1, 3, 5)
-    return np.ascontiguousarray(lifted).reshape(-1, tz * ty * tx * 2).view(np.uint8)
+    return np.ascontiguousarray(lifted).reshape(-1, tz * ty * tx).view(np.uint8)  # one tile a row
 
 
 def compress_ceiling(camera, tile, threads: int, sample_bytes: int) -> dict:
