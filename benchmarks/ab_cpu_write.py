@@ -29,10 +29,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_write import layout_for, setup_tensorstore, tile_cases  # noqa: E402
+from bench_write import layout_for, tile_cases  # noqa: E402
+from cpu_many_cores import write_tensorstore  # noqa: E402
 from cpu_stages import thread_cpu_seconds  # noqa: E402
 
-from napari_tileshard import SyntheticCamera, Writer  # noqa: E402
+from napari_tileshard import Layout, SyntheticCamera, Writer  # noqa: E402
 from napari_tileshard.engine import staging as staging_module  # noqa: E402
 from napari_tileshard.engine.backends import cpu as cpu_module  # noqa: E402
 
@@ -54,7 +55,23 @@ def parse_variant(text: str) -> tuple[str, dict, dict]:
     return name, switches, keywords
 
 
-def run_ours(camera, frames, tile, out, level, switches, keywords) -> tuple[float, float, float]:
+def case_layout(case: str, tile, camera) -> Layout:
+    """The layout of a tile case: shards 1 tile deep x 1024 x 1024 px, or ``default``:
+    ``Layout.default_for`` of the camera's frames (2 x 256² tiles, 4 tiles deep x 1024² shards)."""
+    if case == "default":
+        return Layout.default_for((0, *camera.shape), "uint16")
+    return layout_for(camera.shape, tile)
+
+
+def cases(names: list[str]):
+    """(name, tile shape) of each case: ``bench_write``'s tile cases and ``default``."""
+    known = [name for name in names if name != "default"]
+    found = dict(tile_cases(known))
+    default = Layout.default_for((0, 2048, 2048), "uint16").tile_shape
+    return [(name, default if name == "default" else found[name]) for name in names]
+
+
+def run_ours(camera, frames, layout, out, level, switches, keywords) -> tuple[float, float, float]:
     """(seconds, CPU seconds, CPU seconds of the caller's thread and the staging copy's helpers)."""
 
     def place(key):
@@ -68,9 +85,7 @@ def run_ours(camera, frames, tile, out, level, switches, keywords) -> tuple[floa
         shutil.rmtree(out, ignore_errors=True)
         before = thread_cpu_seconds()
         cpu0, wall0 = time.process_time(), time.perf_counter()
-        writer = Writer(
-            out, layout_for(camera.shape, tile), codec="zstd", level=level, backend="cpu", overwrite=True, **keywords
-        )
+        writer = Writer(out, layout, codec="zstd", level=level, backend="cpu", overwrite=True, **keywords)
         with writer:
             for frame in camera.frames(frames):
                 writer.append(frame)
@@ -86,16 +101,15 @@ def run_ours(camera, frames, tile, out, level, switches, keywords) -> tuple[floa
         shutil.rmtree(out, ignore_errors=True)
 
 
-def run_tensorstore(camera, frames, tile, out, level) -> tuple[float, float, float]:
-    """(seconds, CPU seconds, CPU seconds of the caller's thread: the harness's slab copy)."""
-    shutil.rmtree(out, ignore_errors=True)
-    main_thread = threading.main_thread().native_id
-    before = thread_cpu_seconds()[main_thread]
-    cpu0, wall0 = time.process_time(), time.perf_counter()
-    setup_tensorstore(camera, frames, tile, out, level)()
-    seconds = time.perf_counter() - wall0, time.process_time() - cpu0, thread_cpu_seconds()[main_thread] - before
-    shutil.rmtree(out, ignore_errors=True)
-    return seconds
+def run_tensorstore(camera, frames, layout, out, level) -> tuple[float, float, float]:
+    """(seconds, CPU seconds, CPU seconds of the caller's thread: the harness's slab copy), from
+    ``ts.open`` to the last write (``cpu_many_cores.write_tensorstore``)."""
+    if level != 1:
+        raise SystemExit("tensorstore runs at level 1 here (cpu_many_cores.write_tensorstore)")
+    row = write_tensorstore(camera, layout, frames, out)
+    gb = frames * camera.frame_bytes / 1e9
+    seconds = gb / row["gbps"]
+    return seconds, row["cpu_s_per_gb"] * gb, row["stages"]["append"] * gb
 
 
 def spread(values) -> str:
@@ -105,7 +119,7 @@ def spread(values) -> str:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gib", type=float, default=1.0)
-    parser.add_argument("--tiles", default="64k-d2,256k-d2,1m-d8,1m,4m")
+    parser.add_argument("--tiles", default="64k-d2,256k-d2,1m-d8,default,1m,4m")
     parser.add_argument("--level", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--variant", action="append", default=None, help="name=SWITCH=v,keyword=v (repeatable)")
@@ -120,7 +134,8 @@ def main(argv=None):
     root = Path(args.out)
     root.mkdir(parents=True, exist_ok=True)
     print(f"# {args.gib} GiB per run, {args.rounds} rounds, order rotating; variants {args.variant}", flush=True)
-    for case, tile in tile_cases(args.tiles.split(",")):
+    for case, tile in cases(args.tiles.split(",")):
+        layout = case_layout(case, tile, camera)
         frames = math.ceil(max(1, int(args.gib * 2**30 // camera.frame_bytes)) / tile[0]) * tile[0]
         gb = frames * camera.frame_bytes / 1e9
         runs: dict[str, list[tuple[float, float, float]]] = {e: [] for e in engines}
@@ -128,9 +143,9 @@ def main(argv=None):
             for engine in engines[r % len(engines) :] + engines[: r % len(engines)]:
                 out = root / f"{engine}.zarr"
                 if engine == "ts":
-                    runs[engine].append(run_tensorstore(camera, frames, tile, out, args.level))
+                    runs[engine].append(run_tensorstore(camera, frames, layout, out, args.level))
                 else:
-                    runs[engine].append(run_ours(camera, frames, tile, out, args.level, *by_name[engine]))
+                    runs[engine].append(run_ours(camera, frames, layout, out, args.level, *by_name[engine]))
         line = [f"{case}:"]
         for engine in engines:
             line.append(

@@ -11,7 +11,11 @@ random`` for jumps) and times each step:
   texture upload and the draw when the window is shown); ``napari`` = step - plugin.
 
 Per step also the chunk bytes read and decoded (``stats``): a step must decode only the chunks
-of the displayed plane.  p50 and p99 (nearest rank) of each are printed and written to ``--out``.
+of the displayed plane, and the cyclic GC's runs.  ``--stages``: where the plugin's CPU goes, per
+step, from each thread's CPU time inside the reader's stages (``decode``: the codec's calls,
+``untile``: the strided copies into the plane, ``fetch``: the shard reads, ``plan``), p50 of the
+steps that decode a new tile row and of the cache hits.  p50 and p99 (nearest rank) of each are
+printed and written to ``--out``.
 
 Needs a display: run under ``xvfb-run -a`` (or ``QT_QPA_PLATFORM=offscreen`` with ``--no-show``,
 where nothing is drawn).  Without ``--path`` a recording of ``--frames`` 2048² uint16 frames
@@ -23,6 +27,7 @@ from SyntheticCamera is written first (``--tile t,y,x``, shards of one tile deep
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -35,6 +40,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from napari_tileshard import Dim, Layout, ShardReader, SyntheticCamera, Writer
 from napari_tileshard.apps.napari_reader import napari_get_reader
+from napari_tileshard.reader import cpu as cpu_reader
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cpu_stages import StageClock  # noqa: E402
 
 
 def write_recording(path: Path, frames: int, tile) -> None:
@@ -58,7 +67,17 @@ def percentile(values, q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, int(np.ceil(q / 100 * len(ordered))) - 1))]
 
 
-def scrub(path: Path, steps: int, order: str, show: bool, ab_read_ahead: int = 0) -> dict:
+def stage_clock() -> StageClock:
+    """CPU seconds of the reader's stages, summed over the threads that run them."""
+    clock = StageClock()
+    clock.wrap(cpu_reader.BlockSource, "decode", "decode")
+    clock.wrap(cpu_reader, "untile_into", "untile")
+    clock.wrap(ShardReader, "_fetch", "fetch")
+    clock.wrap(ShardReader, "_plan", "plan")
+    return clock
+
+
+def scrub(path: Path, steps: int, order: str, show: bool, ab_read_ahead: int = 0, stages: bool = False) -> dict:
     import napari
     from qtpy.QtWidgets import QApplication
 
@@ -75,10 +94,23 @@ def scrub(path: Path, steps: int, order: str, show: bool, ab_read_ahead: int = 0
     targets = rng.integers(0, frames, steps).tolist() if order == "random" else [(1 + i) % frames for i in range(steps)]
     stats = data.stats
     rows = []
+    collections: list[tuple[int, float]] = []  # (generation, seconds) of each cyclic GC run
+    started_gc = [0.0]
+
+    def on_gc(phase, info):
+        if phase == "start":
+            started_gc[0] = time.perf_counter()
+        else:
+            collections.append((info["generation"], time.perf_counter() - started_gc[0]))
+
+    gc.callbacks.append(on_gc)
+    clock = stage_clock() if stages else None
     for k, t in enumerate(targets):
         if ab_read_ahead:  # alternate blocks of steps with and without read-ahead (interleaved A/B)
             data.read_ahead = (k // ab_read_ahead) % 2 == 0
         busy, read, decoded = stats.busy_seconds, stats.data_bytes, stats.bytes_decoded
+        runs = len(collections)
+        spent = dict(clock.seconds) if clock else {}
         started = time.perf_counter()
         viewer.dims.set_current_step(0, t)
         app.processEvents()
@@ -93,8 +125,15 @@ def scrub(path: Path, steps: int, order: str, show: bool, ab_read_ahead: int = 0
                 "data_bytes": stats.data_bytes - read,
                 "read_ahead": data.read_ahead,
                 "decoded_bytes": stats.bytes_decoded - decoded,
+                "gc_ms": 1e3 * sum(seconds for _, seconds in collections[runs:]),
+                "gc_full": sum(generation == 2 for generation, _ in collections[runs:]),
             }
         )
+        if clock:
+            rows[-1]["stages_ms"] = {n: 1e3 * (v - spent.get(n, 0.0)) for n, v in clock.seconds.items()}
+    if clock:
+        clock.restore()
+    gc.callbacks.remove(on_gc)
     viewer.close()
     summary = {
         "steps": steps,
@@ -120,6 +159,21 @@ def scrub(path: Path, steps: int, order: str, show: bool, ab_read_ahead: int = 0
                 "p99": round(percentile(values, 99), 2),
                 "max": round(max(values), 2),
             }
+    summary["gc"] = {
+        "collections": len(collections),
+        "full": sum(generation == 2 for generation, _ in collections),
+        "ms_max": round(1e3 * max((seconds for _, seconds in collections), default=0.0), 1),
+        "ms_total": round(1e3 * sum(seconds for _, seconds in collections), 1),
+    }
+    if clock:
+        for name, group in (("decoding_steps", rows[1:]), ("cache_hits", rows[1:])):
+            chosen = [r for r in group if (r["decoded_bytes"] > 0) == (name == "decoding_steps")]
+            keys = sorted({key for r in chosen for key in r.get("stages_ms", {})})
+            summary.setdefault("stages_cpu_ms_p50", {})[name] = {
+                "steps": len(chosen),
+                "plugin_ms": round(percentile([r["plugin_ms"] for r in chosen], 50), 2) if chosen else None,
+                **{key: round(percentile([r["stages_ms"].get(key, 0.0) for r in chosen], 50), 2) for key in keys},
+            }
     summary["decoded_bytes_per_step"] = round(float(np.mean([r["decoded_bytes"] for r in rows])))
     summary["data_bytes_per_step"] = round(float(np.mean([r["data_bytes"] for r in rows])))
     summary["rows"] = rows
@@ -138,6 +192,7 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--ab-read-ahead", type=int, default=0, metavar="N", help="alternate blocks of N steps, read-ahead on and off"
     )
+    parser.add_argument("--stages", action="store_true", help="CPU per step of the reader's stages")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--keep", action="store_true")
     args = parser.parse_args(argv)
@@ -147,7 +202,7 @@ def main(argv=None) -> int:
         path = args.dir / f"scrub-{'x'.join(map(str, tile))}.zarr"
         write_recording(path, args.frames, tile)
     try:
-        result = scrub(path, args.steps, args.order, not args.no_show, args.ab_read_ahead)
+        result = scrub(path, args.steps, args.order, not args.no_show, args.ab_read_ahead, args.stages)
     finally:
         if args.path is None and not args.keep:
             shutil.rmtree(path, ignore_errors=True)

@@ -22,7 +22,7 @@ def contiguous_tiles(camera, frames: int, tile) -> np.ndarray:
     h, w = camera.shape
     stack = np.stack([f for f in camera.frames(frames // tz * tz)])
     lifted = stack.reshape(-1, tz, h // ty, ty, w // tx, tx).transpose(0, 2, 4, 1, 3, 5)
-    return np.ascontiguousarray(lifted).reshape(-1, tz * ty * tx * stack.itemsize).view(np.uint8)
+    return np.ascontiguousarray(lifted).reshape(-1, tz * ty * tx).view(np.uint8)  # one tile a row
 
 
 def zstd_ceiling(camera, tile, level: int, cores: int | None = None, sample_bytes: int = 256 << 20) -> dict:

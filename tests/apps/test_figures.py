@@ -103,7 +103,14 @@ def test_verify_counts_in_words(tmp_path, capsys):
 
 @pytest.mark.parametrize(
     "seconds, text",
-    [(0.0012, "1.20 ms"), (0.0047, "4.70 ms"), (0.0347, "34.7 ms"), (0.347, "347 ms"), (1.0, "1.00 s"), (12.345, "12.35 s")],
+    [
+        (0.0012, "1.20 ms"),
+        (0.0047, "4.70 ms"),
+        (0.0347, "34.7 ms"),
+        (0.347, "347 ms"),
+        (1.0, "1.00 s"),
+        (12.345, "12.35 s"),
+    ],
 )
 def test_durations_never_read_zero(seconds, text):
     """A fast recording's summary said 'in 0.00 s'."""

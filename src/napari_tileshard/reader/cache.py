@@ -76,6 +76,15 @@ class ChunkCache:
                 self._entries.move_to_end(key)
             return found
 
+    def get_many(self, keys: list[tuple]) -> list[np.ndarray | None]:
+        """:meth:`get` of each of ``keys`` under one lock (a plane's plan looks up its 64-256 chunks)."""
+        with self._lock:
+            found = [self._entries.get(key) for key in keys]
+            for key, decoded in zip(keys, found):
+                if decoded is not None:
+                    self._entries.move_to_end(key)
+            return found
+
     def put(self, key: tuple, decoded: np.ndarray) -> None:
         if decoded.nbytes > self.max_bytes:
             return

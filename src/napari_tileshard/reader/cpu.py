@@ -23,6 +23,7 @@ import numpy as np
 from ..format.codecs import Codec, CodecError
 from ..format.shard_spec import ChunkDecodeError
 from .fetch import FREE_BUFFER_BYTES
+from .memory import output_pool
 from .plan import Block, DimPart, Read, ReadPlan
 
 __all__ = ["UNIT_BYTES", "BlockSource", "CpuReadPath", "dim_pieces", "unit_boxes", "untile_into"]
@@ -145,21 +146,23 @@ class BlockSource:
             return None
         rows = [self.block.cached[position] for position in range(first, stop)]
         head = rows[0]
-        base = head.base
-        if base is None or not isinstance(base, np.ndarray) or base.ndim != 2 or not base.flags.c_contiguous:
+        base = head.base  # the unit's memory (the array it was decoded into, or its pool mapping's)
+        if base is None or not isinstance(base, np.ndarray) or not base.flags.c_contiguous:
             return None
-        start = head.__array_interface__["data"][0] - base.__array_interface__["data"][0]
-        step = base.strides[0]
-        if start % step or start // step + len(rows) > base.shape[0]:
+        step = head.nbytes
+        address = head.__array_interface__["data"][0]
+        start = address - base.__array_interface__["data"][0]
+        if start < 0 or start + len(rows) * step > base.nbytes:
             return None
-        row0 = start // step
         for j, row in enumerate(rows):
             if (
                 row.base is not base
-                or row.__array_interface__["data"][0] != head.__array_interface__["data"][0] + j * step
+                or not row.flags.c_contiguous
+                or row.nbytes != step
+                or row.__array_interface__["data"][0] != address + j * step
             ):
                 return None
-        return base[row0 : row0 + len(rows)]
+        return base.reshape(-1).view(np.uint8)[start : start + len(rows) * step].reshape(len(rows), step)
 
     def decode(self, first: int, stop: int, rows: np.ndarray, fill: np.ndarray) -> None:
         """Box positions ``first..stop`` decoded into ``rows`` (fill value where absent): one
@@ -197,7 +200,7 @@ class CpuReadPath:
 
     def read(self, plan: ReadPlan) -> np.ndarray:
         """All of ``plan`` as one array of the plan's output shape."""
-        out = np.empty(plan.shape, dtype=self.reader.dtype)
+        out = output_pool().empty(plan.shape, dtype=self.reader.dtype)  # reused memory where it can be
         for _ in self.blocks(plan, lambda b: out[b.region]):
             pass
         return out.reshape(plan.out_shape)
@@ -280,11 +283,11 @@ class CpuReadPath:
             # every chunk of the unit goes into the cache: decode into memory the cache then
             # keeps, instead of into scratch and a copy of it (a 16 MiB copy per new tile row
             # when napari's time slider steps)
-            decoded = np.empty((rows, self.chunk_bytes), dtype=np.uint8)
+            decoded = output_pool().empty((rows, self.chunk_bytes), np.uint8)
         else:
             scratch = getattr(self._local, "scratch", None)
             if scratch is None or scratch.shape[0] < rows:
-                scratch = self._local.scratch = np.empty((rows, self.chunk_bytes), dtype=np.uint8)
+                scratch = self._local.scratch = output_pool().empty((rows, self.chunk_bytes), np.uint8)
             decoded = scratch[:rows]
         source.decode(first, stop, decoded, self.fill_bytes)
         if places:

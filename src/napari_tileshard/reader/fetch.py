@@ -15,6 +15,7 @@ import numpy as np
 from ..format.shard_spec import ShardReadError, ShardSpec
 from ..storage._zarr_sync import sync
 from ..storage.safe_read import LocalFiles, StoreAccess
+from .memory import output_pool
 from .stats import ReadStats
 
 __all__ = ["FREE_BUFFER_BYTES", "ReadBuffers", "StoreObjects", "prefetched"]
@@ -154,7 +155,7 @@ class ReadBuffers:
                 best = min(fits, key=lambda i: self._free[i].size)
                 self._free_bytes -= self._free[best].size
                 return self._free.pop(best)[:size]
-        return np.empty(size, dtype=np.uint8)
+        return output_pool().empty(size, np.uint8)  # fresh: small pages (NumPy asks for huge ones)
 
     def recycle(self, buffers: Iterable[np.ndarray]) -> None:
         """Give back buffers once decoded (views of a taken buffer give back the whole buffer)."""

@@ -16,6 +16,7 @@ __all__ = [
     "batch_bytes_setting",
     "cache_bytes_setting",
     "max_read_bytes_setting",
+    "pool_bytes_setting",
     "reader_setting",
     "workers_setting",
 ]
@@ -59,6 +60,17 @@ def cache_bytes_setting(value: int | None = None, default: int = 0) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
         raise ValueError(f"cache_bytes must be a non-negative integer, got {value!r}")
     return int(value)
+
+
+def pool_bytes_setting(default: int) -> int:
+    """The most bytes of reused output memory the CPU reader keeps (``TILESHARD_POOL_BYTES``; 0:
+    none, every output is fresh memory), else ``default``."""
+    text = os.environ.get("TILESHARD_POOL_BYTES")
+    if not text:
+        return default
+    if not text.strip().isdigit():
+        raise ValueError(f"TILESHARD_POOL_BYTES must be a non-negative number of bytes, got {text!r}")
+    return int(text)
 
 
 def max_read_bytes_setting(value: int | None = None) -> int:

@@ -37,6 +37,7 @@ from .fetch import ReadBuffers, StoreObjects, prefetched
 from .gpu import GpuReadPath, gpu_read_unavailable_reason
 from .lazy import LazySelection
 from .levels import open_array
+from .memory import output_pool
 from .plan import (
     DEFAULT_GAP_BYTES,
     Block,
@@ -311,10 +312,9 @@ class ShardReader:
             present = np.flatnonzero(nbytes >= 0)
             block.missing = np.flatnonzero(nbytes < 0)
         if use_cache and self.cache is not None and present.size:
-            chunks = block.box_chunks[present].tolist()
-            places = zip(chunks, offsets[present].tolist(), nbytes[present].tolist())
-            found = [(p, self.cache.get((key, *place))) for p, place in zip(present.tolist(), places)]
-            block.cached = {p: decoded for p, decoded in found if decoded is not None}
+            places = zip(block.box_chunks[present].tolist(), offsets[present].tolist(), nbytes[present].tolist())
+            found = self.cache.get_many([(key, chunk, offset, size) for chunk, offset, size in places])
+            block.cached = {p: decoded for p, decoded in zip(present.tolist(), found) if decoded is not None}
             if block.cached:
                 present = present[~np.isin(present, list(block.cached))]
         runs = []
@@ -415,7 +415,7 @@ class ShardReader:
         """Read and decode ``selection``'s chunks that the cache lacks into the cache (the
         blocks are decoded into scratch and dropped)."""
         plan = self._plan(selection, use_cache=True)
-        for _ in self._cpu_path().blocks(plan, lambda b: np.empty(b.shape, dtype=self.dtype)):
+        for _ in self._cpu_path().blocks(plan, lambda b: output_pool().empty(b.shape, self.dtype)):
             pass
 
     def _wait_for_read_ahead(self, selection=Ellipsis) -> None:
@@ -450,7 +450,7 @@ class ShardReader:
             return
         plan = self.plan(selection)
         indices, dropped = normalize_selection(selection, self.shape)
-        for block, data in self._cpu_path().blocks(plan, lambda b: np.empty(b.shape, dtype=self.dtype)):
+        for block, data in self._cpu_path().blocks(plan, lambda b: output_pool().empty(b.shape, self.dtype)):
             region = tuple(r for r, d in zip(block.region, dropped) if not d)
             yield region, data.reshape(tuple(n for n, d in zip(block.shape, dropped) if not d))
 
