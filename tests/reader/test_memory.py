@@ -212,3 +212,33 @@ def test_chunk_cache_get_many_finds_each_key_and_marks_the_found_ones_used():
     assert found[1] is None and int(found[0][0]) == 0 and int(found[2][0]) == 16
     cache.adopt_rows([("b", 0)], np.zeros((1, 8), dtype=np.uint8))  # ("a", 1) was the least recently used
     assert cache.get(("a", 1)) is None and cache.get(("a", 0)) is not None and cache.get(("a", 2)) is not None
+
+
+def test_threads_taking_arrays_at_once_never_share_memory():
+    """The array over a mapping was made after the pool's lock was released: until it existed the
+    mapping looked idle, and another thread took the same memory (3 overlaps in 12,000 takes)."""
+    import sys
+    import threading
+
+    pool = OutputPool(64 << 20, min_bytes=1 << 20)
+    overlaps: list = []
+
+    def take(value: int) -> None:
+        for _ in range(1500):
+            out = pool.empty(1 << 20, np.uint8)
+            out[:] = value
+            if not (out[::4096] == value).all():
+                overlaps.append(value)
+            del out
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as CPython allows
+    try:
+        threads = [threading.Thread(target=take, args=(k,)) for k in range(1, 5)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert overlaps == [] and pool.reused > 5000

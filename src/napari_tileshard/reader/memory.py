@@ -141,20 +141,23 @@ class OutputPool:
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         if self.unsupported is not None or not self.min_bytes <= nbytes <= self.max_bytes:
             return np.empty(shape, dtype)
+        # The array over a mapping is made while the lock is held: until it exists nothing counts
+        # as a reference to the mapping, and another thread's _take would hand out the same memory.
         with self._lock:
             mapping = self._take(nbytes)
             if mapping is not None:
                 self.reused += 1
+                root = np.frombuffer(mapping.map, dtype=np.uint8, count=nbytes)  # holds a buffer of it
         if mapping is None:
             try:
                 mapping = _Mapping(nbytes)
             except (OSError, ValueError):  # out of address space or refused: the allocator's turn
                 return np.empty(shape, dtype)
             with self._lock:
+                root = np.frombuffer(mapping.map, dtype=np.uint8, count=nbytes)
                 self._mappings.append(mapping)
                 self._trim()
                 self.created += 1
-        root = np.frombuffer(mapping.map, dtype=np.uint8, count=nbytes)  # holds a buffer of the mapping
         if mapping.nbytes >= FREE_PAGES_MIN_BYTES and hasattr(mmap, "MADV_FREE"):
             weakref.finalize(root, _given_back, weakref.ref(mapping), self._idle + 1)
         return root.view(dtype).reshape(shape)
