@@ -242,3 +242,15 @@ def test_threads_taking_arrays_at_once_never_share_memory():
     finally:
         sys.setswitchinterval(interval)
     assert overlaps == [] and pool.reused > 5000
+
+
+def test_small_mappings_are_kept_up_to_their_own_cap():
+    """Mappings too small for MADV_FREE keep their pages resident when idle: reads of many sizes
+    would have kept up to the pool's whole cap (a quarter of the RAM) of them."""
+    pool = OutputPool(16 << 30, min_bytes=1 << 20)
+    sizes = [n << 20 for n in range(20, 64)]  # 20 .. 63 MiB, growing: each takes a new mapping
+    for n in sizes:
+        pool.empty(n, np.uint8)  # dropped at once: idle (never touched: no memory used)
+    assert sum(sizes) > memory.SMALL_MAPPINGS_MAX_BYTES  # 1.8 GiB asked for
+    assert pool.created == len(sizes)
+    assert memory.SMALL_MAPPINGS_MAX_BYTES - (63 << 20) < pool.nbytes <= memory.SMALL_MAPPINGS_MAX_BYTES

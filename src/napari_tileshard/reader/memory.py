@@ -54,6 +54,10 @@ MIN_POOLED_BYTES = 1 << 20
 #: for memory kept as it is: paid on large outputs only.
 FREE_PAGES_MIN_BYTES = 64 << 20
 
+#: the most the pool keeps in mappings below :data:`FREE_PAGES_MIN_BYTES` (planes, the chunk
+#: cache's decoded units: 512 MiB for the napari reader's cache), whose idle pages stay resident
+SMALL_MAPPINGS_MAX_BYTES = 1 << 30
+
 
 def pool_unsupported_reason(implementation: str | None = None, gil_disabled: bool | None = None) -> str | None:
     """Why the pool cannot be used (None: it can): it needs CPython's exact reference counts,
@@ -177,11 +181,21 @@ class OutputPool:
         return best
 
     def _trim(self) -> None:
-        """Forget the least recently used mappings while the pool holds more than ``max_bytes``
-        (lock held); a mapping in use is unmapped once its arrays are gone."""
+        """Forget the least recently used mappings while the pool holds more than ``max_bytes``,
+        or more than :data:`SMALL_MAPPINGS_MAX_BYTES` in mappings too small to be marked
+        ``MADV_FREE`` (their idle pages stay resident: reads of many different sizes would
+        otherwise keep up to ``max_bytes`` of them); lock held.  A mapping in use is unmapped
+        once its arrays are gone."""
         total = sum(m.nbytes for m in self._mappings)
         while total > self.max_bytes and self._mappings:
             total -= self._mappings.pop(0).nbytes
+        small = [m for m in self._mappings if m.nbytes < FREE_PAGES_MIN_BYTES]
+        excess = sum(m.nbytes for m in small) - SMALL_MAPPINGS_MAX_BYTES
+        for mapping in small:  # least recently used first
+            if excess <= 0:
+                break
+            self._mappings.remove(mapping)
+            excess -= mapping.nbytes
 
     def clear(self) -> None:
         """Forget every mapping (those in use are unmapped once their arrays are gone)."""
