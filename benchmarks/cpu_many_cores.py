@@ -63,11 +63,10 @@ sys.path.insert(0, str(HERE))
 
 from bench_read import decode_ceiling, evict  # noqa: E402
 from bench_write import slabs  # noqa: E402
-from cpu_stages import StageClock, thread_cpu_seconds  # noqa: E402
+from cpu_stages import StageClock, stage_seconds, thread_cpu_seconds  # noqa: E402
 from zstd_ceiling import contiguous_tiles  # noqa: E402
 
 from napari_tileshard import Dim, Layout, ShardReader, SyntheticCamera, Writer  # noqa: E402
-from napari_tileshard.engine.backends import cpu as cpu_backend  # noqa: E402
 from napari_tileshard.reader import cpu as cpu_reader  # noqa: E402
 
 FRAME = (2048, 2048)
@@ -95,41 +94,7 @@ def gigabytes(frames: int) -> float:
 # -- writes ------------------------------------------------------------------------------
 def write_ours(camera, layout: Layout, frames: int, out: Path) -> dict:
     """One ``Writer(backend="cpu")`` run: GB/s on the user's clock, CPU-s/GB, per stage."""
-    clock = StageClock()
-    clock.wrap(cpu_backend, "tile_cpu", "tile")
-    clock.wrap(cpu_backend, "compress_cpu", "compress")
-    groups = {"MainThread": "append", "tileshard-copy": "append", "tileshard-cpu": "encode"}
-    groups |= {"tileshard-collector": "collect", "tileshard-io": "write"}
-    per_group: dict[str, float] = collections.defaultdict(float)
-    try:
-        shutil.rmtree(out, ignore_errors=True)
-        before = thread_cpu_seconds()
-        cpu0, wall0 = time.process_time(), time.perf_counter()
-        writer = Writer(out, layout, codec="zstd", level=1, backend="cpu", overwrite=True)
-        for frame in camera.frames(frames):
-            writer.append(frame)
-        writer.sync()
-        synced = time.process_time()
-        names = {t.native_id: t.name for t in threading.enumerate()}
-        for tid, seconds in thread_cpu_seconds().items():
-            group = next((g for prefix, g in groups.items() if names.get(tid, "").startswith(prefix)), "other")
-            per_group[group] += seconds - before.get(tid, 0.0)
-        writer.close()
-        wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
-    finally:
-        clock.restore()
-        shutil.rmtree(out, ignore_errors=True)
-    gb = gigabytes(frames)
-    stages = {
-        "append": per_group["append"],
-        "tile": clock.seconds["tile"],
-        "compress": clock.seconds["compress"],
-        "encode-other": per_group["encode"] - clock.seconds["tile"] - clock.seconds["compress"],
-        "collect": per_group["collect"],
-        "write": per_group["write"],
-        "close": time.process_time() - synced,
-    }
-    return {"gbps": gb / wall, "cpu_s_per_gb": cpu / gb, "stages": {k: v / gb for k, v in stages.items()}}
+    return stage_seconds(camera, frames, layout, out, level=1, user_clock=True)
 
 
 def write_tensorstore(camera, layout: Layout, frames: int, out: Path) -> dict:

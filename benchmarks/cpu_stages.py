@@ -34,7 +34,7 @@ sys.path.insert(0, str(HERE))
 from bench_write import layout_for, setup_tensorstore, tile_cases  # noqa: E402
 from zstd_ceiling import zstd_ceiling  # noqa: E402
 
-from napari_tileshard import SyntheticCamera, Writer  # noqa: E402
+from napari_tileshard import Layout, SyntheticCamera, Writer  # noqa: E402
 from napari_tileshard.engine.backends import cpu as cpu_module  # noqa: E402
 
 STAGES = ("append", "tile", "compress", "encode-other", "collect", "write", "close")
@@ -92,17 +92,23 @@ class StageClock:
         self._undo.clear()
 
 
-def stage_seconds(camera, frames: int, tile, out: Path, level: int) -> dict:
-    """One CPU-backend run with its stages timed; CPU-s/GB per stage and GB/s."""
+def stage_seconds(camera, frames: int, tile, out: Path, level: int, user_clock: bool = False) -> dict:
+    """One CPU-backend run with its stages timed; CPU-s/GB per stage and GB/s.  ``tile``: a tile
+    shape (the shards of ``layout_for``) or a whole ``Layout``; ``user_clock``: the clock starts
+    before ``Writer()`` (as a user's does), else once it is made."""
     clock = StageClock()
     clock.wrap(cpu_module, "tile_cpu", "tile")
     clock.wrap(cpu_module, "compress_cpu", "compress")
     per_thread: dict[str, float] = collections.defaultdict(float)
+    layout = tile if isinstance(tile, Layout) else layout_for(camera.shape, tile)
     try:
         shutil.rmtree(out, ignore_errors=True)
         before = thread_cpu_seconds()
-        writer = Writer(out, layout_for(camera.shape, tile), codec="zstd", level=level, backend="cpu", overwrite=True)
-        cpu0, wall0 = time.process_time(), time.perf_counter()
+        if user_clock:
+            cpu0, wall0 = time.process_time(), time.perf_counter()
+        writer = Writer(out, layout, codec="zstd", level=level, backend="cpu", overwrite=True)
+        if not user_clock:
+            cpu0, wall0 = time.process_time(), time.perf_counter()
         for frame in camera.frames(frames):
             writer.append(frame)
         writer.sync()
