@@ -68,7 +68,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_write import layout_for, slabs  # noqa: E402
+from bench_write import layout_for, tensorstore_spec, write_in_slabs  # noqa: E402
 
 from napari_tileshard import SyntheticCamera, Writer
 from napari_tileshard.engine.backends import is_available
@@ -352,50 +352,18 @@ def setup(engine, camera, frames, tile, prefix, level, endpoint):
         import tensorstore as ts
 
         bounded = layout_for(camera.shape, tile, unbounded=False, frames=frames)
-        spec = {
-            "driver": "zarr3",
-            "kvstore": {
-                "driver": "s3",
-                "bucket": BUCKET,
-                "path": prefix + "/",
-                "endpoint": endpoint,
-                "aws_region": REGION,
-                "aws_credentials": {"type": "environment"},
-            },
-            "metadata": {
-                "shape": [frames, *camera.shape],
-                "data_type": "uint16",
-                "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(bounded.shard_shape)}},
-                "codecs": [
-                    {
-                        "name": "sharding_indexed",
-                        "configuration": {
-                            "chunk_shape": list(tile),
-                            "codecs": [
-                                {"name": "bytes", "configuration": {"endian": "little"}},
-                                {"name": "zstd", "configuration": {"level": level}},
-                            ],
-                            "index_codecs": [
-                                {"name": "bytes", "configuration": {"endian": "little"}},
-                                {"name": "crc32c"},
-                            ],
-                        },
-                    }
-                ],
-            },
-            "create": True,
+        kvstore = {
+            "driver": "s3",
+            "bucket": BUCKET,
+            "path": prefix + "/",
+            "endpoint": endpoint,
+            "aws_region": REGION,
+            "aws_credentials": {"type": "environment"},
         }
-        store = ts.open(spec).result()
+        store = ts.open(tensorstore_spec(kvstore, [frames, *camera.shape], bounded.shard_shape, tile, level)).result()
 
         def run():
-            pending = None
-            for start, slab in slabs(camera, frames, bounded.shard_epoch_rows):
-                future = store[start : start + len(slab)].write(slab)
-                if pending is not None:
-                    pending.result()
-                pending = future
-            if pending is not None:
-                pending.result()
+            write_in_slabs(store, camera, frames, bounded.shard_epoch_rows)
 
         return run
     if engine == "acquire-zarr":

@@ -109,17 +109,16 @@ def slabs(camera, frames, rows):
             filled, which = 0, 1 - which
 
 
-def setup_tensorstore(camera, frames, tile, out, level):
-    import tensorstore as ts
-
-    layout = layout_for(camera.shape, tile, unbounded=False, frames=frames)
+def tensorstore_spec(kvstore: dict, shape, shard_shape, tile, level: int, dtype: str = "uint16") -> dict:
+    """A tensorstore ``zarr3`` spec of the same sharded array a recording writes (zstd ``level``
+    tiles, a CRC32C index at the end), created anew in ``kvstore``."""
     spec = {
         "driver": "zarr3",
-        "kvstore": {"driver": "file", "path": str(out)},
+        "kvstore": kvstore,
         "metadata": {
-            "shape": [frames, *camera.shape],
-            "data_type": "uint16",
-            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(layout.shard_shape)}},
+            "shape": list(shape),
+            "data_type": dtype,
+            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(shard_shape)}},
             "codecs": [
                 {
                     "name": "sharding_indexed",
@@ -135,19 +134,34 @@ def setup_tensorstore(camera, frames, tile, out, level):
             ],
         },
         "create": True,
-        "delete_existing": True,
     }
-    store = ts.open(spec).result()
+    if kvstore.get("driver") == "file":
+        spec["delete_existing"] = True
+    return spec
 
-    def run():
-        pending = None
-        for start, slab in slabs(camera, frames, layout.shard_epoch_rows):
-            future = store[start : start + len(slab)].write(slab)
-            if pending is not None:
-                pending.result()
-            pending = future
+
+def write_in_slabs(store, camera, frames: int, epoch_rows: int) -> None:
+    """The camera's frames into a tensorstore array, a shard epoch at a time, one write in flight
+    while the next slab fills (as a recorder gives them)."""
+    pending = None
+    for start, slab in slabs(camera, frames, epoch_rows):
+        future = store[start : start + len(slab)].write(slab)
         if pending is not None:
             pending.result()
+        pending = future
+    if pending is not None:
+        pending.result()
+
+
+def setup_tensorstore(camera, frames, tile, out, level):
+    import tensorstore as ts
+
+    layout = layout_for(camera.shape, tile, unbounded=False, frames=frames)
+    kvstore = {"driver": "file", "path": str(out)}
+    store = ts.open(tensorstore_spec(kvstore, [frames, *camera.shape], layout.shard_shape, tile, level)).result()
+
+    def run():
+        write_in_slabs(store, camera, frames, layout.shard_epoch_rows)
         return "tensorstore"
 
     return run

@@ -62,7 +62,7 @@ sys.path.insert(0, str(HERE.parent / "src"))
 sys.path.insert(0, str(HERE))
 
 from bench_read import decode_ceiling, evict  # noqa: E402
-from bench_write import slabs  # noqa: E402
+from bench_write import tensorstore_spec, write_in_slabs  # noqa: E402
 from cpu_stages import StageClock, stage_seconds, thread_cpu_seconds  # noqa: E402
 from zstd_ceiling import contiguous_tiles  # noqa: E402
 
@@ -106,43 +106,9 @@ def write_tensorstore(camera, layout: Layout, frames: int, out: Path) -> dict:
     main = threading.main_thread().native_id
     before = thread_cpu_seconds().get(main, 0.0)
     cpu0, wall0 = time.process_time(), time.perf_counter()
-    store = ts.open(
-        {
-            "driver": "zarr3",
-            "kvstore": {"driver": "file", "path": str(out)},
-            "metadata": {
-                "shape": [frames, *FRAME],
-                "data_type": "uint16",
-                "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(bounded.shard_shape)}},
-                "codecs": [
-                    {
-                        "name": "sharding_indexed",
-                        "configuration": {
-                            "chunk_shape": list(bounded.tile_shape),
-                            "codecs": [
-                                {"name": "bytes", "configuration": {"endian": "little"}},
-                                {"name": "zstd", "configuration": {"level": 1}},
-                            ],
-                            "index_codecs": [
-                                {"name": "bytes", "configuration": {"endian": "little"}},
-                                {"name": "crc32c"},
-                            ],
-                        },
-                    }
-                ],
-            },
-            "create": True,
-            "delete_existing": True,
-        }
-    ).result()
-    pending = None
-    for start, slab in slabs(camera, frames, bounded.shard_epoch_rows):
-        future = store[start : start + len(slab)].write(slab)
-        if pending is not None:
-            pending.result()
-        pending = future
-    if pending is not None:
-        pending.result()
+    kvstore = {"driver": "file", "path": str(out)}
+    spec = tensorstore_spec(kvstore, [frames, *FRAME], bounded.shard_shape, bounded.tile_shape, level=1)
+    write_in_slabs(ts.open(spec).result(), camera, frames, bounded.shard_epoch_rows)
     wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
     caller = thread_cpu_seconds().get(main, 0.0) - before
     shutil.rmtree(out, ignore_errors=True)
