@@ -9,7 +9,7 @@ from conftest import read_back, read_tensorstore
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from napari_tileshard import SUPPORTED_DTYPES, Dim, Layout, Writer, verify
+from napari_tileshard import SUPPORTED_DTYPES, Dim, IncompleteFrameWarning, Layout, Writer, verify
 
 _SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
@@ -260,7 +260,7 @@ def test_stray_bytes_at_close_are_warned_about_and_not_published(tmp_path):
     layout = Layout([Dim("t", 0, 2, 1), Dim("x", 2, 2, 1)], "uint16")
     writer = Writer(tmp_path / "p.zarr", layout, backend="cpu")
     writer.write(b"\x01\x00\x02\x00\x03")
-    with pytest.warns(UserWarning, match="stray bytes"):
+    with pytest.warns(IncompleteFrameWarning, match="the last 1 bytes given to write"):
         writer.close()
     np.testing.assert_array_equal(read_back(tmp_path / "p.zarr"), [[1, 2]])
 
@@ -290,8 +290,6 @@ def test_slow_stream_reaches_disk_within_max_latency(tmp_path, backend):
 
 def test_a_frame_left_incomplete_by_write_is_named_when_closing(tmp_path):
     """write() bytes short of a whole frame were dropped at close() without a word."""
-    from napari_tileshard import IncompleteFrameWarning
-
     layout = Layout([Dim("t", 0, 1, 1), Dim("y", 8, 8, 1), Dim("x", 8, 8, 1)], "uint16")
     writer = Writer(tmp_path / "a.zarr", layout, backend="cpu")
     writer.write(bytes(128) + bytes(10))  # one frame of 128 bytes, then 10 of the next

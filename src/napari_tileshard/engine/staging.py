@@ -11,7 +11,6 @@ import math
 import os
 import threading
 import time
-import warnings
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 
@@ -149,13 +148,8 @@ class StagingRing:
         copy_in_parts(destination, source, self._copy_pool, self._copy_threads)
 
     def pad(self, epoch_bytes: int, itemsize: int) -> int:
-        """Zero the unfilled part of the current buffer's last epoch; returns its epoch count."""
-        if self.fill % itemsize:
-            warnings.warn(
-                f"the stream ends inside an element ({self.fill % itemsize} stray bytes); "
-                "they are padded with zeros and not published",
-                stacklevel=4,
-            )
+        """Zero the unfilled part of the current buffer's last epoch (bytes of an incomplete frame
+        among it are never published: Writer.close() warns of them); returns its epoch count."""
         epochs = math.ceil(self.fill / epoch_bytes)
         self._current[0][self.fill : epochs * epoch_bytes] = 0
         self.note_host_range(self.fill, epochs * epoch_bytes)
