@@ -53,7 +53,7 @@ import numpy as np
 from ..engine.backends import gpu_unavailable_reason, resolve_devices
 from ..engine.options import EngineOptions, normalize_devices
 from ..engine.publish import Publisher
-from ..engine.writer import Writer
+from ..engine.writer import Writer, compression_ratio
 from ..format.array_spec import ArraySpec
 from ..format.layout import Dim, Layout, TilingWarning
 from ..format.metadata import METADATA_KEY, metadata_bytes
@@ -499,8 +499,7 @@ class ConvertReport:
         """Bytes read over the full-resolution bytes written by this run (pyramid levels are in
         :attr:`pyramid_bytes_out`, left out so the ratio means the same with and without them);
         NaN when it wrote nothing (a resume of a finished conversion)."""
-        stored = self.bytes_out - self.pyramid_bytes_out
-        return self.bytes_in / stored if stored > 0 else float("nan")
+        return compression_ratio(self.bytes_in, self.bytes_out, self.pyramid_bytes_out)
 
 
 class ConvertInterrupted(KeyboardInterrupt):

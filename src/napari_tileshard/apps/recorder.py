@@ -33,7 +33,7 @@ import numpy as np
 from ..engine.multi_writer import MultiWriter
 from ..engine.options import EngineOptions
 from ..engine.staging import copy_frame
-from ..engine.writer import Writer
+from ..engine.writer import Writer, compression_ratio
 from ..format.array_spec import ArraySpec
 from ..format.layout import Layout
 from ..format.pyramid import Pyramid, plan_pyramid
@@ -206,8 +206,7 @@ class RecorderStats:
     @property
     def compression_ratio(self) -> float:
         """Of the full-resolution data, as :attr:`WriterStats.compression_ratio`."""
-        stored = self.bytes_out - self.pyramid_bytes_out
-        return self.bytes_in / stored if stored else float("nan")
+        return compression_ratio(self.bytes_in, self.bytes_out, self.pyramid_bytes_out)
 
 
 _gc_lock = threading.Lock()

@@ -54,6 +54,7 @@ __all__ = [
     "Writer",
     "WriterError",
     "WriterStats",
+    "compression_ratio",
     "estimate_memory",
     "largest_fitting",
     "plan_batches",
@@ -76,6 +77,14 @@ class WriterError(RuntimeError):
 
 class CloseAbandoned(WriterError):
     """close() was abandoned (a second Ctrl-C): the store claims only rows that are on disk."""
+
+
+def compression_ratio(bytes_in: int, bytes_out: int, pyramid_bytes_out: int = 0) -> float:
+    """Input bytes over the full-resolution array's stored bytes (``bytes_out`` less an OME
+    pyramid's levels, which are stored on top): the codec's ratio on the data, the same with and
+    without a pyramid; NaN when nothing was stored."""
+    stored = bytes_out - pyramid_bytes_out
+    return bytes_in / stored if stored > 0 else float("nan")
 
 
 class IncompleteFrameWarning(UserWarning):
@@ -118,8 +127,7 @@ class WriterStats:
         """Input bytes over the full-resolution array's stored bytes: the codec's ratio on the data.
         An OME pyramid's levels (about a third more pixels) are stored on top, in
         ``pyramid_bytes_out``, and left out here: the ratio means the same with and without it."""
-        stored = self.full_resolution_bytes_out
-        return self.bytes_in / stored if stored else float("nan")
+        return compression_ratio(self.bytes_in, self.bytes_out, self.pyramid_bytes_out)
 
     @property
     def throughput_gbps(self) -> float:
