@@ -12,13 +12,14 @@
 #   bash benchmarks/last_mile_device.sh --quick        # small sizes on any machine (the CPU backend without a GPU)
 #
 # Knobs (environment): PARTS (default info,copy,discard,discard10,shm,base,profile,soak,mda,disk,
-# hashes,pytest), FALLBACK_FPS (the rate of discard10 without the discard search),
+# hashes,pytest; also pytest_quick, upload, discard_base, mdaspy), FALLBACK_FPS (the rate of discard10 without the discard search),
 # SECONDS_LONG (60: the discard run), SECONDS_SHM (10), RATES and SHM_RATES (the paced-Writer
 # searches, frames/s), BASE_CODES ("base new"), SPY_BASE and MDA_BASE (1: the code before too),
 # SPY_PATHS, SPY_FPS, SPY_SECONDS (the profiled run: dock, the paths' rate, 8), KIT (.kit: where
 # the kit's files are; a helper's worktree is not what `run` sends, so its snapshot and the kit
 # travel in an ignored folder of the session's checkout, named by carry),
-# SOAK_RUNS (30), SOAK_SECONDS (2), LIMIT_S (590: the whole call; a part that cannot finish in
+# SOAK_RUNS (30), SOAK_SECONDS (2), MDA_CONFIGS, MDA_REPEATS (5), MDA_LONG (frames of a longer
+# MDA, unset: none), MDA_CPU (1: the CPU sink with a large buffer), MDA_SPY_FRAMES (2000), LIMIT_S (590: the whole call; a part that cannot finish in
 # what is left is skipped and says so).  Each part runs under its own `timeout`.
 set -uo pipefail
 root=$(pwd)
@@ -68,6 +69,7 @@ if [ $QUICK = 1 ]; then
   SOAK_RATES=${SOAK_RATES:-100:200}
   BASE_FPS=${BASE_FPS:-200}
   MDA_ARGS="--quick"
+  MDA_CONFIGS=${MDA_CONFIGS:-none,tileshard-cpu,tileshard-cpu+copy}
   DISK_GIB=${DISK_GIB:-0.25}
   DISK_FRAMES=${DISK_FRAMES:-200}
 else
@@ -113,7 +115,18 @@ if want info 5; then
   cat "$L/info.txt"
 fi
 
-# 0. How fast a frame reaches the GPU's input buffer, by each way there is.
+# 0. The GPU tests of the upload paths first (the measurements below rely on them).
+if want pytest_quick 60 && [ $QUICK = 0 ]; then
+  timeout 120 env PYTHONPATH="$NEW" python3 -m pytest -m gpu -q -p no:cacheprovider -rs tests/engine/test_gpu.py \
+    tests/apps/test_mmcore.py 2>&1 | tail -15 | tee "$L/pytest_quick.log"
+fi
+
+# How fast a frame reaches the GPU's input buffer, by each way there is; and how each slows an
+# MDA's camera and pop copies beside it (benchmarks/host_upload.py).
+if want upload 60 && [ $QUICK = 0 ]; then
+  timeout 120 env PYTHONPATH="$NEW" python3 benchmarks/host_upload.py --frame "${FRAME%x*}" \
+    --frames "${UPLOAD_FRAMES:-600}" --json "$L/host_upload.json" 2>&1 | tee "$L/host_upload.log"
+fi
 if want copy 30; then
   timeout 60 env PYTHONPATH="$NEW" python3 benchmarks/copy_paths.py --frame "$FRAME" 2>&1 | tee "$L/copy_paths.log"
 fi
@@ -125,6 +138,12 @@ if want discard $((60 + SECONDS_LONG + 30)); then
   timeout $((90 + SECONDS_LONG + 60)) "${BENCH[@]}" --out discard --limit "$RATES" --limit-seconds 5 \
     --seconds "$SECONDS_LONG" --paths recorder --json "$L/discard.json" 2>&1 | tee "$L/discard.log"
   FPS=$(sed -n 's/.*; paths at \([0-9.]*\) frames\/s.*/\1/p' "$L/discard.log" | tail -1)
+fi
+# ... and the same with the code before, in the same call
+if want discard_base $((60 + SECONDS_LONG + 30)) && [ -n "$BASEP" ]; then
+  timeout $((90 + SECONDS_LONG + 60)) env PYTHONPATH="$BASEP" python3 /tmp/base/benchmarks/bench_recorder.py \
+    --frame "$FRAME" --backend "$BACKEND" --out discard --limit "$RATES" --limit-seconds 5 \
+    --seconds "$SECONDS_LONG" --paths recorder --json "$L/discard_base.json" 2>&1 | tee "$L/discard_base.log"
 fi
 FPS=${FPS:-${FALLBACK_FPS:-$BASE_FPS}}
 echo "# paths at $FPS frames/s" | tee -a "$L/parts.txt"
@@ -185,19 +204,35 @@ fi
 # 6. pymmcore-plus: the same MDA with no sink and with ours (2048², demo camera unthrottled,
 #    pymmcore-plus's default buffer), this code and the code before; the CPU sink with a buffer
 #    large enough to finish (what it sustains).
+MDA_CONFIGS=${MDA_CONFIGS:-none,tileshard-gpu,tileshard-gpu+copy}
 if want mda 60; then
-  timeout 120 env PYTHONPATH="$NEW" python3 benchmarks/bench_mda.py $MDA_ARGS --repeats 3 \
-    --configs none,tileshard-gpu,tileshard-cpu --out "$SHM/mda" --json "$L/mda.json" 2>&1 |
+  timeout 150 env PYTHONPATH="$NEW" python3 benchmarks/bench_mda.py $MDA_ARGS --repeats "${MDA_REPEATS:-5}" \
+    --configs "$MDA_CONFIGS" --out "$SHM/mda" --json "$L/mda.json" 2>&1 |
     grep -v "Micro-Manager\|mmcore install\|^Discovered\|^$" | tee "$L/mda.log"
-  timeout 90 env PYTHONPATH="$NEW" python3 benchmarks/bench_mda.py $MDA_ARGS --repeats 1 --buffer-mb 16384 \
-    --configs none,tileshard-cpu --out "$SHM/mda" --json "$L/mda_cpu_big_buffer.json" 2>&1 |
-    grep -v "Micro-Manager\|mmcore install\|^Discovered\|^$" | tee "$L/mda_cpu_big_buffer.log"
+  if [ -n "${MDA_LONG:-}" ]; then  # a longer MDA: the fixed cost after the last frame weighs less
+    timeout 150 env PYTHONPATH="$NEW" python3 benchmarks/bench_mda.py --frames "$MDA_LONG" --repeats 3 \
+      --configs "$MDA_CONFIGS" --out "$SHM/mda" --json "$L/mda_long.json" 2>&1 |
+      grep -v "Micro-Manager\|mmcore install\|^Discovered\|^$" | tee "$L/mda_long.log"
+  fi
+  if [ "${MDA_CPU:-1}" = 1 ]; then
+    timeout 90 env PYTHONPATH="$NEW" python3 benchmarks/bench_mda.py $MDA_ARGS --repeats 1 --buffer-mb 16384 \
+      --configs none,tileshard-cpu --out "$SHM/mda" --json "$L/mda_cpu_big_buffer.json" 2>&1 |
+      grep -v "Micro-Manager\|mmcore install\|^Discovered\|^$" | tee "$L/mda_cpu_big_buffer.log"
+  fi
   if [ -n "$BASEP" ] && [ "${MDA_BASE:-1}" = 1 ]; then
     timeout 90 env PYTHONPATH="$BASEP" python3 /tmp/base/benchmarks/bench_mda.py $MDA_ARGS --repeats 3 \
       --configs none,tileshard-gpu --out "$SHM/mda" --json "$L/mda_base.json" 2>&1 |
       grep -v "Micro-Manager\|mmcore install\|^Discovered\|^$" | tee "$L/mda_base.log"
   fi
   rm -rf "$SHM/mda"
+fi
+# Where an MDA's time goes with the sink: py-spy over the MDA alone (MDA_SPY_FRAMES frames, twice)
+if want mdaspy 40 && [ -n "$SPY" ]; then
+  PYTHONPATH="$NEW" timeout 60 $SPY record --rate 500 --format raw --nonblocking --threads -o "$L/spy_mda.txt" -- \
+    python3 benchmarks/bench_mda.py --frames "${MDA_SPY_FRAMES:-2000}" --repeats 2 --configs tileshard-gpu \
+    --out "$SHM/mda" > "$L/spy_mda.log" 2>&1
+  rm -rf "$SHM/mda"
+  xz -9 "$L/spy_mda.txt"
 fi
 
 # 7. The machine's own disk: its direct-I/O bandwidth, then the recorder (unpaced, block) and the
