@@ -54,11 +54,13 @@ def configurations(quick: bool) -> list[str]:
 def run_once(core, sequence, config: str, out: Path, frame_bytes: int) -> dict:
     from ome_writers import AcquisitionSettings
 
+    import napari_tileshard.engine.staging as staging_module
     from napari_tileshard.apps.mmcore import TileShardSink
     from napari_tileshard.engine.options import EngineOptions
     from napari_tileshard.engine.writer import Writer
 
     closing: dict[str, float] = {}
+    copy_threads, switch_interval = staging_module.copy_threads, sys.getswitchinterval()
     close, write_metadata = Writer.close, TileShardSink._write_metadata
 
     def timed(name, function):
@@ -84,14 +86,19 @@ def run_once(core, sequence, config: str, out: Path, frame_bytes: int) -> dict:
     detach = None
     output = None
     if config.startswith("tileshard-"):
-        # tileshard-<backend>[+copy|+in-place][+b<MiB>]: the engine options of a variant
+        # tileshard-<backend>[+copy|+direct][+b<MiB>][+t<copy threads>][+s<GIL switch interval, ms>]
         backend, *variants = config.removeprefix("tileshard-").split("+")
         engine = {"backend": backend}
         for variant in variants:
-            if variant in ("in-place", "copy"):
+            if variant in ("direct", "copy"):
                 engine["upload"] = variant
             elif variant.startswith("b"):
                 engine["batch_bytes"] = int(variant[1:]) << 20
+            elif variant.startswith("t"):  # an experiment: the staging copy's helper threads
+                helpers = int(variant[1:])
+                staging_module.copy_threads = lambda helpers=helpers: helpers
+            elif variant.startswith("s"):  # an experiment: how often Python hands the GIL over
+                sys.setswitchinterval(float(variant[1:]) / 1e3)
             else:
                 raise ValueError(f"unknown variant {variant!r} of {config!r}")
         sink = TileShardSink(path, ome=False, queue_frames=64, options=EngineOptions(**engine))
@@ -114,6 +121,8 @@ def run_once(core, sequence, config: str, out: Path, frame_bytes: int) -> dict:
     finally:
         total = time.perf_counter() - start
         Writer.close, TileShardSink._write_metadata = close, write_metadata
+        staging_module.copy_threads = copy_threads
+        sys.setswitchinterval(switch_interval)
         if detach is not None:
             detach()
         core.mda.events.frameReady.disconnect(frame_ready)
@@ -164,7 +173,7 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--configs",
         help="comma-separated configurations (default: all usable); tileshard-gpu+copy (frames copied into "
-        "pinned staging), tileshard-gpu+in-place and tileshard-gpu+b256 (256 MiB batches) are variants of the "
+        "pinned staging), tileshard-gpu+direct and tileshard-gpu+b256 (256 MiB batches) are variants of the "
         "engine options",
     )
     parser.add_argument("--buffer-mb", type=int, help="pymmcore-plus's sequence buffer (default: its own, 1024 MB)")

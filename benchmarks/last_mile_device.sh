@@ -12,14 +12,15 @@
 #   bash benchmarks/last_mile_device.sh --quick        # small sizes on any machine (the CPU backend without a GPU)
 #
 # Knobs (environment): PARTS (default info,copy,discard,discard10,shm,base,profile,soak,mda,disk,
-# hashes,pytest; also pytest_quick, upload, discard_base, mdaspy), FALLBACK_FPS (the rate of discard10 without the discard search),
+# hashes,pytest; also pytest_quick, upload, discard_base, mdaspy, writer_upload), FALLBACK_FPS (the rate of discard10 without the discard search),
 # SECONDS_LONG (60: the discard run), SECONDS_SHM (10), RATES and SHM_RATES (the paced-Writer
 # searches, frames/s), BASE_CODES ("base new"), SPY_BASE and MDA_BASE (1: the code before too),
 # SPY_PATHS, SPY_FPS, SPY_SECONDS (the profiled run: dock, the paths' rate, 8), KIT (.kit: where
 # the kit's files are; a helper's worktree is not what `run` sends, so its snapshot and the kit
 # travel in an ignored folder of the session's checkout, named by carry),
 # SOAK_RUNS (30), SOAK_SECONDS (2), MDA_CONFIGS, MDA_REPEATS (5), MDA_LONG (frames of a longer
-# MDA, unset: none), MDA_CPU (1: the CPU sink with a large buffer), MDA_SPY_FRAMES (2000), LIMIT_S (590: the whole call; a part that cannot finish in
+# MDA, unset: none), MDA_CPU (1: the CPU sink with a large buffer), MDA_SPY_FRAMES (2000),
+# MDA_SPY_CONFIGS (tileshard-gpu), SPY_FLAGS, UPLOADS ("copy direct": the writer_upload part), LIMIT_S (590: the whole call; a part that cannot finish in
 # what is left is skipped and says so).  Each part runs under its own `timeout`.
 set -uo pipefail
 root=$(pwd)
@@ -226,13 +227,25 @@ if want mda 60; then
   fi
   rm -rf "$SHM/mda"
 fi
-# Where an MDA's time goes with the sink: py-spy over the MDA alone (MDA_SPY_FRAMES frames, twice)
+# Where an MDA's time goes with the sink: py-spy over the MDA alone (MDA_SPY_FRAMES frames, twice,
+# a buffer large enough not to overflow), once per configuration of MDA_SPY_CONFIGS; SPY_FLAGS (say
+# --gil: only the thread holding the GIL is sampled)
 if want mdaspy 40 && [ -n "$SPY" ]; then
-  PYTHONPATH="$NEW" timeout 60 $SPY record --rate 500 --format raw --nonblocking --threads -o "$L/spy_mda.txt" -- \
-    python3 benchmarks/bench_mda.py --frames "${MDA_SPY_FRAMES:-2000}" --repeats 2 --configs tileshard-gpu \
-    --out "$SHM/mda" > "$L/spy_mda.log" 2>&1
-  rm -rf "$SHM/mda"
-  xz -9 "$L/spy_mda.txt"
+  for config in $(echo "${MDA_SPY_CONFIGS:-tileshard-gpu}" | tr , ' '); do
+    PYTHONPATH="$NEW" timeout 60 $SPY record --rate 500 --format raw --nonblocking ${SPY_FLAGS:-} \
+      -o "$L/spy_mda_$config.txt" -- python3 benchmarks/bench_mda.py --frames "${MDA_SPY_FRAMES:-2000}" \
+      --repeats 2 --configs "$config" --buffer-mb 16384 --out "$SHM/mda" > "$L/spy_mda_$config.log" 2>&1
+    rm -rf "$SHM/mda"
+    xz -9 "$L/spy_mda_$config.txt"
+  done
+fi
+
+# The plain paced Writer's limit with each way frames reach the GPU (EngineOptions.upload)
+if want writer_upload 80; then
+  for upload in ${UPLOADS:-copy direct}; do
+    timeout 90 "${BENCH[@]}" --out discard --limit "$RATES" --limit-seconds 4 --seconds 4 --paths writer \
+      --upload "$upload" --json "$L/writer_upload_$upload.json" 2>&1 | tee "$L/writer_upload_$upload.log"
+  done
 fi
 
 # 7. The machine's own disk: its direct-I/O bandwidth, then the recorder (unpaced, block) and the

@@ -58,7 +58,7 @@ def normalize_devices(devices) -> str | tuple[int, ...] | None:
 
 
 #: how host frames reach the GPU (EngineOptions.upload)
-UPLOADS = ("auto", "copy", "in-place")
+UPLOADS = ("auto", "copy", "direct")
 
 
 @dataclass(frozen=True)
@@ -69,9 +69,9 @@ class EngineOptions:
     ``io_threads`` shard writers, ``io_dispatch`` (adaptive, pull, static), ``io_timeout`` (seconds a
     write may take; None: no deadline) and ``max_latency_s`` (how long received data may wait in
     a partly filled batch); ``upload``: how the GPU backend takes frames from host memory,
-    ``"copy"`` (into its pinned staging buffers), ``"in-place"`` (page-locked where they are and
-    copied by the GPU: no CPU copy; pieces of 1 MiB and more, else copied) or ``"auto"`` (the
-    backend's way: in place on the GPU)."""
+    ``"copy"`` (into its pinned staging buffers by several threads), ``"direct"`` (one CUDA copy
+    from the frame's own memory, the GIL released; pieces of 1 MiB and more, else copied) or
+    ``"auto"`` (the backend's choice)."""
 
     backend: str = "auto"
     devices: str | tuple[int, ...] | None = None

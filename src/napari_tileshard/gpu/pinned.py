@@ -19,11 +19,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-__all__ = ["PinnedRecycler", "gpu_numa_cpus", "lock_pages", "parse_cpulist", "pin", "unlock_pages"]
+__all__ = ["PinnedRecycler", "gpu_numa_cpus", "parse_cpulist", "pin"]
 
 _PAGE = 4096
 _REGISTER_PORTABLE = 1  # cudaHostRegisterPortable (CuPy names no constant): usable from every GPU's context
-_REGISTER_READ_ONLY = 8  # cudaHostRegisterReadOnly: the device only reads (pages of a read-only array too)
 #: the limit is sized so that recording always progresses within it; should it not, pinning one
 #: buffer more beats a recorder that hangs
 _OVER_LIMIT_AFTER_S = 30.0
@@ -93,37 +92,6 @@ def _fault_in(pages: np.ndarray, cpus: set[int] | None = None) -> None:
 
     with ThreadPoolExecutor(threads, thread_name_prefix="tileshard-pin") as pool:
         list(pool.map(touch, range(threads)))
-
-
-#: the flags lock_pages() uses: read-only where the driver and device take it (CUDA 11.1+), else none
-_lock_flags: list[int] = [_REGISTER_READ_ONLY, 0]
-
-
-def lock_pages(address: int, nbytes: int) -> bool:
-    """Page-lock the caller's memory in place (``cudaHostRegister``) so that the GPU can copy from
-    it directly: no copy into a pinned buffer.  True when done (undo with :func:`unlock_pages`);
-    False where the driver refuses these pages (overlapping a registered range, a file mapping,
-    no read-only registration and a read-only mapping): the caller copies instead."""
-    import cupy
-
-    runtime = cupy.cuda.runtime
-    for flags in list(_lock_flags):
-        try:
-            runtime.hostRegister(address, nbytes, flags)
-        except runtime.CUDARuntimeError as exc:
-            log.debug("page-locking %d bytes at %#x with flags %d refused: %s", nbytes, address, flags, exc)
-            continue
-        if flags != _lock_flags[0]:  # an earlier flag was refused where this one was taken: skip it from now on
-            del _lock_flags[: _lock_flags.index(flags)]
-        return True
-    return False
-
-
-def unlock_pages(address: int) -> None:
-    """Undo :func:`lock_pages`."""
-    import cupy
-
-    cupy.cuda.runtime.hostUnregister(address)
 
 
 def pin(nbytes: int, cpus: set[int] | None = None) -> np.ndarray:

@@ -97,13 +97,13 @@ class Backend(ABC):
     def write_device(self, staging: np.ndarray, offset: int, data) -> None:
         raise NotImplementedError(f"the {self.name} backend takes host arrays only")
 
-    #: what EngineOptions(upload="auto") means here: True to try upload_in_place for large pieces
-    uploads_in_place = False
+    #: what EngineOptions(upload="auto") means here: True to hand large host pieces to upload_direct
+    uploads_direct = False
 
-    def upload_in_place(self, staging: np.ndarray, offset: int, data: np.ndarray) -> bool:
-        """Put ``data`` (1-D uint8, host memory) where ``staging[offset:]`` goes, from the caller's
-        own pages instead of a copy into ``staging``; returns once ``data`` may be reused, False
-        (nothing done) where this backend or these pages cannot (the caller copies then)."""
+    def upload_direct(self, staging: np.ndarray, offset: int, data: np.ndarray) -> bool:
+        """Put ``data`` (1-D uint8, host memory) where ``staging[offset:]`` goes without copying it
+        into ``staging``; returns once ``data`` may be reused, False (nothing done) where this
+        backend cannot (the caller copies then)."""
         return False
 
     @abstractmethod

@@ -31,7 +31,7 @@ import numpy as np
 
 from ...format import codecs
 from ...gpu import nvcomp
-from ...gpu.pinned import PinnedRecycler, gpu_numa_cpus, lock_pages, pin, unlock_pages
+from ...gpu.pinned import PinnedRecycler, gpu_numa_cpus, pin
 from ..collector import pending_shard_epochs
 from .base import Backend, MemoryBudget
 from .stages.aggregate import aggregate_geometry, aggregate_gpu, aggregate_kernels, split_packed
@@ -207,7 +207,6 @@ def _keep_warm(resources: _Resources) -> None:
 class GpuBackend(Backend):
     name = "gpu"
     accepts_device_arrays = True
-    uploads_in_place = True  # the host's memory bandwidth, not the GPU, limited an MDA's copies
     preferred_staging_buffers = 2  # each has a device mirror: refilled once the tile kernel has read it
     estimate_holds_shards = True  # shards are views into the pinned output buffers it counts
     #: overrides the batch size heuristic (tests set it small so each Writer stays cheap)
@@ -436,26 +435,20 @@ class GpuBackend(Backend):
         self._device_sources = [(e, a) for e, a in self._device_sources if not e.done] + [(copied, data)]
 
     @_on_device
-    def upload_in_place(self, staging, offset: int, data: np.ndarray) -> bool:
-        """Upload ``data`` from its own pages, page-locked for the copy, into the mirror: the CPU
-        copies nothing (the copy into pinned staging moved as many bytes through host memory as
-        the camera itself, and slowed the threads beside it).  Waits for the copy, so ``data``
-        may be reused on return, as after a copy into staging."""
-        address, nbytes = data.ctypes.data, data.nbytes
-        if not lock_pages(address, nbytes):
-            return False
+    def upload_direct(self, staging, offset: int, data: np.ndarray) -> bool:
+        """Copy ``data`` (pageable host memory) into the mirror in one CUDA call, which stages it
+        through the driver's own pinned buffers and returns once ``data`` was read: no copy into
+        our pinned staging split over helper threads (each of which takes the GIL), and the GIL
+        released for the whole copy.  (Page-locking the caller's frame in place instead was
+        measured slower: unregistering it waits for the device's work in flight.)"""
         runtime = self._cupy.cuda.runtime
-        try:
-            runtime.memcpyAsync(
-                self._mirror(staging).data.ptr + offset,
-                address,
-                nbytes,
-                runtime.memcpyHostToDevice,
-                self.copy_stream.ptr,
-            )
-            self.copy_stream.synchronize()
-        finally:
-            unlock_pages(address)
+        runtime.memcpyAsync(
+            self._mirror(staging).data.ptr + offset,
+            data.ctypes.data,
+            data.nbytes,
+            runtime.memcpyHostToDevice,
+            self.copy_stream.ptr,
+        )
         return True
 
     def _mirror(self, staging):

@@ -24,7 +24,6 @@ __all__ = ["MultiGpuBackend"]
 class MultiGpuBackend(Backend):
     name = "gpu"
     accepts_device_arrays = True
-    uploads_in_place = True  # the host's memory bandwidth, not the GPU, limited an MDA's copies
     estimate_holds_shards = True
 
     def __init__(
@@ -86,8 +85,8 @@ class MultiGpuBackend(Backend):
     def write_device(self, staging, offset: int, data) -> None:
         self._owner[staging.ctypes.data].write_device(staging, offset, data)
 
-    def upload_in_place(self, staging, offset: int, data) -> bool:
-        return self._owner[staging.ctypes.data].upload_in_place(staging, offset, data)
+    def upload_direct(self, staging, offset: int, data) -> bool:
+        return self._owner[staging.ctypes.data].upload_direct(staging, offset, data)
 
     def submit(self, staging, epochs, host_ranges=None, rows=None):
         part = self._owner[staging.ctypes.data]
