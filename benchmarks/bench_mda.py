@@ -29,8 +29,11 @@ import json
 import logging
 import shutil
 import sys
+import threading
 import time
 from pathlib import Path
+
+import numpy as np
 
 
 def configurations(quick: bool) -> list[str]:
@@ -51,17 +54,65 @@ def configurations(quick: bool) -> list[str]:
     return configs
 
 
+class ProbeSink:
+    """An experiment, not a sink: ``probe-hold`` takes each frame off the MDA thread through a queue
+    and drops it; ``probe-copy`` also copies it into a 64-frame ring the way the Writer copies into
+    staging (``copy_in_parts``, the same helper threads): what the hand-over and the copy alone
+    cost the MDA, without the GPU, the shard writes or the metadata."""
+
+    def __init__(self, copy: bool):
+        import queue
+
+        from napari_tileshard.engine.staging import copy_in_parts, copy_threads
+
+        self.copy, self.queue = copy, queue.Queue(64)
+        self.copy_in_parts, self.threads = copy_in_parts, copy_threads()
+        self.ring: np.ndarray | None = None
+
+    def sequenceStarted(self, sequence, meta=None) -> None:  # noqa: N802
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.pool = ThreadPoolExecutor(self.threads) if self.threads else None
+        self.thread = threading.Thread(target=self._run)
+        self.thread.start()
+
+    def frameReady(self, img, event, meta) -> None:  # noqa: N802
+        self.queue.put(img)
+
+    def sequenceFinished(self, sequence=None) -> None:  # noqa: N802
+        self.queue.put(None)
+        self.thread.join()
+        if self.pool:
+            self.pool.shutdown()
+
+    def _run(self) -> None:
+        index = 0
+        while (img := self.queue.get()) is not None:
+            if self.copy:
+                data = img.reshape(-1).view(np.uint8)
+                if self.ring is None:
+                    self.ring = np.zeros(64 * data.nbytes, np.uint8)
+                start = (index % 64) * data.nbytes
+                self.copy_in_parts(self.ring[start : start + data.nbytes], data, self.pool, self.threads)
+            index += 1
+
+
 def run_once(core, sequence, config: str, out: Path, frame_bytes: int) -> dict:
     from ome_writers import AcquisitionSettings
 
     import napari_tileshard.engine.staging as staging_module
     from napari_tileshard.apps.mmcore import TileShardSink
+    from napari_tileshard.apps.mmcore.demo import SyntheticCameraDevice
+    from napari_tileshard.apps.mmcore.metadata import FrameTable
     from napari_tileshard.engine.options import EngineOptions
     from napari_tileshard.engine.writer import Writer
 
     closing: dict[str, float] = {}
     copy_threads, switch_interval = staging_module.copy_threads, sys.getswitchinterval()
     close, write_metadata = Writer.close, TileShardSink._write_metadata
+    table_add, snap = FrameTable.add, SyntheticCameraDevice.snap
+    buffer_type = type(core._seq_buffer) if hasattr(core, "_seq_buffer") else None
+    pop_next = getattr(buffer_type, "pop_next", None)
 
     def timed(name, function):
         def wrapper(*args, **kwargs):
@@ -85,10 +136,14 @@ def run_once(core, sequence, config: str, out: Path, frame_bytes: int) -> dict:
     sink = None
     detach = None
     output = None
-    if config.startswith("tileshard-"):
+    if config.startswith("probe-"):
+        output = ProbeSink(copy=config == "probe-copy")
+    elif config.startswith("tileshard-"):
         # tileshard-<backend>[+copy|+direct][+b<MiB>][+t<copy threads>][+s<GIL switch interval, ms>]
+        # [+discard][+nometa]
         backend, *variants = config.removeprefix("tileshard-").split("+")
         engine = {"backend": backend}
+        discard = False
         for variant in variants:
             if variant in ("direct", "copy"):
                 engine["upload"] = variant
@@ -99,9 +154,21 @@ def run_once(core, sequence, config: str, out: Path, frame_bytes: int) -> dict:
                 staging_module.copy_threads = lambda helpers=helpers: helpers
             elif variant.startswith("s"):  # an experiment: how often Python hands the GIL over
                 sys.setswitchinterval(float(variant[1:]) / 1e3)
+            elif variant == "discard":  # an experiment: shards counted and dropped, no file writes
+                from bench_recorder import DiscardSink
+
+                discard = True
+            elif variant == "nometa":  # an experiment: no per-frame metadata record
+                FrameTable.add = lambda self, *args, **kwargs: None
             else:
                 raise ValueError(f"unknown variant {variant!r} of {config!r}")
-        sink = TileShardSink(path, ome=False, queue_frames=64, options=EngineOptions(**engine))
+        sink = TileShardSink(
+            path,
+            ome=False,
+            queue_frames=64,
+            options=EngineOptions(**engine),
+            store_for=(lambda location: DiscardSink(location)) if discard else None,
+        )
         detach = sink.attach(core)  # arms the GPU for the core's camera, as a user attaches before a run
         sink.wait_warm()
     elif config.startswith("default-"):
@@ -114,13 +181,20 @@ def run_once(core, sequence, config: str, out: Path, frame_bytes: int) -> dict:
             overwrite=True,
         )
     start = time.perf_counter()
-    # where the time after the last frame goes: the Writers' close (last batch, shard writes) and the metadata
+    # where the time after the last frame goes: the Writers' close (last batch, shard writes) and the
+    # metadata; and the camera's two copies per frame (its snap, pymmcore-plus's pop_next)
     Writer.close, TileShardSink._write_metadata = timed("writer_close", close), timed("metadata", write_metadata)
+    SyntheticCameraDevice.snap = timed("snap", snap)
+    if pop_next is not None:
+        buffer_type.pop_next = timed("pop_next", pop_next)
     try:
         core.mda.run(sequence, output=output)
     finally:
         total = time.perf_counter() - start
         Writer.close, TileShardSink._write_metadata = close, write_metadata
+        FrameTable.add, SyntheticCameraDevice.snap = table_add, snap
+        if pop_next is not None:
+            buffer_type.pop_next = pop_next
         staging_module.copy_threads = copy_threads
         sys.setswitchinterval(switch_interval)
         if detach is not None:
@@ -139,6 +213,9 @@ def run_once(core, sequence, config: str, out: Path, frame_bytes: int) -> dict:
         "loop_frames_per_s": round((frames - 1) / loop, 1) if frames > 1 else None,
         "after_loop_s": round(start + total - times[-1], 3) if times else None,
         "first_frame_s": round(first, 3),
+        # wall ms per frame of the camera's copy into pymmcore-plus's buffer and of pop_next's copy out
+        "snap_ms": round(closing.get("snap", float("nan")) / max(frames, 1) * 1e3, 3),
+        "pop_ms": round(closing.get("pop_next", float("nan")) / max(frames, 1) * 1e3, 3),
     }
     if sink is not None:
         s = sink.stats
@@ -212,7 +289,7 @@ def main(argv=None) -> None:
     print("# x none: the median run's rate over the median rate of the MDA with no sink)")
     print(
         f"{'config':28s} {'frames/s':>9s} {'GB/s':>7s} {'x none':>7s} {'loop f/s':>9s} {'1st frame s':>11s} "
-        f"{'after loop s':>12s} {'close s':>8s} {'append us/f':>11s}"
+        f"{'after loop s':>12s} {'close s':>8s} {'append us/f':>11s} {'snap ms':>8s} {'pop ms':>7s}"
     )
     ceiling = None
     for config in configs:
@@ -232,7 +309,9 @@ def main(argv=None) -> None:
             f"{config:28s} {median['frames_per_s']:9.1f} {median['GB_per_s']:7.3f} {ratio:7.2f} "
             f"{median['loop_frames_per_s'] or 0:9.1f} {median['first_frame_s']:11.3f} "
             f"{median['after_loop_s'] or 0:12.3f} "
-            f"{median.get('writer_close_s', float('nan')):8.3f} {median.get('append_us_per_frame', float('nan')):11.1f}"
+            f"{median.get('writer_close_s', float('nan')):8.3f} "
+            f"{median.get('append_us_per_frame', float('nan')):11.1f} "
+            f"{median.get('snap_ms', float('nan')):8.3f} {median.get('pop_ms', float('nan')):7.3f}"
         )
     print(f"# total {time.perf_counter() - t0:.1f} s")
     if args.json:
