@@ -139,16 +139,16 @@ def run_once(core, sequence, config: str, out: Path, frame_bytes: int) -> dict:
     if config.startswith("probe-"):
         output = ProbeSink(copy=config == "probe-copy")
     elif config.startswith("tileshard-"):
-        # tileshard-<backend>[+copy|+direct][+b<MiB>][+t<copy threads>][+s<GIL switch interval, ms>]
-        # [+discard][+nometa]
+        # tileshard-<backend>[+b<MiB>][+l<max latency, ms>][+t<copy threads>]
+        # [+s<GIL switch interval, ms>][+discard][+nometa]
         backend, *variants = config.removeprefix("tileshard-").split("+")
         engine = {"backend": backend}
         discard = False
         for variant in variants:
-            if variant in ("direct", "copy"):
-                engine["upload"] = variant
-            elif variant.startswith("b"):
+            if variant.startswith("b"):
                 engine["batch_bytes"] = int(variant[1:]) << 20
+            elif variant.startswith("l"):  # how long frames may wait in a partly filled batch, ms
+                engine["max_latency_s"] = float(variant[1:]) / 1e3
             elif variant.startswith("t"):  # an experiment: the staging copy's helper threads
                 helpers = int(variant[1:])
                 staging_module.copy_threads = lambda helpers=helpers: helpers
@@ -249,14 +249,26 @@ def main(argv=None) -> None:
     parser.add_argument("--json", help="also write the rows here")
     parser.add_argument(
         "--configs",
-        help="comma-separated configurations (default: all usable); tileshard-gpu+copy (frames copied into "
-        "pinned staging), tileshard-gpu+direct and tileshard-gpu+b256 (256 MiB batches) are variants of the "
-        "engine options",
+        help="comma-separated configurations (default: all usable); probe-hold and probe-copy are the "
+        "least a sink can do (take each frame off the MDA thread; and copy it once); tileshard-gpu+b256 (256 MiB "
+        "batches) and the other +variants in run_once are experiments",
     )
     parser.add_argument("--buffer-mb", type=int, help="pymmcore-plus's sequence buffer (default: its own, 1024 MB)")
+    parser.add_argument(
+        "--malloc-tuned",
+        action="store_true",
+        help="an experiment: glibc keeps freed frames in its heap (mallopt: mmap threshold 32 MiB, no trimming), "
+        "so that a frame pymmcore-plus allocates reuses one freed before instead of fresh pages",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.frame, args.frames, args.repeats = 256, 60, 1
+    if args.malloc_tuned:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        print("# mallopt:", libc.mallopt(m_mmap_threshold, 32 << 20), libc.mallopt(m_trim_threshold, 2**31 - 1))
     logging.getLogger("pymmcore-plus").setLevel(logging.CRITICAL)
     import useq
 

@@ -248,9 +248,8 @@ def run_layer(args, layout, camera, fps, frames, target) -> dict:
 
 
 def plain_options(args) -> EngineOptions:
-    """A plain Writer's: the defaults (the recorder's own differ in max_latency_s only), or the
-    ``--upload`` asked for."""
-    return EngineOptions(backend=args.backend, upload=args.upload)
+    """A plain Writer's: the defaults (the recorder's own differ in max_latency_s only)."""
+    return EngineOptions(backend=args.backend)
 
 
 class GcPauses:
@@ -358,7 +357,6 @@ def main(argv=None) -> int:
     parser.add_argument("--tile", help="tile shape t,y,x (default: the default layout's)")
     parser.add_argument("--tiles-per-shard", help="tiles per shard t,y,x (default: the default layout's)")
     parser.add_argument("--backend", default="auto")
-    parser.add_argument("--upload", default="auto", help="the plain Writer's EngineOptions.upload (auto, copy, direct)")
     parser.add_argument("--out", default="discard", help="'discard' or a store path")
     parser.add_argument("--keep", action="store_true", help="keep the store of the last run")
     parser.add_argument("--fps", type=float, default=200, help="frames/s (0: unpaced)")

@@ -12,7 +12,7 @@
 #   bash benchmarks/last_mile_device.sh --quick        # small sizes on any machine (the CPU backend without a GPU)
 #
 # Knobs (environment): PARTS (default info,copy,discard,discard10,shm,base,profile,soak,mda,disk,
-# hashes,pytest; also pytest_quick, upload, discard_base, mdaspy, writer_upload), FALLBACK_FPS (the rate of discard10 without the discard search),
+# hashes,pytest; also pytest_quick, discard_base, mdaspy), FALLBACK_FPS (the rate of discard10 without the discard search),
 # SECONDS_LONG (60: the discard run), SECONDS_SHM (10), RATES and SHM_RATES (the paced-Writer
 # searches, frames/s), BASE_CODES ("base new"), SPY_BASE and MDA_BASE (1: the code before too),
 # SPY_PATHS, SPY_FPS, SPY_SECONDS (the profiled run: dock, the paths' rate, 8), KIT (.kit: where
@@ -20,7 +20,7 @@
 # travel in an ignored folder of the session's checkout, named by carry),
 # SOAK_RUNS (30), SOAK_SECONDS (2), MDA_CONFIGS, MDA_REPEATS (5), MDA_LONG (frames of a longer
 # MDA, unset: none), MDA_CPU (1: the CPU sink with a large buffer), MDA_SPY_FRAMES (2000),
-# MDA_SPY_CONFIGS (tileshard-gpu), SPY_FLAGS, UPLOADS ("copy direct": the writer_upload part), LIMIT_S (590: the whole call; a part that cannot finish in
+# MDA_SPY_CONFIGS (tileshard-gpu), SPY_FLAGS, LIMIT_S (590: the whole call; a part that cannot finish in
 # what is left is skipped and says so).  Each part runs under its own `timeout`.
 set -uo pipefail
 root=$(pwd)
@@ -70,7 +70,7 @@ if [ $QUICK = 1 ]; then
   SOAK_RATES=${SOAK_RATES:-100:200}
   BASE_FPS=${BASE_FPS:-200}
   MDA_ARGS="--quick"
-  MDA_CONFIGS=${MDA_CONFIGS:-none,tileshard-cpu,tileshard-cpu+copy}
+  MDA_CONFIGS=${MDA_CONFIGS:-none,probe-hold,probe-copy,tileshard-cpu}
   DISK_GIB=${DISK_GIB:-0.25}
   DISK_FRAMES=${DISK_FRAMES:-200}
 else
@@ -116,18 +116,13 @@ if want info 5; then
   cat "$L/info.txt"
 fi
 
-# 0. The GPU tests of the upload paths first (the measurements below rely on them).
+# 0. The GPU tests of the engine and the MDA sink first (the measurements below rely on them).
 if want pytest_quick 60 && [ $QUICK = 0 ]; then
   timeout 120 env PYTHONPATH="$NEW" python3 -m pytest -m gpu -q -p no:cacheprovider -rs tests/engine/test_gpu.py \
     tests/apps/test_mmcore.py 2>&1 | tail -15 | tee "$L/pytest_quick.log"
 fi
 
-# How fast a frame reaches the GPU's input buffer, by each way there is; and how each slows an
-# MDA's camera and pop copies beside it (benchmarks/host_upload.py).
-if want upload 60 && [ $QUICK = 0 ]; then
-  timeout 120 env PYTHONPATH="$NEW" python3 benchmarks/host_upload.py --frame "${FRAME%x*}" \
-    --frames "${UPLOAD_FRAMES:-600}" --json "$L/host_upload.json" 2>&1 | tee "$L/host_upload.log"
-fi
+# How fast a frame reaches the GPU's input buffer, by each way there is.
 if want copy 30; then
   timeout 60 env PYTHONPATH="$NEW" python3 benchmarks/copy_paths.py --frame "$FRAME" 2>&1 | tee "$L/copy_paths.log"
 fi
@@ -205,7 +200,7 @@ fi
 # 6. pymmcore-plus: the same MDA with no sink and with ours (2048², demo camera unthrottled,
 #    pymmcore-plus's default buffer), this code and the code before; the CPU sink with a buffer
 #    large enough to finish (what it sustains).
-MDA_CONFIGS=${MDA_CONFIGS:-none,tileshard-gpu,tileshard-gpu+copy}
+MDA_CONFIGS=${MDA_CONFIGS:-none,probe-hold,probe-copy,tileshard-gpu}
 if want mda 60; then
   timeout 150 env PYTHONPATH="$NEW" python3 benchmarks/bench_mda.py $MDA_ARGS --repeats "${MDA_REPEATS:-5}" \
     --configs "$MDA_CONFIGS" --out "$SHM/mda" --json "$L/mda.json" 2>&1 |
@@ -237,14 +232,6 @@ if want mdaspy 40 && [ -n "$SPY" ]; then
       --repeats 2 --configs "$config" --buffer-mb 16384 --out "$SHM/mda" > "$L/spy_mda_$config.log" 2>&1
     rm -rf "$SHM/mda"
     xz -9 "$L/spy_mda_$config.txt"
-  done
-fi
-
-# The plain paced Writer's limit with each way frames reach the GPU (EngineOptions.upload)
-if want writer_upload 80; then
-  for upload in ${UPLOADS:-copy direct}; do
-    timeout 90 "${BENCH[@]}" --out discard --limit "$RATES" --limit-seconds 4 --seconds 4 --paths writer \
-      --upload "$upload" --json "$L/writer_upload_$upload.json" 2>&1 | tee "$L/writer_upload_$upload.log"
   done
 fi
 

@@ -75,14 +75,6 @@ def read_back(path):
     return zarr.open_array(path, mode="r")[...]
 
 
-def store_files(path) -> dict:
-    """Every file of a local store, relative path -> bytes (stores compared byte for byte)."""
-    from pathlib import Path
-
-    root = Path(path)
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
-
-
 def read_tensorstore(path):
     ts = pytest.importorskip("tensorstore")
     store = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(path)}}).result()

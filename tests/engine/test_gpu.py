@@ -4,7 +4,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import read_back, store_files
+from conftest import read_back
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -253,72 +253,3 @@ def test_cuda_error_mid_recording_keeps_what_reached_the_host(tmp_path, monkeypa
     out = read_back(path)
     assert out.shape[0] >= 8  # the two batches before the error are published
     np.testing.assert_array_equal(out, frames[: out.shape[0]])
-
-
-def _spy_uploads(monkeypatch) -> list:
-    """The host byte ranges each batch uploads at submit (what was copied into pinned staging)."""
-    from napari_tileshard.engine.backends.gpu import GpuBackend
-
-    uploads: list = []
-    original = GpuBackend.submit
-
-    def spy(self, staging, epochs, host_ranges=None, rows=None):
-        uploads.append([tuple(r) for r in host_ranges])
-        return original(self, staging, epochs, host_ranges, rows)
-
-    monkeypatch.setattr(GpuBackend, "submit", spy)
-    return uploads
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(REASON is not None, reason=f"GPU backend not usable: {REASON}")
-def test_direct_upload_writes_the_bytes_a_copy_writes(tmp_path, monkeypatch):
-    """upload="direct": large frames go to the GPU straight from their own memory (no batch
-    uploads them from staging) and the store is byte for byte the one the copying path writes."""
-    layout = Layout([Dim("t", 0, 2, 3), Dim("y", 1024, 256, 2), Dim("x", 1024, 256, 4)], "uint16")
-    frames = SyntheticCamera((1024, 1024), "uint16", seed=5).stack(13)  # 2 MiB frames, a partial last epoch
-    uploads = _spy_uploads(monkeypatch)
-    for upload in ("copy", "direct"):
-        uploads.clear()
-        with Writer(
-            tmp_path / f"{upload}.zarr", layout, backend="gpu", batch_bytes=4 * layout.epoch_bytes, upload=upload
-        ) as w:
-            for frame in frames:
-                w.append(frame)
-        if upload == "direct":
-            # only the zero padding of the partial last epoch is uploaded from staging
-            assert all(r == [] for r in uploads[:-1]) and sum(b - a for a, b in uploads[-1]) == 2 * 1024 * 1024
-        else:
-            assert all(r for r in uploads)
-    np.testing.assert_array_equal(read_back(tmp_path / "direct.zarr"), frames)
-    assert store_files(tmp_path / "copy.zarr") == store_files(tmp_path / "direct.zarr")
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(REASON is not None, reason=f"GPU backend not usable: {REASON}")
-def test_direct_upload_lets_the_caller_reuse_its_frame_at_once(tmp_path):
-    """append() returns once the GPU has the frame: refilling the same array for the next frame
-    (as a camera loop does) never changes what was appended, read-only arrays and file mappings
-    are taken too, and a small frame is simply copied."""
-    layout = Layout([Dim("t", 0, 2, 2), Dim("y", 1024, 512, 2), Dim("x", 1024, 512, 2)], "uint16")
-    frames = SyntheticCamera((1024, 1024), "uint16", seed=8).stack(9)
-    mapped_path = tmp_path / "frames.raw"
-    frames[6:].tofile(mapped_path)
-    mapped = np.memmap(mapped_path, dtype="uint16", mode="r", shape=(3, 1024, 1024))
-    buffer = np.empty((1024, 1024), np.uint16)
-    with Writer(
-        tmp_path / "reuse.zarr", layout, backend="gpu", batch_bytes=4 * layout.epoch_bytes, upload="direct"
-    ) as w:
-        for frame in frames[:4]:
-            buffer[...] = frame  # the one buffer, refilled right after each append
-            w.append(buffer)
-        read_only = frames[4:6].copy()
-        read_only.flags.writeable = False
-        w.append(read_only)
-        w.append(mapped)
-    np.testing.assert_array_equal(read_back(tmp_path / "reuse.zarr"), frames)
-    small = Layout([Dim("t", 0, 2, 1), Dim("y", 64, 32, 2), Dim("x", 64, 32, 2)], "uint16")
-    tiny = SyntheticCamera((64, 64), "uint16", seed=1).stack(4)
-    with Writer(tmp_path / "small.zarr", small, backend="gpu", upload="direct") as w:
-        w.append(tiny)
-    np.testing.assert_array_equal(read_back(tmp_path / "small.zarr"), tiny)

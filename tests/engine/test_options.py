@@ -7,7 +7,6 @@ import dataclasses
 
 import numpy as np
 import pytest
-from conftest import store_files
 
 from napari_tileshard import Dim, Layout, MultiWriter, Writer
 from napari_tileshard.engine.options import EngineOptions, normalize_devices, writer_settings
@@ -48,24 +47,12 @@ def test_engine_options_validate_and_name_the_value():
         ({"devices": [0], "backend": "cpu"}, r"devices=\[0\] selects GPUs"),
         ({"devices": [0, -1]}, r"GPU numbers, got \[0, -1\]"),
         ({"max_latency_s": float("inf")}, "max_latency_s must be a positive number"),
-        ({"upload": "dma"}, "upload must be one of auto, copy, direct, got 'dma'"),
     ]:
         with pytest.raises(ValueError, match=message):
             EngineOptions(**bad)
     with pytest.raises(TypeError, match="io_telemetry_lost must be a callable"):
         EngineOptions(io_telemetry_lost=3)  # type: ignore[arg-type]
     assert normalize_devices(2) == (0, 1) and normalize_devices("all") == "all" and normalize_devices([1]) == (1,)
-
-
-def test_direct_upload_on_the_cpu_backend_copies_as_ever(tmp_path):
-    """upload="direct" is a GPU backend's way in; the CPU backend copies the frames and writes
-    the same store."""
-    frames = np.arange(6 * 32 * 32, dtype=np.uint16).reshape(6, 32, 32)
-    for upload in ("copy", "direct"):
-        with Writer(tmp_path / f"{upload}.zarr", LAYOUT, backend="cpu", io_threads=1, upload=upload) as writer:
-            writer.append(frames)
-    copied, direct = store_files(tmp_path / "copy.zarr"), store_files(tmp_path / "direct.zarr")
-    assert copied == direct and len(copied) > 1
 
 
 def test_the_keyword_shorthand_becomes_the_same_objects():

@@ -19,7 +19,7 @@ from .backends import BACKENDS
 from .backends.base import MemoryBudget
 from .dispatch import MODES as DISPATCH_MODES
 
-__all__ = ["ENGINE_KEYWORDS", "UPLOADS", "EngineOptions", "engine_options", "normalize_devices", "writer_settings"]
+__all__ = ["ENGINE_KEYWORDS", "EngineOptions", "engine_options", "normalize_devices", "writer_settings"]
 
 
 def _positive_int(name: str, value, allow_none: bool = True) -> int | None:
@@ -57,10 +57,6 @@ def normalize_devices(devices) -> str | tuple[int, ...] | None:
     raise ValueError(f"devices must be 'all', a positive count or GPU numbers, got {devices!r}")
 
 
-#: how host frames reach the GPU (EngineOptions.upload)
-UPLOADS = ("auto", "copy", "direct")
-
-
 @dataclass(frozen=True)
 class EngineOptions:
     """How to write: ``backend`` (auto, cpu, gpu), ``devices`` (see :func:`normalize_devices`),
@@ -68,10 +64,7 @@ class EngineOptions:
     ``max_host_bytes`` / ``max_device_bytes`` (the budget; default from the machine); I/O:
     ``io_threads`` shard writers, ``io_dispatch`` (adaptive, pull, static), ``io_timeout`` (seconds a
     write may take; None: no deadline) and ``max_latency_s`` (how long received data may wait in
-    a partly filled batch); ``upload``: how the GPU backend takes frames from host memory,
-    ``"copy"`` (into its pinned staging buffers by several threads), ``"direct"`` (one CUDA copy
-    from the frame's own memory, the GIL released; pieces of 1 MiB and more, else copied) or
-    ``"auto"`` (the backend's choice)."""
+    a partly filled batch)."""
 
     backend: str = "auto"
     devices: str | tuple[int, ...] | None = None
@@ -84,7 +77,6 @@ class EngineOptions:
     io_dispatch: str = "adaptive"
     io_timeout: float | None = 60.0
     max_latency_s: float = 1.0
-    upload: str = "auto"
     #: the fault-injection seam of the I/O dispatcher: batch number -> whether its telemetry is lost
     #: (``testing.FaultInjectingSink.telemetry_lost``); None in real recordings
     io_telemetry_lost: Callable[[int], bool] | None = None
@@ -106,8 +98,6 @@ class EngineOptions:
             raise ValueError(f"io_dispatch must be one of {', '.join(DISPATCH_MODES)}, got {self.io_dispatch!r}")
         set_(self, "io_timeout", _seconds("io_timeout", self.io_timeout, allow_none=True))
         set_(self, "max_latency_s", _seconds("max_latency_s", self.max_latency_s, allow_none=False))
-        if self.upload not in UPLOADS:
-            raise ValueError(f"upload must be one of {', '.join(UPLOADS)}, got {self.upload!r}")
         if self.io_telemetry_lost is not None and not callable(self.io_telemetry_lost):
             raise TypeError(
                 f"io_telemetry_lost must be a callable (round_index -> bool) or None, got {self.io_telemetry_lost!r}"

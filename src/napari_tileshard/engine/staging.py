@@ -21,9 +21,6 @@ from .backends.base import Backend
 __all__ = ["StagingRing", "copy_frame", "copy_in_parts", "copy_threads"]
 
 _PARALLEL_COPY_BYTES = 2 << 20
-#: smaller pieces are copied even where the backend could upload them directly: a CUDA call per
-#: piece costs more than copying them
-DIRECT_MIN_BYTES = 1 << 20
 
 
 def copy_threads() -> int:
@@ -87,8 +84,6 @@ class StagingRing:
         self.fill = 0  # bytes in the current buffer
         self.fill_started = 0.0  # when the current buffer got its first byte (time.monotonic)
         self.host_ranges: list[list[int]] = []  # byte ranges of the current buffer filled from the host
-        #: hand large host pieces to Backend.upload_direct instead of copying them (upload="direct")
-        self.direct = False
         self._copy_threads = copy_threads()  # helpers of the caller's thread for large copies
         self._copy_pool = (
             ThreadPoolExecutor(self._copy_threads, thread_name_prefix="tileshard-copy")
@@ -128,14 +123,9 @@ class StagingRing:
         n = min(data.nbytes, self.batch_bytes - self.fill)
         if device:
             self._backend.write_device(buffer, self.fill, data[:n])
-            self.commit(n, host=False)
-            return n
-        source = np.frombuffer(data[:n], dtype=np.uint8)
-        if self.direct and n >= DIRECT_MIN_BYTES and self._backend.upload_direct(buffer, self.fill, source):
-            self.commit(n, host=False)  # already in the backend's input: nothing to upload at submit
-            return n
-        self._copy(buffer[self.fill : self.fill + n], source)
-        self.commit(n)
+        else:
+            self._copy(buffer[self.fill : self.fill + n], np.frombuffer(data[:n], dtype=np.uint8))
+        self.commit(n, host=not device)
         return n
 
     def commit(self, n: int, host: bool = True) -> None:

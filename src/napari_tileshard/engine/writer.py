@@ -391,8 +391,6 @@ class Writer:
         self._open_frame = False  # inside a frame_buffer() block
         # Buffers (and the GPU's memory check) before the store is touched: a refusal leaves no trace.
         self._staging = StagingRing(self._backend, self.batch_bytes, staging_buffers)
-        upload = self.options.upload
-        self._staging.direct = upload == "direct" or (upload == "auto" and self._backend.uploads_direct)
         try:
             self._sink = open_sink(store, overwrite, io_timeout=self.io_timeout)
             self.stats = WriterStats(backend=self._backend.describe())

@@ -97,15 +97,6 @@ class Backend(ABC):
     def write_device(self, staging: np.ndarray, offset: int, data) -> None:
         raise NotImplementedError(f"the {self.name} backend takes host arrays only")
 
-    #: what EngineOptions(upload="auto") means here: True to hand large host pieces to upload_direct
-    uploads_direct = False
-
-    def upload_direct(self, staging: np.ndarray, offset: int, data: np.ndarray) -> bool:
-        """Put ``data`` (1-D uint8, host memory) where ``staging[offset:]`` goes without copying it
-        into ``staging``; returns once ``data`` may be reused, False (nothing done) where this
-        backend cannot (the caller copies then)."""
-        return False
-
     @abstractmethod
     def result(self, ticket: Ticket) -> list[list[EncodedEpoch]]:
         """Wait for ``ticket`` and return its epochs, in order, for each pyramid level."""

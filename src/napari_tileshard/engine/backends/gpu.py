@@ -434,23 +434,6 @@ class GpuBackend(Backend):
         # Keep the source alive until the copy ran: CuPy's pool could otherwise hand it out again.
         self._device_sources = [(e, a) for e, a in self._device_sources if not e.done] + [(copied, data)]
 
-    @_on_device
-    def upload_direct(self, staging, offset: int, data: np.ndarray) -> bool:
-        """Copy ``data`` (pageable host memory) into the mirror in one CUDA call, which stages it
-        through the driver's own pinned buffers and returns once ``data`` was read: no copy into
-        our pinned staging split over helper threads (each of which takes the GIL), and the GIL
-        released for the whole copy.  (Page-locking the caller's frame in place instead was
-        measured slower: unregistering it waits for the device's work in flight.)"""
-        runtime = self._cupy.cuda.runtime
-        runtime.memcpyAsync(
-            self._mirror(staging).data.ptr + offset,
-            data.ctypes.data,
-            data.nbytes,
-            runtime.memcpyHostToDevice,
-            self.copy_stream.ptr,
-        )
-        return True
-
     def _mirror(self, staging):
         assert self._resources is not None
         return self._resources.mirrors[staging.ctypes.data]

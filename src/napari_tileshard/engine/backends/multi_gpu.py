@@ -85,9 +85,6 @@ class MultiGpuBackend(Backend):
     def write_device(self, staging, offset: int, data) -> None:
         self._owner[staging.ctypes.data].write_device(staging, offset, data)
 
-    def upload_direct(self, staging, offset: int, data) -> bool:
-        return self._owner[staging.ctypes.data].upload_direct(staging, offset, data)
-
     def submit(self, staging, epochs, host_ranges=None, rows=None):
         part = self._owner[staging.ctypes.data]
         return part, part.submit(staging, epochs, host_ranges, rows=rows)
