@@ -422,10 +422,12 @@ class ShardReader:
         return t % self.shape[0], repr(items[1:]), items
 
     def _decode_into_cache(self, selection) -> None:
-        """Read and decode ``selection``'s chunks that the cache lacks into the cache (the
-        blocks are decoded into scratch and dropped)."""
+        """Read and decode ``selection``'s chunks that the cache lacks into the cache, on this
+        thread alone (nothing is placed into an output)."""
         plan = self._plan(selection, use_cache=True)
-        for _ in self._cpu_path().blocks(plan, lambda b: output_pool().empty(b.shape, self.dtype)):
+        for _ in self._cpu_path().blocks(
+            plan, lambda b: output_pool().empty(b.shape, self.dtype), into_cache_only=True
+        ):
             pass
 
     def _wait_for_read_ahead(self, selection=Ellipsis) -> None:
