@@ -311,3 +311,80 @@ def test_gpu_support_refuses_blosc_and_names_the_supported_codecs():
         "bitstream (the GPU backend supports zstd, none); use backend='cpu' or 'auto'"
     )
     assert gpu_support(get("blosc-lz4").configure(3, "uint16")) == reason
+
+
+def _hostile_zstd_chunks(tile: np.ndarray) -> dict[str, bytes]:
+    """zstd chunks of ``tile``'s size that decode_into refuses (or accepts) for a reason."""
+    half = tile.nbytes // 2
+    compress = zstandard.ZstdCompressor().compress
+    unsized = zstandard.ZstdCompressor(write_content_size=False).compress
+    whole = compress(tile.tobytes())
+    return {
+        "two half frames": compress(tile[:half].tobytes()) + compress(tile[half:].tobytes()),
+        "two unsized half frames": unsized(tile[:half].tobytes()) + unsized(tile[half:].tobytes()),
+        "bytes after the frame": whole + b"\0" * 8,
+        "cut short": whole[: len(whole) // 2],
+        "garbage": b"\x01" * 40,
+        "a frame of another size": compress(tile[:-2].tobytes()),
+        "an empty frame after it": whole + compress(b""),
+        "a checksum": zstandard.ZstdCompressor(write_checksum=True).compress(tile.tobytes()),
+        "one repeated byte (an RLE block)": compress(bytes(tile.nbytes)),
+    }
+
+
+def test_the_zstd_frame_walk_finds_where_each_frame_ends():
+    """The batch decode accepts a chunk only when its first frame spans all of it: the walk over
+    block headers gives libzstd's compressed frame size for raw, RLE and compressed blocks, many
+    blocks, a checksum, and no end where the blocks run past the chunk."""
+    rng = np.random.default_rng(4)
+    payloads = [
+        _tiles()[0].tobytes(),
+        rng.integers(0, 256, 300_000, dtype=np.uint8).tobytes(),  # raw blocks, 3 of them
+        bytes(300_000),  # RLE blocks
+        (np.cumsum(rng.integers(0, 3, 400_000)) % 300).astype(np.uint16).tobytes(),  # compressed, many blocks
+        b"",
+    ]
+    for payload in payloads:
+        for compressor in (zstandard.ZstdCompressor(), zstandard.ZstdCompressor(write_checksum=True, level=9)):
+            frame = compressor.compress(payload)
+            assert codecs._frame_bytes(frame) == len(frame)
+            assert codecs._frame_bytes(frame + b"\0" * 5) == len(frame)
+            assert codecs._frame_bytes(frame[:-1]) == -1
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_decode_chunks_released_equals_decode_chunks(name):
+    """The batch decoded in one native call (the read-ahead's) gives the bytes and the refusals
+    of decoding chunk by chunk: rows left as they are where a chunk is absent, the position of
+    a chunk refused.  For zstd also on chunks built to tell them apart."""
+    codec = ZARR[name][0]
+    tile = _tiles()[0]
+    rng = np.random.default_rng(3)
+    tiles = [(tile.view(np.uint16) + k).astype(np.uint16).view(np.uint8) for k in range(5)]
+    chunks = [bytes(codec.encode(t)) for t in tiles]
+    chunks[1] = b""  # absent
+    offsets = np.cumsum([0] + [len(c) for c in chunks[:-1]]).tolist()
+    sizes = [len(c) if c else -1 for c in chunks]
+    src = memoryview(b"".join(chunks))
+    per_chunk, released = (np.full((5, tile.nbytes), 0xAB, np.uint8) for _ in range(2))
+    codec.decode_chunks(src, offsets, sizes, per_chunk)
+    codec.decode_chunks_released(src, offsets, sizes, released)
+    np.testing.assert_array_equal(released, per_chunk)
+    np.testing.assert_array_equal(released[[0, 2, 3, 4]], np.stack([tiles[k] for k in (0, 2, 3, 4)]))
+    assert (released[1] == 0xAB).all()
+    if name != "zstd":
+        return
+    for why, hostile in _hostile_zstd_chunks(tile).items():
+        batch = [chunks[0], hostile, chunks[2]]
+        src = memoryview(b"".join(batch))
+        offsets, sizes = [0, len(batch[0]), len(batch[0]) + len(hostile)], [len(c) for c in batch]
+        outcomes = []
+        for decode in (codec.decode_chunks, codec.decode_chunks_released):
+            dest = np.zeros((3, tile.nbytes), np.uint8)
+            try:
+                decode(src, offsets, sizes, dest)
+                outcomes.append(("decoded", dest.tobytes()))
+            except CodecError as exc:
+                outcomes.append(("refused", exc.chunk))
+        assert outcomes[0] == outcomes[1], why
+    assert rng is not None

@@ -254,3 +254,59 @@ def test_small_mappings_are_kept_up_to_their_own_cap():
     assert sum(sizes) > memory.SMALL_MAPPINGS_MAX_BYTES  # 1.8 GiB asked for
     assert pool.created == len(sizes)
     assert memory.SMALL_MAPPINGS_MAX_BYTES - (63 << 20) < pool.nbytes <= memory.SMALL_MAPPINGS_MAX_BYTES
+
+
+@pytest.mark.parametrize("populate", [True, False], ids=["map-populate", "written-once"])
+def test_replenish_makes_ready_the_mappings_reads_had_to_make_afresh(monkeypatch, populate):
+    """Each mapping ``empty`` made afresh is made again, idle and faulted in, by ``replenish``;
+    the next array of that size takes it, and taking one of those spares asks for another, so
+    that as many stay ready while a cache keeps growing.  Without ``MAP_POPULATE`` each page
+    is written once instead."""
+    if not populate:
+        monkeypatch.delattr(mmap, "MAP_POPULATE", raising=False)
+    pool = _pool()
+    held = [pool.empty((2 * MIB,), np.uint8) for _ in range(2)]
+    assert pool.created == 2 and pool.missed == 2
+    assert pool.replenish() == 4 * MIB and pool.replenished == 2 and pool.missed == 0
+    assert pool.replenish() == 0  # nothing missed since
+    more = [pool.empty((2 * MIB,), np.uint8) for _ in range(2)]
+    assert pool.created == 2 and pool.reused == 2  # the spares, not new mappings
+    assert all(not np.shares_memory(a, b) for a in held for b in more)
+    assert pool.missed == 2  # the spares taken: made again next time
+    more[0][...] = 5
+    assert int(more[0].min()) == 5 and int(held[0].size) == 2 * MIB
+
+
+def test_replenish_stays_within_its_bound_and_the_pools_cap():
+    pool = OutputPool(6 * MIB, min_bytes=MIB) if pool_unsupported_reason() is None else pytest.skip("pool off")
+    held = [pool.empty((2 * MIB,), np.uint8) for _ in range(3)]
+    assert pool.replenish(max_bytes=3 * MIB) == 2 * MIB  # one of the three fits the bound
+    assert pool.missed == 0  # the rest forgotten, not carried over
+    held += [pool.empty((2 * MIB,), np.uint8)]
+    pool.replenish()
+    assert pool.nbytes <= 6 * MIB  # the pool's cap holds for what replenish makes
+    del held
+
+
+def test_a_reader_with_a_cache_replenishes_the_pool_after_a_read_that_needed_fresh_memory(tmp_path):
+    """Readers with a chunk cache (napari's) fault in the memory of the next read's new cache
+    entries on their background thread; readers without one never do; reads stay exact."""
+    pool = _pool()
+    previous = memory.set_output_pool(pool)
+    try:
+        layout = Layout([Dim("t", 0, 2, 1), Dim("y", 512, 128, 2), Dim("x", 1024, 128, 4)], "uint16")
+        rng = np.random.default_rng(2)
+        frames = rng.integers(0, 4000, (6, 512, 1024)).astype(np.uint16)
+        with Writer(tmp_path / "a.zarr", layout, codec="zstd", backend="cpu") as writer:
+            for frame in frames:
+                writer.append(frame)
+        with ShardReader(tmp_path / "a.zarr", backend="cpu", cache_bytes=0) as reader:
+            np.testing.assert_array_equal(reader[0], frames[0])
+        assert pool.replenished == 0
+        with ShardReader(tmp_path / "a.zarr", backend="cpu", cache_bytes=64 * MIB, workers=1) as reader:
+            planes = [reader[t] for t in (0, 2, 4)]
+        assert pool.replenished >= 1  # close() waits for the background thread
+        for t, plane in zip((0, 2, 4), planes):
+            np.testing.assert_array_equal(plane, frames[t])
+    finally:
+        memory.set_output_pool(previous)

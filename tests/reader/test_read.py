@@ -853,3 +853,41 @@ def test_planes_from_the_chunk_cache_are_exact_whatever_units_decoded_them(tmp_p
         np.testing.assert_array_equal(reader[selection], data[selection])
     assert (reader.stats.data_requests, reader.stats.chunks_decoded) == (requests, decoded)
     assert reader.stats.cache_hits >= 2 * 6 * 4  # two whole planes of 6 x 4 chunks among them
+
+
+def test_read_ahead_decodes_on_its_own_thread_in_one_native_call_per_unit(tmp_path, monkeypatch):
+    """The read-ahead decodes the next tile row into the cache on its background thread alone
+    (the decode threads stay free for the caller's reads), with the codec's batch call that
+    takes the GIL back a few times per unit rather than per chunk; the caller's own reads
+    decode chunk by chunk; what the read-ahead decoded reads back exactly."""
+    import threading
+
+    from napari_tileshard.format.codecs import Zstd
+
+    layout = Layout([Dim("t", 0, 2, 4), Dim("y", 64, 16, 2), Dim("x", 64, 16, 2)], "uint16")
+    data = _data((8, 64, 64), "uint16")
+    with Writer(tmp_path / "a.zarr", layout, backend="cpu", codec="zstd") as writer:
+        writer.append(data)
+    calls: list[tuple[str, str]] = []
+    for name in ("decode_chunks", "decode_chunks_released"):
+        original = getattr(Zstd, name)
+
+        def recorded(self, *args, name=name, original=original, **kwargs):
+            calls.append((name, threading.current_thread().name))
+            return original(self, *args, **kwargs)
+
+        monkeypatch.setattr(Zstd, name, recorded)
+    with ShardReader(tmp_path / "a.zarr", backend="cpu", cache_bytes=1 << 20, read_ahead=True, workers=2) as layer:
+        np.testing.assert_array_equal(layer[0], data[0])
+        np.testing.assert_array_equal(layer[1], data[1])  # a step: rows 2-3 read ahead
+        layer._wait_for_read_ahead()
+        decoded = layer.stats.chunks_decoded
+        ahead = [thread for name, thread in calls if name == "decode_chunks_released"]
+        assert ahead and all(thread.startswith("tileshard-ahead") for thread in ahead)
+        own = [thread for name, thread in calls if name == "decode_chunks"]
+        assert own and not any(thread.startswith("tileshard-ahead") for thread in own)
+        np.testing.assert_array_equal(layer[2], data[2])  # from the cache
+        np.testing.assert_array_equal(layer[3], data[3])
+        layer._wait_for_read_ahead()
+        assert layer.stats.chunks_decoded >= decoded  # rows 4-5 ahead at most, nothing of rows 2-3 again
+        assert layer.stats.chunks_decoded - decoded in (0, 16)

@@ -164,10 +164,12 @@ class BlockSource:
                 return None
         return base.reshape(-1).view(np.uint8)[start : start + len(rows) * step].reshape(len(rows), step)
 
-    def decode(self, first: int, stop: int, rows: np.ndarray, fill: np.ndarray) -> None:
+    def decode(self, first: int, stop: int, rows: np.ndarray, fill: np.ndarray, released: bool = False) -> None:
         """Box positions ``first..stop`` decoded into ``rows`` (fill value where absent): one
         :meth:`~napari_tileshard.format.codecs.Codec.decode_chunks` call per read buffer they
-        come from (one, mostly), not one call per chunk."""
+        come from (one, mostly), not one call per chunk; ``released``: by
+        :meth:`~napari_tileshard.format.codecs.Codec.decode_chunks_released` (in the background)."""
+        decode_chunks = self.codec.decode_chunks_released if released else self.codec.decode_chunks
         where = self.buffer_of[first:stop]
         if where.min() < 0:
             for j in np.flatnonzero(where < 0).tolist():
@@ -176,7 +178,7 @@ class BlockSource:
         for buffer in np.unique(where[where >= 0]).tolist():
             sizes = np.where(where == buffer, self.nbytes_of[first:stop], -1).tolist()
             try:
-                self.codec.decode_chunks(self.views[buffer], offsets, sizes, rows, absent=-1)
+                decode_chunks(self.views[buffer], offsets, sizes, rows, absent=-1)
             except CodecError as exc:
                 chunk = int(self.block.box_chunks[first + (exc.chunk or 0)])
                 raise ChunkDecodeError(self.block.key, chunk, str(exc)) from None
@@ -205,9 +207,16 @@ class CpuReadPath:
             pass
         return out.reshape(plan.out_shape)
 
-    def blocks(self, plan: ReadPlan, target: Callable[[Block], np.ndarray]) -> Iterator[tuple[Block, np.ndarray]]:
+    def blocks(
+        self, plan: ReadPlan, target: Callable[[Block], np.ndarray], into_cache_only: bool = False
+    ) -> Iterator[tuple[Block, np.ndarray]]:
         """Fill each block of ``plan`` (``target(block)``: the array it is written into) and yield
-        it, in plan order, once all of it is decoded.
+        it, in plan order, once all of it is decoded.  ``into_cache_only`` (read-ahead): decode
+        the chunks into the cache on the calling thread alone, with
+        :meth:`~napari_tileshard.format.codecs.Codec.decode_chunks_released`, and place nothing
+        (``target`` is not called; the blocks yielded are empty): the decode pool stays free for
+        the caller's reads, and the GIL is taken back a few times per unit, not per chunk, beside
+        napari drawing.
 
         A block's reads are fetched (with prefetch), then its units go to the decode pool
         (:meth:`_decode_unit`).  Compressed bytes in flight stay within ``max_read_bytes`` and half
@@ -222,7 +231,8 @@ class CpuReadPath:
         unit_bytes = int(min(UNIT_BYTES, max(self.chunk_bytes, total // (self.workers * 4) or 1)))
         fetched = reader._fetched(plan.reads)
         window = max(1, min(reader.max_read_bytes, FREE_BUFFER_BYTES // 2))
-        pool = self._decode_pool() if self.workers > 1 else None
+        pool = self._decode_pool() if self.workers > 1 and not into_cache_only else None
+        nothing = np.empty(0, dtype=self.reader.dtype)
         pending: list[tuple[Block, np.ndarray, list, int, list]] = []
         in_flight = 0
 
@@ -239,14 +249,15 @@ class CpuReadPath:
 
         try:
             for b, block in enumerate(plan.blocks):
-                out = target(block)
+                out = nothing if into_cache_only else target(block)
                 buffers = [next(fetched) for _ in reads_of[b]]
                 source = BlockSource(block, buffers, self.codec)
                 units = unit_boxes(block.box_shape, unit_bytes // self.chunk_bytes)
-                work = functools.partial(self._decode_unit, block, out, source)
+                work = functools.partial(self._decode_unit, block, out, source, into_cache_only)
                 stats.add(cache_hits=len(block.cached))
-                if not source.present and not block.cached:  # no chunk of this block is stored: fill only
-                    out[...] = reader.fill_value
+                if not source.present and not block.cached or into_cache_only and not source.present:
+                    if not into_cache_only:  # no chunk of this block is stored: fill only
+                        out[...] = reader.fill_value
                     units = []
                 if pool is None:
                     started = time.perf_counter()
@@ -268,17 +279,19 @@ class CpuReadPath:
                 for future in futures:
                     future.cancel()
 
-    def _decode_unit(self, block: Block, out: np.ndarray, source: BlockSource, unit) -> None:
+    def _decode_unit(self, block: Block, out: np.ndarray, source: BlockSource, into_cache_only: bool, unit) -> None:
         """Decode the chunks of ``unit`` (``(first, stop)`` box positions and its box ranges)
-        into scratch and place them into ``out`` (the block's output)."""
+        into scratch and place them into ``out`` (the block's output), or only into the cache."""
         (first, stop), ranges = unit
         rows = stop - first
-        in_cache = source.cached_rows(first, stop) if source.block.cached else None
+        in_cache = source.cached_rows(first, stop) if source.block.cached and not into_cache_only else None
         if in_cache is not None:
             chunks = in_cache.view(self.chunk_dtype).reshape((rows,) + self.chunk_shape)
             untile_into(out, chunks, block, ranges, self.chunk_shape)
             return
         places = source.decoded_places(first, stop) if self.cache is not None else []
+        if into_cache_only and not places:
+            return  # nothing of this unit to decode into the cache
         if places and len(places) == rows:
             # every chunk of the unit goes into the cache: decode into memory the cache then
             # keeps, instead of into scratch and a copy of it (a 16 MiB copy per new tile row
@@ -289,7 +302,7 @@ class CpuReadPath:
             if scratch is None or scratch.shape[0] < rows:
                 scratch = self._local.scratch = output_pool().empty((rows, self.chunk_bytes), np.uint8)
             decoded = scratch[:rows]
-        source.decode(first, stop, decoded, self.fill_bytes)
+        source.decode(first, stop, decoded, self.fill_bytes, released=into_cache_only)
         if places:
             assert self.cache is not None
             keys, kept = [place for _, place in places], [j for j, _ in places]
@@ -297,6 +310,8 @@ class CpuReadPath:
                 self.cache.adopt_rows(keys, decoded)
             else:
                 self.cache.put_many(keys, decoded, kept)
+        if into_cache_only:
+            return
         chunks = decoded.view(self.chunk_dtype).reshape((rows,) + self.chunk_shape)
         untile_into(out, chunks, block, ranges, self.chunk_shape)
 

@@ -81,7 +81,10 @@ class ShardReader:
     ``TILESHARD_READ_WORKERS`` or the CPU count).  ``storage_options``: configure a store URL
     (endpoint, credentials, ...).  ``cache_bytes``: keep up to this many bytes of decoded chunks
     (LRU; default ``TILESHARD_CACHE_BYTES`` or 0, none) so that reading a region again (scrubbing
-    back and forth in napari) costs no store reads and no decoding; CPU backend only.
+    back and forth in napari) costs no store reads and no decoding; CPU backend only.  With a
+    cache, memory for the next read's new cache entries and output is faulted in on a background
+    thread after each read that needed fresh memory (the kernel zeroing fresh pages cost 7-9 ms per
+    16 MiB tile row on a 2-core VM, on the read's critical path).
     ``read_ahead`` (needs the cache): when single planes along dim 0 are read one after the
     other (napari's time slider stepped), the chunks of the next planes in that direction are
     read and decoded into the cache on a background thread while the caller shows this one; the
@@ -362,8 +365,17 @@ class ShardReader:
                 out = self._cpu_path().read(plan)
             if self.read_ahead and self.backend == "cpu":
                 self._start_read_ahead(selection)
+            if self.cache is not None and self.backend == "cpu" and output_pool().missed:
+                self._background().submit(output_pool().replenish)
         self.stats.add(reads=1, bytes_out=out.nbytes, busy_seconds=time.perf_counter() - started)
         return out
+
+    def _background(self) -> ThreadPoolExecutor:
+        """The one thread of work for the reads to come (read-ahead, memory faulted in ahead:
+        :meth:`~napari_tileshard.reader.memory.OutputPool.replenish`), made on first use."""
+        if self._ahead_pool is None:
+            self._ahead_pool = ThreadPoolExecutor(1, thread_name_prefix="tileshard-ahead")
+        return self._ahead_pool
 
     # -- read-ahead (scrubbing) ------------------------------------------------------------
     def _start_read_ahead(self, selection) -> None:
@@ -385,9 +397,7 @@ class ShardReader:
         row = ahead // depth * depth
         if self._ahead is not None and not self._ahead.done() and self._ahead_rows == (row, row + depth, rest):
             return  # on its way already
-        if self._ahead_pool is None:
-            self._ahead_pool = ThreadPoolExecutor(1, thread_name_prefix="tileshard-ahead")
-        self._ahead = self._ahead_pool.submit(self._decode_into_cache, (ahead, *items[1:]))
+        self._ahead = self._background().submit(self._decode_into_cache, (ahead, *items[1:]))
         self._ahead_rows = (row, row + depth, rest)
 
     def _plane_of(self, selection) -> tuple[int, str, tuple] | None:
@@ -412,10 +422,12 @@ class ShardReader:
         return t % self.shape[0], repr(items[1:]), items
 
     def _decode_into_cache(self, selection) -> None:
-        """Read and decode ``selection``'s chunks that the cache lacks into the cache (the
-        blocks are decoded into scratch and dropped)."""
+        """Read and decode ``selection``'s chunks that the cache lacks into the cache, on this
+        thread alone (nothing is placed into an output)."""
         plan = self._plan(selection, use_cache=True)
-        for _ in self._cpu_path().blocks(plan, lambda b: output_pool().empty(b.shape, self.dtype)):
+        for _ in self._cpu_path().blocks(
+            plan, lambda b: output_pool().empty(b.shape, self.dtype), into_cache_only=True
+        ):
             pass
 
     def _wait_for_read_ahead(self, selection=Ellipsis) -> None:
