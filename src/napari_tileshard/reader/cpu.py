@@ -30,6 +30,10 @@ __all__ = ["UNIT_BYTES", "BlockSource", "CpuReadPath", "dim_pieces", "unit_boxes
 
 #: the most decoded bytes one decode task handles (its scratch buffer, reused per thread)
 UNIT_BYTES = 8 << 20
+#: reads decoded by at least this many workers decode each unit in one native call that holds no
+#: GIL (Codec.decode_chunks_released) instead of a call per chunk: with many decode threads, each
+#: taking the GIL back after every chunk left most of them waiting for it
+RELEASED_DECODE_MIN_WORKERS = 1 << 30
 
 
 def unit_boxes(box_shape: tuple[int, ...], max_rows: int) -> list[tuple[tuple[int, int], tuple[tuple[int, int], ...]]]:
@@ -302,7 +306,8 @@ class CpuReadPath:
             if scratch is None or scratch.shape[0] < rows:
                 scratch = self._local.scratch = output_pool().empty((rows, self.chunk_bytes), np.uint8)
             decoded = scratch[:rows]
-        source.decode(first, stop, decoded, self.fill_bytes, released=into_cache_only)
+        released = into_cache_only or self.workers >= RELEASED_DECODE_MIN_WORKERS
+        source.decode(first, stop, decoded, self.fill_bytes, released=released)
         if places:
             assert self.cache is not None
             keys, kept = [place for _, place in places], [j for j, _ in places]
