@@ -388,3 +388,29 @@ def test_decode_chunks_released_equals_decode_chunks(name):
                 outcomes.append(("refused", exc.chunk))
         assert outcomes[0] == outcomes[1], why
     assert rng is not None
+
+
+def test_the_frame_walk_of_a_whole_batch_matches_each_frame():
+    """Frames of 1 to many blocks, with and without checksums, frames followed by other bytes,
+    truncated ones and bytes that are no zstd frame, side by side in one buffer: the walk over all
+    of them at once gives each its own frame's size (libzstd's), or -1."""
+    rng = np.random.default_rng(9)
+    payloads = [
+        _tiles()[0].tobytes(),
+        rng.integers(0, 256, 300_000, dtype=np.uint8).tobytes(),
+        bytes(300_000),
+        (np.cumsum(rng.integers(0, 3, 400_000)) % 300).astype(np.uint16).tobytes(),
+        b"",
+    ]
+    pieces, expected = [], []
+    for payload in payloads:
+        for compressor in (zstandard.ZstdCompressor(), zstandard.ZstdCompressor(write_checksum=True, level=9)):
+            frame = compressor.compress(payload)
+            pieces += [frame, frame + b"\1\2\3", frame[:-1]]
+            expected += [len(frame), len(frame), -1]
+    pieces += [b"\0" * 16, b"\x28\xb5\x2f\xfd", b""]
+    expected += [-1, -1, -1]
+    starts = np.cumsum([0] + [len(p) for p in pieces[:-1]]).astype(np.int64)
+    ends = starts + np.array([len(p) for p in pieces], dtype=np.int64)
+    data = np.frombuffer(b"".join(pieces), dtype=np.uint8)
+    assert codecs._frame_sizes(data, starts, ends).tolist() == expected

@@ -891,3 +891,30 @@ def test_read_ahead_decodes_on_its_own_thread_in_one_native_call_per_unit(tmp_pa
         layer._wait_for_read_ahead()
         assert layer.stats.chunks_decoded >= decoded  # rows 4-5 ahead at most, nothing of rows 2-3 again
         assert layer.stats.chunks_decoded - decoded in (0, 16)
+
+
+def test_reads_with_many_decode_workers_decode_each_unit_in_one_native_call(tmp_path, monkeypatch):
+    """With RELEASED_DECODE_MIN_WORKERS decode threads or more, a read decodes each unit with the
+    codec's batch call that holds no GIL for the whole unit (many threads taking the GIL back
+    after every chunk left most of them waiting); with fewer, chunk by chunk.  Same array."""
+    from napari_tileshard.format.codecs import Zstd
+    from napari_tileshard.reader.cpu import RELEASED_DECODE_MIN_WORKERS
+
+    layout = Layout([Dim("t", 0, 2, 4), Dim("y", 64, 16, 2), Dim("x", 64, 16, 2)], "uint16")
+    data = _data((8, 64, 64), "uint16")
+    with Writer(tmp_path / "a.zarr", layout, backend="cpu", codec="zstd") as writer:
+        writer.append(data)
+    calls: list[str] = []
+    for name in ("decode_chunks", "decode_chunks_released"):
+        original = getattr(Zstd, name)
+
+        def recorded(self, *args, name=name, original=original, **kwargs):
+            calls.append(name)
+            return original(self, *args, **kwargs)
+
+        monkeypatch.setattr(Zstd, name, recorded)
+    for workers, expected in ((1, "decode_chunks"), (RELEASED_DECODE_MIN_WORKERS, "decode_chunks_released")):
+        calls.clear()
+        with ShardReader(tmp_path / "a.zarr", backend="cpu", workers=workers) as reader:
+            np.testing.assert_array_equal(reader.read(), data)
+        assert calls and set(calls) == {expected}, (workers, set(calls))

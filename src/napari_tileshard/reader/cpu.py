@@ -12,6 +12,7 @@ copies release the GIL.
 from __future__ import annotations
 
 import functools
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -33,18 +34,25 @@ UNIT_BYTES = 8 << 20
 #: reads decoded by at least this many workers decode each unit in one native call that holds no
 #: GIL (Codec.decode_chunks_released) instead of a call per chunk: with many decode threads, each
 #: taking the GIL back after every chunk left most of them waiting for it
-RELEASED_DECODE_MIN_WORKERS = 1 << 30
+RELEASED_DECODE_MIN_WORKERS = 4
 
 
-def unit_boxes(box_shape: tuple[int, ...], max_rows: int) -> list[tuple[tuple[int, int], tuple[tuple[int, int], ...]]]:
+#: a decode unit: its box positions ``(first, stop)`` and its box ranges per dim
+Unit = tuple[tuple[int, int], tuple[tuple[int, int], ...]]
+
+
+@functools.lru_cache(maxsize=256)
+def unit_boxes(box_shape: tuple[int, ...], max_rows: int) -> tuple[Unit, ...]:
     """Cut a block's box of chunks into units of at most ``max_rows`` chunks (at least one whole
     row of the split dim) that are contiguous in row-major box order: ``((first, stop), ranges)``
     with ``ranges[d] = (lo, hi)`` the unit's box indices along dim ``d``.  Dims before the split
-    dim are single indices, dims after it whole, so a unit is a sub-box."""
+    dim are single indices, dims after it whole, so a unit is a sub-box.  Cached: a read's blocks
+    mostly share one box shape, and this ran on the caller's thread, under the GIL the decode
+    threads wait for, once per block."""
     ndim = len(box_shape)
     if ndim == 0:
-        return [((0, 1), ())]
-    after = [int(np.prod(box_shape[d + 1 :], dtype=np.int64)) for d in range(ndim)]
+        return (((0, 1), ()),)
+    after = [math.prod(box_shape[d + 1 :]) for d in range(ndim)]
     split = next(d for d in range(ndim) if after[d] <= max(1, max_rows))
     per = max(1, max(1, max_rows) // after[split])
     units = []
@@ -54,7 +62,7 @@ def unit_boxes(box_shape: tuple[int, ...], max_rows: int) -> list[tuple[tuple[in
             first = int(np.ravel_multi_index(prefix + (lo,) + (0,) * (ndim - split - 1), box_shape))
             ranges = tuple((p, p + 1) for p in prefix) + ((lo, hi),) + tuple((0, n) for n in box_shape[split + 1 :])
             units.append(((first, first + (hi - lo) * after[split]), ranges))
-    return units
+    return tuple(units)
 
 
 def dim_pieces(part: DimPart, lo: int, hi: int, chunk: int) -> list[tuple[slice, object, slice, bool]]:
@@ -262,7 +270,7 @@ class CpuReadPath:
                 if not source.present and not block.cached or into_cache_only and not source.present:
                     if not into_cache_only:  # no chunk of this block is stored: fill only
                         out[...] = reader.fill_value
-                    units = []
+                    units = ()
                 if pool is None:
                     started = time.perf_counter()
                     for unit in units:
