@@ -34,11 +34,11 @@ UNIT_BYTES = 8 << 20
 #: reads decoded by at least this many workers decode each unit of chunks of at most
 #: RELEASED_DECODE_MAX_CHUNK_BYTES in one native call that holds no GIL
 #: (Codec.decode_chunks_released) instead of a call per chunk: with many decode threads, each
-#: taking the GIL back after every small chunk left most of them waiting for it (16 cores, in one
-#: run each: 64 KiB chunks 1.56x and 1.61x the per-chunk path, 256 KiB 1.12x and 0.95x, 1 MiB
-#: 1.05x and 0.82x, where the batch's own output buffer and copy cost more than the GIL saves)
+#: taking the GIL back after every small chunk left most of them waiting for it (16 cores, three
+#: runs: 64 KiB chunks 1.55-1.61x the per-chunk path; 256 KiB 0.88-1.12x and 1 MiB 0.82-1.05x,
+#: where the batch's own output buffer and its copy cost about what the GIL saves)
 RELEASED_DECODE_MIN_WORKERS = 4
-RELEASED_DECODE_MAX_CHUNK_BYTES = 256 << 10
+RELEASED_DECODE_MAX_CHUNK_BYTES = 128 << 10
 
 
 #: a decode unit: its box positions ``(first, stop)`` and its box ranges per dim
