@@ -141,6 +141,14 @@ def test_short_blocks_that_do_not_pay_for_their_table_are_raw():
     assert blocks[0]["type"] == RAW
 
 
+def test_every_byte_value_equally_often_is_raw():
+    # all 256 codes 8 bits long: weights that neither description can carry (one FSE symbol, > 128 direct)
+    data = np.repeat(np.arange(256, dtype=np.uint8), 100)
+    np.random.default_rng(0).shuffle(data)
+    blocks = check_frame(data.tobytes(), encode_frame(data), MAX_BLOCK_SIZE)
+    assert blocks[0]["type"] == RAW
+
+
 @pytest.mark.parametrize("symbols", [(0, 1), (0, 255), (3, 200), (127, 128), (254, 255)])
 @pytest.mark.parametrize("size", [2, 50, 255, 256, 1023, 1024, 70_000, MAX_BLOCK_SIZE])
 def test_two_symbol_alphabets(symbols, size):
