@@ -250,8 +250,12 @@ def test_data_that_is_not_bytes_is_refused():
 def buffers(draw):
     """Data of several kinds (camera bytes, skewed, uniform, few symbols, high symbols only) and a
     block size from 1 byte to 128 KiB, at most 40 blocks and 256 KiB."""
-    block_size = draw(st.one_of(st.integers(1, 300), st.integers(1, MAX_BLOCK_SIZE)))
-    size = draw(st.integers(0, min(40 * block_size, 256 << 10)))
+    # block sizes over 1 B .. 128 KiB in log scale (hypothesis favours a list's first items: both orders)
+    exponent = draw(st.one_of(st.sampled_from(range(18)), st.sampled_from(range(17, -1, -1))))
+    block_size = draw(st.integers(max(1, 1 << exponent >> 1), 1 << exponent))
+    # whole blocks plus a partial one (hypothesis alone draws mostly small sizes)
+    whole = draw(st.integers(0, min(40, (256 << 10) // block_size)))
+    size = min(whole * block_size + draw(st.integers(0, block_size - 1)), 256 << 10)
     seed = draw(st.integers(0, 2**32 - 1))
     rng = np.random.default_rng(seed)
     kind = draw(st.sampled_from(["camera", "skewed", "uniform", "few", "high"]))
