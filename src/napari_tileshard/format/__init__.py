@@ -5,7 +5,9 @@
   one registry;
 * :mod:`.shard_spec`: :class:`ShardSpec`, one sharded array from/to ``zarr.json``, its shard
   index (encode, decode, validate) and its keys;
-* :mod:`.nvcomp`: nvCOMP's batched C API (ctypes on ``libnvcomp``), the GPU side of the codecs.
+* :mod:`.nvcomp`: nvCOMP's batched C API (ctypes on ``libnvcomp``), the GPU side of the codecs;
+* :mod:`.huffman_zstd`: standard zstd frames of Huffman-only blocks, the NumPy reference of a GPU
+  encoder (not used by the writer yet).
 
 Used by the writer, the reader, verify and the inspector; imports no module of ours above it.
 """

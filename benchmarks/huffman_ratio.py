@@ -1,0 +1,156 @@
+"""Ratio and CPU speed of the Huffman-only zstd reference encoder on camera tiles.
+
+    PYTHONPATH=$PWD/src python benchmarks/huffman_ratio.py --frames 8 --out benchmarks/results/huffman_zstd_2core
+
+On ``--frames`` 2048² uint16 ``SyntheticCamera`` frames cut into tiles of 2 × 256² (256 KiB, each
+tile one zstd frame), for each block size (128 KiB first, the format's maximum):
+
+* ratio of ``format.huffman_zstd.encode_frame`` (headers included), of zstd level 1
+  (python-zstandard, one frame per tile), of the order-0 entropy bound (each block's byte
+  entropy, no headers) and of the Huffman payload bound (each block's optimal <= 11-bit code
+  lengths times its counts, no headers: what integer code lengths cost before any table);
+* block types written (compressed / raw / RLE);
+* one-thread CPU rates: the reference encoder, zstd -1, and libzstd decoding each kind of frame.
+
+Prints a table and, with ``--out``, writes it there (``huffman_ratio.txt``, ``huffman_ratio.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import zstandard
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from zstd_ceiling import contiguous_tiles  # noqa: E402
+
+from napari_tileshard import SyntheticCamera  # noqa: E402
+from napari_tileshard.format.huffman_zstd import code_lengths, encode_frame  # noqa: E402
+
+TILE = (2, 256, 256)
+
+
+def block_bounds(tiles: np.ndarray, block_size: int) -> tuple[float, float]:
+    """Bytes of the order-0 entropy bound and of the Huffman payload, summed over every block."""
+    entropy_bits = huffman_bits = 0.0
+    for tile in tiles:
+        for start in range(0, tile.size, block_size):
+            counts = np.bincount(tile[start : start + block_size], minlength=256)
+            present = counts[counts > 0]
+            entropy_bits += float(-(present * np.log2(present / present.sum())).sum())
+            if present.size > 1:
+                huffman_bits += float((counts * code_lengths(counts)).sum())
+    return entropy_bits / 8, huffman_bits / 8
+
+
+def block_types(frame: bytes) -> list[int]:
+    """The Block_Type of each block of one single-segment frame (RFC 8878 3.1.1.2)."""
+    pos = 5 + [1, 2, 4, 8][frame[4] >> 6]
+    kinds = []
+    while True:
+        header = int.from_bytes(frame[pos : pos + 3], "little")
+        kind, size = (header >> 1) & 3, header >> 3
+        kinds.append(kind)
+        pos += 3 + (1 if kind == 1 else size)
+        if header & 1:
+            return kinds
+
+
+def timed(function, items, repeats: int = 1) -> tuple[list, float]:
+    """``function`` over ``items`` on this thread: results and the CPU seconds they took (the
+    best of ``repeats`` passes: the machine is shared)."""
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.thread_time()
+        results = [function(item) for item in items]
+        best = min(best, time.thread_time() - start)
+    return results, best
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--frames", type=int, default=8, help="2048² uint16 frames (even: tiles are 2 deep)")
+    parser.add_argument("--block-sizes", default="131072,65536,32768", help="comma-separated, bytes")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, help="folder for huffman_ratio.txt and .json")
+    args = parser.parse_args(argv)
+
+    camera = SyntheticCamera((2048, 2048), "uint16", seed=args.seed)
+    tiles = contiguous_tiles(camera, args.frames, TILE)
+    total = tiles.nbytes
+    decompressor = zstandard.ZstdDecompressor()
+    zstd1 = zstandard.ZstdCompressor(level=1)
+    zstd_frames, zstd_seconds = timed(lambda t: zstd1.compress(t.tobytes()), tiles, repeats=3)
+    _, zstd_decode_seconds = timed(decompressor.decompress, zstd_frames, repeats=5)
+
+    rows = []
+    for block_size in (int(b) for b in args.block_sizes.split(",")):
+        frames, seconds = timed(lambda t, b=block_size: encode_frame(t, block_size=b), tiles)
+        decoded, decode_seconds = timed(decompressor.decompress, frames, repeats=5)
+        assert all(d == t.tobytes() for d, t in zip(decoded, tiles)), "a frame did not decode to its tile"
+        kinds = np.bincount([k for f in frames for k in block_types(f)], minlength=3)
+        entropy_bytes, huffman_bytes = block_bounds(tiles, block_size)
+        rows.append(
+            {
+                "block_size": block_size,
+                "ratio": total / sum(map(len, frames)),
+                "entropy_bound": total / entropy_bytes,
+                "huffman_payload_bound": total / huffman_bytes,
+                "blocks": {"compressed": int(kinds[2]), "raw": int(kinds[0]), "rle": int(kinds[1])},
+                "encode_mb_s": total / seconds / 1e6,
+                "decode_mb_s": total / decode_seconds / 1e6,
+            }
+        )
+    libzstd = ".".join(map(str, zstandard.ZSTD_VERSION))
+    result = {
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
+        f"NumPy {np.__version__}, python-zstandard {zstandard.__version__} (libzstd {libzstd})",
+        "data": f"{args.frames} SyntheticCamera 2048² uint16 frames (seed {args.seed}), tiles 2×256² = 256 KiB, "
+        f"{tiles.shape[0]} tiles, one zstd frame each",
+        "zstd1": {
+            "ratio": total / sum(map(len, zstd_frames)),
+            "encode_mb_s": total / zstd_seconds / 1e6,
+            "decode_mb_s": total / zstd_decode_seconds / 1e6,
+        },
+        "huffman": rows,
+    }
+    lines = [
+        result["data"],
+        result["machine"],
+        "one thread; MB/s = 10^6 bytes of tiles per CPU second (zstd: best of 3, decodes: best of 5)",
+        "",
+        f"{'encoder':<30}{'ratio':>7}{'vs zstd-1':>10}{'vs bound':>9}{'Huffman bound':>14}"
+        f"{'blocks C/R/RLE':>16}{'encode MB/s':>12}{'decode MB/s':>12}",
+        f"{'zstd level 1':<30}{result['zstd1']['ratio']:>7.3f}{1:>10.3f}{'':>9}{'':>14}{'':>16}"
+        f"{result['zstd1']['encode_mb_s']:>12.0f}{result['zstd1']['decode_mb_s']:>12.0f}",
+    ]
+    for row in rows:
+        blocks = row["blocks"]
+        lines.append(
+            f"{'Huffman-only, ' + str(row['block_size'] >> 10) + ' KiB blocks':<30}{row['ratio']:>7.3f}"
+            f"{row['ratio'] / result['zstd1']['ratio']:>10.3f}{row['ratio'] / row['entropy_bound']:>9.3f}"
+            f"{row['huffman_payload_bound']:>14.3f}"
+            f"{'{compressed}/{raw}/{rle}'.format(**blocks):>16}"
+            f"{row['encode_mb_s']:>12.1f}{row['decode_mb_s']:>12.0f}"
+        )
+        lines.append(f"{'  order-0 entropy bound':<30}{row['entropy_bound']:>7.3f}")
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "huffman_ratio.txt").write_text(text + "\n")
+        (args.out / "huffman_ratio.json").write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()
