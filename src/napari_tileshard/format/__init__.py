@@ -5,7 +5,9 @@
   one registry;
 * :mod:`.shard_spec`: :class:`ShardSpec`, one sharded array from/to ``zarr.json``, its shard
   index (encode, decode, validate) and its keys;
-* :mod:`.nvcomp`: nvCOMP's batched C API (ctypes on ``libnvcomp``), the GPU side of the codecs;
+* :mod:`.layout`, :mod:`.array_spec`, :mod:`.metadata`, :mod:`.ome`, :mod:`.pyramid`: the tiling,
+  what a Writer writes, and the JSON of arrays and OME groups (nvCOMP's C API, the GPU side of the
+  codecs, lives in :mod:`napari_tileshard.gpu.nvcomp`);
 * :mod:`.huffman_zstd`: standard zstd frames of Huffman-only blocks, the NumPy reference of a GPU
   encoder (not used by the writer yet).
 
