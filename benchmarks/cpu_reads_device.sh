@@ -7,7 +7,9 @@
 #   run(command="bash benchmarks/cpu_reads_device.sh", carry=[".kit/site.tar.xz", ".kit/pyspy.xz"])
 #   bash benchmarks/cpu_reads_device.sh --quick     # small, on any machine
 #
-# Knobs: GIB (2), ROUNDS (5), TILES (64k-4m,256k-4m,1m-16m), LIMIT_S (560).
+# Knobs: GIB (2), ROUNDS (5), TILES (64k-4m,256k-4m,1m-16m), LIMIT_S (560), VARIANTS (the A/B's
+# variants of ours, space-separated ab_cpu_read.py --variant values; default: the two decode paths
+# and the default reader).
 set -uo pipefail
 root=$(pwd)
 QUICK=0
@@ -41,10 +43,11 @@ timeout 120 python3 benchmarks/ab_cpu_read.py --tiles "$TILES" --gib 0.0625 --ro
 rm -rf "$DIR-check"
 
 # 2. The A/B against tensorstore: per-chunk calls, one GIL-free call per unit, and the default.
+VARIANTS=${VARIANTS:-per_chunk=RELEASED_DECODE_MIN_WORKERS=1073741824 released=RELEASED_DECODE_MIN_WORKERS=1 default=}
+args=()
+for variant in $VARIANTS; do args+=(--variant "$variant"); done
 timeout $(($(left) - 90)) python3 benchmarks/ab_cpu_read.py --tiles "$TILES" --gib "$GIB" --rounds "$ROUNDS" \
-  --dir "$DIR" --variant per_chunk=RELEASED_DECODE_MIN_WORKERS=1073741824 \
-  --variant released=RELEASED_DECODE_MIN_WORKERS=1 --variant default= --out "$OUT/ab_read.json" 2>&1 |
-  tee "$OUT/ab_read.log"
+  --dir "$DIR" "${args[@]}" --out "$OUT/ab_read.json" 2>&1 | tee "$OUT/ab_read.log"
 
 # 3. Who holds the GIL during 64 KiB-chunk reads, per path (10 reads each).
 if [ -n "$SPY" ] && [ "$(left)" -gt 60 ]; then
