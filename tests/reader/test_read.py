@@ -926,30 +926,3 @@ def test_reads_with_many_decode_workers_decode_each_unit_in_one_native_call(tmp_
         with ShardReader(tmp_path / "a.zarr", backend="cpu", workers=workers) as reader:
             np.testing.assert_array_equal(reader.read(), data)
         assert calls and set(calls) == {expected}, (workers, largest, set(calls))
-
-
-@pytest.mark.parametrize("workers", [2, 4])
-def test_small_blocks_decoded_a_task_of_several_at_a_time_read_the_same(tmp_path, monkeypatch, workers):
-    """Blocks smaller than a decode unit go to the decode pool several per task
-    (TASK_BLOCKS_MAX): the array reads the same as with a task per block, absent shards read as
-    the fill value in their place, and a corrupt chunk in the middle of a task is named."""
-    layout = Layout([Dim("t", 0, 2, 1), Dim("y", 96, 16, 1), Dim("x", 96, 16, 1)], "uint16")
-    data = _data((10, 96, 96), "uint16")
-    with Writer(tmp_path / "a.zarr", layout, backend="cpu", codec="zstd") as writer:
-        writer.append(data)
-    (tmp_path / "a.zarr" / "c" / "2" / "3" / "1").unlink()  # an absent shard: frames 4-5, the fill value
-    expected = data.copy()
-    expected[4:6, 48:64, 16:32] = 0
-    outputs = []
-    for blocks_per_task in (1, cpu_path.TASK_BLOCKS_MAX):
-        monkeypatch.setattr(cpu_path, "TASK_BLOCKS_MAX", blocks_per_task)
-        with ShardReader(tmp_path / "a.zarr", backend="cpu", workers=workers) as reader:
-            outputs.append(reader.read())
-    np.testing.assert_array_equal(outputs[0], expected)
-    np.testing.assert_array_equal(outputs[1], expected)
-    shard = tmp_path / "a.zarr" / "c" / "3" / "2" / "2"
-    blob = bytearray(shard.read_bytes())
-    blob[10:30] = bytes(20)
-    shard.write_bytes(bytes(blob))
-    with pytest.raises(ChunkDecodeError, match="c/3/2/2 chunk 0"):
-        ShardReader(tmp_path / "a.zarr", backend="cpu", workers=workers).read()

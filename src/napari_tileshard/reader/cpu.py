@@ -38,8 +38,6 @@ UNIT_BYTES = 8 << 20
 #: runs: 64 KiB chunks 1.55-1.61x the per-chunk path; 256 KiB 0.88-1.12x and 1 MiB 0.82-1.05x,
 #: where the batch's own output buffer and its copy cost about what the GIL saves)
 RELEASED_DECODE_MIN_WORKERS = 4
-#: the most small blocks (a unit each, less than a unit's bytes) one decode task takes; 1: a task per block
-TASK_BLOCKS_MAX = 16
 RELEASED_DECODE_MAX_CHUNK_BYTES = 128 << 10
 
 
@@ -202,12 +200,6 @@ class BlockSource:
                 raise ChunkDecodeError(self.block.key, chunk, str(exc)) from None
 
 
-def _run_all(work: tuple[Callable[[], None], ...]) -> None:
-    """One decode task: its units, in order."""
-    for item in work:
-        item()
-
-
 class CpuReadPath:
     """Reads plans on the CPU for one :class:`~napari_tileshard.reader.shard_reader.ShardReader`
     (its reads fetched with prefetch through the reader, its chunk geometry, codec, cache and
@@ -257,29 +249,12 @@ class CpuReadPath:
         window = max(1, min(reader.max_read_bytes, FREE_BUFFER_BYTES // 2))
         pool = self._decode_pool() if self.workers > 1 and not into_cache_only else None
         nothing = np.empty(0, dtype=self.reader.dtype)
-        # (block, out, futures, compressed bytes, read buffers); a block's futures list is shared
-        # with the other blocks of its task until the task is submitted
         pending: list[tuple[Block, np.ndarray, list, int, list]] = []
         in_flight = 0
-        # Units of small blocks (4 MiB shards) are handed to the pool a task of up to unit_bytes
-        # at a time: per task, not per block, the caller's thread submits and a decode thread
-        # takes the GIL back to report (on 16 cores those hand-offs queued for the GIL).
-        task: list[Callable[[], None]] = []
-        task_futures: list = []
-        task_bytes = 0
-
-        def submit_task() -> None:
-            nonlocal task, task_futures, task_bytes
-            if task:
-                assert pool is not None
-                task_futures.append(pool.submit(_run_all, tuple(task)))
-            task, task_futures, task_bytes = [], [], 0
 
         def finish(entry) -> tuple[Block, np.ndarray]:
             nonlocal in_flight
             block, out, futures, nbytes, buffers = entry
-            if futures is task_futures:  # its task is still being gathered
-                submit_task()
             started = time.perf_counter()
             for future in futures:
                 future.result()
@@ -305,28 +280,14 @@ class CpuReadPath:
                     for unit in units:
                         work(unit)
                     stats.add(decode_seconds=time.perf_counter() - started)
-                    futures: list = []
-                elif units:
-                    block_bytes = block.box_chunks.size * self.chunk_bytes
-                    if len(units) > 1 or block_bytes >= unit_bytes or TASK_BLOCKS_MAX <= 1:  # whole tasks already
-                        submit_task()
-                        futures = [pool.submit(work, unit) for unit in units]
-                    else:
-                        if task_bytes + block_bytes > unit_bytes or len(task) >= TASK_BLOCKS_MAX:
-                            submit_task()
-                        task.append(functools.partial(work, units[0]))
-                        task_bytes += block_bytes
-                        futures = task_futures
-                else:
                     futures = []
+                else:
+                    futures = [pool.submit(work, unit) for unit in units]
                 pending.append((block, out, futures, source.nbytes, [b for _, b in buffers]))
                 in_flight += source.nbytes
                 stats.add(chunks_decoded=source.present, bytes_decoded=source.present * self.chunk_bytes)
-                if task_bytes >= unit_bytes:
-                    submit_task()
-                while pending and (in_flight > window or not pending[0][2] and pending[0][2] is not task_futures):
+                while pending and (in_flight > window or not pending[0][2]):
                     yield finish(pending.pop(0))
-            submit_task()
             while pending:
                 yield finish(pending.pop(0))
         finally:
