@@ -9,6 +9,7 @@ import itertools
 import json
 import logging
 import random
+import threading
 import time
 from pathlib import Path
 
@@ -280,25 +281,37 @@ def test_drop_policy_under_slow_storage_counts_every_drop(core, capture, tmp_pat
     and read as the fill value; every accepted frame is exact; the store verifies."""
     sequence = useq.MDASequence(time_plan={"interval": 0, "loops": 120})
     out = tmp_path / "drop.ome.zarr"
+    # The shard writes wait until the camera's last frame was handed over: the storage is slower
+    # than the camera however fast or loaded the machine (a storage delay alone was not, once,
+    # on a busy 2-core box where the MDA thread itself fell below the storage's rate)
+    released = threading.Event()
     sink = TileShardSink(
         out,
         ome=False,
         policy="drop",
         queue_frames=2,
         tiles_per_shard={"t": 1},
-        # One shard writer at 80 ms a shard: 12.5 frames/s, slower than the demo camera however
-        # fast the machine (with the default 4 writers a fast box kept up and dropped nothing)
         options=EngineOptions(backend="cpu", batch_bytes=1, io_threads=1),
-        store_for=lambda location: FaultInjectingSink(location, delay={"c/*": 0.08}),
+        store_for=lambda location: FaultInjectingSink(location, hold={"c/*": released}),
     )
+    seen = []
+
+    def release_after_the_last_frame(*_):
+        seen.append(1)
+        if len(seen) == 120:
+            released.set()
+
     detach = sink.attach(core.mda.events)  # synchronously on the MDA thread: drops happen at the camera's pace
+    core.mda.events.frameReady.connect(release_after_the_last_frame)
     try:
         core.mda.run(sequence)
     finally:
+        released.set()
+        core.mda.events.frameReady.disconnect(release_after_the_last_frame)
         detach()
     stats = sink.stats
     assert stats.received == 120 == len(capture.frames)
-    assert stats.dropped > 0  # the slow storage did make the queue overflow
+    assert stats.dropped > 0, stats  # the slow storage did make the queue overflow
     assert stats.written + stats.dropped == stats.received
     rows = zarr.open_array(out / "frame_metadata", mode="r")[...]
     stored = rows[:, FRAME_COLUMNS.index("stored")]
