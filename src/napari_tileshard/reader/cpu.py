@@ -184,7 +184,8 @@ class BlockSource:
         """Box positions ``first..stop`` decoded into ``rows`` (fill value where absent): one
         :meth:`~napari_tileshard.format.codecs.Codec.decode_chunks` call per read buffer they
         come from (one, mostly), not one call per chunk; ``released``: by
-        :meth:`~napari_tileshard.format.codecs.Codec.decode_chunks_released` (in the background)."""
+        :meth:`~napari_tileshard.format.codecs.Codec.decode_chunks_released` (the read-ahead, and reads by
+        many decode threads: see RELEASED_DECODE_MIN_WORKERS)."""
         decode_chunks = self.codec.decode_chunks_released if released else self.codec.decode_chunks
         where = self.buffer_of[first:stop]
         if where.min() < 0:
