@@ -130,16 +130,20 @@ fi
 # 1. The paced Writer's limit (2304² uint16, the default layout), then the paths at 95 % of it
 #    into a sink that counts and discards the shards: the recorder for SECONDS_LONG.
 FPS=""
+discard_limit() { # discard_limit NAME COMMAND...: the paced Writer's limit, then the recorder at 95 % of it
+  local name=$1
+  shift
+  timeout $((90 + SECONDS_LONG + 60)) "$@" --out discard --limit "$RATES" --limit-seconds 5 \
+    --seconds "$SECONDS_LONG" --paths recorder --json "$L/$name.json" 2>&1 | tee "$L/$name.log"
+}
 if want discard $((60 + SECONDS_LONG + 30)); then
-  timeout $((90 + SECONDS_LONG + 60)) "${BENCH[@]}" --out discard --limit "$RATES" --limit-seconds 5 \
-    --seconds "$SECONDS_LONG" --paths recorder --json "$L/discard.json" 2>&1 | tee "$L/discard.log"
+  discard_limit discard "${BENCH[@]}"
   FPS=$(sed -n 's/.*; paths at \([0-9.]*\) frames\/s.*/\1/p' "$L/discard.log" | tail -1)
 fi
 # ... and the same with the code before, in the same call
 if want discard_base $((60 + SECONDS_LONG + 30)) && [ -n "$BASEP" ]; then
-  timeout $((90 + SECONDS_LONG + 60)) env PYTHONPATH="$BASEP" python3 /tmp/base/benchmarks/bench_recorder.py \
-    --frame "$FRAME" --backend "$BACKEND" --out discard --limit "$RATES" --limit-seconds 5 \
-    --seconds "$SECONDS_LONG" --paths recorder --json "$L/discard_base.json" 2>&1 | tee "$L/discard_base.log"
+  discard_limit discard_base env "PYTHONPATH=$BASEP" python3 /tmp/base/benchmarks/bench_recorder.py \
+    --frame "$FRAME" --backend "$BACKEND"
 fi
 FPS=${FPS:-${FALLBACK_FPS:-$BASE_FPS}}
 echo "# paths at $FPS frames/s" | tee -a "$L/parts.txt"

@@ -332,6 +332,12 @@ def _hostile_zstd_chunks(tile: np.ndarray) -> dict[str, bytes]:
     }
 
 
+def _frame_bytes(chunk) -> int:
+    """The frame walk (``codecs._frame_sizes``) over one chunk."""
+    data = np.frombuffer(chunk, dtype=np.uint8)
+    return int(codecs._frame_sizes(data, np.zeros(1, np.int64), np.full(1, data.size, np.int64))[0])
+
+
 def test_the_zstd_frame_walk_finds_where_each_frame_ends():
     """The batch decode accepts a chunk only when its first frame spans all of it: the walk over
     block headers gives libzstd's compressed frame size for raw, RLE and compressed blocks, many
@@ -347,9 +353,9 @@ def test_the_zstd_frame_walk_finds_where_each_frame_ends():
     for payload in payloads:
         for compressor in (zstandard.ZstdCompressor(), zstandard.ZstdCompressor(write_checksum=True, level=9)):
             frame = compressor.compress(payload)
-            assert codecs._frame_bytes(frame) == len(frame)
-            assert codecs._frame_bytes(frame + b"\0" * 5) == len(frame)
-            assert codecs._frame_bytes(frame[:-1]) == -1
+            assert _frame_bytes(frame) == len(frame)
+            assert _frame_bytes(frame + b"\0" * 5) == len(frame)
+            assert _frame_bytes(frame[:-1]) == -1
 
 
 @pytest.mark.parametrize("name", ALL)

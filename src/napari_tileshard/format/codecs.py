@@ -471,12 +471,6 @@ def _frame_sizes(data: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.n
     return sizes
 
 
-def _frame_bytes(chunk) -> int:
-    """:func:`_frame_sizes` of one chunk."""
-    data = np.frombuffer(chunk, dtype=np.uint8)
-    return int(_frame_sizes(data, np.zeros(1, np.int64), np.full(1, data.size, np.int64))[0])
-
-
 @functools.lru_cache(maxsize=64)
 def _sizes(count: int, nbytes: int) -> bytes:
     """``multi_decompress_to_buffer``'s decompressed sizes: ``count`` uint64 of ``nbytes``."""

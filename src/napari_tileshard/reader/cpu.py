@@ -225,13 +225,13 @@ class CpuReadPath:
         return out.reshape(plan.out_shape)
 
     def blocks(
-        self, plan: ReadPlan, target: Callable[[Block], np.ndarray], into_cache_only: bool = False
+        self, plan: ReadPlan, target: Callable[[Block], np.ndarray] | None
     ) -> Iterator[tuple[Block, np.ndarray]]:
         """Fill each block of ``plan`` (``target(block)``: the array it is written into) and yield
-        it, in plan order, once all of it is decoded.  ``into_cache_only`` (read-ahead): decode
-        the chunks into the cache on the calling thread alone, with
+        it, in plan order, once all of it is decoded.  ``target`` None (read-ahead): decode
+        the chunks into the cache only, on the calling thread alone, with
         :meth:`~napari_tileshard.format.codecs.Codec.decode_chunks_released`, and place nothing
-        (``target`` is not called; the blocks yielded are empty): the decode pool stays free for
+        (the blocks yielded are empty): the decode pool stays free for
         the caller's reads, and the GIL is taken back a few times per unit, not per chunk, beside
         napari drawing.
 
@@ -241,6 +241,7 @@ class CpuReadPath:
         much compressed data and reuses its read buffers instead of allocating fresh ones (no
         measurable change in speed on the 16-core H100 host)."""
         reader, stats = self.reader, self.stats
+        into_cache_only = target is None
         reads_of: list[list[Read]] = [[] for _ in plan.blocks]
         for read in plan.reads:
             reads_of[read.block].append(read)
@@ -266,13 +267,13 @@ class CpuReadPath:
 
         try:
             for b, block in enumerate(plan.blocks):
-                out = nothing if into_cache_only else target(block)
+                out = nothing if target is None else target(block)
                 buffers = [next(fetched) for _ in reads_of[b]]
                 source = BlockSource(block, buffers, self.codec)
                 units = unit_boxes(block.box_shape, unit_bytes // self.chunk_bytes)
                 work = functools.partial(self._decode_unit, block, out, source, into_cache_only)
                 stats.add(cache_hits=len(block.cached))
-                if not source.present and not block.cached or into_cache_only and not source.present:
+                if not source.present and (not block.cached or into_cache_only):
                     if not into_cache_only:  # no chunk of this block is stored: fill only
                         out[...] = reader.fill_value
                     units = ()

@@ -425,9 +425,7 @@ class ShardReader:
         """Read and decode ``selection``'s chunks that the cache lacks into the cache, on this
         thread alone (nothing is placed into an output)."""
         plan = self._plan(selection, use_cache=True)
-        for _ in self._cpu_path().blocks(
-            plan, lambda b: output_pool().empty(b.shape, self.dtype), into_cache_only=True
-        ):
+        for _ in self._cpu_path().blocks(plan, None):
             pass
 
     def _wait_for_read_ahead(self, selection=Ellipsis) -> None:
