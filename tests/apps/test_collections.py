@@ -67,7 +67,9 @@ def mda(tmp_path_factory):
         stage_positions=[useq.Position(x=0, y=0, name="A1"), useq.Position(x=50, y=20, name="B2")],
         axis_order="tpc",
     )
-    core.mda.run(sequence, output=TileShardSink(path, backend="cpu"))
+    sink = TileShardSink(path, backend="cpu")
+    core.mda.run(sequence, output=sink)
+    assert sink.wait_closed(30)
     return path
 
 

@@ -101,6 +101,7 @@ def test_tcz_with_positions_matches_camera_and_default_sink(core, capture, tmp_p
     default = tmp_path / "default.ome.zarr"
     sink = TileShardSink(ours, backend=backend, tile={"y": 32, "x": 32})
     core.mda.run(sequence, output=[str(default), sink])  # one run, both sinks: the same frames
+    assert sink.wait_closed(30)
 
     assert sink.stats.received == 2 * 2 * 2 * 3 == len(capture.frames)
     assert (sink.stats.dropped, sink.stats.missing, sink.stats.skipped) == (0, 0, 0)
@@ -161,6 +162,7 @@ def test_grid_positions_become_series_and_run_mda_works(core, capture, tmp_path)
     out = tmp_path / "grid.ome.zarr"
     sink = TileShardSink(out, backend="cpu", ome=False)
     core.run_mda(sequence, output=sink).join()
+    assert sink.wait_closed(30)
     keys = list(itertools.product(range(2), range(2)))
     assert zarr.open_group(out / "OME", mode="r").attrs["ome"]["series"] == ["0", "1", "2", "3"]
     assert sink.axes == ("c", "y", "x") and len(capture.frames) == 4
@@ -184,6 +186,7 @@ def test_positions_with_grids_of_their_own_keep_every_tile(core, capture, tmp_pa
     out = tmp_path / "grids.ome.zarr"
     sink = TileShardSink(out, backend="cpu", ome=False)
     core.mda.run(sequence, output=sink)
+    assert sink.wait_closed(30)
     keys = [(0, 0), (0, 1), (1, 0), (1, 1), (1, 2)]
     assert zarr.open_group(out / "OME", mode="r").attrs["ome"]["series"] == ["0", "1", "2", "3", "4"]
     assert sink.stats.received == sink.stats.written == len(capture.frames) == 10 and sink.stats.late == 0
@@ -268,12 +271,53 @@ def test_unbounded_generator_stopped_after_n_frames(core, capture, tmp_path):
         core.mda.run(events, output=sink)
     finally:
         core.mda.events.frameReady.disconnect(stop_after_n)
+    assert sink.wait_closed(30)
     assert len(capture.order) == n and sink.axes == ("t", "y", "x")
     level0 = zarr.open_array(out / "0" / "0", mode="r")
     assert level0.shape == (n, *SHAPE)  # the append dimension grew to the frames received
     for i, (event, _meta) in enumerate(capture.order):
         np.testing.assert_array_equal(level0[i], capture.frames[tuple(sorted(event.index.items()))])
     assert verify(out / "0").ok
+
+
+def test_a_relay_that_ends_without_sequence_finished_still_closes_the_run(core, capture, tmp_path, caplog):
+    """pymmcore-plus's relay thread (how ``output=`` handlers get their signals) stops on the same
+    signal that queues ``sequenceFinished``, the stop first, and can end without delivering it
+    (seen in CI, 3 runs in 2,000 in a tight loop).  Forced here: the relay is stopped and the
+    signal never sent.  The sink closes the run itself: every frame stored, the metadata
+    written, its feeder thread gone, and it says why."""
+    from pymmcore_plus.mda import mda_listeners_connected
+    from pymmcore_plus.mda.events import MDASignaler
+
+    sequence = useq.MDASequence(time_plan={"interval": 0, "loops": 5})
+    core.mda.run(sequence)  # only to capture real frames, events and summary metadata
+    out = tmp_path / "relay.ome.zarr"
+    sink = TileShardSink(out, backend="cpu", ome=False)
+    signals = MDASignaler()
+    with mda_listeners_connected(sink, mda_events=signals) as relay:
+        signals.sequenceStarted.emit(sequence, capture.meta)
+        for item in capture.order:
+            signals.frameReady.emit(*_payload(capture, item))
+        relay.stop()  # the state the race leaves: stopped, sequenceFinished never queued
+    assert sink.wait_closed(30) and not sink.recording
+    data = zarr.open_array(out / "0", mode="r")[...]
+    assert data.shape == (5, *SHAPE)
+    for event, _meta in capture.order:
+        np.testing.assert_array_equal(data[event.index["t"]], capture.frames[tuple(sorted(event.index.items()))])
+    assert zarr.open_group(out, mode="r").attrs["tileshard_mmcore"]["state"] == "complete"
+    assert not [t for t in threading.enumerate() if t.name.startswith("tileshard-mda")]
+    assert any("ended without sequenceFinished" in r.getMessage() for r in caplog.records)
+
+
+def test_a_run_closed_normally_leaves_no_watcher_behind(core, capture, tmp_path):
+    sink = TileShardSink(tmp_path / "n.ome.zarr", backend="cpu", ome=False)
+    core.mda.run(useq.MDASequence(time_plan={"interval": 0, "loops": 3}), output=sink)
+    assert sink.wait_closed(30)
+    deadline = time.monotonic() + 5
+    while [t for t in threading.enumerate() if t.name.startswith("tileshard-mda")] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not [t for t in threading.enumerate() if t.name.startswith("tileshard-mda")]
+    assert sink.stats.written == 3
 
 
 def test_drop_policy_under_slow_storage_counts_every_drop(core, capture, tmp_path):
@@ -399,7 +443,9 @@ def test_a_sink_that_cannot_open_its_store_fails_the_run_visibly(core, tmp_path,
     out = tmp_path / "run.ome.zarr"
     late = TileShardSink(out, backend="cpu", ome=False)
     sequence = useq.MDASequence(time_plan={"interval": 0, "loops": 40})
-    core.mda.run(useq.MDASequence(time_plan={"interval": 0, "loops": 2}), output=TileShardSink(out, backend="cpu"))
+    first = TileShardSink(out, backend="cpu")
+    core.mda.run(useq.MDASequence(time_plan={"interval": 0, "loops": 2}), output=first)
+    assert first.wait_closed(30)
     capfd.readouterr()
     seen = []
     core.mda.events.frameReady.connect(seen.append)

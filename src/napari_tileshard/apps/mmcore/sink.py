@@ -54,6 +54,7 @@ __all__ = ["SinkStats", "TileShardSink"]
 log = logging.getLogger(__name__)
 
 _NO_INDEX: dict[str, int] = {}
+_THREAD_POLL_S = 0.05  # how often the run-end watcher looks at the thread delivering the signals
 
 
 @dataclass
@@ -161,6 +162,8 @@ class TileShardSink:
         self.core = core  # whose MDA to stop when the sink falls behind (None: it cannot)
         self._warming: threading.Thread | None = None  # the GPU warm-up attach(core) started
         self._warmed: tuple | None = None  # the geometry the GPU was last warmed up for
+        self._finished = threading.Event()  # set while no run is open (close() has written everything)
+        self._finished.set()
         self._reset_run_state()
 
     def _reset_run_state(self) -> None:
@@ -178,6 +181,15 @@ class TileShardSink:
     def recording(self) -> bool:
         """Between ``setup`` and ``close``."""
         return self._run is not None and not self._closed
+
+    def wait_closed(self, timeout: float | None = None) -> bool:
+        """Wait until the run's store is complete (``close`` has returned); False on timeout.
+
+        After ``core.mda.run(sequence, output=sink)`` the store is usually complete at once;
+        when pymmcore-plus's relay thread ended without handing over ``sequenceFinished``, the
+        sink closes the run itself moments later: a script that reads the store at once calls
+        this first."""
+        return self._finished.wait(timeout)
 
     # -- pymmcore-plus SinkProtocol -----------------------------------------------------
     def setup(self, sequence, meta) -> None:
@@ -228,6 +240,7 @@ class TileShardSink:
             label=self.path,
         )
         self._run = _Run(router, reorder, watch, feeder, FrameTable())
+        self._finished.clear()
         freeze_objects()  # no full collection pauses the MDA thread or the feeder while frames come
         feeder.start()
 
@@ -375,6 +388,12 @@ class TileShardSink:
         if run is None or self._closed:
             return
         try:
+            self._close(run)
+        finally:
+            self._finished.set()
+
+    def _close(self, run: _Run) -> None:
+        try:
             run.feeder.stop()
         finally:
             thaw_objects()
@@ -414,6 +433,41 @@ class TileShardSink:
             self.setup(sequence, meta)
         except Exception as exc:  # noqa: BLE001 - said in one line and in stats.error; the MDA is stopped
             self._fail(exc)
+            return
+        if threading.current_thread() is not threading.main_thread():
+            self._close_when_thread_ends(threading.current_thread())
+
+    def _close_when_thread_ends(self, thread: threading.Thread) -> None:
+        """Close the run if the thread that delivers its signals ends before ``sequenceFinished``.
+
+        pymmcore-plus (0.18.1) relays ``output=`` handlers' signals through a thread whose stop
+        and whose ``sequenceFinished`` are two slots of the same signal, the stop first: a relay
+        that looks at its queue between the two ends without delivering ``sequenceFinished``
+        (3 runs in 2,000 in a tight loop).  Unclosed, the run's last frames, its metadata and
+        its feeder thread would be lost; this watcher closes it instead and says so.  It polls
+        so as never to keep a finished interpreter alive."""
+        run = self._run
+
+        def watch() -> None:
+            while self._run is run and not self._closed:
+                try:
+                    thread.join(_THREAD_POLL_S)
+                except (AssertionError, RuntimeError):  # a thread Python did not start: not joinable
+                    return
+                if not thread.is_alive():
+                    if self._run is run and not self._closed:
+                        log.warning(
+                            "%s: the thread delivering the MDA's signals (%s) ended without "
+                            "sequenceFinished; the recording is closed now",
+                            self.path,
+                            thread.name,
+                        )
+                        self.sequenceFinished()
+                    return
+                if not threading.main_thread().is_alive():
+                    return  # the interpreter exits while that thread lives on: do not hold it
+
+        threading.Thread(target=watch, name="tileshard-mda-run-end", daemon=False).start()
 
     def frameReady(self, img, event, meta) -> None:  # noqa: N802
         if self._failed:
