@@ -49,6 +49,7 @@ import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -112,6 +113,34 @@ def evict(path: Path) -> dict:
         finally:
             os.close(fd)
     return {"bytes": total, "resident_after_evict": resident, "fadvise": checked}
+
+
+def disk_ceiling(path: Path, threads=(1, 4, 16), block=8 << 20) -> dict:
+    """The disk's own read rate on the recording's files: every file read whole, in ``block``
+    pieces into reused memory by 1, 4 and 16 threads, its pages evicted before each pass (the
+    bound of any engine reading these files from this disk)."""
+    files = list(_files(path))
+    rates = {}
+    for count in threads:
+        evict(path)
+
+        def read_file(name: str) -> int:
+            buffer = bytearray(block)
+            done = 0
+            with open(name, "rb", buffering=0) as file:
+                while n := file.readinto(buffer):
+                    done += n
+            return done
+
+        started = time.perf_counter()
+        with ThreadPoolExecutor(count) as pool:
+            total = sum(pool.map(read_file, files))
+        rates[f"threads_{count}"] = round(total / (time.perf_counter() - started) / 1e9, 2)
+    reader = ShardReader(path, backend="cpu")
+    decoded = int(np.prod(reader.shape)) * reader.dtype.itemsize
+    best = max(rates.values())
+    # engines report decoded bytes per second: the disk's rate in the same unit
+    return {"disk_read_gbps": rates, "best_gbps": best, "decoded_equivalent_gbps": round(best * decoded / total, 2)}
 
 
 def _resident_bytes(fd: int, size: int) -> int:
@@ -332,6 +361,13 @@ def table(results: dict) -> str:
                 f"| {run['tile']} | {run['where']} | libzstd ceiling ({cpu['threads']} x {cpu['zstd_1thread_gbps']}) | "
                 f"{cpu['ceiling_gbps']}{share}; {cpu['threads']} threads measured {measured} | | | | |"
             )
+        disk = run.get("disk_ceiling")
+        if disk:
+            lines.append(
+                f"| {run['tile']} | {run['where']} | the disk alone (files read whole, evicted) | "
+                f"{disk['decoded_equivalent_gbps']} decoded ({disk['best_gbps']} of file bytes; "
+                f"{disk['disk_read_gbps']}) | | | | |"
+            )
         ceiling = run.get("gpu_ceilings")
         if ceiling:
             device = next((r["whole_gbps"] for r in run["engines"] if r["engine"] == "tileshard-gpu-device"), None)
@@ -437,6 +473,9 @@ def main(argv=None) -> int:
                         best[name] = row
                     best[name]["rounds"] = rounds
             run["engines"] = list(best.values())
+            if where == "disk":
+                run["disk_ceiling"] = disk_ceiling(path)
+                print(json.dumps(run["disk_ceiling"]), flush=True)
             if args.cpu_ceiling:
                 run["cpu_ceiling"] = decode_ceiling(path, os.cpu_count() or 1)
                 print(json.dumps(run["cpu_ceiling"]), flush=True)
