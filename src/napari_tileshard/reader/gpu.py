@@ -449,10 +449,12 @@ class GpuReadPath:
         staging = max(b.staging_bytes for b in batches)
         self._buffer("raw0", staging)
         self._buffer("raw1", staging)
-        if self.align > 1:
-            self._buffer("packed", max(int(_aligned(b.chunk_nbytes, self.align).sum()) for b in batches))
-        if self.algorithm is not None:
-            self._buffer("temp", max(self._temp_bytes(b.chunks) for b in batches))
+        realigned = [b for b in batches if self.align > 1 and np.any(b.chunk_src % self.align)]
+        if realigned:  # as _staging_for sizes it
+            self._buffer("packed", max(int(_aligned(b.chunk_nbytes, self.align).sum()) for b in realigned))
+        counts = [b.chunks for b in batches if b.chunks]  # a batch of absent chunks only calls no decoder
+        if self.algorithm is not None and counts:
+            self._buffer("temp", max(self._temp_bytes(n) for n in set(counts)))
 
     def _temp_bytes(self, n: int) -> int:
         """nvCOMP's scratch bytes for a call on ``n`` chunks (asked once per count)."""
