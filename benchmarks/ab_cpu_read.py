@@ -40,7 +40,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
 sys.path.insert(0, str(HERE))
 
-from bench_read import TILES, write_recording  # noqa: E402
+from bench_read import TILES, evict, write_recording  # noqa: E402
 
 from napari_tileshard import ShardReader  # noqa: E402
 from napari_tileshard.reader import memory  # noqa: E402
@@ -209,6 +209,11 @@ def main(argv=None) -> int:
     parser.add_argument("--no-tensorstore", action="store_true")
     parser.add_argument("--isolate", action="store_true", help="every read in a fresh process")
     parser.add_argument("--check", action="store_true", help="outputs equal zarr-python's")
+    parser.add_argument(
+        "--cold",
+        action="store_true",
+        help="evict the array's pages from the page cache before every read (reads from the disk; --repeat 1)",
+    )
     parser.add_argument("--out", type=Path, help="JSON of every round")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -217,6 +222,8 @@ def main(argv=None) -> int:
         row = read_once(spec["engine"], Path(spec["path"]), spec["switches"], spec["keywords"], args.repeat)
         print(json.dumps(row))
         return 0
+    if args.cold and args.repeat != 1:
+        parser.error("--cold reads once per engine and round: --repeat 1")
     variants = [parse_variant(v) for v in (args.variant or ["ours="])]
     by_name = {name: (switches, keywords, source) for name, switches, keywords, source in variants}
     engines = ([] if args.no_tensorstore else ["ts"]) + [name for name, *_ in variants]
@@ -240,6 +247,8 @@ def main(argv=None) -> int:
             for engine in engines[r % len(engines) :] + engines[: r % len(engines)]:
                 switches, keywords, source = by_name.get(engine, ({}, {}, None))
                 name = "ts" if engine == "ts" else engine
+                if args.cold:
+                    evict(path)
                 if isolate:
                     row = read_in_subprocess(name, path, switches, keywords, args.repeat, source)
                 else:

@@ -2,6 +2,7 @@
 and zarr-python's stores; the plan is deterministic and partitions exactly; hostile indexes and
 chunks give errors naming the shard and chunk; the GPU path equals the CPU path."""
 
+import os
 import tempfile
 import time
 from collections import Counter
@@ -18,6 +19,7 @@ from napari_tileshard import Dim, Layout, ShardReader, Writer
 from napari_tileshard.engine.backends import gpu_unavailable_reason
 from napari_tileshard.format.shard_spec import ChunkDecodeError, ShardIndexError
 from napari_tileshard.reader import cpu as cpu_path
+from napari_tileshard.reader import fetch as fetch_module
 from napari_tileshard.reader.cpu import unit_boxes
 from napari_tileshard.reader.gpu import block_params, plan_batches, slot_elements, untile_emulated, untile_tables
 from napari_tileshard.reader.lazy import LazySelection
@@ -926,3 +928,62 @@ def test_reads_with_many_decode_workers_decode_each_unit_in_one_native_call(tmp_
         with ShardReader(tmp_path / "a.zarr", backend="cpu", workers=workers) as reader:
             np.testing.assert_array_equal(reader.read(), data)
         assert calls and set(calls) == {expected}, (workers, largest, set(calls))
+
+
+def _advice_recorder(monkeypatch):
+    """Every posix_fadvise call of the process as (file path, start, size), the real call made."""
+    real = getattr(os, "posix_fadvise", None)
+    if real is None:
+        pytest.skip("no posix_fadvise on this platform (the hints are a no-op there, tested below)")
+    calls: list[tuple[str, int, int]] = []
+
+    def recording(fd, start, size, advice):
+        if advice == os.POSIX_FADV_WILLNEED:
+            calls.append((os.path.realpath(f"/proc/self/fd/{fd}"), start, size))
+        return real(fd, start, size, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", recording)
+    return calls
+
+
+def test_whole_reads_of_a_local_store_hint_the_os_ahead_of_the_prefetch(tmp_path, monkeypatch):
+    """A local read of many shards asks the OS to read ahead: every read after the first is
+    hinted once, in plan order, with its byte range; hinting keeps within the window beyond the
+    reads being fetched; the result is exact."""
+    array = _zarr_array(tmp_path / "a.zarr", (24, 16, 16), (1, 8, 8), (1, 16, 16), "uint16", "zstd", holes=False)
+    calls = _advice_recorder(monkeypatch)
+    reader = ShardReader(tmp_path / "a.zarr", backend="cpu", prefetch=1, workers=1)
+    plan = reader.plan(...)
+    largest = max(read.size for read in plan.reads)
+    monkeypatch.setattr(fetch_module, "WILL_NEED_BYTES", 3 * largest)
+    hints_at_first_read: list[int] = []
+    real_preadv = os.preadv
+
+    def preadv(fd, buffers, offset):  # how many hints were given when the first bytes were read
+        if not hints_at_first_read:
+            hints_at_first_read.append(len(calls))
+        return real_preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    np.testing.assert_array_equal(reader.read(...), array[...])
+    expected = [(os.path.realpath(tmp_path / "a.zarr" / r.key), r.start, r.size) for r in plan.reads[1:]]
+    assert calls == expected
+    # when the first bytes were read: the window and the reads taken by the prefetch at most
+    hinted_bytes = sum(size for _, _, size in calls[: hints_at_first_read[0]])
+    assert hinted_bytes <= 3 * largest + 2 * largest and hints_at_first_read[0] < len(plan.reads) - 1
+    reader.close()
+
+
+def test_no_hints_when_switched_off_small_or_unsupported(tmp_path, monkeypatch):
+    array = _zarr_array(tmp_path / "a.zarr", (24, 16, 16), (1, 8, 8), (1, 16, 16), "uint16", "zstd", holes=False)
+    calls = _advice_recorder(monkeypatch)
+    monkeypatch.setattr(fetch_module, "WILL_NEED_BYTES", 0)
+    with ShardReader(tmp_path / "a.zarr", backend="cpu") as reader:
+        np.testing.assert_array_equal(reader.read(...), array[...])
+    monkeypatch.setattr(fetch_module, "WILL_NEED_BYTES", 64 << 20)
+    with ShardReader(tmp_path / "a.zarr", backend="cpu", prefetch=2) as reader:
+        np.testing.assert_array_equal(reader.read((slice(0, 3),)), array[0:3])  # 3 reads: the prefetch has them
+    assert calls == []
+    monkeypatch.delattr(os, "posix_fadvise")  # macOS, Windows
+    with ShardReader(tmp_path / "a.zarr", backend="cpu", prefetch=1) as reader:
+        np.testing.assert_array_equal(reader.read(...), array[...])

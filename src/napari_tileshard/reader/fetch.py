@@ -18,10 +18,17 @@ from ..storage.safe_read import LocalFiles, StoreAccess
 from .memory import output_pool
 from .stats import ReadStats
 
-__all__ = ["FREE_BUFFER_BYTES", "ReadBuffers", "StoreObjects", "prefetched"]
+__all__ = ["FREE_BUFFER_BYTES", "WILL_NEED_BYTES", "ReadBuffers", "StoreObjects", "prefetched"]
 
 #: the most bytes of read buffers a reader keeps for reuse
 FREE_BUFFER_BYTES = 256 << 20
+
+#: how far (bytes) beyond the reads being fetched the OS is asked to read local files into its
+#: page cache (``posix_fadvise(WILLNEED)``; 0: never).  A disk serves one reader thread at a
+#: fraction of its rate: on the 2-core VM one thread read the recording's files at 0.66-0.76 GB/s
+#: and four at 1.06-1.10; with 16-64 MiB hinted ahead one thread read at 1.00-1.06.  Costs a
+#: system call per read (microseconds) where the pages are cached already.
+WILL_NEED_BYTES = 64 << 20
 
 R = TypeVar("R")
 B = TypeVar("B")
@@ -129,6 +136,25 @@ class StoreObjects:
         self.stats.add(data_requests=1, data_bytes=done, request_seconds=time.perf_counter() - started)
         if done != len(out):
             raise ShardReadError(key, None, f"bytes {start}..{start + len(out)} asked, {done} read: shard truncated")
+
+    def will_need(self, key: str, start: int, size: int) -> None:
+        """Ask the OS to start reading bytes ``start .. start + size`` of ``key`` into its page
+        cache (local files, where ``posix_fadvise`` exists; elsewhere nothing).  A hint: nothing
+        is read here and nothing fails (a missing or refused file fails when it is read)."""
+        advise = getattr(os, "posix_fadvise", None)  # not on macOS or Windows
+        if advise is None or not self.local:
+            return
+        assert self.files is not None
+        try:
+            fd = self.files.open(key)
+        except Exception:  # noqa: BLE001 - the read itself says what is wrong with the file
+            return
+        try:
+            advise(fd, start, size, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
 
     def close(self) -> None:
         if self.files is not None:
