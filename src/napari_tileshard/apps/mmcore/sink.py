@@ -450,11 +450,7 @@ class TileShardSink:
 
         def watch() -> None:
             while self._run is run and not self._closed:
-                try:
-                    thread.join(_THREAD_POLL_S)
-                except (AssertionError, RuntimeError):  # a thread Python did not start: not joinable
-                    return
-                if not thread.is_alive():
+                if not thread.is_alive():  # (a thread Python did not start counts as alive: not watched)
                     if self._run is run and not self._closed:
                         log.warning(
                             "%s: the thread delivering the MDA's signals (%s) ended without "
@@ -466,6 +462,7 @@ class TileShardSink:
                     return
                 if not threading.main_thread().is_alive():
                     return  # the interpreter exits while that thread lives on: do not hold it
+                time.sleep(_THREAD_POLL_S)
 
         threading.Thread(target=watch, name="tileshard-mda-run-end", daemon=False).start()
 
