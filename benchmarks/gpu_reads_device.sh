@@ -47,15 +47,8 @@ if [ $QUICK = 1 ]; then
   python3 -c "import cupy; cupy.cuda.runtime.getDeviceCount()" 2>/dev/null ||
     { ENGINES=tileshard-cpu,tensorstore; PROBES=cpu; }
 fi
-left() { echo $((LIMIT_S - SECONDS)); }
-want() { # want PART SECONDS_NEEDED: whether to run it (asked for, and time enough left)
-  case ",$PARTS," in *",$1,"*) ;; *) return 1 ;; esac
-  if [ "$(left)" -lt "$2" ]; then
-    echo "# part $1 skipped: $(left) s left, it needs about $2 s" | tee -a "$OUT/skipped.txt"
-    return 1
-  fi
-  echo "# part $1 at ${SECONDS} s" | tee -a "$OUT/parts.txt"
-}
+PARTS_LOG=$OUT
+source "$root/benchmarks/device_parts.sh"
 { nproc; free -g | head -2; nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null; } \
   > "$OUT/info.txt" 2>&1
 cat "$OUT/info.txt"

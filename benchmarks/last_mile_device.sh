@@ -92,15 +92,8 @@ SHM=/dev/shm/last_mile
 DISK=${DISK_DIR:-/var/tmp/last_mile_disk}
 mkdir -p "$SHM" "$DISK"
 
-left() { echo $((LIMIT_S - SECONDS)); }
-want() { # want PART SECONDS_NEEDED: whether to run it (asked for, and time enough left)
-  case ",$PARTS," in *",$1,"*) ;; *) return 1 ;; esac
-  if [ "$(left)" -lt "$2" ]; then
-    echo "# part $1 skipped: $(left) s left, it needs about $2 s" | tee -a "$L/skipped.txt"
-    return 1
-  fi
-  echo "# part $1 at ${SECONDS} s" | tee -a "$L/parts.txt"
-}
+PARTS_LOG=$L
+source "$root/benchmarks/device_parts.sh"
 BENCH=(env "PYTHONPATH=$NEW" python3 benchmarks/bench_recorder.py --frame "$FRAME" --backend "$BACKEND")
 
 if want info 5; then
