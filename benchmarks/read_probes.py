@@ -14,6 +14,9 @@ Each subcommand reads an existing recording (``bench_read.py --keep`` writes one
         zstd decode rate of the recording's chunks by 1-16 threads (numcodecs / python-zstandard)
     python benchmarks/read_probes.py plan
         planning time of a 256-shard whole-array read (a small recording of its own, CPU only)
+    python benchmarks/read_probes.py fetch-cold PATH [--repeat 6]
+        the reader's own fetch of a whole-array plan (no decoding) from the disk, its pages evicted
+        before each pass, with and without the OS hinted ahead (fetch.WILL_NEED_BYTES), alternately
 
 For an A/B of two versions of the code, run this file from each version's tree.
 """
@@ -240,6 +243,34 @@ def plan_time() -> None:
             print(f"{label}: {best * 1e3:.2f} ms, {len(plan.blocks)} shards, {len(plan.reads)} reads")
 
 
+def fetch_cold(path: str, repeat: int) -> None:
+    from bench_read import evict
+
+    from napari_tileshard.reader import fetch
+
+    rates: dict[int, list[float]] = {}
+    saved = fetch.WILL_NEED_BYTES
+    try:
+        for round_ in range(repeat):
+            for window in (saved, 0) if round_ % 2 == 0 else (0, saved):
+                fetch.WILL_NEED_BYTES = window
+                with ShardReader(path, backend="cpu") as reader:
+                    plan = reader.plan(...)
+                    evict(Path(path))
+                    started, total = time.perf_counter(), 0
+                    for read, _buffer in reader._fetched(plan.reads):
+                        total += read.size
+                    rates.setdefault(window, []).append(total / (time.perf_counter() - started) / 1e9)
+    finally:
+        fetch.WILL_NEED_BYTES = saved
+    for window, values in rates.items():
+        print(
+            f"hinted ahead {window >> 20} MiB: file bytes {statistics.median(values):.2f} GB/s (median), "
+            f"{min(values):.2f}-{max(values):.2f} over {len(values)} passes",
+            flush=True,
+        )
+
+
 def _timed(function, *args) -> float:
     started = time.perf_counter()
     function(*args)
@@ -248,7 +279,7 @@ def _timed(function, *args) -> float:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("probe", choices=["engines", "timeline", "host-read", "zstd-threads", "plan"])
+    parser.add_argument("probe", choices=["engines", "timeline", "host-read", "zstd-threads", "plan", "fetch-cold"])
     parser.add_argument("path", nargs="?")
     parser.add_argument("engines", nargs="?", default="gpu-device,gpu-host,cpu")
     parser.add_argument("--repeat", type=int, default=3)
@@ -259,6 +290,8 @@ def main(argv=None) -> None:
         parser.error(f"{args.probe} needs the path of a recording")
     if args.probe == "engines":
         return engines(args.path, args.engines, args.repeat)
+    if args.probe == "fetch-cold":
+        return fetch_cold(args.path, args.repeat)
     {"timeline": timeline, "host-read": host_read, "zstd-threads": zstd_threads}[args.probe](args.path)
 
 
