@@ -335,10 +335,14 @@ class GpuReadPath:
     #: bytes of one D2H piece for NumPy output (two pinned buffers of it alternate)
     HOST_PIECE_BYTES = 64 << 20
 
-    def __init__(self, reader):
-        import cupy
-
-        self.reader, self.cupy, self.nvcomp = reader, cupy, nvcomp
+    def __init__(self, reader, cupy_module=None, nvcomp_module=None):
+        """``cupy_module`` / ``nvcomp_module``: stand-ins for CuPy and :mod:`napari_tileshard.gpu.nvcomp`
+        (default: those), for running this path's host side without a GPU in tests."""
+        if cupy_module is None:
+            import cupy
+        else:
+            cupy = cupy_module
+        self.reader, self.cupy, self.nvcomp = reader, cupy, nvcomp_module or nvcomp
         self.stream = cupy.cuda.Stream(non_blocking=True)  # realign, decode, un-tile, D2H
         self.copy_stream = cupy.cuda.Stream(non_blocking=True)  # H2D of the staged reads
         self.codec = reader.codec
@@ -348,7 +352,7 @@ class GpuReadPath:
         if self.itemsize not in (1, 2, 4, 8, 16):
             raise ValueError(f"{reader.location}: no device un-tiling for items of {self.itemsize} bytes")
         self.slot_stride = slot_elements(reader.chunk_bytes, self.itemsize)
-        self.align = nvcomp.decompress_input_alignment() if self.algorithm else 1
+        self.align = self.nvcomp.decompress_input_alignment() if self.algorithm else 1
         self._realign = cupy.RawKernel(REALIGN_SOURCE, "realign")
         self._untile = cupy.RawModule(code=UNTILE_SOURCE).get_function(f"untile{self.itemsize}")
         # A batch's reads (dozens of shards) are fetched by the reader's ``workers`` threads, as

@@ -1,0 +1,92 @@
+"""The GPU read path's host side on the CPU: :class:`GpuReadPath` driven through a stand-in for
+CuPy and nvCOMP (``fake_device``), its output compared with zarr-python's.  Batching, the
+per-batch tables, the realignment of chunks for nvCOMP, absent chunks, the un-tiling parameters
+and both outputs (device array, NumPy through pinned pieces) run here on every commit; the
+kernels' own code and the streams' ordering only on a GPU (the ``gpu`` tests)."""
+
+from __future__ import annotations
+
+import fake_device
+import numpy as np
+import pytest
+import zarr
+from zarr.codecs import ZstdCodec
+
+from napari_tileshard import Dim, Layout, ShardReader, Writer
+from napari_tileshard.format.shard_spec import ChunkDecodeError
+from napari_tileshard.reader.gpu import GpuReadPath
+
+
+def _gpu_path(reader: ShardReader) -> GpuReadPath:
+    return GpuReadPath(reader, cupy_module=fake_device.cupy, nvcomp_module=fake_device.nvcomp)
+
+
+def _zarr_array(path, shape, chunks, shards, dtype, holes: bool):
+    array = zarr.create_array(
+        store=path,
+        shape=shape,
+        chunks=chunks,
+        shards=shards,
+        dtype=dtype,
+        fill_value=7,
+        compressors=[ZstdCodec(level=1)],
+    )
+    rng = np.random.default_rng(1)
+    data = (np.cumsum(rng.integers(0, 3, shape), axis=-1) % 200).astype(dtype)
+    if holes:
+        data[: shape[0] // 3] = 7  # whole chunks of the fill value: absent from the shards
+    array[...] = data
+    return array
+
+
+@pytest.mark.parametrize(
+    ("shape", "chunks", "shards", "dtype"),
+    [
+        ((12, 40, 36), (2, 8, 12), (4, 16, 36), "uint16"),
+        ((9, 33, 17), (3, 5, 4), (3, 10, 8), "uint8"),  # edge chunks and shards
+        ((6, 20, 20), (1, 10, 10), (2, 20, 20), "float32"),
+        ((5, 64), (2, 16), (4, 32), "int64"),
+    ],
+)
+@pytest.mark.parametrize("device", [False, True], ids=["numpy", "device"])
+def test_gpu_read_path_equals_zarr_with_many_small_batches(tmp_path, monkeypatch, shape, chunks, shards, dtype, device):
+    """Small batch caps make many batches (the ramp from 1/8 of the cap, buffers that grow from
+    batch to batch); zarr-python packs chunks back to back, so nvCOMP's alignment needs them moved."""
+    array = _zarr_array(tmp_path / "a.zarr", shape, chunks, shards, dtype, holes=True)
+    monkeypatch.setenv("TILESHARD_GPU_BATCH_BYTES", str(4 * int(np.prod(chunks)) * np.dtype(dtype).itemsize))
+    reader = ShardReader(tmp_path / "a.zarr", backend="cpu")
+    path = _gpu_path(reader)
+    assert any(np.any(b.chunk_src % path.align) for b in path.batches(reader.plan(...)))  # chunks moved for nvCOMP
+    selections = [..., (slice(1, None, 2),), (shape[0] - 1,), tuple(slice(1, -1) for _ in shape)]
+    for selection in selections:
+        plan = reader.plan(selection)
+        assert len(path.batches(plan)) > 1 or selection != ...
+        got = path.read(plan, device=device)
+        np.testing.assert_array_equal(np.asarray(got), array[selection], err_msg=str(selection))
+    path.close()
+
+
+def test_gpu_read_path_reads_our_writers_shards(tmp_path):
+    layout = Layout([Dim("t", 8, 2, 2), Dim("y", 64, 16, 2), Dim("x", 48, 16, 3)], "uint16")
+    frames = (np.arange(8 * 64 * 48, dtype=np.uint16).reshape(8, 64, 48) * 7) % 1000
+    with Writer(tmp_path / "w.zarr", layout, backend="cpu") as writer:
+        writer.append(frames)
+    reader = ShardReader(tmp_path / "w.zarr", backend="cpu")
+    path = _gpu_path(reader)
+    np.testing.assert_array_equal(path.read(reader.plan(...), device=False), frames)
+    np.testing.assert_array_equal(path.read(reader.plan((3, slice(5, 60))), device=False), frames[3, 5:60])
+    path.close()
+
+
+def test_a_chunk_nvcomp_cannot_decode_is_named(tmp_path):
+    _zarr_array(tmp_path / "a.zarr", (4, 16, 16), (2, 8, 8), (4, 16, 16), "uint16", holes=False)
+    reader = ShardReader(tmp_path / "a.zarr", backend="cpu")
+    plan = reader.plan(...)
+    read = plan.reads[0]
+    shard = tmp_path / "a.zarr" / read.key
+    raw = bytearray(shard.read_bytes())
+    first = read.start + int(read.offsets[0])
+    raw[first : first + 4] = b"\0\0\0\0"  # the first chunk's zstd magic number
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(ChunkDecodeError, match="nvCOMP zstd decode failed"):
+        _gpu_path(reader).read(plan, device=False)
