@@ -469,6 +469,9 @@ def test_device_batches_and_untile_kernel_math_equal_zarr(layout, dtype, max_rea
         out = np.zeros(int(np.prod(plan.shape)), dtype)
         chunk_of, within, dim_offset = untile_tables(plan)
         batches = plan_batches(plan, reader.chunk_bytes, *caps)
+        params, rows = block_params(plan, reader.chunk_shape, dim_offset)
+        for block, block_rows in zip(plan.blocks, rows.tolist()):  # a kernel thread block per output row
+            assert block_rows == (int(np.prod(block.shape[:-1])) if block.shape[-1] else 0)
         assert sorted(b for batch in batches for b in batch.blocks) == list(range(len(plan.blocks)))
         for batch in batches:
             assert len(set(batch.chunk_slot.tolist())) == batch.chunks and 0 not in batch.chunk_slot  # slot 0: fill
@@ -479,9 +482,8 @@ def test_device_batches_and_untile_kernel_math_equal_zarr(layout, dtype, max_rea
                 i = k - int(np.searchsorted(batch.chunk_read, r))
                 pool[slot * stride : slot * stride + reader.chunk_elements] = decoded[(read.index, i)].ravel()
             for k, b in enumerate(batch.blocks):
-                params = block_params(plan, plan.blocks[b], reader.chunk_shape, dim_offset)
                 slots = batch.slot_table[batch.table_offset[k] :]
-                untile_emulated(out, pool, slots, params, chunk_of, within, len(plan.shape), stride)
+                untile_emulated(out, pool, slots, params[b], chunk_of, within, len(plan.shape), stride)
         np.testing.assert_array_equal(out.reshape(plan.out_shape), array[selection], err_msg=str(selection))
 
 

@@ -39,13 +39,13 @@ from ..format.codecs import gpu_decode_support
 from ..format.shard_spec import ChunkDecodeError, ShardSpec
 from ..gpu import nvcomp
 from ..gpu.probe import unavailable_reason as gpu_unavailable_reason
-from .plan import Block, Read, ReadPlan
+from .memory import output_pool
+from .plan import Read, ReadPlan
 from .settings import batch_bytes_setting
 
 __all__ = [
     "DeviceBatch",
     "GpuReadPath",
-    "batch_rows",
     "block_params",
     "gpu_read_unavailable_reason",
     "plan_batches",
@@ -283,29 +283,42 @@ def untile_tables(plan: ReadPlan) -> tuple[np.ndarray, np.ndarray, list[int]]:
     return (np.concatenate(chunk_of) if chunk_of else empty, np.concatenate(within) if within else empty, dim_offset)
 
 
-def block_params(plan: ReadPlan, block: Block, chunk_shape, dim_offset: list[int]) -> np.ndarray:
-    """The un-tiling kernel's parameters for ``block`` (see ``UNTILE_SOURCE``)."""
-    ndim = len(plan.shape)
-    out_strides = [int(np.prod(plan.shape[d + 1 :], dtype=np.int64)) for d in range(ndim)]
-    box_strides = [int(np.prod(block.box_shape[d + 1 :], dtype=np.int64)) for d in range(ndim)]
-    element_strides = [int(np.prod(chunk_shape[d + 1 :], dtype=np.int64)) for d in range(ndim)]
-    lo = [p.lo for p in block.parts]
-    count = int(np.prod(block.shape, dtype=np.int64))
-    return np.array(
-        out_strides + lo + list(block.shape) + box_strides + element_strides + list(dim_offset) + [count],
-        dtype=np.int64,
+def block_params(plan: ReadPlan, chunk_shape, dim_offset: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """The un-tiling kernel's parameters of every block of ``plan`` (row ``b`` for block ``b``,
+    see ``UNTILE_SOURCE``) and each block's output rows (elements over the last dim's extent: one
+    thread block of the kernel each), for all blocks at once: one Python pass over the blocks'
+    parts, the rest NumPy (per block, this took ~40 us: 44 ms of host time per read of 1,024
+    shards, on the path that feeds the device)."""
+    ndim, count = len(plan.shape), len(plan.blocks)
+    bounds = np.array([[(p.lo, p.hi, len(p.chunks)) for p in block.parts] for block in plan.blocks], np.int64)
+    bounds = bounds.reshape(count, ndim, 3)
+    lo, shape, box_shape = bounds[..., 0], bounds[..., 1] - bounds[..., 0], bounds[..., 2]
+
+    def strides(sizes: np.ndarray) -> np.ndarray:  # row-major strides along the last axis
+        after = np.ones_like(sizes)
+        after[..., :-1] = np.cumprod(sizes[..., :0:-1], axis=-1)[..., ::-1]
+        return after
+
+    plane = np.asarray(plan.shape, np.int64).reshape(1, ndim)
+    chunk = np.asarray(chunk_shape, np.int64).reshape(1, ndim)
+    elements = shape.prod(axis=1, keepdims=True)
+    params = np.concatenate(
+        [
+            np.repeat(strides(plane), count, axis=0),
+            lo,
+            shape,
+            strides(box_shape),
+            np.repeat(strides(chunk), count, axis=0),
+            np.repeat(np.asarray(dim_offset, np.int64).reshape(1, ndim), count, axis=0),
+            elements,
+        ],
+        axis=1,
     )
-
-
-def batch_rows(plan: ReadPlan, batch: DeviceBatch) -> np.ndarray:
-    """Output rows (elements over the last dim's extent) of each block of ``batch``: one
-    thread block of the un-tiling kernel each."""
-    rows = []
-    for b in batch.blocks:
-        shape = plan.blocks[b].shape
-        count = int(np.prod(shape, dtype=np.int64))
-        rows.append(count // int(shape[-1]) if shape and shape[-1] else (count if not shape else 0))
-    return np.asarray(rows, dtype=np.int64)
+    if ndim:
+        rows = np.where(shape[:, -1] > 0, elements[:, 0] // np.maximum(shape[:, -1], 1), 0)
+    else:
+        rows = np.ones(count, np.int64)
+    return params, rows.astype(np.int64)
 
 
 def untile_emulated(out_flat, pool, slots, params, chunk_of, within, ndim: int, slot_stride: int) -> None:
@@ -363,6 +376,7 @@ class GpuReadPath:
         self._free_pinned: list[tuple[np.ndarray, Any]] = []  # (buffer, event of its last H2D)
         self._pinned_lock = threading.Lock()  # the prefetch threads take buffers, this one returns them
         self._device: dict[str, object] = {}  # reused device buffers by role, grown when too small
+        self._retired: list[object] = []  # replaced device buffers, freed when the read's stream is done
         self._consumed: list[Any] = [None, None]  # per device staging buffer: its batch's work is done
         self._meta_pinned: list[Any] = [None, None]  # per parity: (pinned tables, event of their H2D)
         self._temp_sizes: dict[int, int] = {}  # nvCOMP's temp bytes by chunk count
@@ -376,6 +390,7 @@ class GpuReadPath:
         self._free_pinned.clear()
         self._host_pieces.clear()
         self._device.clear()
+        self._retired.clear()
 
     def batches(self, plan: ReadPlan) -> list[DeviceBatch]:
         reader = self.reader
@@ -415,14 +430,43 @@ class GpuReadPath:
                     last_upload.synchronize()  # not freed under its own H2D
 
     def _buffer(self, role: str, nbytes: int):
-        """A reused device buffer of at least ``nbytes`` (first ``nbytes`` returned)."""
+        """A reused device buffer of at least ``nbytes`` (first ``nbytes`` returned).  One that
+        is too small is replaced, not freed: work in flight may still use it, and waiting for
+        the device here (as this once did) drained the pipeline at every batch of a ramp;
+        :meth:`_reserve` sizes the large ones for a whole read up front, and the replaced ones
+        are freed once the read's stream is done."""
         buffer = self._device.get(role)
         if buffer is None or buffer.size < nbytes:  # type: ignore[attr-defined]
             if buffer is not None:
-                self.cupy.cuda.Device().synchronize()  # work in flight may still use the old one
-            self._device.pop(role, None)
+                self._retired.append(buffer)
             buffer = self._device[role] = self.cupy.empty(max(nbytes, 1), dtype=self.cupy.uint8)
         return buffer[: max(nbytes, 1)]  # type: ignore[index]
+
+    def _reserve(self, batches: list[DeviceBatch]) -> None:
+        """Size the device buffers every batch of a read uses for the largest of them, before
+        the first: the pool of decoded chunks, both staging buffers of the read bytes, the
+        realigned copy of them and nvCOMP's scratch."""
+        if not batches:
+            return
+        slot_bytes = self.slot_stride * self.itemsize
+        self._buffer("pool", max(b.slots for b in batches) * slot_bytes)
+        staging = max(b.staging_bytes for b in batches)
+        self._buffer("raw0", staging)
+        self._buffer("raw1", staging)
+        realigned = [b for b in batches if self.align > 1 and np.any(b.chunk_src % self.align)]
+        if realigned:  # as _staging_for sizes it
+            self._buffer("packed", max(int(_aligned(b.chunk_nbytes, self.align).sum()) for b in realigned))
+        counts = [b.chunks for b in batches if b.chunks]  # a batch of absent chunks only calls no decoder
+        if self.algorithm is not None and counts:
+            self._buffer("temp", max(self._temp_bytes(n) for n in set(counts)))
+
+    def _temp_bytes(self, n: int) -> int:
+        """nvCOMP's scratch bytes for a call on ``n`` chunks (asked once per count)."""
+        size = self._temp_sizes.get(n)
+        if size is None:
+            chunk_bytes = self.reader.chunk_bytes
+            size = self._temp_sizes[n] = self.nvcomp.decompress_temp_bytes(n, chunk_bytes, n * chunk_bytes)
+        return size
 
     # -- device side ----------------------------------------------------------------------------
     def read(self, plan: ReadPlan, device: bool):
@@ -433,19 +477,22 @@ class GpuReadPath:
             if out.size:
                 chunk_of, within, dim_offset = untile_tables(plan)
                 tables = (cupy.asarray(chunk_of), cupy.asarray(within))
+                block_table = block_params(plan, reader.chunk_shape, dim_offset)
                 batches = self.batches(plan)
                 self._pinned_bytes = max([self._pinned_bytes] + [b.staging_bytes for b in batches])
+                self._reserve(batches)
                 for k, (batch, host) in enumerate(reader._fetched(batches, self._fetch)):
                     started = time.perf_counter()
-                    checks.append(self._decode_and_place(plan, batch, host, k % 2, out, tables, dim_offset))
+                    checks.append(self._decode_and_place(plan, batch, host, k % 2, out, tables, block_table))
                     reader.stats.add(decode_seconds=time.perf_counter() - started)
             self.stream.synchronize()
+            self._retired.clear()
             self._raise_on_failed_chunks(checks)
         out = out.reshape(plan.out_shape)
         return out if device else self._to_host(out)
 
     def _decode_and_place(
-        self, plan: ReadPlan, batch: DeviceBatch, host: np.ndarray, parity: int, out, tables, dim_offset
+        self, plan: ReadPlan, batch: DeviceBatch, host: np.ndarray, parity: int, out, tables, block_table
     ):
         """Enqueue one batch: its H2D (copy stream, into device staging buffer ``parity``, which
         the batch two before has finished with), then on the compute stream the realignment,
@@ -469,10 +516,9 @@ class GpuReadPath:
         elif n:
             table["pointers"], table["sizes"] = self._nvcomp_tables(batch, staged, starts, pool)
         table["slots"] = batch.slot_table
-        table["params"] = np.concatenate(
-            [block_params(plan, plan.blocks[b], self.reader.chunk_shape, dim_offset) for b in batch.blocks]
-        )
-        rows = batch_rows(plan, batch)
+        params, rows_of = block_table
+        table["params"] = params[batch.blocks].ravel()
+        rows = rows_of[batch.blocks]
         table["table_offset"] = np.asarray(batch.table_offset, dtype=np.int64)
         table["row_start"] = np.concatenate([[0], np.cumsum(rows)]).astype(np.int64)
         meta = self._upload(batch, host, raw, parity, table)
@@ -574,12 +620,10 @@ class GpuReadPath:
         """Enqueue one batched nvCOMP decompression on the compute stream: ``pointers`` (device
         int64: ``n`` inputs then ``n`` outputs) and ``sizes`` (``n`` compressed sizes, then ``n``
         output capacities).  Returns the device arrays of statuses and decoded sizes."""
-        cupy, chunk_bytes = self.cupy, self.reader.chunk_bytes
+        cupy = self.cupy
         actual = cupy.empty(n, dtype=cupy.uint64)
         statuses = cupy.empty(n, dtype=cupy.int32)
-        temp_size = self._temp_sizes.get(n)
-        if temp_size is None:
-            temp_size = self._temp_sizes[n] = self.nvcomp.decompress_temp_bytes(n, chunk_bytes, n * chunk_bytes)
+        temp_size = self._temp_bytes(n)
         temp = self._buffer("temp", temp_size)
         self.nvcomp.decompress_async(
             pointers.data.ptr,
@@ -622,7 +666,7 @@ class GpuReadPath:
         piece copied out by several threads while the next one is on the bus (one D2H into
         fresh pageable memory ran at ~2 GB/s: the page faults of the destination, one thread)."""
         cupy = self.cupy
-        result = np.empty(out.shape, dtype=out.dtype)
+        result = output_pool().empty(out.shape, out.dtype)  # memory a dropped result gave back, where it can
         total = out.nbytes
         if not total:
             return result
