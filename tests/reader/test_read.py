@@ -948,31 +948,56 @@ def _advice_recorder(monkeypatch):
     return calls
 
 
+def _page_cache(monkeypatch, cached: bool) -> list[int]:
+    """The page cache as the reader's residency check sees it (os.preadv with RWF_NOWAIT): every
+    page ``cached`` or none; the other reads are real.  Returns how many hints were given when the
+    first bytes were read (filled by the first real read)."""
+    real_preadv, seen = os.preadv, []
+
+    def preadv(fd, buffers, offset, flags=0):
+        if flags:
+            if not cached:
+                raise BlockingIOError("not in the page cache")
+            return 1
+        seen.append(offset)
+        return real_preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    return seen
+
+
+@pytest.mark.skipif(not hasattr(os, "RWF_NOWAIT"), reason="the residency check needs Linux's RWF_NOWAIT")
 def test_whole_reads_of_a_local_store_hint_the_os_ahead_of_the_prefetch(tmp_path, monkeypatch):
-    """A local read of many shards asks the OS to read ahead: every read after the first is
-    hinted once, in plan order, with its byte range; hinting keeps within the window beyond the
-    reads being fetched; the result is exact."""
+    """A local read of many shards, nothing in the page cache: the OS is asked to read ahead,
+    every read after the first hinted once, in plan order, with its byte range; hinting keeps
+    within the window beyond the reads being fetched; the result is exact.  With every page
+    cached, nothing is hinted."""
     array = _zarr_array(tmp_path / "a.zarr", (24, 16, 16), (1, 8, 8), (1, 16, 16), "uint16", "zstd", holes=False)
     calls = _advice_recorder(monkeypatch)
     reader = ShardReader(tmp_path / "a.zarr", backend="cpu", prefetch=1, workers=1)
     plan = reader.plan(...)
     largest = max(read.size for read in plan.reads)
     monkeypatch.setattr(fetch_module, "WILL_NEED_BYTES", 3 * largest)
+    first_reads = _page_cache(monkeypatch, cached=False)
     hints_at_first_read: list[int] = []
-    real_preadv = os.preadv
+    real_advise = os.posix_fadvise
 
-    def preadv(fd, buffers, offset):  # how many hints were given when the first bytes were read
-        if not hints_at_first_read:
+    def advise(fd, start, size, advice):  # note how many hints came before the first data read
+        if first_reads and not hints_at_first_read:
             hints_at_first_read.append(len(calls))
-        return real_preadv(fd, buffers, offset)
+        return real_advise(fd, start, size, advice)
 
-    monkeypatch.setattr(os, "preadv", preadv)
+    monkeypatch.setattr(os, "posix_fadvise", advise)
     np.testing.assert_array_equal(reader.read(...), array[...])
     expected = [(os.path.realpath(tmp_path / "a.zarr" / r.key), r.start, r.size) for r in plan.reads[1:]]
     assert calls == expected
     # when the first bytes were read: the window and the reads taken by the prefetch at most
     hinted_bytes = sum(size for _, _, size in calls[: hints_at_first_read[0]])
     assert hinted_bytes <= 3 * largest + 2 * largest and hints_at_first_read[0] < len(plan.reads) - 1
+    calls.clear()
+    _page_cache(monkeypatch, cached=True)
+    np.testing.assert_array_equal(reader.read(...), array[...])
+    assert calls == []
     reader.close()
 
 
@@ -989,3 +1014,15 @@ def test_no_hints_when_switched_off_small_or_unsupported(tmp_path, monkeypatch):
     monkeypatch.delattr(os, "posix_fadvise")  # macOS, Windows
     with ShardReader(tmp_path / "a.zarr", backend="cpu", prefetch=1) as reader:
         np.testing.assert_array_equal(reader.read(...), array[...])
+
+
+def test_without_a_residency_check_every_range_is_hinted(tmp_path, monkeypatch):
+    """Where the OS cannot say what it holds (no RWF_NOWAIT: macOS, older kernels), every range
+    after the prefetch is hinted; the read stays exact."""
+    array = _zarr_array(tmp_path / "a.zarr", (24, 16, 16), (1, 8, 8), (1, 16, 16), "uint16", "zstd", holes=False)
+    calls = _advice_recorder(monkeypatch)
+    monkeypatch.delattr(os, "RWF_NOWAIT", raising=False)
+    with ShardReader(tmp_path / "a.zarr", backend="cpu", prefetch=1) as reader:
+        plan = reader.plan(...)
+        np.testing.assert_array_equal(reader.read(...), array[...])
+    assert len(calls) == len(plan.reads) - 1

@@ -30,6 +30,20 @@ FREE_BUFFER_BYTES = 256 << 20
 #: system call per read (microseconds) where the pages are cached already.
 WILL_NEED_BYTES = 64 << 20
 
+def _cached(fd: int, offset: int) -> bool:
+    """Whether the byte at ``offset`` of ``fd`` is in the OS page cache: a one-byte read that may
+    not wait for the disk (Linux's ``RWF_NOWAIT``; elsewhere: False, not known).  Asking the OS to
+    read ahead what it holds already walked the range's pages: 51 us per 2.3 MB read of a cached
+    disk file on the 2-core VM, against 8 us for this check."""
+    nowait = getattr(os, "RWF_NOWAIT", None)
+    if nowait is None:
+        return False
+    try:
+        return os.preadv(fd, [bytearray(1)], offset, nowait) == 1
+    except OSError:  # BlockingIOError: not cached; EOPNOTSUPP and the like: cannot tell
+        return False
+
+
 R = TypeVar("R")
 B = TypeVar("B")
 
@@ -150,7 +164,8 @@ class StoreObjects:
         except Exception:  # noqa: BLE001 - the read itself says what is wrong with the file
             return
         try:
-            advise(fd, start, size, os.POSIX_FADV_WILLNEED)
+            if not _cached(fd, start) or not _cached(fd, start + size - 1):
+                advise(fd, start, size, os.POSIX_FADV_WILLNEED)
         except OSError:
             pass
         finally:
