@@ -30,6 +30,7 @@ FREE_BUFFER_BYTES = 256 << 20
 #: system call per read (microseconds) where the pages are cached already.
 WILL_NEED_BYTES = 64 << 20
 
+
 def _cached(fd: int, offset: int) -> bool:
     """Whether the byte at ``offset`` of ``fd`` is in the OS page cache: a one-byte read that may
     not wait for the disk (Linux's ``RWF_NOWAIT``; elsewhere: False, not known).  Asking the OS to
