@@ -32,7 +32,8 @@ class DeviceArray(np.ndarray):
 
 
 def _device(array) -> DeviceArray:
-    return np.ascontiguousarray(array).view(DeviceArray)
+    """A copy in "device" memory, as ``cupy.asarray`` of host data makes one."""
+    return np.array(array, order="C", copy=True).view(DeviceArray)
 
 
 class _Stream:
