@@ -34,11 +34,13 @@ from cpu_many_cores import write_tensorstore  # noqa: E402
 from cpu_stages import thread_cpu_seconds  # noqa: E402
 
 from napari_tileshard import Layout, SyntheticCamera, Writer  # noqa: E402
+from napari_tileshard.engine import collector as collector_module  # noqa: E402
 from napari_tileshard.engine import staging as staging_module  # noqa: E402
 from napari_tileshard.engine.backends import cpu as cpu_module  # noqa: E402
 
-#: modules whose switches a variant may set: ``NAME`` (the CPU backend's) or ``staging.NAME``
-MODULES = {"": cpu_module, "staging": staging_module}
+#: modules whose switches a variant may set: ``NAME`` (the CPU backend's), ``staging.NAME`` or
+#: ``collector.NAME``
+MODULES = {"": cpu_module, "staging": staging_module, "collector": collector_module}
 
 
 def parse_variant(text: str) -> tuple[str, dict, dict]:
