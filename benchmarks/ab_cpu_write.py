@@ -5,7 +5,7 @@ the order rotating from round to round, so all see the same background load; rat
 per round (pairwise), then median (min-max) over the rounds.  A variant sets switches of
 :mod:`napari_tileshard.engine.backends.cpu` (UPPER-case names; ``staging.NAME``: of
 :mod:`napari_tileshard.engine.staging`, e.g. ``staging._PARALLEL_COPY_BYTES=1099511627776``) and
-``Writer`` keywords (lower-case, e.g. ``batch_bytes=16777216``); ``base`` with nothing set is the
+``Writer`` keywords (lower-case, e.g. ``batch_bytes=16777216`` or ``io_dispatch=pull``); ``base`` with nothing set is the
 default.  The clock runs from ``Writer()`` (tensorstore: ``ts.open``) to ``close()`` as
 ``bench_write.py --clock user``; CPU-s/GB is the process's CPU time over the same span, and
 ``append`` the part of it on the caller's thread and the staging copy's helpers (tensorstore: the
@@ -49,7 +49,11 @@ def parse_variant(text: str) -> tuple[str, dict, dict]:
     switches, keywords = {}, {}
     for item in filter(None, settings.split(",")):
         key, _, value = item.partition("=")
-        number = float(value) if "." in value else int(value)
+        number: float | int | str
+        try:
+            number = float(value) if "." in value else int(value)
+        except ValueError:  # a Writer keyword that takes a name, e.g. io_dispatch=pull
+            number = value
         if key.split(".")[-1].lstrip("_").isupper():
             switches[key] = number
         else:
