@@ -4,12 +4,13 @@ Each round runs every engine once (tensorstore and each named variant of ``Write
 the order rotating from round to round, so all see the same background load; ratios are taken
 per round (pairwise), then median (min-max) over the rounds.  A variant sets switches of
 :mod:`napari_tileshard.engine.backends.cpu` (UPPER-case names; ``staging.NAME``: of
-:mod:`napari_tileshard.engine.staging`, e.g. ``staging._PARALLEL_COPY_BYTES=1099511627776``) and
-``Writer`` keywords (lower-case, e.g. ``batch_bytes=16777216`` or ``io_dispatch=pull``); ``base`` with nothing set is the
-default.  The clock runs from ``Writer()`` (tensorstore: ``ts.open``) to ``close()`` as
-``bench_write.py --clock user``; CPU-s/GB is the process's CPU time over the same span, and
-``append`` the part of it on the caller's thread and the staging copy's helpers (tensorstore: the
-harness's copy of frames into slabs), as ``cpu_stages.py`` counts them.
+:mod:`napari_tileshard.engine.staging`, e.g. ``staging._PARALLEL_COPY_BYTES=1099511627776``;
+``collector.NAME`` likewise) and ``Writer`` keywords (lower-case, e.g. ``batch_bytes=16777216``
+or ``io_dispatch=pull``); ``base`` with nothing set is the default.  The clock runs from
+``Writer()`` (tensorstore: ``ts.open``) to ``close()`` as ``bench_write.py --clock user``;
+CPU-s/GB is the process's CPU time over the same span, and ``append`` the part of it on the
+caller's thread and the staging copy's helpers (tensorstore: the harness's copy of frames into
+slabs), as ``cpu_stages.py`` counts them.
 
     python benchmarks/ab_cpu_write.py --gib 1 --rounds 5 --tiles 64k-d2,256k-d2 \\
         --variant base= --variant serial=staging._PARALLEL_COPY_BYTES=1099511627776 --out /dev/shm/abcpu

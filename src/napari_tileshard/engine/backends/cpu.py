@@ -177,6 +177,9 @@ class CpuBackend(Backend):
         levels = [ticket.level0]
         if ticket.reduce is not None:
             levels += ticket.reduce.result()
+        # One wake-up for the whole batch: waiting task by task woke the caller (the collector
+        # thread) once per task, and each wake-up takes a core from an encode thread for a moment.
+        wait([future for tasks in levels for per_shard in tasks for pieces in per_shard for future in pieces])
         return [
             aggregate_cpu([[[future.result() for future in pieces] for pieces in per_shard] for per_shard in tasks])
             for tasks in levels
