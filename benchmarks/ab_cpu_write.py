@@ -4,12 +4,13 @@ Each round runs every engine once (tensorstore and each named variant of ``Write
 the order rotating from round to round, so all see the same background load; ratios are taken
 per round (pairwise), then median (min-max) over the rounds.  A variant sets switches of
 :mod:`napari_tileshard.engine.backends.cpu` (UPPER-case names; ``staging.NAME``: of
-:mod:`napari_tileshard.engine.staging`, e.g. ``staging._PARALLEL_COPY_BYTES=1099511627776``) and
-``Writer`` keywords (lower-case, e.g. ``batch_bytes=16777216``); ``base`` with nothing set is the
-default.  The clock runs from ``Writer()`` (tensorstore: ``ts.open``) to ``close()`` as
-``bench_write.py --clock user``; CPU-s/GB is the process's CPU time over the same span, and
-``append`` the part of it on the caller's thread and the staging copy's helpers (tensorstore: the
-harness's copy of frames into slabs), as ``cpu_stages.py`` counts them.
+:mod:`napari_tileshard.engine.staging`, e.g. ``staging._PARALLEL_COPY_BYTES=1099511627776``;
+``collector.NAME`` likewise) and ``Writer`` keywords (lower-case, e.g. ``batch_bytes=16777216``
+or ``io_dispatch=pull``); ``base`` with nothing set is the default.  The clock runs from
+``Writer()`` (tensorstore: ``ts.open``) to ``close()`` as ``bench_write.py --clock user``;
+CPU-s/GB is the process's CPU time over the same span, and ``append`` the part of it on the
+caller's thread and the staging copy's helpers (tensorstore: the harness's copy of frames into
+slabs), as ``cpu_stages.py`` counts them.
 
     python benchmarks/ab_cpu_write.py --gib 1 --rounds 5 --tiles 64k-d2,256k-d2 \\
         --variant base= --variant serial=staging._PARALLEL_COPY_BYTES=1099511627776 --out /dev/shm/abcpu
@@ -34,11 +35,13 @@ from cpu_many_cores import write_tensorstore  # noqa: E402
 from cpu_stages import thread_cpu_seconds  # noqa: E402
 
 from napari_tileshard import Layout, SyntheticCamera, Writer  # noqa: E402
+from napari_tileshard.engine import collector as collector_module  # noqa: E402
 from napari_tileshard.engine import staging as staging_module  # noqa: E402
 from napari_tileshard.engine.backends import cpu as cpu_module  # noqa: E402
 
-#: modules whose switches a variant may set: ``NAME`` (the CPU backend's) or ``staging.NAME``
-MODULES = {"": cpu_module, "staging": staging_module}
+#: modules whose switches a variant may set: ``NAME`` (the CPU backend's), ``staging.NAME`` or
+#: ``collector.NAME``
+MODULES = {"": cpu_module, "staging": staging_module, "collector": collector_module}
 
 
 def parse_variant(text: str) -> tuple[str, dict, dict]:
@@ -47,7 +50,11 @@ def parse_variant(text: str) -> tuple[str, dict, dict]:
     switches, keywords = {}, {}
     for item in filter(None, settings.split(",")):
         key, _, value = item.partition("=")
-        number = float(value) if "." in value else int(value)
+        number: float | int | str
+        try:
+            number = float(value) if "." in value else int(value)
+        except ValueError:  # a Writer keyword that takes a name, e.g. io_dispatch=pull
+            number = value
         if key.split(".")[-1].lstrip("_").isupper():
             switches[key] = number
         else:

@@ -7,6 +7,7 @@ Run it on the code before and after a change and diff the output:
 
     PYTHONPATH=src python benchmarks/store_hashes.py --out /tmp/hashes > after.txt
     PYTHONPATH=src python benchmarks/store_hashes.py --recorder ...   # also through the recorder
+    PYTHONPATH=src python benchmarks/store_hashes.py --bench-frames 64 ...   # and the CPU benchmark's layouts
 """
 
 from __future__ import annotations
@@ -58,6 +59,20 @@ def cases():
     )
 
 
+def benchmark_cases(frames: int):
+    """The CPU write benchmark's layouts (``ab_cpu_write.py``): 2048² uint16 frames of the
+    synthetic camera, 64 KiB 2 x 128² and 256 KiB 2 x 256² tiles in 4 MiB shards, 1 MiB 8 x 256²
+    tiles in 16 MiB shards, and the default tiling; ``frames`` frames each."""
+
+    def frame_layout(tile, per_shard):
+        return Layout([Dim("t", 0, tile[0], 1), Dim("y", 2048, tile[1], per_shard), Dim("x", 2048, tile[2], per_shard)])
+
+    yield "bench-64k-d2", frame_layout((2, 128, 128), 8), frames, {}, None
+    yield "bench-256k-d2", frame_layout((2, 256, 256), 4), frames, {}, None
+    yield "bench-1m-d8", frame_layout((8, 256, 256), 4), frames, {}, None
+    yield "bench-default", Layout.default_for((0, 2048, 2048), "uint16"), frames, {}, None
+
+
 def frames_for(layout, count: int, seed: int) -> np.ndarray:
     shape = tuple(layout.shape[1:])
     if layout.dtype == np.uint16 and len(shape) == 2:
@@ -103,9 +118,18 @@ def main(argv=None):
     parser.add_argument("--out", default="/tmp/tileshard-hashes")
     parser.add_argument("--threads", type=int, default=None, help="CPU backend threads (default: all cores)")
     parser.add_argument("--recorder", action="store_true", help="also recordings through the recorder's loop")
+    parser.add_argument(
+        "--bench-frames",
+        type=int,
+        default=0,
+        help="also this many 2048² frames through each layout of the CPU write benchmark (ab_cpu_write.py)",
+    )
     args = parser.parse_args(argv)
     out = Path(args.out)
-    for name, layout, count, keywords, flush_at in cases():
+    for name, layout, count, keywords, flush_at in [
+        *cases(),
+        *(benchmark_cases(args.bench_frames) if args.bench_frames else ()),
+    ]:
         frames = frames_for(layout, count, seed=len(name))
         store = out / f"{name}.zarr"
         shutil.rmtree(store, ignore_errors=True)

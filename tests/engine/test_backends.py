@@ -8,6 +8,9 @@ import sys
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from strategies import layouts
 
 from napari_tileshard import Dim, Layout, Writer
 from napari_tileshard.engine.backends import (
@@ -178,3 +181,26 @@ def test_cpu_batches_are_the_epochs_the_threads_need_and_at_least_16_mib(tmp_pat
     batch = CpuBackend.batch_bytes_for(shallow)  # this machine's threads
     assert estimate_memory(shallow)["cpu_host"] == estimate_memory(shallow, batch_bytes=batch)["cpu_host"]
     assert estimate_memory(shallow)["cpu_host"] < estimate_memory(shallow, batch_bytes=batch * 2)["cpu_host"]
+
+
+@given(layouts(), st.integers(1, 4), st.integers(1, 17))
+@settings(max_examples=80, deadline=None)
+def test_cpu_task_plan_splits_each_shard_into_even_runs_of_tile_rows_cut_into_boxes(layout, epochs, threads):
+    """Each (epoch, shard) task of a batch is cut into pieces along w_1, planned once per batch
+    shape: the pieces cover the shard's tile rows in order, as evenly as whole rows allow (NumPy's
+    reference: ``linspace`` bounds, floored), as many as keep every thread busy, each cut into
+    the boxes of :meth:`Layout.shard_boxes`; ``piece_bytes`` bounds the tiles of any piece."""
+    backend = CpuBackend(layout, "zstd", 1, threads=threads)
+    try:
+        pieces, piece_bytes = backend.task_plan(layout, epochs)
+        tps_1 = layout.tiles_per_shard[1] if layout.rank > 1 else 1
+        tasks = epochs * layout.inner_shard_count
+        bounds = np.linspace(0, tps_1, min(tps_1, max(1, -(-2 * threads // tasks))) + 1).astype(int)
+        assert [(piece.start, piece.stop) for piece, _ in pieces] == list(zip(bounds[:-1], bounds[1:]))
+        box_tiles = max(1, (2 << 20) // layout.tile_bytes)
+        assert all(boxes == layout.shard_boxes(piece, box_tiles) for piece, boxes in pieces)
+        row_slots = layout.tiles_per_shard_inner // tps_1
+        assert piece_bytes == np.diff(bounds).max() * row_slots * layout.tile_bytes
+        assert backend.task_plan(layout, epochs)[0] is pieces  # planned once
+    finally:
+        backend.close()

@@ -73,6 +73,7 @@ class CpuBackend(Backend):
         self.threads = threads or os.cpu_count() or 1
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="tileshard-cpu")
         self._scratch = threading.local()  # per pool thread: the buffer its tasks cut tiles into
+        self._plans: dict = {}  # (layout, epochs) -> how a batch's tasks are split (:meth:`task_plan`)
         # Reductions run on their own thread: an encode task never waits on a reduction queued
         # behind it in the same pool.
         self._reducer = (
@@ -110,24 +111,37 @@ class CpuBackend(Backend):
 
     def _encode(self, layout, batch, epochs) -> EncodeTasks:
         batch = batch.reshape((epochs, layout.epoch_rows) + layout.shape[1:])
-        # Split shards along w_1 when (epoch, shard) tasks alone would leave threads idle.
-        tasks = epochs * layout.inner_shard_count
-        tps_1 = layout.tiles_per_shard[1] if layout.rank > 1 else 1
-        pieces = max(1, min(tps_1, -(-2 * self.threads // tasks)))
-        bounds = np.linspace(0, tps_1, pieces + 1).astype(int)
-        piece_bytes = int(np.diff(bounds).max()) * (layout.tiles_per_shard_inner // tps_1) * layout.tile_bytes
+        pieces, piece_bytes = self.task_plan(layout, epochs)
         return [
             [
                 [
-                    self._pool.submit(self._encode_piece, layout, batch[e], shard, slice(a, b), piece_bytes)
-                    for a, b in zip(bounds[:-1], bounds[1:])
+                    self._pool.submit(self._encode_piece, layout, batch[e], shard, piece, boxes, piece_bytes)
+                    for piece, boxes in pieces
                 ]
                 for shard in range(layout.inner_shard_count)
             ]
             for e in range(epochs)
         ]
 
-    def _encode_piece(self, layout, epoch_rows: np.ndarray, shard: int, within_1: slice, piece_bytes: int):
+    def task_plan(self, layout, epochs: int) -> tuple[list[tuple[slice, list]], int]:
+        """How each (epoch, shard) task of a batch of ``epochs`` is split: its pieces (a range of
+        tile rows ``w_1`` and the boxes that cut it, :meth:`Layout.shard_boxes`), and the most
+        bytes of tiles in one piece.  The same for every batch of a recording: planned once."""
+        key = (layout, epochs)
+        plan = self._plans.get(key)
+        if plan is None:
+            # Split shards along w_1 when (epoch, shard) tasks alone would leave threads idle.
+            tasks = epochs * layout.inner_shard_count
+            tps_1 = layout.tiles_per_shard[1] if layout.rank > 1 else 1
+            count = max(1, min(tps_1, -(-2 * self.threads // tasks)))
+            bounds = [tps_1 * i // count for i in range(count + 1)]  # as even as whole tile rows go
+            box_tiles = max(1, _BOX_BYTES // layout.tile_bytes)
+            pieces = [(slice(a, b), layout.shard_boxes(slice(a, b), box_tiles)) for a, b in zip(bounds, bounds[1:])]
+            rows = max(b - a for a, b in zip(bounds, bounds[1:]))
+            plan = self._plans[key] = (pieces, rows * (layout.tiles_per_shard_inner // tps_1) * layout.tile_bytes)
+        return plan
+
+    def _encode_piece(self, layout, epoch_rows: np.ndarray, shard: int, within_1: slice, boxes: list, piece_bytes: int):
         if self.codec.encoded_tiles_alias_input:  # the chunks are the tiles: one fresh array for all
             chunks, sizes = compress_cpu(self.codec, tile_cpu(layout, epoch_rows, shard, within_1))
             return chunks, slot_sizes(layout, shard, within_1, sizes)
@@ -137,7 +151,7 @@ class CpuBackend(Backend):
         box_tiles = max(1, _BOX_BYTES // layout.tile_bytes)
         scratch = self._tile_scratch(min(box_tiles * layout.tile_bytes, piece_bytes))
         chunks, sizes = [], []
-        for box in layout.shard_boxes(within_1, box_tiles):
+        for box in boxes:
             tiles = tile_cpu(layout, epoch_rows, shard, box, out=scratch)
             if len(tiles):
                 box_chunks, box_sizes = compress_cpu(self.codec, tiles)
@@ -163,6 +177,9 @@ class CpuBackend(Backend):
         levels = [ticket.level0]
         if ticket.reduce is not None:
             levels += ticket.reduce.result()
+        # One wake-up for the whole batch: waiting task by task woke the caller (the collector
+        # thread) once per task, and each wake-up takes a core from an encode thread for a moment.
+        wait([future for tasks in levels for per_shard in tasks for pieces in per_shard for future in pieces])
         return [
             aggregate_cpu([[[future.result() for future in pieces] for pieces in per_shard] for per_shard in tasks])
             for tasks in levels

@@ -125,7 +125,12 @@ class Dispatcher:
         # while an older version's copy is still being written, and only the newest is hedged.
         self._writing: dict[str, int] = {}  # key -> copies being written
         self._deferred: dict[str, deque[Task]] = {}
-        self._cond = threading.Condition()
+        lock = threading.RLock()
+        self._cond = threading.Condition(lock)
+        # The watchdog waits on its own condition over the same lock: woken only when it may have
+        # to stop (closing, a failure, the last write in flight done while closing), not by every
+        # queued, started or finished write as the workers are (2-3 wake-ups per shard for nothing).
+        self._watchdog_wake = threading.Condition(lock)
         self._seq = itertools.count()
         self._round = 0
         self._closing = False
@@ -280,6 +285,8 @@ class Dispatcher:
                 self._in_flight.discard(task)
                 task.buffers = ()  # the last copy is done: the shard's memory may go
             self._cond.notify_all()
+            if self._closing:
+                self._watchdog_wake.notify_all()
         if resolve == "result":
             task.future.set_result(None)
         elif resolve == "error":
@@ -333,6 +340,7 @@ class Dispatcher:
             self._counts["dropped"] += len(dropped)
             in_flight = sum(1 for task in self._in_flight if task.running)
             self._cond.notify_all()
+            self._watchdog_wake.notify_all()
         if dropped or in_flight:
             log.info(
                 "%s: storage failed (%s): %d queued shard writes dropped, %d in flight cut off",
@@ -374,7 +382,7 @@ class Dispatcher:
             with self._cond:
                 if self._closing and (self._failure is not None or not self._in_flight and not self._queued()):
                     return
-                self._cond.wait(interval)
+                self._watchdog_wake.wait(interval)
                 now = time.perf_counter()
                 late = [
                     task
@@ -412,6 +420,7 @@ class Dispatcher:
         with self._cond:
             self._closing = True
             self._cond.notify_all()
+            self._watchdog_wake.notify_all()
         if not wait:
             return []
         if not self._join(timeout):
