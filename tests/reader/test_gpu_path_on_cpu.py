@@ -9,8 +9,7 @@ from __future__ import annotations
 import fake_device
 import numpy as np
 import pytest
-import zarr
-from zarr.codecs import ZstdCodec
+from test_read import _zarr_array  # the same arrays the CPU path is checked on
 
 from napari_tileshard import Dim, Layout, ShardReader, Writer
 from napari_tileshard.format.shard_spec import ChunkDecodeError
@@ -19,24 +18,6 @@ from napari_tileshard.reader.gpu import GpuReadPath
 
 def _gpu_path(reader: ShardReader) -> GpuReadPath:
     return GpuReadPath(reader, cupy_module=fake_device.cupy, nvcomp_module=fake_device.nvcomp)
-
-
-def _zarr_array(path, shape, chunks, shards, dtype, holes: bool):
-    array = zarr.create_array(
-        store=path,
-        shape=shape,
-        chunks=chunks,
-        shards=shards,
-        dtype=dtype,
-        fill_value=7,
-        compressors=[ZstdCodec(level=1)],
-    )
-    rng = np.random.default_rng(1)
-    data = (np.cumsum(rng.integers(0, 3, shape), axis=-1) % 200).astype(dtype)
-    if holes:
-        data[: shape[0] // 3] = 7  # whole chunks of the fill value: absent from the shards
-    array[...] = data
-    return array
 
 
 @pytest.mark.parametrize(
@@ -52,7 +33,7 @@ def _zarr_array(path, shape, chunks, shards, dtype, holes: bool):
 def test_gpu_read_path_equals_zarr_with_many_small_batches(tmp_path, monkeypatch, shape, chunks, shards, dtype, device):
     """Small batch caps make many batches (the ramp from 1/8 of the cap, buffers that grow from
     batch to batch); zarr-python packs chunks back to back, so nvCOMP's alignment needs them moved."""
-    array = _zarr_array(tmp_path / "a.zarr", shape, chunks, shards, dtype, holes=True)
+    array = _zarr_array(tmp_path / "a.zarr", shape, chunks, shards, dtype, "zstd", fill=7)
     monkeypatch.setenv("TILESHARD_GPU_BATCH_BYTES", str(4 * int(np.prod(chunks)) * np.dtype(dtype).itemsize))
     reader = ShardReader(tmp_path / "a.zarr", backend="cpu")
     path = _gpu_path(reader)
@@ -79,7 +60,7 @@ def test_gpu_read_path_reads_our_writers_shards(tmp_path):
 
 
 def test_a_chunk_nvcomp_cannot_decode_is_named(tmp_path):
-    _zarr_array(tmp_path / "a.zarr", (4, 16, 16), (2, 8, 8), (4, 16, 16), "uint16", holes=False)
+    _zarr_array(tmp_path / "a.zarr", (4, 16, 16), (2, 8, 8), (4, 16, 16), "uint16", "zstd", holes=False)
     reader = ShardReader(tmp_path / "a.zarr", backend="cpu")
     plan = reader.plan(...)
     read = plan.reads[0]
