@@ -1,6 +1,6 @@
 """A recording's shard files read cold, buffered against O_DIRECT: rate and CPU per GB of file bytes.
 
-    python benchmarks/results/cpu_2core_reads_2026-11-27c/odirect_probe.py /var/tmp/abdisk/256k-4m.zarr
+python benchmarks/results/cpu_2core_reads_2026-11-27c/odirect_probe.py /var/tmp/abdisk/256k-4m.zarr
 """
 
 import mmap
