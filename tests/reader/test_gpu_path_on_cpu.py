@@ -69,5 +69,7 @@ def test_a_chunk_nvcomp_cannot_decode_is_named(tmp_path):
     first = read.start + int(read.offsets[0])
     raw[first : first + 4] = b"\0\0\0\0"  # the first chunk's zstd magic number
     shard.write_bytes(bytes(raw))
+    path = _gpu_path(reader)
     with pytest.raises(ChunkDecodeError, match="nvCOMP zstd decode failed"):
-        _gpu_path(reader).read(plan, device=False)
+        path.read(plan, device=False)
+    path.close()
