@@ -898,10 +898,11 @@ def test_read_ahead_decodes_on_its_own_thread_in_one_native_call_per_unit(tmp_pa
 
 
 def test_reads_with_many_decode_workers_decode_each_unit_in_one_native_call(tmp_path, monkeypatch):
-    """With RELEASED_DECODE_MIN_WORKERS decode threads or more and small chunks, a read decodes
-    each unit with the codec's batch call that holds no GIL for the whole unit (many threads
-    taking the GIL back after every chunk left most of them waiting); with fewer threads, or
-    chunks above RELEASED_DECODE_MAX_CHUNK_BYTES, chunk by chunk.  Same array."""
+    """With RELEASED_DECODE_MIN_WORKERS decode threads or more, or a read of at least
+    RELEASED_DECODE_MIN_READ_BYTES, and small chunks, a read decodes each unit with the codec's
+    batch call that holds no GIL for the whole unit (threads taking the GIL back after every chunk
+    left others waiting); a smaller read with fewer threads, or chunks above
+    RELEASED_DECODE_MAX_CHUNK_BYTES, chunk by chunk.  Same array."""
     from napari_tileshard.format.codecs import Zstd
     from napari_tileshard.reader import cpu
     from napari_tileshard.reader.cpu import RELEASED_DECODE_MIN_WORKERS
@@ -919,13 +920,15 @@ def test_reads_with_many_decode_workers_decode_each_unit_in_one_native_call(tmp_
             return original(self, *args, **kwargs)
 
         monkeypatch.setattr(Zstd, name, recorded)
-    many = RELEASED_DECODE_MIN_WORKERS
-    for workers, largest, expected in (
-        (1, cpu.RELEASED_DECODE_MAX_CHUNK_BYTES, "decode_chunks"),
-        (many, cpu.RELEASED_DECODE_MAX_CHUNK_BYTES, "decode_chunks_released"),
-        (many, 1024 - 1, "decode_chunks"),  # these chunks (1 KiB) counted as large
+    many, whole = RELEASED_DECODE_MIN_WORKERS, data.nbytes
+    for workers, largest, large_read, expected in (
+        (1, cpu.RELEASED_DECODE_MAX_CHUNK_BYTES, whole + 1, "decode_chunks"),
+        (1, cpu.RELEASED_DECODE_MAX_CHUNK_BYTES, whole, "decode_chunks_released"),  # a large read
+        (many, cpu.RELEASED_DECODE_MAX_CHUNK_BYTES, whole + 1, "decode_chunks_released"),
+        (many, 1024 - 1, whole, "decode_chunks"),  # these chunks (1 KiB) counted as large
     ):
         monkeypatch.setattr(cpu, "RELEASED_DECODE_MAX_CHUNK_BYTES", largest)
+        monkeypatch.setattr(cpu, "RELEASED_DECODE_MIN_READ_BYTES", large_read)
         calls.clear()
         with ShardReader(tmp_path / "a.zarr", backend="cpu", workers=workers) as reader:
             np.testing.assert_array_equal(reader.read(), data)

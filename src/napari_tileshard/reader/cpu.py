@@ -39,6 +39,11 @@ UNIT_BYTES = 8 << 20
 #: where the batch's own output buffer and its copy cost about what the GIL saves)
 RELEASED_DECODE_MIN_WORKERS = 4
 RELEASED_DECODE_MAX_CHUNK_BYTES = 128 << 10
+#: ... and so do reads of at least this many decoded bytes with fewer workers: two decode threads
+#: already wait for each other's GIL on 64 KiB chunks (2-core VM, whole 1 GiB reads: 1.07x the
+#: per-chunk path, 11 and 15 rounds), while napari's time-slider steps (a 16 MiB tile row) were
+#: slower with it (the batch's output buffer and copy: plugin p99 30 / 48 against 28 / 34 ms)
+RELEASED_DECODE_MIN_READ_BYTES = 256 << 20
 
 
 #: a decode unit: its box positions ``(first, stop)`` and its box ranges per dim
@@ -247,6 +252,10 @@ class CpuReadPath:
             reads_of[read.block].append(read)
         total = sum(b.box_chunks.size for b in plan.blocks) * self.chunk_bytes
         unit_bytes = int(min(UNIT_BYTES, max(self.chunk_bytes, total // (self.workers * 4) or 1)))
+        released = into_cache_only or (
+            self.chunk_bytes <= RELEASED_DECODE_MAX_CHUNK_BYTES
+            and (self.workers >= RELEASED_DECODE_MIN_WORKERS or total >= RELEASED_DECODE_MIN_READ_BYTES)
+        )
         fetched = reader._fetched(plan.reads)
         window = max(1, min(reader.max_read_bytes, FREE_BUFFER_BYTES // 2))
         pool = self._decode_pool() if self.workers > 1 and not into_cache_only else None
@@ -271,7 +280,7 @@ class CpuReadPath:
                 buffers = [next(fetched) for _ in reads_of[b]]
                 source = BlockSource(block, buffers, self.codec)
                 units = unit_boxes(block.box_shape, unit_bytes // self.chunk_bytes)
-                work = functools.partial(self._decode_unit, block, out, source, into_cache_only)
+                work = functools.partial(self._decode_unit, block, out, source, into_cache_only, released)
                 stats.add(cache_hits=len(block.cached))
                 if not source.present and (not block.cached or into_cache_only):
                     if not into_cache_only:  # no chunk of this block is stored: fill only
@@ -297,9 +306,12 @@ class CpuReadPath:
                 for future in futures:
                     future.cancel()
 
-    def _decode_unit(self, block: Block, out: np.ndarray, source: BlockSource, into_cache_only: bool, unit) -> None:
+    def _decode_unit(
+        self, block: Block, out: np.ndarray, source: BlockSource, into_cache_only: bool, released: bool, unit
+    ) -> None:
         """Decode the chunks of ``unit`` (``(first, stop)`` box positions and its box ranges)
-        into scratch and place them into ``out`` (the block's output), or only into the cache."""
+        into scratch and place them into ``out`` (the block's output), or only into the cache;
+        ``released``: in one GIL-free codec call (see RELEASED_DECODE_MIN_WORKERS)."""
         (first, stop), ranges = unit
         rows = stop - first
         in_cache = source.cached_rows(first, stop) if source.block.cached and not into_cache_only else None
@@ -320,9 +332,6 @@ class CpuReadPath:
             if scratch is None or scratch.shape[0] < rows:
                 scratch = self._local.scratch = output_pool().empty((rows, self.chunk_bytes), np.uint8)
             decoded = scratch[:rows]
-        released = into_cache_only or (
-            self.workers >= RELEASED_DECODE_MIN_WORKERS and self.chunk_bytes <= RELEASED_DECODE_MAX_CHUNK_BYTES
-        )
         source.decode(first, stop, decoded, self.fill_bytes, released=released)
         if places:
             assert self.cache is not None
