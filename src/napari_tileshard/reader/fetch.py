@@ -16,26 +16,27 @@ from ..format.shard_spec import ShardReadError, ShardSpec
 from ..storage._zarr_sync import sync
 from ..storage.safe_read import LocalFiles, StoreAccess
 from .memory import output_pool
+from .plan import Read
 from .stats import ReadStats
 
-__all__ = ["FREE_BUFFER_BYTES", "WILL_NEED_BYTES", "ReadBuffers", "StoreObjects", "prefetched"]
+__all__ = ["FREE_BUFFER_BYTES", "WILL_NEED_BYTES", "ReadBuffers", "StoreObjects", "hinted_ahead", "prefetched"]
 
 #: the most bytes of read buffers a reader keeps for reuse
 FREE_BUFFER_BYTES = 256 << 20
 
 #: how far (bytes) beyond the reads being fetched the OS is asked to read local files into its
 #: page cache (``posix_fadvise(WILLNEED)``; 0: never).  A disk serves one reader thread at a
-#: fraction of its rate: on the 2-core VM one thread read the recording's files at 0.66-0.76 GB/s
-#: and four at 1.06-1.10; with 16-64 MiB hinted ahead one thread read at 1.00-1.06.  Costs a
-#: system call per read (microseconds) where the pages are cached already.
+#: fraction of its rate: on the 2-core VM one thread read the recording's files at 0.61-0.76 GB/s
+#: and four at 1.06-1.28 (``bench_read.disk_ceiling``); the reader's own fetch from the evicted
+#: disk went from 0.89 / 0.93 to 1.00 / 1.15 GB/s with the hints (``read_probes.py fetch-cold``).
 WILL_NEED_BYTES = 64 << 20
 
 
 def _cached(fd: int, offset: int) -> bool:
     """Whether the byte at ``offset`` of ``fd`` is in the OS page cache: a one-byte read that may
     not wait for the disk (Linux's ``RWF_NOWAIT``; elsewhere: False, not known).  Asking the OS to
-    read ahead what it holds already walked the range's pages: 51 us per 2.3 MB read of a cached
-    disk file on the 2-core VM, against 8 us for this check."""
+    read ahead what it holds already walked the range's pages: a hint cost 51 us per 2.3 MB read
+    of a cached disk file on the 2-core VM, 16 us with this check first."""
     nowait = getattr(os, "RWF_NOWAIT", None)
     if nowait is None:
         return False
@@ -207,6 +208,29 @@ class ReadBuffers:
                 if self._free_bytes + base.size <= self.max_bytes:
                     self._free.append(base)
                     self._free_bytes += base.size
+
+
+def hinted_ahead(reads: list[Read], objects: StoreObjects) -> Iterator[Read]:
+    """A plan's ``reads`` in order; as each is taken (by the
+    prefetch, a few reads before it is decoded), the OS is asked to read the ones after it into
+    its page cache, up to ``WILL_NEED_BYTES`` ahead (:meth:`StoreObjects.will_need`): a disk then
+    has many requests in flight, not the prefetch threads' few."""
+    if not WILL_NEED_BYTES:
+        yield from reads
+        return
+    hinted = 0  # reads[:hinted] were hinted or taken
+    ahead = 0  # bytes of the reads hinted after the one being taken
+    for i, read in enumerate(reads):
+        if i < hinted:
+            ahead -= read.size  # hinted earlier; taken now
+        else:
+            hinted = i + 1
+        while hinted < len(reads) and ahead < WILL_NEED_BYTES:
+            later = reads[hinted]
+            objects.will_need(later.key, later.start, later.size)
+            ahead += later.size
+            hinted += 1
+        yield read
 
 
 def prefetched(

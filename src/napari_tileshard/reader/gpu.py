@@ -287,8 +287,9 @@ def block_params(plan: ReadPlan, chunk_shape, dim_offset: list[int]) -> tuple[np
     """The un-tiling kernel's parameters of every block of ``plan`` (row ``b`` for block ``b``,
     see ``UNTILE_SOURCE``) and each block's output rows (elements over the last dim's extent: one
     thread block of the kernel each), for all blocks at once: one Python pass over the blocks'
-    parts, the rest NumPy (per block, this took ~40 us: 44 ms of host time per read of 1,024
-    shards, on the path that feeds the device)."""
+    parts, the rest NumPy.  A call per block took 17 ms of host time for a 1 GiB read of 256
+    shards, on the thread that feeds the device; this 0.5 ms (2-core VM,
+    ``benchmarks/results/gpu_reads_2026-11-27/host_params.py``)."""
     ndim, count = len(plan.shape), len(plan.blocks)
     bounds = np.array([[(p.lo, p.hi, len(p.chunks)) for p in block.parts] for block in plan.blocks], np.int64)
     bounds = bounds.reshape(count, ndim, 3)
@@ -431,10 +432,10 @@ class GpuReadPath:
 
     def _buffer(self, role: str, nbytes: int):
         """A reused device buffer of at least ``nbytes`` (first ``nbytes`` returned).  One that
-        is too small is replaced, not freed: work in flight may still use it, and waiting for
-        the device here (as this once did) drained the pipeline at every batch of a ramp;
-        :meth:`_reserve` sizes the large ones for a whole read up front, and the replaced ones
-        are freed once the read's stream is done."""
+        is too small is replaced, not freed: work in flight may still use it.  This once waited
+        for the whole device instead, at every batch of a ramp whose batches grow (not measured
+        on a GPU since); :meth:`_reserve` sizes the large ones for a whole read up front, and the
+        replaced ones are freed once the read's stream is done."""
         buffer = self._device.get(role)
         if buffer is None or buffer.size < nbytes:  # type: ignore[attr-defined]
             if buffer is not None:
@@ -453,9 +454,9 @@ class GpuReadPath:
         staging = max(b.staging_bytes for b in batches)
         self._buffer("raw0", staging)
         self._buffer("raw1", staging)
-        realigned = [b for b in batches if self.align > 1 and np.any(b.chunk_src % self.align)]
-        if realigned:  # as _staging_for sizes it
-            self._buffer("packed", max(int(_aligned(b.chunk_nbytes, self.align).sum()) for b in realigned))
+        packed = [self._packed_bytes(b) for b in batches]
+        if any(packed):
+            self._buffer("packed", max(packed))
         counts = [b.chunks for b in batches if b.chunks]  # a batch of absent chunks only calls no decoder
         if self.algorithm is not None and counts:
             self._buffer("temp", max(self._temp_bytes(n) for n in set(counts)))
@@ -539,13 +540,21 @@ class GpuReadPath:
         self.reader.stats.add(chunks_decoded=n, bytes_decoded=n * chunk_bytes)
         return check
 
+    def _packed_bytes(self, batch: DeviceBatch) -> int:
+        """Bytes of the "packed" copy of the batch's chunks that nvCOMP's input alignment needs
+        (0: the chunks are aligned where they were read)."""
+        if self.align > 1 and np.any(batch.chunk_src % self.align):
+            return int(_aligned(batch.chunk_nbytes, self.align).sum())
+        return 0
+
     def _staging_for(self, batch: DeviceBatch, raw):
         """Where nvCOMP reads the batch's chunks: (device bytes, per-chunk offsets).  ``raw`` as
         read, or the "packed" buffer when nvCOMP's input alignment needs the chunks moved."""
-        if self.align > 1 and np.any(batch.chunk_src % self.align):
+        packed = self._packed_bytes(batch)
+        if packed:
             aligned = _aligned(batch.chunk_nbytes, self.align)
             starts = np.concatenate([[0], np.cumsum(aligned)[:-1]]).astype(np.int64)
-            return self._buffer("packed", int(aligned.sum())), starts
+            return self._buffer("packed", packed), starts
         return raw, batch.chunk_src
 
     def _nvcomp_tables(self, batch: DeviceBatch, staged, starts: np.ndarray, pool):

@@ -31,10 +31,9 @@ import numpy as np
 
 from ..format.shard_spec import ShardIndex, ShardSpec, UnsupportedArray
 from ..storage.safe_read import StoreAccess
-from . import fetch as fetch_module
 from .cache import ChunkCache, IndexCache
 from .cpu import CpuReadPath
-from .fetch import ReadBuffers, StoreObjects, prefetched
+from .fetch import ReadBuffers, StoreObjects, hinted_ahead, prefetched
 from .gpu import GpuReadPath, gpu_read_unavailable_reason
 from .lazy import LazySelection
 from .levels import open_array
@@ -509,32 +508,12 @@ class ShardReader:
         """``(read, buffer)`` in order, ``prefetch`` reads fetched ahead (by ``fetch``, default
         :meth:`_fetch`): :func:`~napari_tileshard.reader.fetch.prefetched`.  The plan's reads
         (``fetch`` None) of a local store come with hints to the OS beyond those
-        (:meth:`_hinting_ahead`)."""
+        (:func:`~napari_tileshard.reader.fetch.hinted_ahead`)."""
         if self.prefetch and self._io is None:
             self._io = ThreadPoolExecutor(min(8, self.prefetch), thread_name_prefix="tileshard-read")
-        if fetch is None and self._objects.local and fetch_module.WILL_NEED_BYTES and len(reads) > self.prefetch + 1:
-            reads = self._hinting_ahead(reads)
+        if fetch is None and self._objects.local and len(reads) > self.prefetch + 1:
+            reads = hinted_ahead(reads, self._objects)
         return prefetched(reads, fetch or self._fetch, self.prefetch, self._io)
-
-    def _hinting_ahead(self, reads: list[Read]) -> Iterator[Read]:
-        """``reads`` in order; as each is taken (by the prefetch, ``prefetch`` reads before it is
-        decoded), the OS is asked to read the ones after it into its page cache, up to
-        ``WILL_NEED_BYTES`` ahead: a disk then has many requests in flight, not the prefetch
-        threads' few (:meth:`StoreObjects.will_need`)."""
-        window = fetch_module.WILL_NEED_BYTES
-        hinted = 0  # reads[:hinted] were hinted or taken
-        ahead = 0  # bytes of the reads hinted after the one being taken
-        for i, read in enumerate(reads):
-            if i < hinted:
-                ahead -= read.size  # hinted earlier; taken now
-            else:
-                hinted = i + 1
-            while hinted < len(reads) and ahead < window:
-                later = reads[hinted]
-                self._objects.will_need(later.key, later.start, later.size)
-                ahead += later.size
-                hinted += 1
-            yield read
 
     def _cpu_path(self) -> CpuReadPath:
         if self._cpu is None:
