@@ -2,7 +2,7 @@
 whichever ``block_params`` the source tree on ``PYTHONPATH`` has (the code before: one call per
 block, plus ``batch_rows``; now: every block in one call).  NumPy only, no GPU needed.
 
-    PYTHONPATH=<src> python benchmarks/results/gpu_reads_2026-11-27/host_params.py /dev/shm/tileshard-ab-read/64k-4m.zarr
+    PYTHONPATH=<src> python benchmarks/results/gpu_reads_2026-11-27/host_params.py 64k-4m.zarr 1m-16m.zarr
 """
 
 import inspect
@@ -21,7 +21,7 @@ for path in sys.argv[1:]:
     for _ in range(5):
         started = time.perf_counter()
         if per_block:  # the code before: what _decode_and_place called per batch, for every block
-            for b, block in enumerate(plan.blocks):
+            for block in plan.blocks:
                 gpu.block_params(plan, block, reader.chunk_shape, dim_offset)
             for batch in gpu.plan_batches(plan, reader.chunk_bytes, 1 << 62, 1 << 62):
                 gpu.batch_rows(plan, batch)
