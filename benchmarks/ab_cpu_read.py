@@ -11,7 +11,8 @@ Engines: ``ts`` (tensorstore, zarr3 driver on the file kvstore), ``zarr`` (zarr-
 variants of ours, ``name=KEY=value,...``: ``KEY`` an UPPER-case switch of
 :mod:`napari_tileshard.reader.cpu` (``fetch.NAME``, ``memory.NAME``, ``codecs.NAME``: of those
 modules), ``pool_bytes=N`` (the output pool's cap for this variant, 0: fresh output memory, as
-``TILESHARD_POOL_BYTES=0``), or a lower-case ``ShardReader`` keyword (``workers=1``); ``ours=``
+``TILESHARD_POOL_BYTES=0``), ``switchinterval=S`` (the interpreter's GIL switch interval for
+this variant's reads), or a lower-case ``ShardReader`` keyword (``workers=1``); ``ours=``
 is the default reader.  A variant
 ``name@/path/to/src`` is our reader from another source tree, run in a subprocess that reads
 the array once per round (for A/B of code versions; then every engine runs in a subprocess,
@@ -28,6 +29,7 @@ import argparse
 import importlib
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -78,6 +80,10 @@ def read_once(engine: str, path: Path, switches: dict, keywords: dict, repeat: i
     """Best-of-``repeat`` whole read by one engine in this process: seconds, CPU seconds, bytes."""
     keywords = dict(keywords)
     pool_bytes = keywords.pop("pool_bytes", None)
+    switch_interval = keywords.pop("switchinterval", None)
+    saved_interval = sys.getswitchinterval()
+    if switch_interval is not None:
+        sys.setswitchinterval(switch_interval)
     saved = {key: getattr(*_place(key)) for key in switches}
     for key, value in switches.items():
         setattr(*_place(key), type(saved[key])(value))
@@ -106,9 +112,11 @@ def read_once(engine: str, path: Path, switches: dict, keywords: dict, repeat: i
             read, close = reader.read, reader.close
         best = None
         for _ in range(repeat):
+            usage0 = resource.getrusage(resource.RUSAGE_SELF)
             cpu0, wall0 = time.process_time(), time.perf_counter()
             out = read()
             row = {"s": time.perf_counter() - wall0, "cpu_s": time.process_time() - cpu0, "bytes": out.nbytes}
+            row.update(usage_since(usage0))
             del out
             if best is None or row["s"] < best["s"]:
                 best = row
@@ -117,10 +125,23 @@ def read_once(engine: str, path: Path, switches: dict, keywords: dict, repeat: i
         assert best is not None
         return best
     finally:
+        sys.setswitchinterval(saved_interval)
         for key, value in saved.items():
             setattr(*_place(key), value)
         if pool_bytes is not None:
             memory.set_output_pool(saved_pool)
+
+
+def usage_since(before) -> dict:
+    """Page faults and context switches of this process since ``before`` (``getrusage``): the
+    kernel's share of a read (fresh pages zeroed) and how often its threads waited (the GIL,
+    locks, queues: voluntary switches) or were preempted (involuntary)."""
+    now = resource.getrusage(resource.RUSAGE_SELF)
+    return {
+        "minflt": now.ru_minflt - before.ru_minflt,
+        "nvcsw": now.ru_nvcsw - before.ru_nvcsw,
+        "nivcsw": now.ru_nivcsw - before.ru_nivcsw,
+    }
 
 
 def read_in_subprocess(engine: str, path: Path, switches: dict, keywords: dict, repeat: int, source) -> dict:
@@ -259,7 +280,13 @@ def main(argv=None) -> int:
         for engine in engines:
             line.append(
                 f"{engine} {statistics.median(gb / x['s'] for x in runs[engine]):.2f} GB/s "
-                f"{statistics.median(x['cpu_s'] / gb for x in runs[engine]):.2f} CPU-s/GB;"
+                f"{statistics.median(x['cpu_s'] / gb for x in runs[engine]):.2f} CPU-s/GB"
+                + (
+                    f" {statistics.median(x['minflt'] / gb for x in runs[engine]):.0f} faults/GB"
+                    f" {statistics.median(x['nvcsw'] / gb for x in runs[engine]):.0f} waits/GB;"
+                    if all("minflt" in x for x in runs[engine])
+                    else ";"
+                )
             )
         for reference in engines[:1] + engines[1:2] * (len(engines) > 2):
             for engine in engines:

@@ -6,7 +6,8 @@ per round (pairwise), then median (min-max) over the rounds.  A variant sets swi
 :mod:`napari_tileshard.engine.backends.cpu` (UPPER-case names; ``staging.NAME``: of
 :mod:`napari_tileshard.engine.staging`, e.g. ``staging._PARALLEL_COPY_BYTES=1099511627776``;
 ``collector.NAME`` likewise) and ``Writer`` keywords (lower-case, e.g. ``batch_bytes=16777216``
-or ``io_dispatch=pull``); ``base`` with nothing set is the default.  The clock runs from
+or ``io_dispatch=pull``; ``switchinterval=0.0005``: the interpreter's, for this
+variant's runs); ``base`` with nothing set is the default.  The clock runs from
 ``Writer()`` (tensorstore: ``ts.open``) to ``close()`` as ``bench_write.py --clock user``;
 CPU-s/GB is the process's CPU time over the same span, and ``append`` the part of it on the
 caller's thread and the staging copy's helpers (tensorstore: the harness's copy of frames into
@@ -88,6 +89,9 @@ def run_ours(camera, frames, layout, out, level, switches, keywords) -> tuple[fl
     saved = {key: getattr(*place(key)) for key in switches}
     for key, value in switches.items():
         setattr(*place(key), type(saved[key])(value))
+    keywords = dict(keywords)
+    saved_interval = sys.getswitchinterval()
+    sys.setswitchinterval(keywords.pop("switchinterval", saved_interval))
     try:
         shutil.rmtree(out, ignore_errors=True)
         before = thread_cpu_seconds()
@@ -103,6 +107,7 @@ def run_ours(camera, frames, layout, out, level, switches, keywords) -> tuple[fl
             append = sum(s - before.get(tid, 0.0) for tid, s in thread_cpu_seconds().items() if tid in appending)
         return time.perf_counter() - wall0, time.process_time() - cpu0, append
     finally:
+        sys.setswitchinterval(saved_interval)
         for key, value in saved.items():
             setattr(*place(key), value)
         shutil.rmtree(out, ignore_errors=True)

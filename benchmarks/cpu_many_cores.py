@@ -14,7 +14,7 @@ For each layout (2048² uint16 frames of ``SyntheticCamera``, zstd level 1, stor
   own threads.  Beside them libzstd level 1 on the same tiles, contiguous in memory: one thread,
   and ``--threads`` threads at once (each compressing its share, the GIL released).
 * **read**: the whole array by ``ShardReader(backend="cpu")`` and by tensorstore; ours split into
-  ``plan`` (the caller's thread: plan, orchestration), ``fetch`` (the prefetch threads' reads),
+  ``plan`` (the caller's thread: plan, orchestration), ``fetch`` (the store reads, timed where they run),
   ``decode`` and ``untile`` (timed inside the decode threads), ``decode-other``; the first read
   (fresh output memory) apart from the later ones (the output pool's memory); libzstd's decode of
   the same chunks, one thread and ``--threads`` threads at once (``bench_read.decode_ceiling``).
@@ -163,7 +163,8 @@ def read_ours(path: Path, repeat: int) -> dict:
     clock = StageClock()
     clock.wrap(cpu_reader.BlockSource, "decode", "decode")
     clock.wrap(cpu_reader, "untile_into", "untile")
-    groups = {"MainThread": "plan", "tileshard-read": "fetch", "tileshard-decode": "decode-threads"}
+    clock.wrap(ShardReader, "_fetch", "fetch")  # on the prefetch threads, or in the decode tasks
+    groups = {"MainThread": "plan", "tileshard-read": "prefetch-threads", "tileshard-decode": "decode-threads"}
     rows = []
     try:
         with ShardReader(path, backend="cpu") as reader:
@@ -180,12 +181,17 @@ def read_ours(path: Path, repeat: int) -> dict:
                     per_group[group] += seconds - before.get(tid, 0.0)
                 gb = out.nbytes / 1e9
                 del out
+                # reads fetched in the decode tasks count as fetch, not as the decode threads' other work
+                fetch_in_tasks = max(0.0, clock.seconds["fetch"] - per_group["prefetch-threads"])
                 stages = {
                     "plan": per_group["plan"],
-                    "fetch": per_group["fetch"],
+                    "fetch": per_group["prefetch-threads"] + fetch_in_tasks,
                     "decode": clock.seconds["decode"],
                     "untile": clock.seconds["untile"],
-                    "decode-other": per_group["decode-threads"] - clock.seconds["decode"] - clock.seconds["untile"],
+                    "decode-other": per_group["decode-threads"]
+                    - clock.seconds["decode"]
+                    - clock.seconds["untile"]
+                    - fetch_in_tasks,
                 }
                 rows.append(
                     {"gbps": gb / wall, "cpu_s_per_gb": cpu / gb, "stages": {k: v / gb for k, v in stages.items()}}

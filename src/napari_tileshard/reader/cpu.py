@@ -16,7 +16,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from itertools import product
 
 import numpy as np
@@ -44,6 +44,8 @@ RELEASED_DECODE_MAX_CHUNK_BYTES = 128 << 10
 #: per-chunk path, 11 and 15 rounds), while napari's time-slider steps (a 16 MiB tile row) were
 #: slower with it (the batch's output buffer and copy: plugin p99 30 / 48 against 28 / 34 ms)
 RELEASED_DECODE_MIN_READ_BYTES = 256 << 20
+#: with a decode pool, each block's task fetches its own reads (see CpuReadPath.blocks)
+FETCH_IN_DECODE_TASKS = True
 
 
 #: a decode unit: its box positions ``(first, stop)`` and its box ranges per dim
@@ -206,6 +208,37 @@ class BlockSource:
                 raise ChunkDecodeError(self.block.key, chunk, str(exc)) from None
 
 
+class _BlockTask:
+    """One block read on the decode pool: its output, its reads, and ``done`` (a Future) once
+    every unit of it is decoded or one failed; the last unit to finish recycles its buffers."""
+
+    def __init__(self, block: Block, out: np.ndarray, reads: list[Read]):
+        self.block, self.out, self.reads = block, out, reads
+        self.nbytes = sum(read.size for read in reads)
+        self.buffers: list[np.ndarray] = []
+        self.remaining = 0
+        self.error: BaseException | None = None
+        self.done: Future = Future()
+        self._lock = threading.Lock()
+
+    def unit_done(self, reader, error: BaseException | None) -> None:
+        with self._lock:
+            self.remaining -= 1
+            if error is not None and self.error is None:
+                self.error = error
+            last = self.remaining == 0
+        if last:
+            self.finish(reader, self.error)
+
+    def finish(self, reader, error: BaseException | None) -> None:
+        reader._recycle(self.buffers)
+        self.buffers = []
+        if error is None:
+            self.done.set_result(None)
+        else:
+            self.done.set_exception(error)
+
+
 class CpuReadPath:
     """Reads plans on the CPU for one :class:`~napari_tileshard.reader.shard_reader.ShardReader`
     (its reads fetched with prefetch through the reader, its chunk geometry, codec, cache and
@@ -240,24 +273,116 @@ class CpuReadPath:
         the caller's reads, and the GIL is taken back a few times per unit, not per chunk, beside
         napari drawing.
 
-        A block's reads are fetched (with prefetch), then its units go to the decode pool
-        (:meth:`_decode_unit`).  Compressed bytes in flight stay within ``max_read_bytes`` and half
-        the recycled read buffers (at least one block), so a whole-array read holds at most that
-        much compressed data and reuses its read buffers instead of allocating fresh ones (no
-        measurable change in speed on the 16-core H100 host)."""
-        reader, stats = self.reader, self.stats
+        With a decode pool, each block is one task there that fetches its reads and decodes its
+        first unit, its other units then queued as tasks of their own (:meth:`_start_block`):
+        reads are fetched by as many threads as decode, and the calling thread only queues
+        blocks and waits for them.  On one thread (``workers=1``, the read-ahead) a block's
+        reads are fetched ahead (``prefetch``) while the one before is decoded.
+
+        Compressed bytes in flight stay within ``max_read_bytes`` and half the recycled read
+        buffers (at least one block), so a whole-array read holds at most that much compressed
+        data and reuses its read buffers instead of allocating fresh ones."""
         into_cache_only = target is None
-        reads_of: list[list[Read]] = [[] for _ in plan.blocks]
-        for read in plan.reads:
-            reads_of[read.block].append(read)
         total = sum(b.box_chunks.size for b in plan.blocks) * self.chunk_bytes
-        unit_bytes = int(min(UNIT_BYTES, max(self.chunk_bytes, total // (self.workers * 4) or 1)))
         released = into_cache_only or (
             self.chunk_bytes <= RELEASED_DECODE_MAX_CHUNK_BYTES
             and (self.workers >= RELEASED_DECODE_MIN_WORKERS or total >= RELEASED_DECODE_MIN_READ_BYTES)
         )
+        rows = int(min(UNIT_BYTES, max(self.chunk_bytes, total // (self.workers * 4) or 1))) // self.chunk_bytes
+        reads_of: list[list[Read]] = [[] for _ in plan.blocks]
+        for read in plan.reads:
+            reads_of[read.block].append(read)
+        window = max(1, min(self.reader.max_read_bytes, FREE_BUFFER_BYTES // 2))
+        if self.workers > 1 and not into_cache_only and FETCH_IN_DECODE_TASKS:
+            yield from self._blocks_on_pool(plan, target, reads_of, rows, released, window)
+        else:
+            yield from self._blocks_in_turn(plan, target, reads_of, rows, released, window)
+
+    def _blocks_on_pool(self, plan: ReadPlan, target, reads_of, rows: int, released: bool, window: int):
+        """:meth:`blocks` with a decode pool: a task per block, queued up to ``window``
+        compressed bytes ahead of the block the caller waits for."""
+        reader, pool = self.reader, self._decode_pool()
+        hinted = reader._hinted(plan.reads)
+        pending: list[tuple[_BlockTask, Future]] = []
+        in_flight = 0
+
+        def finish() -> tuple[Block, np.ndarray]:
+            nonlocal in_flight
+            task, _ = pending.pop(0)
+            started = time.perf_counter()
+            task.done.result()
+            self.stats.add(decode_seconds=time.perf_counter() - started)
+            in_flight -= task.nbytes
+            return task.block, task.out
+
+        try:
+            for b, block in enumerate(plan.blocks):
+                for _ in reads_of[b]:
+                    next(hinted)  # the OS is asked for local reads beyond these as they are queued
+                task = _BlockTask(block, target(block), reads_of[b])
+                pending.append((task, pool.submit(self._start_block, task, rows, released)))
+                in_flight += task.nbytes
+                while pending and (in_flight > window or pending[0][0].done.done()):
+                    yield finish()
+            while pending:
+                yield finish()
+        finally:
+            for _, head in pending:
+                head.cancel()
+
+    def _start_block(self, task: _BlockTask, rows: int, released: bool) -> None:
+        """A block's task on the decode pool: fetch its reads, queue its units after the first
+        (:meth:`_finish_unit` each) and decode the first here."""
+        block, reader = task.block, self.reader
+        try:
+            buffers: list[np.ndarray] = []
+            try:
+                for read in task.reads:
+                    buffers.append(reader._fetch(read))
+            except BaseException:
+                reader._recycle(buffers)
+                raise
+            task.buffers = buffers
+            source = BlockSource(block, list(zip(task.reads, buffers)), self.codec)
+            self.stats.add(
+                cache_hits=len(block.cached),
+                chunks_decoded=source.present,
+                bytes_decoded=source.present * self.chunk_bytes,
+            )
+            units = unit_boxes(block.box_shape, rows)
+            if not source.present and not block.cached:  # no chunk of this block is stored: fill only
+                task.out[...] = reader.fill_value
+                units = ()
+        except BaseException as exc:
+            task.finish(reader, exc)
+            return
+        if not units:
+            task.finish(reader, None)
+            return
+        task.remaining = len(units)
+        work = functools.partial(self._finish_unit, task, source, released)
+        for unit in units[1:]:
+            try:
+                self._decode_pool().submit(work, unit)
+            except RuntimeError:  # the pool is shutting down: this thread decodes the rest
+                work(unit)
+        work(units[0])
+
+    def _finish_unit(self, task: _BlockTask, source: BlockSource, released: bool, unit) -> None:
+        error = None
+        try:
+            self._decode_unit(task.block, task.out, source, False, released, unit)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller through the block
+            error = exc
+        task.unit_done(self.reader, error)
+
+    def _blocks_in_turn(self, plan: ReadPlan, target, reads_of, rows: int, released: bool, window: int):
+        """:meth:`blocks` on the calling thread, or with a decode pool when reads must not be
+        fetched by the decode tasks (``FETCH_IN_DECODE_TASKS`` off): each block's reads fetched
+        ahead (``prefetch``), its units decoded here or queued on the pool."""
+        reader, stats = self.reader, self.stats
+        into_cache_only = target is None
         fetched = reader._fetched(plan.reads)
-        window = max(1, min(reader.max_read_bytes, FREE_BUFFER_BYTES // 2))
         pool = self._decode_pool() if self.workers > 1 and not into_cache_only else None
         nothing = np.empty(0, dtype=self.reader.dtype)
         pending: list[tuple[Block, np.ndarray, list, int, list]] = []
@@ -279,7 +404,7 @@ class CpuReadPath:
                 out = nothing if target is None else target(block)
                 buffers = [next(fetched) for _ in reads_of[b]]
                 source = BlockSource(block, buffers, self.codec)
-                units = unit_boxes(block.box_shape, unit_bytes // self.chunk_bytes)
+                units = unit_boxes(block.box_shape, rows)
                 work = functools.partial(self._decode_unit, block, out, source, into_cache_only, released)
                 stats.add(cache_hits=len(block.cached))
                 if not source.present and (not block.cached or into_cache_only):

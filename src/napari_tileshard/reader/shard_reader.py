@@ -511,9 +511,14 @@ class ShardReader:
         (:func:`~napari_tileshard.reader.fetch.hinted_ahead`)."""
         if self.prefetch and self._io is None:
             self._io = ThreadPoolExecutor(min(8, self.prefetch), thread_name_prefix="tileshard-read")
-        if fetch is None and self._objects.local and len(reads) > self.prefetch + 1:
-            reads = hinted_ahead(reads, self._objects)
+        if fetch is None and len(reads) > self.prefetch + 1:
+            reads = self._hinted(reads)
         return prefetched(reads, fetch or self._fetch, self.prefetch, self._io)
+
+    def _hinted(self, reads) -> Iterator:
+        """A plan's ``reads`` in order, local ones with hints to the OS beyond each one taken
+        (:func:`~napari_tileshard.reader.fetch.hinted_ahead`)."""
+        return hinted_ahead(reads, self._objects) if self._objects.local else iter(reads)
 
     def _cpu_path(self) -> CpuReadPath:
         if self._cpu is None:

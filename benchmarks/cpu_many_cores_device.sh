@@ -1,0 +1,114 @@
+#!/usr/bin/env bash
+# The CPU paths on a many-core host (the GPU machine's 16 cores) in one call: interleaved A/Bs of
+# reads and writes against tensorstore with variants of ours, where threads wait and who holds
+# the GIL (py-spy), the table of every layout against tensorstore and libzstd with per-stage CPU
+# (cpu_many_cores.py), and the GPU tests.  Logs and JSON under $OUT.
+#
+#   run(command="bash benchmarks/cpu_many_cores_device.sh", carry=[".kit/site.tar.xz", ".kit/pyspy.xz"])
+#   bash benchmarks/cpu_many_cores_device.sh --quick     # small, on any machine
+#
+# Knobs: PARTS (readab,writeab,profile,table,gputests), GIB (2), ROUNDS (5), READ_TILES
+# (64k-4m,256k-4m,1m-16m), WRITE_TILES (64k-d2,256k-d2,1m-d8,default), READ_VARIANTS and
+# WRITE_VARIANTS (space-separated --variant values of ab_cpu_read.py / ab_cpu_write.py),
+# TABLE_GIB (2), TABLE_ROUNDS (3), LIMIT_S (570: the whole call; a part that cannot finish in
+# what is left is skipped and says so).  Each part runs under its own `timeout`.
+set -uo pipefail
+root=$(pwd)
+QUICK=0
+[ "${1:-}" = --quick ] && QUICK=1
+OUT=${OUT:-$root/.cpu_many_out}
+mkdir -p "$OUT"
+LIMIT_S=${LIMIT_S:-570}
+PARTS=${PARTS:-readab,writeab,profile,table,gputests}
+PARTS_LOG=$OUT
+# shellcheck source=device_parts.sh
+source benchmarks/device_parts.sh
+export PYTHONUNBUFFERED=1
+site=""
+if [ $QUICK = 0 ] && [ -f .kit/site.tar.xz ]; then # Python 3.12 wheels the GPU machine lacks
+  mkdir -p /tmp/site && tar -xJf .kit/site.tar.xz -C /tmp/site && site=/tmp/site:
+fi
+export PYTHONPATH=${site}$root/src
+SPY=""
+if [ -f .kit/pyspy.xz ]; then
+  xz -dc .kit/pyspy.xz >/tmp/py-spy && chmod +x /tmp/py-spy && SPY=/tmp/py-spy
+fi
+GIB=${GIB:-2}
+ROUNDS=${ROUNDS:-5}
+TABLE_GIB=${TABLE_GIB:-2}
+TABLE_ROUNDS=${TABLE_ROUNDS:-3}
+READ_TILES=${READ_TILES:-64k-4m,256k-4m,1m-16m}
+WRITE_TILES=${WRITE_TILES:-64k-d2,256k-d2,1m-d8,default}
+READ_VARIANTS=${READ_VARIANTS:-new= old=FETCH_IN_DECODE_TASKS=0 new_si=switchinterval=0.0005 new_rel=RELEASED_DECODE_MAX_CHUNK_BYTES=1048576}
+WRITE_VARIANTS=${WRITE_VARIANTS:-base= st3=staging_buffers=3 si=switchinterval=0.0005 t24=threads=24}
+quick=()
+if [ $QUICK = 1 ]; then
+  GIB=0.125
+  ROUNDS=2
+  TABLE_GIB=0.125
+  TABLE_ROUNDS=1
+  quick=(--quick)
+fi
+DIR=/dev/shm/tileshard-many
+{
+  nproc
+  lscpu | grep -E "Model name|Thread|Core|Socket|NUMA node\(s\)|L3" || true
+  python3 -c "import sys, numpy, zstandard; print(sys.version.split()[0], 'numpy', numpy.__version__, 'zstandard', zstandard.__version__)"
+  free -g | head -2
+} >"$OUT/info.txt" 2>&1
+cat "$OUT/info.txt"
+variants() { for v in $1; do printf -- '--variant %s ' "$v"; done; }
+
+# 1. Reads: every variant against tensorstore, interleaved; outputs checked against zarr-python.
+if want readab 150; then
+  # shellcheck disable=SC2046
+  timeout 100 python3 benchmarks/ab_cpu_read.py --tiles "$READ_TILES" --gib 0.0625 --rounds 1 --dir "$DIR-check" \
+    $(variants "$READ_VARIANTS") --check 2>&1 | grep -E "exact|Error|error" | tee "$OUT/read_check.log"
+  rm -rf "$DIR-check"
+  # shellcheck disable=SC2046
+  timeout $(($(left) - 30)) python3 benchmarks/ab_cpu_read.py --tiles "$READ_TILES" --gib "$GIB" --rounds "$ROUNDS" \
+    --dir "$DIR-read" $(variants "$READ_VARIANTS") --out "$OUT/read_ab.json" 2>&1 | tee "$OUT/read_ab.log"
+fi
+
+# 2. Writes: every variant against tensorstore, interleaved, on the user's clock.
+if want writeab 150; then
+  # shellcheck disable=SC2046
+  timeout $(($(left) - 30)) python3 benchmarks/ab_cpu_write.py --tiles "$WRITE_TILES" --gib "$GIB" --rounds "$ROUNDS" \
+    --out "$DIR-write" $(variants "$WRITE_VARIANTS") 2>&1 | tee "$OUT/write_ab.log"
+  rm -rf "$DIR-write"
+fi
+
+# 3. Where the threads of a 64 KiB-chunk read and write wait (--idle) and who holds the GIL
+#    (--gil), the default code (raw py-spy stacks, xz).
+if [ -n "$SPY" ] && want profile 90; then
+  first=$(ls -d "$DIR-read"/64k-4m.zarr 2>/dev/null | head -1)
+  if [ -n "$first" ]; then
+    for how in idle gil; do
+      timeout 40 "$SPY" record --"$how" --rate 200 --format raw -o "$OUT/read64k_$how.txt" -- \
+        python3 benchmarks/ab_cpu_read.py --path "$first" --rounds 10 --no-tensorstore --variant ours= \
+        >"$OUT/read64k_$how.log" 2>&1
+    done
+  fi
+  for how in idle gil; do
+    timeout 40 "$SPY" record --"$how" --rate 200 --format raw -o "$OUT/write64k_$how.txt" -- \
+      python3 benchmarks/ab_cpu_write.py --tiles 64k-d2 --gib "$GIB" --rounds 3 --no-tensorstore \
+      --variant base= --out "$DIR-write" >"$OUT/write64k_$how.log" 2>&1
+  done
+  rm -rf "$DIR-write"
+  for f in "$OUT"/*_idle.txt "$OUT"/*_gil.txt; do [ -f "$f" ] && xz -9 "$f"; done
+fi
+rm -rf "$DIR-read"
+
+# 4. The table: every layout, reads and writes, against tensorstore and libzstd, per-stage CPU.
+if want table 200; then
+  timeout $(($(left) - 20)) python3 benchmarks/cpu_many_cores.py --gib "$TABLE_GIB" --rounds "$TABLE_ROUNDS" \
+    --dir "$DIR-table" --out "$OUT/table.json" "${quick[@]}" 2>&1 | tee "$OUT/table.log"
+  rm -rf "$DIR-table"
+fi
+
+# 5. The GPU tests (the GPU code paths this host also runs).
+if [ $QUICK = 0 ] && want gputests 200; then
+  timeout $(($(left) - 10)) python3 -m pytest -m gpu -q -p no:cacheprovider -x tests 2>&1 | tail -40 >"$OUT/pytest_gpu.log"
+  tail -3 "$OUT/pytest_gpu.log"
+fi
+echo "# done at ${SECONDS} s"
