@@ -8,7 +8,7 @@
 #   bash benchmarks/cpu_many_cores_device.sh --quick     # small, on any machine
 #
 # Knobs: PARTS (readab,writeab,profile,table,gputests), GIB (2), ROUNDS (5), READ_TILES
-# (64k-4m,256k-4m,1m-16m), WRITE_TILES (64k-d2,256k-d2,1m-d8,default), READ_VARIANTS and
+# (64k-4m,256k-4m,1m-16m), WRITE_TILES (64k-d2,default), READ_VARIANTS and
 # WRITE_VARIANTS (space-separated --variant values of ab_cpu_read.py / ab_cpu_write.py),
 # TABLE_GIB (2), TABLE_ROUNDS (3), LIMIT_S (570: the whole call; a part that cannot finish in
 # what is left is skipped and says so).  Each part runs under its own `timeout`.
@@ -38,9 +38,9 @@ ROUNDS=${ROUNDS:-5}
 TABLE_GIB=${TABLE_GIB:-2}
 TABLE_ROUNDS=${TABLE_ROUNDS:-3}
 READ_TILES=${READ_TILES:-64k-4m,256k-4m,1m-16m}
-WRITE_TILES=${WRITE_TILES:-64k-d2,256k-d2,1m-d8,default}
-READ_VARIANTS=${READ_VARIANTS:-new= old=FETCH_IN_DECODE_TASKS=0 new_si=switchinterval=0.0005 new_rel=RELEASED_DECODE_MAX_CHUNK_BYTES=1048576}
-WRITE_VARIANTS=${WRITE_VARIANTS:-base= st3=staging_buffers=3 si=switchinterval=0.0005 t24=threads=24}
+WRITE_TILES=${WRITE_TILES:-64k-d2,default}
+READ_VARIANTS=${READ_VARIANTS:-ours= rel1m=RELEASED_DECODE_MAX_CHUNK_BYTES=1048576 unit2m=UNIT_BYTES=2097152,RELEASED_DECODE_MAX_CHUNK_BYTES=1048576 prefetch=FETCH_IN_DECODE_TASKS=0}
+WRITE_VARIANTS=${WRITE_VARIANTS:-ours= pull=io_dispatch=pull io2=io_threads=2 st3=staging_buffers=3 si=switchinterval=0.0005 t12=threads=12}
 quick=()
 if [ $QUICK = 1 ]; then
   GIB=0.125
@@ -102,7 +102,8 @@ rm -rf "$DIR-read"
 # 4. The table: every layout, reads and writes, against tensorstore and libzstd, per-stage CPU.
 if want table 200; then
   timeout $(($(left) - 20)) python3 benchmarks/cpu_many_cores.py --gib "$TABLE_GIB" --rounds "$TABLE_ROUNDS" \
-    --dir "$DIR-table" --out "$OUT/table.json" "${quick[@]}" 2>&1 | tee "$OUT/table.log"
+    --dir "$DIR-table" --out "$OUT/table.json" "${quick[@]}" >"$OUT/table.log" 2>&1
+  grep -v '^{' "$OUT/table.log"
   rm -rf "$DIR-table"
 fi
 
@@ -112,3 +113,8 @@ if [ $QUICK = 0 ] && want gputests 200; then
   tail -3 "$OUT/pytest_gpu.log"
 fi
 echo "# done at ${SECONDS} s"
+cat "$OUT"/info.txt "$OUT"/parts.txt "$OUT"/skipped.txt "$OUT"/read_check.log "$OUT"/read_ab.log "$OUT"/write_ab.log \
+  "$OUT"/pytest_gpu.log 2>/dev/null >"$OUT/summary.txt"
+grep -v '^{' "$OUT/table.log" >>"$OUT/summary.txt" 2>/dev/null
+# one file back (a call brings back only a few): every log, JSON and profile
+(cd "$OUT" && tar -cJf all.tar.xz --exclude=all.tar.xz ./* && find . -type f ! -name all.tar.xz ! -name summary.txt -delete)

@@ -912,11 +912,11 @@ def test_reads_with_many_decode_workers_decode_each_unit_in_one_native_call(tmp_
     with Writer(tmp_path / "a.zarr", layout, backend="cpu", codec="zstd") as writer:
         writer.append(data)
     calls: list[str] = []
-    for name in ("decode_chunks", "decode_chunks_released"):
+    for name in ("decode_chunks", "decode_chunks_released", "decoded_chunks_released"):
         original = getattr(Zstd, name)
 
         def recorded(self, *args, name=name, original=original, **kwargs):
-            calls.append(name)
+            calls.append(name.replace("decoded_", "decode_"))  # the batch call, into its own memory or ours
             return original(self, *args, **kwargs)
 
         monkeypatch.setattr(Zstd, name, recorded)
@@ -1029,3 +1029,33 @@ def test_without_a_residency_check_every_range_is_hinted(tmp_path, monkeypatch):
         plan = reader.plan(...)
         np.testing.assert_array_equal(reader.read(...), array[...])
     assert len(calls) == len(plan.reads) - 1
+
+
+def test_hints_sample_reads_found_cached_and_resume_at_the_first_that_is_not(monkeypatch):
+    """After CACHED_RUN reads in a row found in the page cache already, hinted_ahead looks at one
+    read in CACHED_SAMPLE only; once a look finds a read not cached, it looks at every read
+    again.  Every read is still yielded, in order."""
+    from napari_tileshard.reader.fetch import CACHED_RUN, CACHED_SAMPLE, hinted_ahead
+    from napari_tileshard.reader.plan import Read
+
+    class Objects:
+        def __init__(self, uncached_from: int):
+            self.uncached_from, self.looked = uncached_from, []
+
+        def will_need(self, key, start, size):
+            index = int(key)
+            self.looked.append(index)
+            return index >= self.uncached_from  # asked the OS: not cached
+
+    count = 200
+    none = np.zeros(1, np.int64)
+    reads = [Read(i, str(i), i, 0, 10, none, none, none, none) for i in range(count)]
+    objects = Objects(uncached_from=120)
+    monkeypatch.setattr(fetch_module, "WILL_NEED_BYTES", 50)
+    assert [read.key for read in hinted_ahead(reads, objects)] == [str(i) for i in range(count)]
+    looked = objects.looked
+    assert looked[:CACHED_RUN] == list(range(1, CACHED_RUN + 1))  # every read, until the run is long
+    sampled = [i for i in looked if CACHED_RUN < i < 120]
+    assert sampled and all(i % CACHED_SAMPLE == 0 for i in sampled)  # then a sample
+    first_uncached = min(i for i in looked if i >= 120)
+    assert looked[looked.index(first_uncached) :] == list(range(first_uncached, count))  # then all again

@@ -402,3 +402,39 @@ def test_resuming_a_store_removes_only_our_stale_temporary_files(tmp_path):
     assert [p.exists() for p in stale] == [False, False]
     assert [p.exists() for p in kept] == [True, True]
     assert (root / "c" / "0" / "0").read_bytes() == b"shard"
+
+
+@pytest.mark.skipif(os.open not in os.supports_dir_fd, reason="opens relative to a directory need dir_fd")
+def test_local_files_open_from_many_threads_while_directories_are_dropped(tmp_path):
+    """LocalFiles keeps at most max_dirs directories open; with one, every open drops the
+    directory another thread may be opening relative to: each file still opens and reads right,
+    and no directory descriptor is left open once the table is closed."""
+    from napari_tileshard.storage.safe_read import LocalFiles
+
+    keys = [f"c/{i}/{j}" for i in range(12) for j in range(3)]
+    for key in keys:
+        (tmp_path / key).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / key).write_bytes(key.encode())
+    files = LocalFiles(tmp_path, max_dirs=1)
+    before = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else None
+    wrong: list[str] = []
+
+    def read_all(offset: int) -> None:
+        for _ in range(20):
+            for key in keys[offset:] + keys[:offset]:
+                fd = files.open(key)
+                try:
+                    if os.pread(fd, 64, 0) != key.encode():
+                        wrong.append(key)
+                finally:
+                    os.close(fd)
+
+    threads = [threading.Thread(target=read_all, args=(k * 5,)) for k in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert wrong == []
+    files.close()
+    if before is not None:
+        assert len(os.listdir("/proc/self/fd")) <= before

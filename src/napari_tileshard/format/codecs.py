@@ -22,7 +22,6 @@ never written.  The ``bytes`` codec's byte order is the array's, not the codec's
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import functools
 import json
@@ -178,6 +177,14 @@ class Codec:
         each taking back of the GIL waits up to the interpreter's switch interval (5 ms).
         Costs more CPU than :meth:`decode_chunks` where it may; by default it is that."""
         self.decode_chunks(src, offsets, nbytes, dest, absent)
+
+    def decoded_chunks_released(self, src, offsets, nbytes, chunk_bytes: int) -> np.ndarray | None:
+        """Every chunk (all present) decoded in one native call that holds no GIL, into memory
+        of the call's own: a ``(count, chunk_bytes)`` uint8 array that keeps that memory alive,
+        so the reader places chunks straight from it (no copy into its own buffer first).  None
+        where this codec has no such call or the batch refused something: then
+        :meth:`decode_chunks_released` decodes them and names what is wrong."""
+        return None
 
     def decode(self, data, nbytes: int) -> bytes:
         """Exactly ``nbytes`` decoded bytes, or :class:`CodecError`; never allocates more."""
@@ -367,42 +374,51 @@ class Zstd(Codec):
             raise CodecError(f"zstd frame decodes to {got} bytes, expected {n}")
 
     def decode_chunks_released(self, src, offsets, nbytes, dest, absent=-1):
-        # python-zstandard's multi_decompress_to_buffer decodes every chunk with the GIL released
-        # for the whole batch (libzstd's ZSTD_decompressDCtx per chunk, each into a capacity of one
-        # chunk and checked to fill it exactly), into one buffer of its own, copied into ``dest``
-        # in one call.  Beside a thread busy in Python, 64 KiB chunks: 107 ms per 16 MiB against
-        # 1.35 s for decode_chunks; alone 15.8 ms against 11.9 (the 2-core VM).  The checks run
-        # over all chunks at once (NumPy), not in Python per chunk: with 16 threads decoding,
-        # per-chunk Python was what they queued for.  Each chunk must be exactly one frame (the
-        # batch would ignore bytes after it); its size is checked by the batch itself; any refusal
-        # is decoded again chunk by chunk, which names the chunk and the reason.
         chunk_bytes = dest.shape[1] if dest.ndim == 2 else 0
         sizes = np.asarray(nbytes, dtype=np.int64)
         rows = np.flatnonzero(sizes != absent)
-        if not rows.size or chunk_bytes == 0:
-            return self.decode_chunks(src, offsets, nbytes, dest, absent)
-        starts = np.asarray(offsets, dtype=np.int64)[rows]
-        lengths = sizes[rows]
+        whole = None
+        if rows.size and chunk_bytes:
+            starts = np.asarray(offsets, dtype=np.int64)[rows]
+            whole = self.decoded_chunks_released(src, starts, sizes[rows], chunk_bytes)
+        if whole is None:  # refused, or nothing to decode: chunk by chunk, which names the chunk and the reason
+            self.decode_chunks(src, offsets, nbytes, dest, absent)
+        elif len(rows) == dest.shape[0]:
+            np.copyto(dest, whole)
+        else:
+            dest[rows] = whole
+
+    def decoded_chunks_released(self, src, offsets, nbytes, chunk_bytes):
+        # python-zstandard's multi_decompress_to_buffer decodes every chunk with the GIL released
+        # for the whole batch (libzstd's ZSTD_decompressDCtx per chunk, each into a capacity of one
+        # chunk and checked to fill it exactly), into one buffer of its own.  Beside a thread busy
+        # in Python, 64 KiB chunks: 107 ms per 16 MiB against 1.35 s for decode_chunks; alone 15.8
+        # ms against 11.9 (the 2-core VM).  The checks run over all chunks at once (NumPy), not in
+        # Python per chunk: with 16 threads decoding, per-chunk Python was what they queued for.
+        # Each chunk must be exactly one frame (the batch would ignore bytes after it); its size is
+        # checked by the batch itself.
+        starts = np.asarray(offsets, dtype=np.int64)
+        lengths = np.asarray(nbytes, dtype=np.int64)
+        if not lengths.size or (lengths < 0).any():
+            return None
         data = np.frombuffer(src, dtype=np.uint8)
-        if (lengths < 0).any() or (_frame_sizes(data, starts, starts + lengths) != lengths).any():
-            return self.decode_chunks(src, offsets, nbytes, dest, absent)
+        if (_frame_sizes(data, starts, starts + lengths) != lengths).any():
+            return None
         segments = np.stack([starts, lengths], axis=1).astype(np.uint64)
         try:
             decoded = self._decompressor().multi_decompress_to_buffer(
                 zstandard.BufferWithSegments(src, segments.tobytes()),
-                decompressed_sizes=_sizes(len(rows), chunk_bytes),
+                decompressed_sizes=_sizes(len(lengths), chunk_bytes),
                 threads=1,
             )
         except (zstandard.ZstdError, ValueError, IndexError):
-            return self.decode_chunks(src, offsets, nbytes, dest, absent)
-        whole = _contiguous(decoded, len(rows), chunk_bytes)
+            return None
+        whole = _contiguous(decoded, len(lengths), chunk_bytes)
         if whole is None:  # not one buffer after all: a copy per chunk
-            for j, i in enumerate(rows.tolist()):
-                dest[i] = np.frombuffer(cast(Any, decoded[j]), dtype=np.uint8)
-        elif len(rows) == dest.shape[0]:
-            np.copyto(dest, whole.reshape(dest.shape))
-        else:
-            dest[rows] = whole.reshape(len(rows), chunk_bytes)
+            whole = np.empty((len(lengths), chunk_bytes), dtype=np.uint8)
+            for j in range(len(lengths)):
+                whole[j] = np.frombuffer(cast(Any, decoded[j]), dtype=np.uint8)
+        return whole
 
     def _decompressor(self) -> zstandard.ZstdDecompressor:
         context = getattr(_local, "zstd_d", None)
@@ -478,17 +494,27 @@ def _sizes(count: int, nbytes: int) -> bytes:
 
 
 def _contiguous(decoded, count: int, nbytes: int) -> np.ndarray | None:
-    """The ``count`` segments of ``nbytes`` of a ``BufferWithSegmentsCollection`` as one array
-    over its memory when they lie back to back in it (one thread decoded them into one buffer),
-    else None.  The batch checked every segment to hold ``nbytes``, so the first, middle and last
-    in place say where all are, without Python per segment.  Valid while ``decoded`` lives."""
+    """The ``count`` segments of ``nbytes`` of a ``BufferWithSegmentsCollection`` as one
+    ``(count, nbytes)`` array over its memory when they lie back to back in it (one thread
+    decoded them into one buffer), else None.  The batch checked every segment to hold
+    ``nbytes``, so the first, middle and last in place say where all are, without Python per
+    segment.  The array keeps ``decoded`` (the memory's owner) alive."""
     if decoded.size() != count * nbytes:
         return None
     first = np.frombuffer(cast(Any, decoded[0]), dtype=np.uint8).ctypes.data
     for j in {count // 2, count - 1}:
         if np.frombuffer(cast(Any, decoded[j]), dtype=np.uint8).ctypes.data != first + j * nbytes:
             return None
-    return np.ctypeslib.as_array((ctypes.c_ubyte * (count * nbytes)).from_address(first))
+    return np.asarray(_Memory(decoded, first, (count, nbytes)))
+
+
+class _Memory:
+    """Memory at ``address`` owned by ``owner``, as NumPy takes it (``__array_interface__``): the
+    array made from it holds this object, so the owner lives as long as the array."""
+
+    def __init__(self, owner, address: int, shape: tuple[int, ...]):
+        self.owner = owner
+        self.__array_interface__ = {"data": (address, False), "shape": shape, "typestr": "|u1", "version": 3}
 
 
 @functools.lru_cache(maxsize=64)

@@ -187,6 +187,19 @@ class BlockSource:
                 return None
         return base.reshape(-1).view(np.uint8)[start : start + len(rows) * step].reshape(len(rows), step)
 
+    def decoded_released(self, first: int, stop: int, chunk_bytes: int) -> np.ndarray | None:
+        """Box positions ``first..stop`` decoded in one GIL-free codec call into memory of its
+        own (:meth:`~napari_tileshard.format.codecs.Codec.decoded_chunks_released`), as
+        ``(rows, chunk_bytes)`` uint8: when all of them were read into one buffer and the codec
+        has such a call.  Else None (:meth:`decode` then decodes them into the caller's rows)."""
+        where = self.buffer_of[first:stop]
+        buffer = int(where[0]) if where.size else -1
+        if buffer < 0 or (where != buffer).any():
+            return None
+        return self.codec.decoded_chunks_released(
+            self.views[buffer], self.offset_of[first:stop], self.nbytes_of[first:stop], chunk_bytes
+        )
+
     def decode(self, first: int, stop: int, rows: np.ndarray, fill: np.ndarray, released: bool = False) -> None:
         """Box positions ``first..stop`` decoded into ``rows`` (fill value where absent): one
         :meth:`~napari_tileshard.format.codecs.Codec.decode_chunks` call per read buffer they
@@ -302,7 +315,9 @@ class CpuReadPath:
         """:meth:`blocks` with a decode pool: a task per block, queued up to ``window``
         compressed bytes ahead of the block the caller waits for."""
         reader, pool = self.reader, self._decode_pool()
-        hinted = reader._hinted(plan.reads)
+        # the OS is asked for local reads beyond those queued, when there are more than the
+        # decode threads fetch at once
+        hinted = reader._hinted(plan.reads) if len(plan.reads) > self.workers + 1 else iter(plan.reads)
         pending: list[tuple[_BlockTask, Future]] = []
         in_flight = 0
 
@@ -318,7 +333,7 @@ class CpuReadPath:
         try:
             for b, block in enumerate(plan.blocks):
                 for _ in reads_of[b]:
-                    next(hinted)  # the OS is asked for local reads beyond these as they are queued
+                    next(hinted)
                 task = _BlockTask(block, target(block), reads_of[b])
                 pending.append((task, pool.submit(self._start_block, task, rows, released)))
                 in_flight += task.nbytes
@@ -447,6 +462,14 @@ class CpuReadPath:
         places = source.decoded_places(first, stop) if self.cache is not None else []
         if into_cache_only and not places:
             return  # nothing of this unit to decode into the cache
+        if released and not places:
+            # placed straight from the codec's own memory: no copy into scratch first (on 16
+            # cores that copy's return to the GIL was a third of the decode threads' time)
+            decoded = source.decoded_released(first, stop, self.chunk_bytes)
+            if decoded is not None:
+                chunks = decoded.view(self.chunk_dtype).reshape((rows,) + self.chunk_shape)
+                untile_into(out, chunks, block, ranges, self.chunk_shape)
+                return
         if places and len(places) == rows:
             # every chunk of the unit goes into the cache: decode into memory the cache then
             # keeps, instead of into scratch and a copy of it (a 16 MiB copy per new tile row

@@ -153,23 +153,27 @@ class StoreObjects:
         if done != len(out):
             raise ShardReadError(key, None, f"bytes {start}..{start + len(out)} asked, {done} read: shard truncated")
 
-    def will_need(self, key: str, start: int, size: int) -> None:
+    def will_need(self, key: str, start: int, size: int) -> bool:
         """Ask the OS to start reading bytes ``start .. start + size`` of ``key`` into its page
         cache (local files, where ``posix_fadvise`` exists; elsewhere nothing).  A hint: nothing
-        is read here and nothing fails (a missing or refused file fails when it is read)."""
+        is read here and nothing fails (a missing or refused file fails when it is read).
+        Returns whether the OS was asked (False: the range is cached already, or no hint can
+        be given)."""
         advise = getattr(os, "posix_fadvise", None)  # not on macOS or Windows
         if advise is None or not self.local:
-            return
+            return False
         assert self.files is not None
         try:
             fd = self.files.open(key)
         except Exception:  # noqa: BLE001 - the read itself says what is wrong with the file
-            return
+            return False
         try:
-            if not _cached(fd, start) or not _cached(fd, start + size - 1):
-                advise(fd, start, size, os.POSIX_FADV_WILLNEED)
+            if _cached(fd, start) and _cached(fd, start + size - 1):
+                return False
+            advise(fd, start, size, os.POSIX_FADV_WILLNEED)
+            return True
         except OSError:
-            pass
+            return False
         finally:
             os.close(fd)
 
@@ -210,16 +214,26 @@ class ReadBuffers:
                     self._free_bytes += base.size
 
 
+#: after this many reads in a row found in the page cache already, :func:`hinted_ahead` looks at
+#: only one read in ``CACHED_SAMPLE`` (and at every read again once one is not cached): each look
+#: opens the file and makes two system calls on the thread that queues the reads, and with 16
+#: decode threads each system call's return waits for the GIL
+CACHED_RUN = 16
+CACHED_SAMPLE = 16
+
+
 def hinted_ahead(reads: list[Read], objects: StoreObjects) -> Iterator[Read]:
-    """A plan's ``reads`` in order; as each is taken (by the
-    prefetch, a few reads before it is decoded), the OS is asked to read the ones after it into
-    its page cache, up to ``WILL_NEED_BYTES`` ahead (:meth:`StoreObjects.will_need`): a disk then
-    has many requests in flight, not the prefetch threads' few."""
+    """A plan's ``reads`` in order; as each is taken (to be fetched), the OS is asked to read
+    the ones after it into its page cache, up to ``WILL_NEED_BYTES`` ahead
+    (:meth:`StoreObjects.will_need`): a disk then has many requests in flight, not only the
+    reader's own.  Where reads keep being cached already, only a sample is looked at
+    (``CACHED_RUN``)."""
     if not WILL_NEED_BYTES:
         yield from reads
         return
     hinted = 0  # reads[:hinted] were hinted or taken
     ahead = 0  # bytes of the reads hinted after the one being taken
+    cached_in_a_row = 0
     for i, read in enumerate(reads):
         if i < hinted:
             ahead -= read.size  # hinted earlier; taken now
@@ -227,7 +241,9 @@ def hinted_ahead(reads: list[Read], objects: StoreObjects) -> Iterator[Read]:
             hinted = i + 1
         while hinted < len(reads) and ahead < WILL_NEED_BYTES:
             later = reads[hinted]
-            objects.will_need(later.key, later.start, later.size)
+            if cached_in_a_row < CACHED_RUN or hinted % CACHED_SAMPLE == 0:
+                asked = objects.will_need(later.key, later.start, later.size)
+                cached_in_a_row = 0 if asked else cached_in_a_row + 1
             ahead += later.size
             hinted += 1
         yield read

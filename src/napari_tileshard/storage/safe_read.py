@@ -191,13 +191,16 @@ class LocalFiles:
     A reader opens every shard once per read: ``open_local_file`` resolves the whole path
     (``realpath``: an ``lstat`` per component) and opens each component, ~40 system calls for
     ``c/t/y/x``, which cost ~60 us per shard on the 2-core box.  Thread-safe: the directory
-    table and the opens relative to it share a lock, so a directory is never closed under an
-    open that uses it."""
+    table is kept under a lock, and a directory dropped from it while opens relative to it may
+    be in flight is closed once none is (the lock is not held over the opens' system calls,
+    where 16 reading threads queued behind it, each call's return waiting for the GIL)."""
 
     def __init__(self, root, max_dirs: int = 256):
         self.root, self.max_dirs = root, max_dirs
         self._dirs: dict[str, int] = {}  # insertion order: the oldest is closed first
         self._lock = threading.Lock()
+        self._opening = 0  # opens relative to a table directory in flight
+        self._dropped: list[int] = []  # directories out of the table, closed once no open is in flight
         self._fast = os.open in os.supports_dir_fd and os.stat in os.supports_dir_fd and bool(_O_NOFOLLOW)
 
     def open(self, key: str) -> int:
@@ -208,6 +211,8 @@ class LocalFiles:
         flags = os.O_RDONLY | _O_NONBLOCK | _O_NOFOLLOW | _O_CLOEXEC
         with self._lock:
             directory = self._directory(parent)
+            self._opening += 1
+        try:
             info = os.stat(name, dir_fd=directory, follow_symlinks=False)  # FileNotFoundError: missing
             if not stat.S_ISREG(info.st_mode):
                 fd = -1
@@ -218,6 +223,11 @@ class LocalFiles:
                     if exc.errno not in (errno.ELOOP, errno.ENXIO):
                         raise
                     fd = -1  # swapped for a symlink or a special file since the lstat
+        finally:
+            with self._lock:
+                self._opening -= 1
+                if not self._opening:
+                    self._close_dropped()
         if fd < 0:
             return open_local_file(self.root, key)  # follows a symlink inside, refuses the rest
         try:
@@ -262,18 +272,27 @@ class LocalFiles:
         return self._keep(parent, fd)
 
     def _keep(self, parent: str, fd: int) -> int:
-        """Hold ``fd`` as directory ``parent``'s, closing the oldest beyond ``max_dirs`` (lock held)."""
+        """Hold ``fd`` as directory ``parent``'s, dropping the oldest beyond ``max_dirs`` (lock held)."""
         while len(self._dirs) >= self.max_dirs:
-            os.close(self._dirs.pop(next(iter(self._dirs))))
+            self._dropped.append(self._dirs.pop(next(iter(self._dirs))))
+        if not self._opening:
+            self._close_dropped()
         self._dirs[parent] = fd
         return fd
 
+    def _close_dropped(self) -> None:
+        """Close the directories dropped from the table (lock held, no open in flight)."""
+        while self._dropped:
+            os.close(self._dropped.pop())
+
     def close(self) -> None:
-        """Close the directories (a later :meth:`open` opens them again)."""
+        """Close the directories (a later :meth:`open` opens them again; one in flight still
+        finishes with its directory, closed after it)."""
         with self._lock:
-            for fd in self._dirs.values():
-                os.close(fd)
+            self._dropped.extend(self._dirs.values())
             self._dirs.clear()
+            if not self._opening:
+                self._close_dropped()
 
 
 def _open_no_follow(root_real: str, relative: str, where: str) -> int:
