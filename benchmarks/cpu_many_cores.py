@@ -162,6 +162,7 @@ def read_ours(path: Path, repeat: int) -> dict:
     best of the next ``repeat - 1`` (the pool's memory), with CPU-s/GB per stage of the best."""
     clock = StageClock()
     clock.wrap(cpu_reader.BlockSource, "decode", "decode")
+    clock.wrap(cpu_reader.BlockSource, "decoded_released", "decode")  # the batch into its own memory
     clock.wrap(cpu_reader, "untile_into", "untile")
     clock.wrap(ShardReader, "_fetch", "fetch")  # on the prefetch threads, or in the decode tasks
     groups = {"MainThread": "plan", "tileshard-read": "prefetch-threads", "tileshard-decode": "decode-threads"}

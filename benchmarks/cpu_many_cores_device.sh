@@ -39,7 +39,7 @@ TABLE_GIB=${TABLE_GIB:-2}
 TABLE_ROUNDS=${TABLE_ROUNDS:-3}
 READ_TILES=${READ_TILES:-64k-4m,256k-4m,1m-16m}
 WRITE_TILES=${WRITE_TILES:-64k-d2,default}
-READ_VARIANTS=${READ_VARIANTS:-ours= rel1m=RELEASED_DECODE_MAX_CHUNK_BYTES=1048576 unit2m=UNIT_BYTES=2097152,RELEASED_DECODE_MAX_CHUNK_BYTES=1048576 prefetch=FETCH_IN_DECODE_TASKS=0}
+READ_VARIANTS=${READ_VARIANTS:-ours= rel1m=RELEASED_DECODE_MAX_CHUNK_BYTES=1048576 w12=workers=12 w8=workers=8}
 WRITE_VARIANTS=${WRITE_VARIANTS:-ours= pull=io_dispatch=pull io2=io_threads=2 st3=staging_buffers=3 si=switchinterval=0.0005 t12=threads=12}
 quick=()
 if [ $QUICK = 1 ]; then
@@ -81,15 +81,13 @@ fi
 # 3. Where the threads of a 64 KiB-chunk read and write wait (--idle) and who holds the GIL
 #    (--gil), the default code (raw py-spy stacks, xz).
 if [ -n "$SPY" ] && want profile 90; then
-  first=$(ls -d "$DIR-read"/64k-4m.zarr 2>/dev/null | head -1)
-  if [ -n "$first" ]; then
-    for how in idle gil; do
-      timeout 40 "$SPY" record --"$how" --rate 200 --format raw -o "$OUT/read64k_$how.txt" -- \
-        python3 benchmarks/ab_cpu_read.py --path "$first" --rounds 10 --no-tensorstore --variant ours= \
-        >"$OUT/read64k_$how.log" 2>&1
-    done
-  fi
-  for how in idle gil; do
+  for tile in 64k 256k; do
+    first=$(ls -d "$DIR-read/$tile-4m.zarr" 2>/dev/null | head -1)
+    [ -n "$first" ] && timeout 40 "$SPY" record --idle --rate 200 --format raw -o "$OUT/read${tile}_idle.txt" -- \
+      python3 benchmarks/ab_cpu_read.py --path "$first" --rounds 10 --no-tensorstore --variant ours= \
+      >"$OUT/read${tile}_idle.log" 2>&1
+  done
+  for how in ${WRITE_PROFILES-idle gil}; do
     timeout 40 "$SPY" record --"$how" --rate 200 --format raw -o "$OUT/write64k_$how.txt" -- \
       python3 benchmarks/ab_cpu_write.py --tiles 64k-d2 --gib "$GIB" --rounds 3 --no-tensorstore \
       --variant base= --out "$DIR-write" >"$OUT/write64k_$how.log" 2>&1

@@ -420,3 +420,30 @@ def test_the_frame_walk_of_a_whole_batch_matches_each_frame():
     ends = starts + np.array([len(p) for p in pieces], dtype=np.int64)
     data = np.frombuffer(b"".join(pieces), dtype=np.uint8)
     assert codecs._frame_sizes(data, starts, ends).tolist() == expected
+
+
+@pytest.mark.parametrize("spread", [4000, 16])  # ~1.3:1 and ~4:1 (past 2:1 the batch uses several buffers)
+def test_zstd_batch_into_its_own_memory_or_scratch(spread):
+    """Zstd's batch call hands back the chunks over its own memory where it decoded them into
+    one buffer, and copies them into the scratch given where it used several (chunks compressed
+    more than 2:1); the bytes equal decoding chunk by chunk either way, and the returned array
+    keeps its memory alive after the call."""
+    import gc
+
+    codec = ZARR["zstd"][0]
+    rng = np.random.default_rng(5)
+    tiles = [rng.integers(0, spread, 32768).astype(np.uint16).view(np.uint8) for _ in range(16)]
+    chunks = [bytes(codec.encode(t)) for t in tiles]
+    offsets = np.cumsum([0] + [len(c) for c in chunks[:-1]])
+    sizes = np.array([len(c) for c in chunks])
+    src = memoryview(b"".join(chunks))
+    scratch = np.full((16, tiles[0].nbytes), 0xAB, np.uint8)
+    got = codec.decoded_chunks_released(src, offsets, sizes, tiles[0].nbytes, scratch)
+    assert got is not None
+    gc.collect()
+    np.testing.assert_array_equal(got, np.stack(tiles))
+    compressed_more_than_half = sizes.sum() * 2 < scratch.nbytes
+    assert np.shares_memory(got, scratch) == compressed_more_than_half
+    dest = np.zeros_like(scratch)
+    codec.decode_chunks_released(src, offsets.tolist(), sizes.tolist(), dest)
+    np.testing.assert_array_equal(dest, np.stack(tiles))

@@ -178,12 +178,15 @@ class Codec:
         Costs more CPU than :meth:`decode_chunks` where it may; by default it is that."""
         self.decode_chunks(src, offsets, nbytes, dest, absent)
 
-    def decoded_chunks_released(self, src, offsets, nbytes, chunk_bytes: int) -> np.ndarray | None:
-        """Every chunk (all present) decoded in one native call that holds no GIL, into memory
-        of the call's own: a ``(count, chunk_bytes)`` uint8 array that keeps that memory alive,
-        so the reader places chunks straight from it (no copy into its own buffer first).  None
-        where this codec has no such call or the batch refused something: then
-        :meth:`decode_chunks_released` decodes them and names what is wrong."""
+    def decoded_chunks_released(
+        self, src, offsets, nbytes, chunk_bytes: int, scratch: np.ndarray | None = None
+    ) -> np.ndarray | None:
+        """Every chunk (all present) decoded in one native call that holds no GIL: a ``(count,
+        chunk_bytes)`` uint8 array over the call's own memory (kept alive by the array) where
+        the call decoded them into one buffer, so the reader places chunks straight from it;
+        else copied into ``scratch`` (``(count, chunk_bytes)`` uint8; None: a new array), a copy
+        per buffer of the call.  None where this codec has no such call or the batch refused
+        something: then :meth:`decode_chunks_released` decodes them and names what is wrong."""
         return None
 
     def decode(self, data, nbytes: int) -> bytes:
@@ -377,26 +380,41 @@ class Zstd(Codec):
         chunk_bytes = dest.shape[1] if dest.ndim == 2 else 0
         sizes = np.asarray(nbytes, dtype=np.int64)
         rows = np.flatnonzero(sizes != absent)
-        whole = None
+        runs = None
         if rows.size and chunk_bytes:
-            starts = np.asarray(offsets, dtype=np.int64)[rows]
-            whole = self.decoded_chunks_released(src, starts, sizes[rows], chunk_bytes)
-        if whole is None:  # refused, or nothing to decode: chunk by chunk, which names the chunk and the reason
+            runs = self._decoded_runs(src, np.asarray(offsets, dtype=np.int64)[rows], sizes[rows], chunk_bytes)
+        if runs is None:  # refused, or nothing to decode: chunk by chunk, which names the chunk and the reason
             self.decode_chunks(src, offsets, nbytes, dest, absent)
-        elif len(rows) == dest.shape[0]:
-            np.copyto(dest, whole)
-        else:
-            dest[rows] = whole
+            return
+        every = len(rows) == dest.shape[0]
+        for first, run in runs:
+            if every:
+                dest[first : first + len(run)] = run
+            else:
+                dest[rows[first : first + len(run)]] = run
 
-    def decoded_chunks_released(self, src, offsets, nbytes, chunk_bytes):
+    def decoded_chunks_released(self, src, offsets, nbytes, chunk_bytes, scratch=None):
+        runs = self._decoded_runs(src, offsets, nbytes, chunk_bytes)
+        if runs is None:
+            return None
+        if len(runs) == 1:
+            return runs[0][1]
+        whole = np.empty((len(nbytes), chunk_bytes), dtype=np.uint8) if scratch is None else scratch
+        for first, run in runs:
+            whole[first : first + len(run)] = run
+        return whole
+
+    def _decoded_runs(self, src, offsets, nbytes, chunk_bytes) -> list[tuple[int, np.ndarray]] | None:
         # python-zstandard's multi_decompress_to_buffer decodes every chunk with the GIL released
         # for the whole batch (libzstd's ZSTD_decompressDCtx per chunk, each into a capacity of one
-        # chunk and checked to fill it exactly), into one buffer of its own.  Beside a thread busy
-        # in Python, 64 KiB chunks: 107 ms per 16 MiB against 1.35 s for decode_chunks; alone 15.8
-        # ms against 11.9 (the 2-core VM).  The checks run over all chunks at once (NumPy), not in
-        # Python per chunk: with 16 threads decoding, per-chunk Python was what they queued for.
-        # Each chunk must be exactly one frame (the batch would ignore bytes after it); its size is
-        # checked by the batch itself.
+        # chunk and checked to fill it exactly).  Beside a thread busy in Python, 64 KiB chunks:
+        # 107 ms per 16 MiB against 1.35 s for decode_chunks; alone 15.8 ms against 11.9 (the
+        # 2-core VM).  The checks run over all chunks at once (NumPy), not in Python per chunk:
+        # with 16 threads decoding, per-chunk Python was what they queued for.  Each chunk must be
+        # exactly one frame (the batch would ignore bytes after it); its size is checked by the
+        # batch itself.  The batch decodes into buffers sized by the compressed bytes (rounded up
+        # to a power of two), a new one whenever the next chunk does not fit: chunks compressed
+        # more than 2:1 land in several buffers.  Returned: ``(first chunk, its run)`` per buffer.
         starts = np.asarray(offsets, dtype=np.int64)
         lengths = np.asarray(nbytes, dtype=np.int64)
         if not lengths.size or (lengths < 0).any():
@@ -413,12 +431,7 @@ class Zstd(Codec):
             )
         except (zstandard.ZstdError, ValueError, IndexError):
             return None
-        whole = _contiguous(decoded, len(lengths), chunk_bytes)
-        if whole is None:  # not one buffer after all: a copy per chunk
-            whole = np.empty((len(lengths), chunk_bytes), dtype=np.uint8)
-            for j in range(len(lengths)):
-                whole[j] = np.frombuffer(cast(Any, decoded[j]), dtype=np.uint8)
-        return whole
+        return _runs(decoded, len(lengths), chunk_bytes)
 
     def _decompressor(self) -> zstandard.ZstdDecompressor:
         context = getattr(_local, "zstd_d", None)
@@ -493,19 +506,26 @@ def _sizes(count: int, nbytes: int) -> bytes:
     return np.full(count, nbytes, dtype=np.uint64).tobytes()
 
 
-def _contiguous(decoded, count: int, nbytes: int) -> np.ndarray | None:
-    """The ``count`` segments of ``nbytes`` of a ``BufferWithSegmentsCollection`` as one
-    ``(count, nbytes)`` array over its memory when they lie back to back in it (one thread
-    decoded them into one buffer), else None.  The batch checked every segment to hold
-    ``nbytes``, so the first, middle and last in place say where all are, without Python per
-    segment.  The array keeps ``decoded`` (the memory's owner) alive."""
-    if decoded.size() != count * nbytes:
+def _runs(decoded, count: int, nbytes: int) -> list[tuple[int, np.ndarray]] | None:
+    """The ``count`` segments of ``nbytes`` of a ``BufferWithSegmentsCollection`` as one array
+    per buffer they lie in, back to back: ``(first segment, (segments, nbytes) array over its
+    memory)``, each array keeping ``decoded`` (the memory's owner) alive; None if they do not lie
+    so.  A buffer starts where a segment's offset is 0; its segments follow at ``nbytes`` steps."""
+    if decoded.size() != count * nbytes or len(decoded) != count:
         return None
-    first = np.frombuffer(cast(Any, decoded[0]), dtype=np.uint8).ctypes.data
-    for j in {count // 2, count - 1}:
-        if np.frombuffer(cast(Any, decoded[j]), dtype=np.uint8).ctypes.data != first + j * nbytes:
-            return None
-    return np.asarray(_Memory(decoded, first, (count, nbytes)))
+    within = np.fromiter((decoded[j].offset for j in range(count)), dtype=np.int64, count=count)
+    firsts = np.flatnonzero(within == 0)
+    if not firsts.size or firsts[0] != 0:
+        return None
+    run_first = firsts[np.cumsum(within == 0) - 1]
+    if (within != (np.arange(count) - run_first) * nbytes).any():
+        return None
+    bounds = [*firsts.tolist(), count]
+    runs = []
+    for first, stop in zip(bounds, bounds[1:]):
+        address = np.frombuffer(cast(Any, decoded[first]), dtype=np.uint8).ctypes.data
+        runs.append((first, np.asarray(_Memory(decoded, address, (stop - first, nbytes)))))
+    return runs
 
 
 class _Memory:

@@ -187,17 +187,19 @@ class BlockSource:
                 return None
         return base.reshape(-1).view(np.uint8)[start : start + len(rows) * step].reshape(len(rows), step)
 
-    def decoded_released(self, first: int, stop: int, chunk_bytes: int) -> np.ndarray | None:
-        """Box positions ``first..stop`` decoded in one GIL-free codec call into memory of its
-        own (:meth:`~napari_tileshard.format.codecs.Codec.decoded_chunks_released`), as
-        ``(rows, chunk_bytes)`` uint8: when all of them were read into one buffer and the codec
-        has such a call.  Else None (:meth:`decode` then decodes them into the caller's rows)."""
+    def decoded_released(self, first: int, stop: int, chunk_bytes: int, scratch: np.ndarray) -> np.ndarray | None:
+        """Box positions ``first..stop`` decoded in one GIL-free codec call, as ``(rows,
+        chunk_bytes)`` uint8 over the call's own memory, or in ``scratch`` (``(rows,
+        chunk_bytes)`` uint8) where the call used several buffers
+        (:meth:`~napari_tileshard.format.codecs.Codec.decoded_chunks_released`): when all of
+        them were read into one buffer and the codec has such a call.  Else None (:meth:`decode`
+        then decodes them into the caller's rows)."""
         where = self.buffer_of[first:stop]
         buffer = int(where[0]) if where.size else -1
         if buffer < 0 or (where != buffer).any():
             return None
         return self.codec.decoded_chunks_released(
-            self.views[buffer], self.offset_of[first:stop], self.nbytes_of[first:stop], chunk_bytes
+            self.views[buffer], self.offset_of[first:stop], self.nbytes_of[first:stop], chunk_bytes, scratch
         )
 
     def decode(self, first: int, stop: int, rows: np.ndarray, fill: np.ndarray, released: bool = False) -> None:
@@ -463,11 +465,11 @@ class CpuReadPath:
         if into_cache_only and not places:
             return  # nothing of this unit to decode into the cache
         if released and not places:
-            # placed straight from the codec's own memory: no copy into scratch first (on 16
-            # cores that copy's return to the GIL was a third of the decode threads' time)
-            decoded = source.decoded_released(first, stop, self.chunk_bytes)
-            if decoded is not None:
-                chunks = decoded.view(self.chunk_dtype).reshape((rows,) + self.chunk_shape)
+            # placed straight from the codec's own memory where it decoded into one buffer, not
+            # copied into scratch first
+            direct = source.decoded_released(first, stop, self.chunk_bytes, self._scratch(rows))
+            if direct is not None:
+                chunks = direct.view(self.chunk_dtype).reshape((rows,) + self.chunk_shape)
                 untile_into(out, chunks, block, ranges, self.chunk_shape)
                 return
         if places and len(places) == rows:
@@ -476,10 +478,7 @@ class CpuReadPath:
             # when napari's time slider steps)
             decoded = output_pool().empty((rows, self.chunk_bytes), np.uint8)
         else:
-            scratch = getattr(self._local, "scratch", None)
-            if scratch is None or scratch.shape[0] < rows:
-                scratch = self._local.scratch = output_pool().empty((rows, self.chunk_bytes), np.uint8)
-            decoded = scratch[:rows]
+            decoded = self._scratch(rows)
         source.decode(first, stop, decoded, self.fill_bytes, released=released)
         if places:
             assert self.cache is not None
@@ -492,6 +491,13 @@ class CpuReadPath:
             return
         chunks = decoded.view(self.chunk_dtype).reshape((rows,) + self.chunk_shape)
         untile_into(out, chunks, block, ranges, self.chunk_shape)
+
+    def _scratch(self, rows: int) -> np.ndarray:
+        """``rows`` chunks of this decode thread's scratch buffer (reused: no page faults)."""
+        scratch = getattr(self._local, "scratch", None)
+        if scratch is None or scratch.shape[0] < rows:
+            scratch = self._local.scratch = output_pool().empty((rows, self.chunk_bytes), np.uint8)
+        return scratch[:rows]
 
     def decode_each(self, read: Read, buffer, place: Callable[[int, np.ndarray], None]) -> None:
         """Decode every chunk of ``read`` from ``buffer`` and hand it to ``place(i, decoded)``,
