@@ -10,7 +10,7 @@
 # Knobs: PARTS (readab,writeab,profile,table,gputests), GIB (2), ROUNDS (5), READ_TILES
 # (64k-4m,256k-4m,1m-16m), WRITE_TILES (64k-d2,default), READ_VARIANTS and
 # WRITE_VARIANTS (space-separated --variant values of ab_cpu_read.py / ab_cpu_write.py),
-# TABLE_GIB (2), TABLE_ROUNDS (3), LIMIT_S (570: the whole call; a part that cannot finish in
+# TABLE_GIB (2), TABLE_ROUNDS (3), DISK_DIR (unset: a local-disk folder for the table's cold reads), LIMIT_S (570: the whole call; a part that cannot finish in
 # what is left is skipped and says so).  Each part runs under its own `timeout`.
 set -uo pipefail
 root=$(pwd)
@@ -39,8 +39,8 @@ TABLE_GIB=${TABLE_GIB:-2}
 TABLE_ROUNDS=${TABLE_ROUNDS:-3}
 READ_TILES=${READ_TILES:-64k-4m,256k-4m,1m-16m}
 WRITE_TILES=${WRITE_TILES:-64k-d2,default}
-READ_VARIANTS=${READ_VARIANTS:-ours= rel1m=RELEASED_DECODE_MAX_CHUNK_BYTES=1048576 w12=workers=12 w8=workers=8}
-WRITE_VARIANTS=${WRITE_VARIANTS:-ours= pull=io_dispatch=pull io2=io_threads=2 st3=staging_buffers=3 si=switchinterval=0.0005 t12=threads=12}
+READ_VARIANTS=${READ_VARIANTS:-ours= w24=workers=24 per256=RELEASED_DECODE_MAX_CHUNK_BYTES=131072}
+WRITE_VARIANTS=${WRITE_VARIANTS:-ours= t20=threads=20 t24=threads=24 pull=io_dispatch=pull io2=io_threads=2}
 quick=()
 if [ $QUICK = 1 ]; then
   GIB=0.125
@@ -99,8 +99,13 @@ rm -rf "$DIR-read"
 
 # 4. The table: every layout, reads and writes, against tensorstore and libzstd, per-stage CPU.
 if want table 200; then
+  disk=()
+  if [ -n "${DISK_DIR:-}" ]; then
+    mkdir -p "$DISK_DIR" && df -h "$DISK_DIR" >>"$OUT/info.txt" && disk=(--disk "$DISK_DIR")
+  fi
   timeout $(($(left) - 20)) python3 benchmarks/cpu_many_cores.py --gib "$TABLE_GIB" --rounds "$TABLE_ROUNDS" \
-    --dir "$DIR-table" --out "$OUT/table.json" "${quick[@]}" >"$OUT/table.log" 2>&1
+    --dir "$DIR-table" --out "$OUT/table.json" "${quick[@]}" "${disk[@]}" >"$OUT/table.log" 2>&1
+  [ -n "${DISK_DIR:-}" ] && rm -rf "$DISK_DIR"
   grep -v '^{' "$OUT/table.log"
   rm -rf "$DIR-table"
 fi

@@ -33,12 +33,13 @@ __all__ = ["UNIT_BYTES", "BlockSource", "CpuReadPath", "dim_pieces", "unit_boxes
 UNIT_BYTES = 8 << 20
 #: reads decoded by at least this many workers decode each unit of chunks of at most
 #: RELEASED_DECODE_MAX_CHUNK_BYTES in one native call that holds no GIL
-#: (Codec.decode_chunks_released) instead of a call per chunk: with many decode threads, each
-#: taking the GIL back after every small chunk left most of them waiting for it (16 cores, three
-#: runs: 64 KiB chunks 1.55-1.61x the per-chunk path; 256 KiB 0.88-1.12x and 1 MiB 0.82-1.05x,
-#: where the batch's own output buffer and its copy cost about what the GIL saves)
+#: (Codec.decoded_chunks_released) instead of a call per chunk: with many decode threads, each
+#: taking the GIL back after every small chunk left most of them waiting for it (16 cores: 64 KiB
+#: chunks 1.55-1.61x the per-chunk path in three runs; 256 KiB 1.03-1.08x in two runs once the
+#: chunks were placed straight from the batch's memory; 1 MiB 0.84-0.86x, where that memory
+#: (8 MiB per unit) is faulted in afresh)
 RELEASED_DECODE_MIN_WORKERS = 4
-RELEASED_DECODE_MAX_CHUNK_BYTES = 128 << 10
+RELEASED_DECODE_MAX_CHUNK_BYTES = 256 << 10
 #: ... and so do reads of at least this many decoded bytes with fewer workers: two decode threads
 #: already wait for each other's GIL on 64 KiB chunks (2-core VM, whole 1 GiB reads: 1.07x the
 #: per-chunk path, 11 and 15 rounds), while napari's time-slider steps (a 16 MiB tile row) were
