@@ -8,7 +8,7 @@
 #   bash benchmarks/cpu_many_cores_device.sh --quick     # small, on any machine
 #
 # Knobs: PARTS (readab,writeab,profile,table,gputests), GIB (2), ROUNDS (5), READ_TILES
-# (64k-4m,256k-4m,1m-16m), WRITE_TILES (64k-d2,default), READ_VARIANTS and
+# (64k-4m,256k-4m,1m-16m), WRITE_TILES (64k-d2,default,1m-d8), READ_VARIANTS and
 # WRITE_VARIANTS (space-separated --variant values of ab_cpu_read.py / ab_cpu_write.py),
 # TABLE_GIB (2), TABLE_ROUNDS (3), DISK_DIR (unset: a local-disk folder for the table's cold reads), LIMIT_S (570: the whole call; a part that cannot finish in
 # what is left is skipped and says so).  Each part runs under its own `timeout`.
@@ -38,9 +38,9 @@ ROUNDS=${ROUNDS:-5}
 TABLE_GIB=${TABLE_GIB:-2}
 TABLE_ROUNDS=${TABLE_ROUNDS:-3}
 READ_TILES=${READ_TILES:-64k-4m,256k-4m,1m-16m}
-WRITE_TILES=${WRITE_TILES:-64k-d2,default}
+WRITE_TILES=${WRITE_TILES:-64k-d2,default,1m-d8}
 READ_VARIANTS=${READ_VARIANTS:-ours= w24=workers=24 per256=RELEASED_DECODE_MAX_CHUNK_BYTES=131072}
-WRITE_VARIANTS=${WRITE_VARIANTS:-ours= t20=threads=20 t24=threads=24 pull=io_dispatch=pull io2=io_threads=2}
+WRITE_VARIANTS=${WRITE_VARIANTS:-ours= helpers7=STAGING_COPY_HELPERS=7 helpers2=STAGING_COPY_HELPERS=2}
 quick=()
 if [ $QUICK = 1 ]; then
   GIB=0.125

@@ -8,6 +8,7 @@ import sys
 
 import numpy as np
 import pytest
+import zarr
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import layouts
@@ -204,3 +205,26 @@ def test_cpu_task_plan_splits_each_shard_into_even_runs_of_tile_rows_cut_into_bo
         assert backend.task_plan(layout, epochs)[0] is pieces  # planned once
     finally:
         backend.close()
+
+
+def test_the_cpu_writer_copies_frames_into_staging_on_the_callers_thread_alone(tmp_path, monkeypatch):
+    """The CPU backend's frames go into staging on the caller's thread alone (STAGING_COPY_HELPERS
+    = 0: no copy pool, whose helpers each took the GIL back beside the encode threads); with
+    helpers asked for, large frames are copied by them too; the array is the same either way."""
+    import threading
+
+    from napari_tileshard.engine.backends import cpu as cpu_module
+
+    layout = Layout([Dim("t", 0, 2, 1), Dim("y", 1024, 256, 2), Dim("x", 1024, 256, 2)], "uint16")
+    frames = (np.arange(4 * 1024 * 1024, dtype=np.uint32) % 65521).astype(np.uint16).reshape(4, 1024, 1024)
+    assert frames[0].nbytes >= 2 << 20  # large enough for the staging copy to be split
+    seen = {}
+    for helpers in (0, 2):
+        monkeypatch.setattr(cpu_module, "STAGING_COPY_HELPERS", helpers)
+        path = tmp_path / f"h{helpers}.zarr"
+        with Writer(path, layout, backend="cpu") as writer:
+            writer.append(frames)
+            seen[helpers] = {t.name for t in threading.enumerate() if t.name.startswith("tileshard-copy")}
+        np.testing.assert_array_equal(zarr.open_array(str(path), mode="r")[...], frames)
+    assert seen[0] == set()
+    assert len(seen[2]) == 2

@@ -84,7 +84,8 @@ class StagingRing:
         self.fill = 0  # bytes in the current buffer
         self.fill_started = 0.0  # when the current buffer got its first byte (time.monotonic)
         self.host_ranges: list[list[int]] = []  # byte ranges of the current buffer filled from the host
-        self._copy_threads = copy_threads()  # helpers of the caller's thread for large copies
+        helpers = backend.staging_copy_helpers()
+        self._copy_threads = copy_threads() if helpers is None else helpers  # helpers of the caller's thread
         self._copy_pool = (
             ThreadPoolExecutor(self._copy_threads, thread_name_prefix="tileshard-copy")
             if self._copy_threads > 0

@@ -62,6 +62,11 @@ class Backend(ABC):
     #: many, or as many as it has staging buffers, into the pipeline
     batches_in_flight = 0
 
+    def staging_copy_helpers(self) -> int | None:
+        """Threads that help the caller's thread copy frames into staging (None: as many as
+        :func:`~napari_tileshard.engine.staging.copy_threads` says)."""
+        return None
+
     def __init__(
         self, layout: Layout, codec: str | codecs.Codec = "zstd", level: int = 1, pyramid: Pyramid | None = None
     ):

@@ -36,6 +36,13 @@ EncodeTasks = list[list[list[Future]]]
 #: 0.5-4 MiB; larger boxes mean fewer Python calls per GB (which hold the GIL).
 _BOX_BYTES = 2 << 20
 
+#: threads helping the caller copy frames into staging (the GPU backend's default: up to 7).  On
+#: the 16-core host the caller's copy with 7 helpers was what every write waited for: py-spy put
+#: the caller's thread in that copy, or waiting for its helpers (each part a task on a pool,
+#: each taking the GIL back beside 16 encode threads), in all its samples, never waiting for a
+#: staging buffer; one thread copying alone takes the GIL back once per frame
+STAGING_COPY_HELPERS = 0
+
 
 @dataclass
 class CpuTicket:
@@ -93,6 +100,9 @@ class CpuBackend(Backend):
 
     def describe(self) -> str:
         return f"cpu ({self.threads} threads)"
+
+    def staging_copy_helpers(self) -> int | None:
+        return STAGING_COPY_HELPERS
 
     def submit(self, staging, epochs, host_ranges=None, rows=None) -> CpuTicket:
         layout = self.layout
