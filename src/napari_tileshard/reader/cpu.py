@@ -35,7 +35,7 @@ UNIT_BYTES = 8 << 20
 #: RELEASED_DECODE_MAX_CHUNK_BYTES in one native call that holds no GIL
 #: (Codec.decoded_chunks_released) instead of a call per chunk: with many decode threads, each
 #: taking the GIL back after every small chunk left most of them waiting for it (16 cores: 64 KiB
-#: chunks 1.55-1.61x the per-chunk path in three runs; 256 KiB 1.03-1.08x in two runs once the
+#: chunks 1.55-1.61x the per-chunk path in three runs; 256 KiB 1.03-1.08x in three runs once the
 #: chunks were placed straight from the batch's memory; 1 MiB 0.84-0.86x, where that memory
 #: (8 MiB per unit) is faulted in afresh)
 RELEASED_DECODE_MIN_WORKERS = 4
