@@ -95,11 +95,17 @@ def selections(shape):
     local=st.booleans(),
     max_read=st.sampled_from([None, 1, 200]),
     gap=st.sampled_from([0, 1 << 20]),
+    fetch_in_tasks=st.booleans(),
     data=st.data(),
 )
-def test_random_layouts_and_selections_read_as_zarr_python(layout, dtype, compressor, local, max_read, gap, data):
+def test_random_layouts_and_selections_read_as_zarr_python(
+    layout, dtype, compressor, local, max_read, gap, fetch_in_tasks, data
+):
+    """Either way of fetching with a decode pool: by prefetch threads, or by each block's task
+    (reads of FETCH_IN_DECODE_TASKS_MIN_BYTES or more; 0 here)."""
     shape, chunks, shards = layout
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cpu_path, "FETCH_IN_DECODE_TASKS_MIN_BYTES", 0 if fetch_in_tasks else 1 << 62)
         store = f"{tmp}/a.zarr" if local else zarr.storage.MemoryStore()
         array = _zarr_array(store, shape, chunks, shards, dtype, compressor, fill=3)
         reader = ShardReader(store, backend="cpu", max_read_bytes=max_read, gap_bytes=gap, workers=2)
@@ -426,7 +432,11 @@ def test_hostile_index_names_shard_and_chunk(tmp_path, damage, message):
     assert peak < 1 << 20  # nothing allocated from the hostile sizes (2**62 bytes, offsets past the end)
 
 
-def test_crc_mismatch_and_corrupt_chunk(tmp_path):
+@pytest.mark.parametrize("fetch_in_tasks", [False, True])
+def test_crc_mismatch_and_corrupt_chunk(tmp_path, fetch_in_tasks, monkeypatch):
+    """Named errors, whichever thread fetches and decodes (the block's own task included: its
+    error reaches the caller through the block, and the reader reads again afterwards)."""
+    monkeypatch.setattr(cpu_path, "FETCH_IN_DECODE_TASKS_MIN_BYTES", 0 if fetch_in_tasks else 1 << 62)
     path, blob, index = _one_shard(tmp_path)
     index[0, 1] -= 1  # a plausible entry, but the stored CRC no longer matches
     _write_index(path, blob, index, fix_crc=False)
@@ -436,8 +446,11 @@ def test_crc_mismatch_and_corrupt_chunk(tmp_path):
     start = int(index[1, 0])
     blob[start + 4 : start + 8] = b"\xff\xff\xff\xff"  # the frame header of chunk 1
     path.write_bytes(bytes(blob))
-    with pytest.raises(ChunkDecodeError, match="c/0/0 chunk 1: zstd"):
-        ShardReader(tmp_path / "a.zarr", backend="cpu")[...]
+    reader = ShardReader(tmp_path / "a.zarr", backend="cpu", workers=3)
+    for _ in range(2):
+        with pytest.raises(ChunkDecodeError, match="c/0/0 chunk 1: zstd"):
+            reader[...]
+    reader.close()
     path.write_bytes(bytes(blob[:30]))  # truncated below its index
     with pytest.raises(ShardIndexError, match="truncated"):
         ShardReader(tmp_path / "a.zarr", backend="cpu")[...]
@@ -517,11 +530,14 @@ def test_unit_boxes_cover_the_box_once_in_row_major_sub_boxes(box, rows):
     assert covered == list(range(int(np.prod(box))))
 
 
-@pytest.mark.parametrize("workers", [1, 3])
-def test_multi_row_units_and_partial_edges_equal_zarr(tmp_path, workers, monkeypatch):
+@pytest.mark.parametrize("workers, fetch_in_tasks", [(1, False), (3, False), (3, True)])
+def test_multi_row_units_and_partial_edges_equal_zarr(tmp_path, workers, fetch_in_tasks, monkeypatch):
     """Units of many chunks (whole-chunk runs split into (chunks, chunk) views) next to partial
-    head/tail chunks, stepped selections and absent chunks."""
+    head/tail chunks, stepped selections and absent chunks; with a decode pool, reads fetched by
+    prefetch threads or by each block's own task (its first unit decoded there, the others
+    queued)."""
     monkeypatch.setattr(cpu_path, "UNIT_BYTES", 4 * 6 * 10 * 2 * 3)  # 3 chunks per unit
+    monkeypatch.setattr(cpu_path, "FETCH_IN_DECODE_TASKS_MIN_BYTES", 0 if fetch_in_tasks else 1 << 62)
     array = _zarr_array(tmp_path / "a.zarr", (23, 30, 41), (4, 6, 10), (8, 12, 40), "uint16", "zstd", fill=7)
     reader = ShardReader(tmp_path / "a.zarr", backend="cpu", workers=workers)
     for selection in [..., (slice(3, 21), slice(5, 29), slice(1, 40)), (5,), (slice(None, None, 3), 7), (..., 40)]:

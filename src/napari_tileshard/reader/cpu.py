@@ -45,8 +45,12 @@ RELEASED_DECODE_MAX_CHUNK_BYTES = 256 << 10
 #: per-chunk path, 11 and 15 rounds), while napari's time-slider steps (a 16 MiB tile row) were
 #: slower with it (the batch's output buffer and copy: plugin p99 30 / 48 against 28 / 34 ms)
 RELEASED_DECODE_MIN_READ_BYTES = 256 << 20
-#: with a decode pool, each block's task fetches its own reads (see CpuReadPath.blocks)
-FETCH_IN_DECODE_TASKS = True
+#: reads of at least this many decoded bytes by a decode pool: each block's task fetches its own
+#: reads (see CpuReadPath.blocks).  16 cores, whole 2 GiB reads: the prefetch threads' way was
+#: 0.82-0.94x of it.  napari's steps (4-16 MiB) keep two prefetch threads beside the decode
+#: threads: on 2 cores scrubbing was no faster with the task's own fetch (plugin p99 27.7 / 33.2 /
+#: 29.0 ms against 27.0 / 33.6 / 25.0, alternating runs)
+FETCH_IN_DECODE_TASKS_MIN_BYTES = 64 << 20
 
 
 #: a decode unit: its box positions ``(first, stop)`` and its box ranges per dim
@@ -289,11 +293,12 @@ class CpuReadPath:
         the caller's reads, and the GIL is taken back a few times per unit, not per chunk, beside
         napari drawing.
 
-        With a decode pool, each block is one task there that fetches its reads and decodes its
-        first unit, its other units then queued as tasks of their own (:meth:`_start_block`):
-        reads are fetched by as many threads as decode, and the calling thread only queues
-        blocks and waits for them.  On one thread (``workers=1``, the read-ahead) a block's
-        reads are fetched ahead (``prefetch``) while the one before is decoded.
+        With a decode pool and a read of ``FETCH_IN_DECODE_TASKS_MIN_BYTES`` or more, each block
+        is one task there that fetches its reads and decodes its first unit, its other units then
+        queued as tasks of their own (:meth:`_start_block`): reads are fetched by as many threads
+        as decode, and the calling thread only queues blocks and waits for them.  Otherwise (one
+        thread, the read-ahead, smaller reads) a block's reads are fetched ahead (``prefetch``)
+        while the one before is decoded.
 
         Compressed bytes in flight stay within ``max_read_bytes`` and half the recycled read
         buffers (at least one block), so a whole-array read holds at most that much compressed
@@ -309,7 +314,7 @@ class CpuReadPath:
         for read in plan.reads:
             reads_of[read.block].append(read)
         window = max(1, min(self.reader.max_read_bytes, FREE_BUFFER_BYTES // 2))
-        if self.workers > 1 and not into_cache_only and FETCH_IN_DECODE_TASKS:
+        if self.workers > 1 and not into_cache_only and total >= FETCH_IN_DECODE_TASKS_MIN_BYTES:
             yield from self._blocks_on_pool(plan, target, reads_of, rows, released, window)
         else:
             yield from self._blocks_in_turn(plan, target, reads_of, rows, released, window)
@@ -395,9 +400,9 @@ class CpuReadPath:
         task.unit_done(self.reader, error)
 
     def _blocks_in_turn(self, plan: ReadPlan, target, reads_of, rows: int, released: bool, window: int):
-        """:meth:`blocks` on the calling thread, or with a decode pool when reads must not be
-        fetched by the decode tasks (``FETCH_IN_DECODE_TASKS`` off): each block's reads fetched
-        ahead (``prefetch``), its units decoded here or queued on the pool."""
+        """:meth:`blocks` on the calling thread, or with a decode pool for reads smaller than
+        ``FETCH_IN_DECODE_TASKS_MIN_BYTES``: each block's reads fetched ahead (``prefetch``), its
+        units decoded here or queued on the pool."""
         reader, stats = self.reader, self.stats
         into_cache_only = target is None
         fetched = reader._fetched(plan.reads)
