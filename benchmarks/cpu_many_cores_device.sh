@@ -2,7 +2,8 @@
 # The CPU paths on a many-core host (the GPU machine's 16 cores) in one call: interleaved A/Bs of
 # reads and writes against tensorstore with variants of ours, where threads wait and who holds
 # the GIL (py-spy), the table of every layout against tensorstore and libzstd with per-stage CPU
-# (cpu_many_cores.py), and the GPU tests.  Logs and JSON under $OUT.
+# (cpu_many_cores.py), and the GPU tests.  Logs and JSON under $OUT.  (It replaced cpu_reads_device.sh,
+# whose read A/B and GIL profiles are its readab and profile parts.)
 #
 #   run(command="bash benchmarks/cpu_many_cores_device.sh", carry=[".kit/site.tar.xz", ".kit/pyspy.xz"])
 #   bash benchmarks/cpu_many_cores_device.sh --quick     # small, on any machine
