@@ -323,9 +323,7 @@ class CpuReadPath:
         """:meth:`blocks` with a decode pool: a task per block, queued up to ``window``
         compressed bytes ahead of the block the caller waits for."""
         reader, pool = self.reader, self._decode_pool()
-        # the OS is asked for local reads beyond those queued, when there are more than the
-        # decode threads fetch at once
-        hinted = reader._hinted(plan.reads) if len(plan.reads) > self.workers + 1 else iter(plan.reads)
+        hinted = reader._hinted(plan.reads, self.workers)  # the decode threads fetch at once
         pending: list[tuple[_BlockTask, Future]] = []
         in_flight = 0
 
@@ -358,15 +356,9 @@ class CpuReadPath:
         (:meth:`_finish_unit` each) and decode the first here."""
         block, reader = task.block, self.reader
         try:
-            buffers: list[np.ndarray] = []
-            try:
-                for read in task.reads:
-                    buffers.append(reader._fetch(read))
-            except BaseException:
-                reader._recycle(buffers)
-                raise
-            task.buffers = buffers
-            source = BlockSource(block, list(zip(task.reads, buffers)), self.codec)
+            for read in task.reads:  # fetched buffers go back with the block, whatever happens next
+                task.buffers.append(reader._fetch(read))
+            source = BlockSource(block, list(zip(task.reads, task.buffers)), self.codec)
             self.stats.add(
                 cache_hits=len(block.cached),
                 chunks_decoded=source.present,

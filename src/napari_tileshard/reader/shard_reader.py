@@ -511,14 +511,17 @@ class ShardReader:
         (:func:`~napari_tileshard.reader.fetch.hinted_ahead`)."""
         if self.prefetch and self._io is None:
             self._io = ThreadPoolExecutor(min(8, self.prefetch), thread_name_prefix="tileshard-read")
-        if fetch is None and len(reads) > self.prefetch + 1:
-            reads = self._hinted(reads)
+        if fetch is None:
+            reads = self._hinted(reads, self.prefetch)
         return prefetched(reads, fetch or self._fetch, self.prefetch, self._io)
 
-    def _hinted(self, reads) -> Iterator:
-        """A plan's ``reads`` in order, local ones with hints to the OS beyond each one taken
-        (:func:`~napari_tileshard.reader.fetch.hinted_ahead`)."""
-        return hinted_ahead(reads, self._objects) if self._objects.local else iter(reads)
+    def _hinted(self, reads, in_flight: int) -> Iterator:
+        """A plan's ``reads`` in order; local ones with hints to the OS beyond each one taken
+        (:func:`~napari_tileshard.reader.fetch.hinted_ahead`) when there are more than the
+        ``in_flight`` reads the reader itself fetches at once."""
+        if self._objects.local and len(reads) > in_flight + 1:
+            return hinted_ahead(reads, self._objects)
+        return iter(reads)
 
     def _cpu_path(self) -> CpuReadPath:
         if self._cpu is None:
