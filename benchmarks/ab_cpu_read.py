@@ -10,7 +10,8 @@ its output equals zarr-python's (read once per array).
 Engines: ``ts`` (tensorstore, zarr3 driver on the file kvstore), ``zarr`` (zarr-python), and
 variants of ours, ``name=KEY=value,...``: ``KEY`` an UPPER-case switch of
 :mod:`napari_tileshard.reader.cpu` (``fetch.NAME``, ``memory.NAME``, ``codecs.NAME``: of those
-modules), ``pool_bytes=N`` (the output pool's cap for this variant, 0: fresh output memory, as
+modules; ``places.NAME``: of storage.places, a set as names joined by ``+``, ``none``: empty),
+``pool_bytes=N`` (the output pool's cap for this variant, 0: fresh output memory, as
 ``TILESHARD_POOL_BYTES=0``), ``switchinterval=S`` (the interpreter's GIL switch interval for
 this variant's reads), or a lower-case ``ShardReader`` keyword (``workers=1``); ``ours=``
 is the default reader.  A variant
@@ -54,6 +55,7 @@ MODULES = {
     "codecs": "napari_tileshard.format.codecs",
     "shard_reader": "napari_tileshard.reader.shard_reader",
     "memory": "napari_tileshard.reader.memory",
+    "places": "napari_tileshard.storage.places",
 }
 
 
@@ -66,9 +68,21 @@ def parse_variant(text: str) -> tuple[str, dict, dict, str | None]:
     switches, keywords = {}, {}
     for item in filter(None, settings.split(",")):
         key, _, value = item.partition("=")
-        number = float(value) if "." in value else int(value)
+        number: float | int | str
+        try:
+            number = float(value) if "." in value else int(value)
+        except ValueError:  # names, e.g. places.MEMORY_FILE_SYSTEMS=none (no file system held in memory)
+            number = value
         (switches if key.split(".")[-1].lstrip("_").isupper() else keywords)[key] = number
     return name, switches, keywords, None
+
+
+def _converted(saved, value):
+    """A variant's ``value`` as the switch's type; a set of names is given joined by ``+``
+    (``none``: the empty set)."""
+    if isinstance(saved, (set, frozenset)):
+        return type(saved)(name for name in str(value).split("+") if name != "none")
+    return type(saved)(value)
 
 
 def _place(key: str):
@@ -86,7 +100,7 @@ def read_once(engine: str, path: Path, switches: dict, keywords: dict, repeat: i
         sys.setswitchinterval(switch_interval)
     saved = {key: getattr(*_place(key)) for key in switches}
     for key, value in switches.items():
-        setattr(*_place(key), type(saved[key])(value))
+        setattr(*_place(key), _converted(saved[key], value))
     saved_pool = memory.set_output_pool(memory.OutputPool(pool_bytes)) if pool_bytes is not None else None
     try:
         if engine == "ts":
@@ -192,7 +206,7 @@ def check_exact(path: Path, engines: list[str], by_name: dict) -> dict[str, bool
         keywords = {k: v for k, v in keywords.items() if k != "pool_bytes"}
         saved = {key: getattr(*_place(key)) for key in switches}
         for key, value in switches.items():
-            setattr(*_place(key), type(saved[key])(value))
+            setattr(*_place(key), _converted(saved[key], value))
         try:
             if engine == "ts":
                 import tensorstore as ts

@@ -24,6 +24,7 @@ from napari_tileshard.reader.cpu import unit_boxes
 from napari_tileshard.reader.gpu import block_params, plan_batches, slot_elements, untile_emulated, untile_tables
 from napari_tileshard.reader.lazy import LazySelection
 from napari_tileshard.reader.plan import pack_runs
+from napari_tileshard.storage import places
 
 COMPRESSORS = {
     "zstd": lambda: [ZstdCodec(level=1)],
@@ -951,11 +952,24 @@ def test_reads_with_many_decode_workers_decode_each_unit_in_one_native_call(tmp_
         assert calls and set(calls) == {expected}, (workers, largest, set(calls))
 
 
-def _advice_recorder(monkeypatch):
-    """Every posix_fadvise call of the process as (file path, start, size), the real call made."""
+def _mount_table(monkeypatch, tmp_path, kind: str) -> None:
+    """The mount table the reader consults (places.MOUNT_TABLE), as Linux writes it: the root
+    file system ext4, ``tmp_path`` a mount of type ``kind`` of its own."""
+    table = tmp_path / "mountinfo"
+    table.write_text(
+        "22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/sda1 rw\n"
+        f"40 22 0:35 / {os.path.realpath(tmp_path)} rw,nosuid - {kind} {kind} rw,size=1024k\n"
+    )
+    monkeypatch.setattr(places, "MOUNT_TABLE", str(table))
+
+
+def _advice_recorder(monkeypatch, tmp_path):
+    """Every posix_fadvise call of the process as (file path, start, size), the real call made;
+    ``tmp_path`` on a disk (the hints are for disks: none on tmpfs, tested below)."""
     real = getattr(os, "posix_fadvise", None)
     if real is None:
         pytest.skip("no posix_fadvise on this platform (the hints are a no-op there, tested below)")
+    _mount_table(monkeypatch, tmp_path, "ext4")
     calls: list[tuple[str, int, int]] = []
 
     def recording(fd, start, size, advice):
@@ -992,7 +1006,7 @@ def test_whole_reads_of_a_local_store_hint_the_os_ahead_of_the_prefetch(tmp_path
     within the window beyond the reads being fetched; the result is exact.  With every page
     cached, nothing is hinted."""
     array = _zarr_array(tmp_path / "a.zarr", (24, 16, 16), (1, 8, 8), (1, 16, 16), "uint16", "zstd", holes=False)
-    calls = _advice_recorder(monkeypatch)
+    calls = _advice_recorder(monkeypatch, tmp_path)
     reader = ShardReader(tmp_path / "a.zarr", backend="cpu", prefetch=1, workers=1)
     plan = reader.plan(...)
     largest = max(read.size for read in plan.reads)
@@ -1022,7 +1036,7 @@ def test_whole_reads_of_a_local_store_hint_the_os_ahead_of_the_prefetch(tmp_path
 
 def test_no_hints_when_switched_off_small_or_unsupported(tmp_path, monkeypatch):
     array = _zarr_array(tmp_path / "a.zarr", (24, 16, 16), (1, 8, 8), (1, 16, 16), "uint16", "zstd", holes=False)
-    calls = _advice_recorder(monkeypatch)
+    calls = _advice_recorder(monkeypatch, tmp_path)
     monkeypatch.setattr(fetch_module, "WILL_NEED_BYTES", 0)
     with ShardReader(tmp_path / "a.zarr", backend="cpu") as reader:
         np.testing.assert_array_equal(reader.read(...), array[...])
@@ -1035,11 +1049,40 @@ def test_no_hints_when_switched_off_small_or_unsupported(tmp_path, monkeypatch):
         np.testing.assert_array_equal(reader.read(...), array[...])
 
 
+def test_no_hints_and_no_residency_checks_for_files_held_in_memory(tmp_path, monkeypatch):
+    """A store on tmpfs (a recording in /dev/shm) is never read from a disk: a whole read asks
+    the OS nothing and probes nothing (each hint cost six system calls per shard, on the thread
+    that queues the decode tasks); the read is exact."""
+    array = _zarr_array(tmp_path / "a.zarr", (24, 16, 16), (1, 8, 8), (1, 16, 16), "uint16", "zstd", holes=False)
+    calls = _advice_recorder(monkeypatch, tmp_path)
+    probes = _page_cache(monkeypatch, cached=False)
+    monkeypatch.setattr(os, "preadv", _counting_probes(os.preadv, counted := []))
+    _mount_table(monkeypatch, tmp_path, "tmpfs")
+    with ShardReader(tmp_path / "a.zarr", backend="cpu", prefetch=1, workers=1) as reader:
+        np.testing.assert_array_equal(reader.read(...), array[...])
+    assert calls == [] and counted == [] and probes  # data read, nothing hinted or probed
+    _mount_table(monkeypatch, tmp_path, "xfs")  # the same store on a disk: hinted
+    with ShardReader(tmp_path / "a.zarr", backend="cpu", prefetch=1, workers=1) as reader:
+        np.testing.assert_array_equal(reader.read(...), array[...])
+    assert calls and counted
+
+
+def _counting_probes(preadv, counted: list):
+    """``os.preadv`` that notes each residency probe (a read with flags) in ``counted``."""
+
+    def probe_counting(fd, buffers, offset, flags=0):
+        if flags:
+            counted.append(offset)
+        return preadv(fd, buffers, offset, flags)
+
+    return probe_counting
+
+
 def test_without_a_residency_check_every_range_is_hinted(tmp_path, monkeypatch):
     """Where the OS cannot say what it holds (no RWF_NOWAIT: macOS, older kernels), every range
     after the prefetch is hinted; the read stays exact."""
     array = _zarr_array(tmp_path / "a.zarr", (24, 16, 16), (1, 8, 8), (1, 16, 16), "uint16", "zstd", holes=False)
-    calls = _advice_recorder(monkeypatch)
+    calls = _advice_recorder(monkeypatch, tmp_path)
     monkeypatch.delattr(os, "RWF_NOWAIT", raising=False)
     with ShardReader(tmp_path / "a.zarr", backend="cpu", prefetch=1) as reader:
         plan = reader.plan(...)

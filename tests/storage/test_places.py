@@ -5,7 +5,8 @@ import subprocess
 
 import pytest
 
-from napari_tileshard.storage.places import overlap, place_of
+from napari_tileshard.storage import places
+from napari_tileshard.storage.places import file_system_type, in_memory_file_system, overlap, place_of
 
 
 @pytest.fixture
@@ -94,3 +95,30 @@ def test_url_spellings(source, destination, how):
 def test_local_and_url_places_never_overlap(tmp_path):
     assert overlap(tmp_path, "s3://bucket" + str(tmp_path)) is None
     assert place_of(12) is None
+
+
+def test_file_system_type_is_the_longest_mount_point_above_the_path(tmp_path, monkeypatch):
+    """The mount whose point is the longest prefix of the resolved path, the latest of equal
+    points (mounted over the others), with the kernel's octal escapes undone; None without a
+    mount table (not Linux)."""
+    (tmp_path / "data").mkdir()
+    os.symlink(tmp_path / "data", tmp_path / "link")
+    table = tmp_path / "mountinfo"
+    base = os.path.realpath(tmp_path)
+    table.write_text(
+        "22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/sda1 rw\n"
+        "30 22 0:26 / /dev/shm rw,nosuid,nodev shared:4 - tmpfs tmpfs rw\n"
+        f"41 22 0:40 / {base}/da rw - xfs /dev/sdb rw\n"  # a prefix of the text, not of the path
+        f"42 22 0:41 / {base}/data rw - tmpfs tmpfs rw\n"
+        f"43 42 0:42 / {base}/data rw master:7 - nfs4 server:/export rw\n"  # over the one before
+        "44 22 0:43 / /mnt/my\\040disk rw - btrfs /dev/sdc rw\n"
+        "45 22 0:44 / /broken rw\n"  # no separator: skipped
+    )
+    monkeypatch.setattr(places, "MOUNT_TABLE", str(table))
+    assert file_system_type("/dev/shm/rec.zarr") == "tmpfs" and in_memory_file_system("/dev/shm/rec.zarr")
+    assert file_system_type(tmp_path / "link" / "a.zarr") == "nfs4"
+    assert file_system_type(tmp_path / "dat") == "ext4" and not in_memory_file_system(tmp_path / "dat")
+    assert file_system_type("/mnt/my disk/rec.zarr") == "btrfs"
+    assert file_system_type("/broken/x") == "ext4"
+    monkeypatch.setattr(places, "MOUNT_TABLE", str(tmp_path / "missing"))
+    assert file_system_type("/dev/shm") is None and not in_memory_file_system("/dev/shm")

@@ -14,6 +14,7 @@ import numpy as np
 
 from ..format.shard_spec import ShardReadError, ShardSpec
 from ..storage._zarr_sync import sync
+from ..storage.places import in_memory_file_system
 from ..storage.safe_read import LocalFiles, StoreAccess
 from .memory import output_pool
 from .plan import Read
@@ -65,6 +66,10 @@ class StoreObjects:
         self.access, self.stats = access, stats
         self.local = access.root is not None
         self.files = LocalFiles(access.root) if self.local else None
+        #: whether :meth:`will_need` asks the OS anything: local files where ``posix_fadvise``
+        #: exists (not macOS, not Windows), not held in memory (tmpfs: each hint cost six system
+        #: calls per shard for nothing, on the thread that queues the decode tasks)
+        self.hints = self.local and hasattr(os, "posix_fadvise") and not in_memory_file_system(access.root)
 
     def index(self, key: str, spec: ShardSpec) -> tuple[int, bytes] | None:
         """(object size, the index bytes), or None when the shard does not exist."""
@@ -155,12 +160,11 @@ class StoreObjects:
 
     def will_need(self, key: str, start: int, size: int) -> bool:
         """Ask the OS to start reading bytes ``start .. start + size`` of ``key`` into its page
-        cache (local files, where ``posix_fadvise`` exists; elsewhere nothing).  A hint: nothing
+        cache (where :attr:`hints`; elsewhere nothing).  A hint: nothing
         is read here and nothing fails (a missing or refused file fails when it is read).
         Returns whether the OS was asked (False: the range is cached already, or no hint can
         be given)."""
-        advise = getattr(os, "posix_fadvise", None)  # not on macOS or Windows
-        if advise is None or not self.local:
+        if not self.hints:
             return False
         assert self.files is not None
         try:
@@ -170,7 +174,7 @@ class StoreObjects:
         try:
             if _cached(fd, start) and _cached(fd, start + size - 1):
                 return False
-            advise(fd, start, size, os.POSIX_FADV_WILLNEED)
+            os.posix_fadvise(fd, start, size, os.POSIX_FADV_WILLNEED)
             return True
         except OSError:
             return False

@@ -516,10 +516,11 @@ class ShardReader:
         return prefetched(reads, fetch or self._fetch, self.prefetch, self._io)
 
     def _hinted(self, reads, in_flight: int) -> Iterator:
-        """A plan's ``reads`` in order; local ones with hints to the OS beyond each one taken
+        """A plan's ``reads`` in order; where the store takes hints (local files on a disk) with
+        hints to the OS beyond each one taken
         (:func:`~napari_tileshard.reader.fetch.hinted_ahead`) when there are more than the
         ``in_flight`` reads the reader itself fetches at once."""
-        if self._objects.local and len(reads) > in_flight + 1:
+        if self._objects.hints and len(reads) > in_flight + 1:
             return hinted_ahead(reads, self._objects)
         return iter(reads)
 

@@ -10,14 +10,23 @@ are compared by scheme family, bucket and prefix, ignoring empty and ``.`` segme
 slashes; an endpoint is not part of the comparison (the same bucket and prefix are refused even
 if ``storage_options`` might point elsewhere: refusing costs a rename, writing over a source
 costs the data).  ``memory://`` stores are private to their process and never overlap.
+
+:func:`in_memory_file_system`: whether a local path's files are held in memory (tmpfs), where
+asking the OS to read them ahead only costs system calls.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 
-__all__ = ["Place", "overlap", "place_of", "places_read_by"]
+__all__ = ["MOUNT_TABLE", "Place", "file_system_type", "in_memory_file_system", "overlap", "place_of", "places_read_by"]
+
+#: where Linux lists the mounts this process sees (one per line, ``proc(5)``)
+MOUNT_TABLE = "/proc/self/mountinfo"
+#: file systems that keep their files in memory: nothing of them is ever read from a disk
+MEMORY_FILE_SYSTEMS = frozenset({"tmpfs", "ramfs", "hugetlbfs"})
 
 # Spellings of one object-store family (the URL forms obstore and fsspec accept for each).
 _FAMILY = {"s3a": "s3", "gcs": "gs", "abfs": "az", "abfss": "az", "azure": "az"}
@@ -184,3 +193,43 @@ def _graph_arrays(graph) -> list:
         except Exception:  # noqa: BLE001 - a layer that cannot be listed names no place
             continue
     return found
+
+
+def file_system_type(path) -> str | None:
+    """The type of the file system that ``path`` (resolved) lies on, as the kernel names it
+    (``ext4``, ``tmpfs``, ``nfs4``, ...): the mount in :data:`MOUNT_TABLE` whose mount point is
+    the longest prefix of the path (the latest of equal ones: it hides the others).  None where
+    that table cannot be read (not Linux)."""
+    try:
+        with open(MOUNT_TABLE, encoding="utf-8", errors="surrogateescape") as table:
+            lines = table.read().splitlines()
+    except OSError:
+        return None
+    real = os.path.realpath(os.fspath(path))
+    found, longest = None, -1
+    for line in lines:
+        fields = line.split()
+        # mount ID, parent ID, major:minor, root, mount point, options, optional fields..., "-",
+        # type, source, super options
+        if "-" not in fields[5:]:
+            continue
+        separator = fields.index("-", 5)
+        if separator + 1 >= len(fields):
+            continue
+        point = _unescape_mount_point(fields[4])
+        inside = real == point or real.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= longest:
+            found, longest = fields[separator + 1], len(point)
+    return found
+
+
+def in_memory_file_system(path) -> bool:
+    """Whether ``path`` lies on a file system that keeps its files in memory (tmpfs, ramfs: a
+    recording in ``/dev/shm``); False where not known."""
+    return file_system_type(path) in MEMORY_FILE_SYSTEMS
+
+
+def _unescape_mount_point(text: str) -> str:
+    """A mount point as the kernel escapes it in the mount table (space, tab, newline and
+    backslash as three octal digits)."""
+    return re.sub(r"\\([0-7]{3})", lambda match: chr(int(match.group(1), 8)), text)
