@@ -160,8 +160,8 @@ def usage_since(before) -> dict:
 
 def read_in_subprocess(engine: str, path: Path, switches: dict, keywords: dict, repeat: int, source) -> dict:
     env = dict(os.environ)
-    if source:
-        env["PYTHONPATH"] = str(Path(source).resolve())
+    if source:  # the other tree first; the rest of the path (wheels unpacked beside) kept
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(source).resolve()), env.get("PYTHONPATH")]))
     spec = json.dumps({"engine": engine, "path": str(path), "switches": switches, "keywords": keywords})
     command = [sys.executable, __file__, "--child", spec, "--repeat", str(repeat)]
     if source:  # the other tree's reader: this script's sys.path puts our src first, so say it again

@@ -11,7 +11,8 @@
 # Knobs: PARTS (readab,writeab,profile,table,gputests), GIB (2), ROUNDS (5), READ_TILES
 # (64k-4m,256k-4m,1m-16m), WRITE_TILES (64k-d2,default,1m-d8), READ_VARIANTS and
 # WRITE_VARIANTS (space-separated --variant values of ab_cpu_read.py / ab_cpu_write.py),
-# TABLE_GIB (2), TABLE_ROUNDS (3), DISK_DIR (unset: a local-disk folder for the table's cold reads), LIMIT_S (570: the whole call; a part that cannot finish in
+# TABLE_GIB (2), TABLE_ROUNDS (3), .kit/before_src.tar.xz (carried: `git archive <commit> src`, for
+# READ_VARIANTS like `before@/tmp/before/src`), DISK_DIR (unset: a local-disk folder for the table's cold reads), LIMIT_S (570: the whole call; a part that cannot finish in
 # what is left is skipped and says so).  Each part runs under its own `timeout`.
 set -uo pipefail
 root=$(pwd)
@@ -59,6 +60,11 @@ DIR=/dev/shm/tileshard-many
 } >"$OUT/info.txt" 2>&1
 cat "$OUT/info.txt"
 variants() { for v in $1; do printf -- '--variant %s ' "$v"; done; }
+
+# an earlier source tree for `name@/tmp/before/src` variants (every read then in a fresh process)
+if [ -f .kit/before_src.tar.xz ]; then
+  mkdir -p /tmp/before && tar -xJf .kit/before_src.tar.xz -C /tmp/before
+fi
 
 # 1. Reads: every variant against tensorstore, interleaved; outputs checked against zarr-python.
 if want readab 150; then

@@ -422,28 +422,37 @@ def test_the_frame_walk_of_a_whole_batch_matches_each_frame():
     assert codecs._frame_sizes(data, starts, ends).tolist() == expected
 
 
-@pytest.mark.parametrize("spread", [4000, 16])  # ~1.3:1 and ~4:1 (past 2:1 the batch uses several buffers)
-def test_zstd_batch_into_its_own_memory_or_scratch(spread):
+@pytest.mark.parametrize(
+    "spread, count, several_buffers",
+    [
+        (4000, 16, False),  # ~1.3:1
+        (16, 16, False),  # ~4:1: one buffer, the segments given to the batch lengthened
+        (16, 2, False),
+        (1, 16, True),  # constant tiles, ~1000:1: too few bytes to lengthen the segments
+    ],
+)
+def test_zstd_batch_into_its_own_memory_or_scratch(spread, count, several_buffers):
     """Zstd's batch call hands back the chunks over its own memory where it decoded them into
-    one buffer, and copies them into the scratch given where it used several (chunks compressed
-    more than 2:1); the bytes equal decoding chunk by chunk either way, and the returned array
-    keeps its memory alive after the call."""
+    one buffer (for chunks compressed more than 2:1 too, python-zstandard sizing that buffer by
+    the segments it is given, lengthened), and copies them into the scratch given where it used
+    several; the bytes equal decoding chunk by chunk either way, and the returned array keeps
+    its memory alive after the call."""
     import gc
 
     codec = ZARR["zstd"][0]
     rng = np.random.default_rng(5)
-    tiles = [rng.integers(0, spread, 32768).astype(np.uint16).view(np.uint8) for _ in range(16)]
+    tiles = [rng.integers(0, spread, 32768).astype(np.uint16).view(np.uint8) for _ in range(count)]
     chunks = [bytes(codec.encode(t)) for t in tiles]
     offsets = np.cumsum([0] + [len(c) for c in chunks[:-1]])
     sizes = np.array([len(c) for c in chunks])
     src = memoryview(b"".join(chunks))
-    scratch = np.full((16, tiles[0].nbytes), 0xAB, np.uint8)
+    scratch = np.full((count, tiles[0].nbytes), 0xAB, np.uint8)
     got = codec.decoded_chunks_released(src, offsets, sizes, tiles[0].nbytes, scratch)
     assert got is not None
     gc.collect()
     np.testing.assert_array_equal(got, np.stack(tiles))
-    compressed_more_than_half = sizes.sum() * 2 < scratch.nbytes
-    assert np.shares_memory(got, scratch) == compressed_more_than_half
+    assert sizes.sum() * 2 < scratch.nbytes or spread == 4000  # the cases past 2:1 are past it
+    assert np.shares_memory(got, scratch) == several_buffers
     dest = np.zeros_like(scratch)
     codec.decode_chunks_released(src, offsets.tolist(), sizes.tolist(), dest)
     np.testing.assert_array_equal(dest, np.stack(tiles))

@@ -408,7 +408,11 @@ def test_resuming_a_store_removes_only_our_stale_temporary_files(tmp_path):
 def test_local_files_open_from_many_threads_while_directories_are_dropped(tmp_path):
     """LocalFiles keeps at most max_dirs directories open; with one, every open drops the
     directory another thread may be opening relative to: each file still opens and reads right,
-    and no directory descriptor is left open once the table is closed."""
+    dropped directories are closed while the threads keep opening (some open is nearly always in
+    flight: the interpreter switching threads every microsecond), and no directory descriptor is
+    left open once the table is closed."""
+    import sys
+
     from napari_tileshard.storage.safe_read import LocalFiles
 
     keys = [f"c/{i}/{j}" for i in range(12) for j in range(3)]
@@ -416,25 +420,60 @@ def test_local_files_open_from_many_threads_while_directories_are_dropped(tmp_pa
         (tmp_path / key).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / key).write_bytes(key.encode())
     files = LocalFiles(tmp_path, max_dirs=1)
-    before = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else None
+    counting = os.path.isdir("/proc/self/fd")
+    before = len(os.listdir("/proc/self/fd")) if counting else 0
     wrong: list[str] = []
+    errors: list[BaseException] = []
+    most_open = [before]
 
     def read_all(offset: int) -> None:
-        for _ in range(20):
-            for key in keys[offset:] + keys[:offset]:
-                fd = files.open(key)
-                try:
-                    if os.pread(fd, 64, 0) != key.encode():
-                        wrong.append(key)
-                finally:
-                    os.close(fd)
+        try:
+            for _ in range(40):
+                for key in keys[offset:] + keys[:offset]:
+                    fd = files.open(key)
+                    try:
+                        if os.pread(fd, 64, 0) != key.encode():
+                            wrong.append(key)
+                    finally:
+                        os.close(fd)
+                if counting:
+                    most_open[0] = max(most_open[0], len(os.listdir("/proc/self/fd")))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
 
-    threads = [threading.Thread(target=read_all, args=(k * 5,)) for k in range(8)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert wrong == []
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=read_all, args=(k * 5,)) for k in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert errors == [] and wrong == []
+    # well clear of the process's limit (the old global "no open in flight" rule let dropped
+    # directories pile up past a thousand here: one open was nearly always in flight)
+    assert most_open[0] - before < 512
     files.close()
-    if before is not None:
+    if counting:
         assert len(os.listdir("/proc/self/fd")) <= before
+
+
+@pytest.mark.skipif(os.open not in os.supports_dir_fd, reason="opens relative to a directory need dir_fd")
+def test_local_files_close_a_dropped_directory_once_no_open_uses_it(tmp_path):
+    """One thread opening files of ever new directories, one directory kept: each dropped
+    directory is closed at once (no open is in flight), so the descriptors do not grow."""
+    from napari_tileshard.storage.safe_read import LocalFiles
+
+    keys = [f"c/{i}/0" for i in range(40)]
+    for key in keys:
+        (tmp_path / key).parent.mkdir(parents=True)
+        (tmp_path / key).write_bytes(key.encode())
+    files = LocalFiles(tmp_path, max_dirs=1)
+    counts = []
+    for key in keys:
+        os.close(files.open(key))
+        counts.append(len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else 0)
+    assert max(counts) == min(counts)
+    files.close()

@@ -414,7 +414,9 @@ class Zstd(Codec):
         # exactly one frame (the batch would ignore bytes after it); its size is checked by the
         # batch itself.  The batch decodes into buffers sized by the compressed bytes (rounded up
         # to a power of two), a new one whenever the next chunk does not fit: chunks compressed
-        # more than 2:1 land in several buffers.  Returned: ``(first chunk, its run)`` per buffer.
+        # more than 2:1 would land in several buffers, copied into one by the caller, so the
+        # segments it is given are lengthened until their bytes size one buffer for all
+        # (_one_buffer_lengths).  Returned: ``(first chunk, its run)`` per buffer.
         starts = np.asarray(offsets, dtype=np.int64)
         lengths = np.asarray(nbytes, dtype=np.int64)
         if not lengths.size or (lengths < 0).any():
@@ -422,7 +424,8 @@ class Zstd(Codec):
         data = np.frombuffer(src, dtype=np.uint8)
         if (_frame_sizes(data, starts, starts + lengths) != lengths).any():
             return None
-        segments = np.stack([starts, lengths], axis=1).astype(np.uint64)
+        lengthened = _one_buffer_lengths(starts, lengths, data.size, len(lengths) * chunk_bytes)
+        segments = np.stack([starts, lengthened], axis=1).astype(np.uint64)
         try:
             decoded = self._decompressor().multi_decompress_to_buffer(
                 zstandard.BufferWithSegments(src, segments.tobytes()),
@@ -500,6 +503,26 @@ def _frame_sizes(data: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.n
     return sizes
 
 
+def _one_buffer_lengths(starts: np.ndarray, lengths: np.ndarray, size: int, decoded: int) -> np.ndarray:
+    """Segment lengths for python-zstandard's batch with which it decodes all ``decoded`` bytes
+    into one buffer: it allocates the first one by the segments' total, rounded up to a power of
+    two (c-ext/decompressor.c, ``decompress_worker``), so segments are lengthened, the first ones
+    first and each at most to the end of the source (``size`` bytes), until that total rounds up
+    to at least ``decoded``.  A lengthened segment takes in bytes after its frame, which the
+    batch leaves alone: it stops at the frame's end (``ZSTD_decompressStream`` into exactly the
+    chunk's size), and _frame_sizes checked that each frame ends where its chunk does.  Where
+    the source has too few bytes after the frames (chunks compressed far more than 2:1, few per
+    batch), ``lengths`` as they are."""
+    target = (1 << max(0, decoded - 1).bit_length()) // 2 + 1  # rounds up to 2**k >= decoded
+    missing = target - int(lengths.sum())
+    if missing <= 0:
+        return lengths
+    room = size - (starts + lengths)  # bytes after each segment, to the end of the source
+    before = np.concatenate(([0], np.cumsum(room)[:-1]))
+    added = np.clip(missing - before, 0, room)
+    return lengths + added if int(added.sum()) >= missing else lengths
+
+
 @functools.lru_cache(maxsize=64)
 def _sizes(count: int, nbytes: int) -> bytes:
     """``multi_decompress_to_buffer``'s decompressed sizes: ``count`` uint64 of ``nbytes``."""
@@ -513,6 +536,10 @@ def _runs(decoded, count: int, nbytes: int) -> list[tuple[int, np.ndarray]] | No
     so.  A buffer starts where a segment's offset is 0; its segments follow at ``nbytes`` steps."""
     if decoded.size() != count * nbytes or len(decoded) != count:
         return None
+    if decoded[count - 1].offset == (count - 1) * nbytes:
+        # one buffer: a segment in a later one would lie nearer its own buffer's start
+        address = np.frombuffer(cast(Any, decoded[0]), dtype=np.uint8).ctypes.data
+        return [(0, np.asarray(_Memory(decoded, address, (count, nbytes))))]
     within = np.fromiter((decoded[j].offset for j in range(count)), dtype=np.int64, count=count)
     firsts = np.flatnonzero(within == 0)
     if not firsts.size or firsts[0] != 0:
