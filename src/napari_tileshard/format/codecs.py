@@ -460,6 +460,10 @@ _CONTENT_SIZE_BYTES = np.array([0, 2, 4, 8], dtype=np.int64)
 _MAX_BLOCKS = 256
 
 
+#: per width read by _frame_sizes: the byte steps and their little-endian weights
+_GATHER = {w: (np.arange(w, dtype=np.int64), 1 << (8 * np.arange(w, dtype=np.int64))) for w in (3, 5)}
+
+
 def _frame_sizes(data: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
     """The compressed size of the zstd frame that starts each chunk ``data[starts[i]:ends[i]]``
     (RFC 8878, 3.1.1: its header, its blocks up to the last, its checksum), as libzstd's
@@ -476,8 +480,9 @@ def _frame_sizes(data: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.n
     def gather(at: np.ndarray, width: int) -> np.ndarray:
         """``width`` little-endian bytes at each position (past the data: its last byte, a value
         the bounds checks then refuse)."""
-        rows = data[np.minimum(at[:, None] + np.arange(width), limit - 1)].astype(np.int64)
-        return rows @ (1 << (8 * np.arange(width, dtype=np.int64)))
+        steps, weights = _GATHER[width]
+        rows = data[np.minimum(at[:, None] + steps, limit - 1)].astype(np.int64)
+        return rows @ weights
 
     head = gather(starts, 5)
     active = (ends - starts >= 6) & (ends <= limit) & (starts >= 0) & (head & 0xFFFFFFFF == _ZSTD_MAGIC)

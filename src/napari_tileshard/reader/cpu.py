@@ -81,7 +81,8 @@ def unit_boxes(box_shape: tuple[int, ...], max_rows: int) -> tuple[Unit, ...]:
     return tuple(units)
 
 
-def dim_pieces(part: DimPart, lo: int, hi: int, chunk: int) -> list[tuple[slice, object, slice, bool]]:
+@functools.lru_cache(maxsize=256)  # blocks of a read share their parts along most dims
+def dim_pieces(part: DimPart, lo: int, hi: int, chunk: int) -> tuple[tuple[slice, object, slice, bool], ...]:
     """The output positions of ``part`` (relative to its block) whose box index is in ``lo..hi``,
     as pieces ``(out, box, within, whole)``: runs of whole chunks (``box`` a slice relative to
     ``lo``, ``whole`` True: the output axis splits into (chunks, chunk)) and partial chunks
@@ -104,7 +105,7 @@ def dim_pieces(part: DimPart, lo: int, hi: int, chunk: int) -> list[tuple[slice,
         step = int(part.within[a + 1]) - first if e - a > 1 else 1
         pieces.append((slice(a, e), i, slice(first, int(part.within[e - 1]) + 1, step), False))
         i += 1
-    return pieces
+    return tuple(pieces)
 
 
 def untile_into(out: np.ndarray, chunks: np.ndarray, block: Block, ranges, chunk_shape) -> None:

@@ -258,11 +258,12 @@ def normalize_selection(selection, shape: Sequence[int]) -> tuple[list[np.ndarra
     return indices, dropped
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class DimPart:
     """What one shard along one dim contributes: output positions ``lo..hi``, the chunks
     (global numbers) they fall in, and per output position the chunk (index into ``chunks``)
-    and the element inside it."""
+    and the element inside it.  Compared and hashed by identity: the CPU path keeps the pieces
+    it cuts a part into (``cpu.dim_pieces``), for the other blocks of a read that share it."""
 
     shard: int
     lo: int

@@ -217,10 +217,7 @@ class LocalFiles:
         me = threading.get_ident()
         self._in_flight[me] = next(self._tickets)  # before the look-up: what it finds stays open
         try:
-            directory = self._dirs.get(parent)
-            if directory is None:
-                with self._lock:
-                    directory = self._directory(parent)
+            directory = self._directory(parent)
             info = os.stat(name, dir_fd=directory, follow_symlinks=False)  # FileNotFoundError: missing
             if not stat.S_ISREG(info.st_mode):
                 fd = -1
@@ -233,7 +230,8 @@ class LocalFiles:
                     fd = -1  # swapped for a symlink or a special file since the lstat
         finally:
             del self._in_flight[me]
-            if self._dropped:
+            dropped = self._dropped  # replaced, never emptied in place: a look without the lock
+            if dropped and dropped[0][0] < min(list(self._in_flight.values()), default=dropped[0][0] + 1):
                 with self._lock:
                     self._close_dropped()
         if fd < 0:
@@ -247,7 +245,9 @@ class LocalFiles:
         return fd
 
     def _directory(self, parent: str) -> int:
-        """The descriptor of directory ``parent`` (the store root for ""), opened once (lock held)."""
+        """The descriptor of directory ``parent`` (the store root for ""), opened once: its
+        system calls without the lock (by a thread whose open is in flight, so what it finds in
+        the table stays open), the table changed under it (:meth:`_keep`)."""
         fd = self._dirs.get(parent)
         if fd is not None:
             return fd
@@ -280,13 +280,19 @@ class LocalFiles:
         return self._keep(parent, fd)
 
     def _keep(self, parent: str, fd: int) -> int:
-        """Hold ``fd`` as directory ``parent``'s, dropping the oldest beyond ``max_dirs`` (lock held)."""
-        while len(self._dirs) >= self.max_dirs:
-            dropped = self._dirs.pop(next(iter(self._dirs)))
-            self._dropped.append((next(self._tickets), dropped))  # the ticket drawn after the pop
-        self._close_dropped()
-        self._dirs[parent] = fd
-        return fd
+        """Hold ``fd`` as directory ``parent``'s, dropping the oldest beyond ``max_dirs``; where
+        another thread kept that directory meanwhile, its descriptor (``fd`` closed)."""
+        with self._lock:
+            kept = self._dirs.get(parent)
+            if kept is not None:
+                os.close(fd)
+                return kept
+            while len(self._dirs) >= self.max_dirs:
+                dropped = self._dirs.pop(next(iter(self._dirs)))
+                self._dropped.append((next(self._tickets), dropped))  # the ticket drawn after the pop
+            self._close_dropped()
+            self._dirs[parent] = fd
+            return fd
 
     def _close_dropped(self) -> None:
         """Close the directories dropped before every open in flight began (lock held)."""
