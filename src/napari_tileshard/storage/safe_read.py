@@ -34,6 +34,11 @@ from typing import Any, cast
 
 from zarr.storage import LocalStore
 
+try:
+    import resource as _resource  # POSIX only
+except ImportError:  # Windows
+    _resource = None  # type: ignore[assignment]
+
 from ..format.metadata import STATE_KEY
 from ..format.shard_spec import grid_refusal
 from ._zarr_sync import sync
@@ -45,13 +50,17 @@ __all__ = [
     "MAX_JSON_DEPTH",
     "MAX_METADATA_BYTES",
     "METADATA_NAMES",
+    "MAX_OPEN_DIRECTORIES",
+    "MIN_OPEN_DIRECTORIES",
     "Listing",
     "LocalFiles",
     "SafeLocalStore",
     "StoreAccess",
     "StoreObject",
     "UnsafeStoreError",
+    "descriptor_limit",
     "list_local_keys",
+    "open_directories",
     "open_local_file",
     "parse_json",
     "read_local_metadata",
@@ -64,6 +73,10 @@ MAX_METADATA_BYTES = 16 << 20
 #: the deepest JSON nesting accepted in metadata (OME-Zarr needs about 6)
 MAX_JSON_DEPTH = 100
 METADATA_NAMES = ("zarr.json", ".zarray", ".zattrs", ".zgroup", ".zmetadata")
+
+#: open directories a store's LocalFiles keeps: a quarter of the process's descriptors, within
+#: these bounds (macOS allows 256 by default, many Linux desktops 1024, containers far more)
+MIN_OPEN_DIRECTORIES, MAX_OPEN_DIRECTORIES = 16, 4096
 
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
@@ -181,10 +194,29 @@ def open_local_file(root, key: str) -> int:
     return fd
 
 
+def descriptor_limit() -> int | None:
+    """How many files this process may have open (the soft ``RLIMIT_NOFILE``); None where not
+    known (Windows)."""
+    if _resource is None:
+        return None
+    soft, _ = _resource.getrlimit(_resource.RLIMIT_NOFILE)
+    return None if soft == _resource.RLIM_INFINITY else int(soft)
+
+
+def open_directories(limit: int | None) -> int:
+    """How many directories :class:`LocalFiles` keeps open under a limit of ``limit`` open files
+    (None: 256).  A read that cycles through more directories than kept opens each again: with
+    256, a 2 GiB recording of 4 MiB shards (386 directories) did so for every other shard."""
+    if limit is None:
+        return 256
+    return max(MIN_OPEN_DIRECTORIES, min(MAX_OPEN_DIRECTORIES, limit // 4))
+
+
 class LocalFiles:
     """:func:`open_local_file` for many keys of one store, with the same refusals, at a few
     system calls per file: the directories holding the keys are opened once (checked as
-    :func:`open_local_file` checks a file, kept open, at most ``max_dirs``), and a key is
+    :func:`open_local_file` checks a file, kept open, at most ``max_dirs``: by default
+    :func:`open_directories` of the process's limit), and a key is
     ``lstat``-ed and opened relative to its directory with ``O_NOFOLLOW``.  A key that is not a
     plain regular file there (a symlink, which may lead inside the store, or a special file) and
     any key on a platform without ``dir_fd`` go through :func:`open_local_file`.
@@ -199,8 +231,9 @@ class LocalFiles:
     ticket, so an open with a later ticket cannot have found it.  (16 reading threads queued on
     the lock when each open took it twice: 8 % of their time, each wake-up waiting for the GIL.)"""
 
-    def __init__(self, root, max_dirs: int = 256):
-        self.root, self.max_dirs = root, max_dirs
+    def __init__(self, root, max_dirs: int | None = None):
+        self.root = root
+        self.max_dirs = open_directories(descriptor_limit()) if max_dirs is None else max_dirs
         self._dirs: dict[str, int] = {}  # insertion order: the oldest is closed first
         self._lock = threading.Lock()
         self._tickets = itertools.count()
@@ -216,8 +249,9 @@ class LocalFiles:
         flags = os.O_RDONLY | _O_NONBLOCK | _O_NOFOLLOW | _O_CLOEXEC
         me = threading.get_ident()
         self._in_flight[me] = next(self._tickets)  # before the look-up: what it finds stays open
+        directory, private = -1, False
         try:
-            directory = self._directory(parent)
+            directory, private = self._directory(parent)
             info = os.stat(name, dir_fd=directory, follow_symlinks=False)  # FileNotFoundError: missing
             if not stat.S_ISREG(info.st_mode):
                 fd = -1
@@ -229,11 +263,9 @@ class LocalFiles:
                         raise
                     fd = -1  # swapped for a symlink or a special file since the lstat
         finally:
-            del self._in_flight[me]
-            dropped = self._dropped  # replaced, never emptied in place: a look without the lock
-            if dropped and dropped[0][0] < min(list(self._in_flight.values()), default=dropped[0][0] + 1):
-                with self._lock:
-                    self._close_dropped()
+            if private:
+                os.close(directory)
+            self._leave(me)
         if fd < 0:
             return open_local_file(self.root, key)  # follows a symlink inside, refuses the rest
         try:
@@ -244,27 +276,41 @@ class LocalFiles:
             raise
         return fd
 
-    def _directory(self, parent: str) -> int:
-        """The descriptor of directory ``parent`` (the store root for ""), opened once: its
-        system calls without the lock (by a thread whose open is in flight, so what it finds in
-        the table stays open), the table changed under it (:meth:`_keep`)."""
+    def _leave(self, me: int) -> None:
+        """This thread's open is no longer in flight: close what was dropped before every open
+        still in flight began."""
+        del self._in_flight[me]
+        dropped = self._dropped  # replaced, never emptied in place: a look without the lock
+        if dropped and dropped[0][0] < min(list(self._in_flight.values()), default=dropped[0][0] + 1):
+            with self._lock:
+                self._close_dropped()
+
+    def _directory(self, parent: str) -> tuple[int, bool]:
+        """The descriptor of directory ``parent`` (the store root for "") and whether it is the
+        caller's to close (not kept: see :meth:`_keep`).  Its system calls run without the lock
+        (by a thread whose open is in flight, so what it finds in the table stays open)."""
         fd = self._dirs.get(parent)
         if fd is not None:
-            return fd
+            return fd, False
         where = os.path.join(self.root, parent)
         above, _, name = parent.rpartition("/")
         if parent and name not in ("", ".", ".."):
             # a plain directory (not a symlink) inside the one above: opened relative to it
-            outer = self._directory(above)
-            info = os.stat(name, dir_fd=outer, follow_symlinks=False)  # FileNotFoundError: missing
-            if stat.S_ISDIR(info.st_mode):
-                try:
-                    fd = os.open(name, os.O_RDONLY | _O_DIRECTORY | _O_NOFOLLOW | _O_CLOEXEC, dir_fd=outer)
-                except OSError as exc:
-                    if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
-                        raise
-                else:
-                    return self._keep(parent, fd)
+            outer, private = self._directory(above)
+            try:
+                info = os.stat(name, dir_fd=outer, follow_symlinks=False)  # FileNotFoundError: missing
+                fd = -1
+                if stat.S_ISDIR(info.st_mode):
+                    try:
+                        fd = os.open(name, os.O_RDONLY | _O_DIRECTORY | _O_NOFOLLOW | _O_CLOEXEC, dir_fd=outer)
+                    except OSError as exc:
+                        if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+                            raise
+            finally:
+                if private:
+                    os.close(outer)
+            if fd >= 0:
+                return self._keep(parent, fd)
         target = resolve_inside(self.root, parent) if parent else os.path.realpath(self.root)
         if not stat.S_ISDIR(os.lstat(target).st_mode):  # FileNotFoundError for a missing directory
             raise NotADirectoryError(errno.ENOTDIR, "not a directory", where)
@@ -279,20 +325,25 @@ class LocalFiles:
             raise NotADirectoryError(errno.ENOTDIR, "not a directory", where)
         return self._keep(parent, fd)
 
-    def _keep(self, parent: str, fd: int) -> int:
+    def _keep(self, parent: str, fd: int) -> tuple[int, bool]:
         """Hold ``fd`` as directory ``parent``'s, dropping the oldest beyond ``max_dirs``; where
-        another thread kept that directory meanwhile, its descriptor (``fd`` closed)."""
+        another thread kept that directory meanwhile, its descriptor (``fd`` closed).  With
+        ``max_dirs`` dropped ones still waiting for opens in flight, ``fd`` is not kept but
+        handed back as the caller's to close: the descriptors stay bounded however long an open
+        takes (a thread descheduled in the middle of one)."""
         with self._lock:
             kept = self._dirs.get(parent)
             if kept is not None:
                 os.close(fd)
-                return kept
+                return kept, False
+            if len(self._dropped) >= self.max_dirs:
+                return fd, True
             while len(self._dirs) >= self.max_dirs:
                 dropped = self._dirs.pop(next(iter(self._dirs)))
                 self._dropped.append((next(self._tickets), dropped))  # the ticket drawn after the pop
             self._close_dropped()
             self._dirs[parent] = fd
-            return fd
+            return fd, False
 
     def _close_dropped(self) -> None:
         """Close the directories dropped before every open in flight began (lock held)."""
