@@ -8,6 +8,7 @@ import mmap
 import numpy as np
 import pytest
 import zarr
+from threads import run_switching_often
 
 from napari_tileshard import Dim, Layout, ShardReader, Writer
 from napari_tileshard.reader import memory
@@ -217,9 +218,6 @@ def test_chunk_cache_get_many_finds_each_key_and_marks_the_found_ones_used():
 def test_threads_taking_arrays_at_once_never_share_memory():
     """The array over a mapping was made after the pool's lock was released: until it existed the
     mapping looked idle, and another thread took the same memory (3 overlaps in 12,000 takes)."""
-    import sys
-    import threading
-
     pool = OutputPool(64 << 20, min_bytes=1 << 20)
     overlaps: list = []
 
@@ -231,16 +229,7 @@ def test_threads_taking_arrays_at_once_never_share_memory():
                 overlaps.append(value)
             del out
 
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)  # switch threads as often as CPython allows
-    try:
-        threads = [threading.Thread(target=take, args=(k,)) for k in range(1, 5)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-    finally:
-        sys.setswitchinterval(interval)
+    run_switching_often(take, [(k,) for k in range(1, 5)])
     assert overlaps == [] and pool.reused > 5000
 
 

@@ -13,6 +13,7 @@ import threading
 import numpy as np
 import pytest
 import zarr
+from threads import run_switching_often
 
 from napari_tileshard import Dim, Layout, Writer
 from napari_tileshard.apps.cli import main
@@ -411,8 +412,6 @@ def test_local_files_open_from_many_threads_while_directories_are_dropped(tmp_pa
     the descriptors stay bounded while the threads keep opening (some open is nearly always in
     flight: the interpreter switching threads every microsecond), and no directory descriptor is
     left open once the table is closed."""
-    import sys
-
     from napari_tileshard.storage.safe_read import LocalFiles
 
     keys = [f"c/{i}/{j}" for i in range(12) for j in range(3)]
@@ -441,16 +440,7 @@ def test_local_files_open_from_many_threads_while_directories_are_dropped(tmp_pa
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    try:
-        threads = [threading.Thread(target=read_all, args=(k * 5,)) for k in range(8)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-    finally:
-        sys.setswitchinterval(interval)
+    run_switching_often(read_all, [(k * 5,) for k in range(8)])
     assert errors == [] and wrong == []
     # bounded: per thread a file, a directory of its own and its parent's; the table's one and
     # as many dropped ones waiting (the old rule, close only once no open at all is in flight,
