@@ -1,7 +1,7 @@
 """The warm 64 KiB GPU read A/B of this folder's README, as run (PYTHONPATH: one version's src).
 
-    python gpu_read64k_ab.py write /dev/shm/g64.zarr 0          # once, with the new code
-    python gpu_read64k_ab.py read /dev/shm/g64.zarr 5           # per version, alternating
+python gpu_read64k_ab.py write /dev/shm/g64.zarr 0          # once, with the new code
+python gpu_read64k_ab.py read /dev/shm/g64.zarr 5           # per version, alternating
 """
 
 import json
