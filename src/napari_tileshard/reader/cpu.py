@@ -237,6 +237,7 @@ class _BlockTask:
         self.block, self.out, self.reads = block, out, reads
         self.nbytes = sum(read.size for read in reads)
         self.buffers: list[np.ndarray] = []
+        self.present = 0  # chunks of the block its reads hold (counted by the caller's thread)
         self.remaining = 0
         self.error: BaseException | None = None
         self.done: Future = Future()
@@ -332,8 +333,15 @@ class CpuReadPath:
             nonlocal in_flight
             task, _ = pending.pop(0)
             started = time.perf_counter()
-            task.done.result()
-            self.stats.add(decode_seconds=time.perf_counter() - started)
+            try:
+                task.done.result()
+            finally:  # the counts of the decode threads' work, added here: no lock taken there
+                self.stats.add(
+                    decode_seconds=time.perf_counter() - started,
+                    cache_hits=len(task.block.cached),
+                    chunks_decoded=task.present,
+                    bytes_decoded=task.present * self.chunk_bytes,
+                )
             in_flight -= task.nbytes
             return task.block, task.out
 
@@ -360,11 +368,7 @@ class CpuReadPath:
             for read in task.reads:  # fetched buffers go back with the block, whatever happens next
                 task.buffers.append(reader._fetch(read))
             source = BlockSource(block, list(zip(task.reads, task.buffers)), self.codec)
-            self.stats.add(
-                cache_hits=len(block.cached),
-                chunks_decoded=source.present,
-                bytes_decoded=source.present * self.chunk_bytes,
-            )
+            task.present = source.present
             units = unit_boxes(block.box_shape, rows)
             if not source.present and not block.cached:  # no chunk of this block is stored: fill only
                 task.out[...] = reader.fill_value
@@ -372,8 +376,14 @@ class CpuReadPath:
         except BaseException as exc:
             task.finish(reader, exc)
             return
-        if not units:
-            task.finish(reader, None)
+        if len(units) <= 1:  # the whole block at once (reads of many blocks): no other unit to wait for
+            error = None
+            try:
+                for unit in units:
+                    self._decode_unit(block, task.out, source, False, released, unit)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller through the block
+                error = exc
+            task.finish(reader, error)
             return
         task.remaining = len(units)
         work = functools.partial(self._finish_unit, task, source, released)
