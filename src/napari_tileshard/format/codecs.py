@@ -519,37 +519,6 @@ def _frame_sizes(data: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.n
         sizes[done] = np.where(end[done] <= ends[done], end[done] - starts[done], -1)
         active &= ~done
     return sizes
-    limit = data.size
-
-    def gather(at: np.ndarray, width: int) -> np.ndarray:
-        """``width`` little-endian bytes at each position (past the data: its last byte, a value
-        the bounds checks then refuse)."""
-        steps, weights = _GATHER[width]
-        rows = data[np.minimum(at[:, None] + steps, limit - 1)].astype(np.int64)
-        return rows @ weights
-
-    head = gather(starts, 5)
-    active = (ends - starts >= 6) & (ends <= limit) & (starts >= 0) & (head & 0xFFFFFFFF == _ZSTD_MAGIC)
-    descriptor = head >> 32
-    single_segment = (descriptor >> 5) & 1
-    active &= (descriptor >> 3) & 1 == 0  # the reserved bit
-    content_size_flag = descriptor >> 6
-    content_size = np.where(content_size_flag == 0, single_segment, _CONTENT_SIZE_BYTES[content_size_flag])
-    position = starts + 5 + (1 - single_segment) + _DICTIONARY_ID_BYTES[descriptor & 3] + content_size
-    checksum = 4 * ((descriptor >> 2) & 1)
-    for _ in range(_MAX_BLOCKS):
-        active &= position + 3 <= ends
-        if not active.any():
-            break
-        header = gather(position, 3)
-        kind = (header >> 1) & 3
-        active &= kind != 3  # a reserved block type
-        position = np.where(active, position + 3 + np.where(kind == 1, 1, header >> 3), position)  # RLE: one byte
-        done = active & (header & 1 == 1)
-        end = position + checksum
-        sizes[done] = np.where(end[done] <= ends[done], end[done] - starts[done], -1)
-        active &= ~done
-    return sizes
 
 
 def _one_buffer_lengths(starts: np.ndarray, lengths: np.ndarray, size: int, decoded: int) -> np.ndarray:
