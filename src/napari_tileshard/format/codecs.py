@@ -555,17 +555,17 @@ def _runs(decoded, count: int, nbytes: int) -> list[tuple[int, np.ndarray]] | No
     if decoded.size() != count * nbytes or len(decoded) != count:
         return None
     if decoded[count - 1].offset == (count - 1) * nbytes:
-        # one buffer: a segment in a later one would lie nearer its own buffer's start
-        address = np.frombuffer(cast(Any, decoded[0]), dtype=np.uint8).ctypes.data
-        return [(0, np.asarray(_Memory(decoded, address, (count, nbytes))))]
-    within = np.fromiter((decoded[j].offset for j in range(count)), dtype=np.int64, count=count)
-    firsts = np.flatnonzero(within == 0)
-    if not firsts.size or firsts[0] != 0:
-        return None
-    run_first = firsts[np.cumsum(within == 0) - 1]
-    if (within != (np.arange(count) - run_first) * nbytes).any():
-        return None
-    bounds = [*firsts.tolist(), count]
+        firsts = [0]  # one buffer: a segment in a later one would lie nearer its own buffer's start
+    else:
+        within = np.fromiter((decoded[j].offset for j in range(count)), dtype=np.int64, count=count)
+        starting = np.flatnonzero(within == 0)
+        if not starting.size or starting[0] != 0:
+            return None
+        run_first = starting[np.cumsum(within == 0) - 1]
+        if (within != (np.arange(count) - run_first) * nbytes).any():
+            return None
+        firsts = starting.tolist()
+    bounds = [*firsts, count]
     runs = []
     for first, stop in zip(bounds, bounds[1:]):
         address = np.frombuffer(cast(Any, decoded[first]), dtype=np.uint8).ctypes.data

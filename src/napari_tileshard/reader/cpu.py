@@ -377,13 +377,7 @@ class CpuReadPath:
             task.finish(reader, exc)
             return
         if len(units) <= 1:  # the whole block at once (reads of many blocks): no other unit to wait for
-            error = None
-            try:
-                for unit in units:
-                    self._decode_unit(block, task.out, source, False, released, unit)
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller through the block
-                error = exc
-            task.finish(reader, error)
+            task.finish(reader, self._decode_task_unit(task, source, released, units[0]) if units else None)
             return
         task.remaining = len(units)
         work = functools.partial(self._finish_unit, task, source, released)
@@ -395,12 +389,16 @@ class CpuReadPath:
         work(units[0])
 
     def _finish_unit(self, task: _BlockTask, source: BlockSource, released: bool, unit) -> None:
-        error = None
+        task.unit_done(self.reader, self._decode_task_unit(task, source, released, unit))
+
+    def _decode_task_unit(self, task: _BlockTask, source: BlockSource, released: bool, unit) -> BaseException | None:
+        """Decode one unit of a block task into its output; what went wrong, if anything (handed
+        to the caller through the block)."""
         try:
             self._decode_unit(task.block, task.out, source, False, released, unit)
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller through the block
-            error = exc
-        task.unit_done(self.reader, error)
+        except BaseException as exc:  # noqa: BLE001 - see above
+            return exc
+        return None
 
     def _blocks_in_turn(self, plan: ReadPlan, target, reads_of, rows: int, released: bool, window: int):
         """:meth:`blocks` on the calling thread, or with a decode pool for reads smaller than

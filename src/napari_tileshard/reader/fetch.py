@@ -160,10 +160,9 @@ class StoreObjects:
 
     def will_need(self, key: str, start: int, size: int) -> bool:
         """Ask the OS to start reading bytes ``start .. start + size`` of ``key`` into its page
-        cache (where :attr:`hints`; elsewhere nothing).  A hint: nothing
-        is read here and nothing fails (a missing or refused file fails when it is read).
-        Returns whether the OS was asked (False: the range is cached already, or no hint can
-        be given)."""
+        cache (where :attr:`hints`; elsewhere nothing).  A hint: nothing is read here and nothing
+        fails (a missing or refused file fails when it is read).  Returns whether the OS was
+        asked (False: the range is cached already, or no hint can be given)."""
         if not self.hints:
             return False
         assert self.files is not None

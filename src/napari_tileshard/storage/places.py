@@ -21,7 +21,16 @@ import os
 import re
 from dataclasses import dataclass
 
-__all__ = ["MOUNT_TABLE", "Place", "file_system_type", "in_memory_file_system", "overlap", "place_of", "places_read_by"]
+__all__ = [
+    "MEMORY_FILE_SYSTEMS",
+    "MOUNT_TABLE",
+    "Place",
+    "file_system_type",
+    "in_memory_file_system",
+    "overlap",
+    "place_of",
+    "places_read_by",
+]
 
 #: where Linux lists the mounts this process sees (one per line, ``proc(5)``)
 MOUNT_TABLE = "/proc/self/mountinfo"

@@ -281,9 +281,15 @@ class LocalFiles:
         still in flight began."""
         del self._in_flight[me]
         dropped = self._dropped  # replaced, never emptied in place: a look without the lock
-        if dropped and dropped[0][0] < min(list(self._in_flight.values()), default=dropped[0][0] + 1):
-            with self._lock:
-                self._close_dropped()
+        if dropped:
+            oldest = self._oldest_in_flight()
+            if oldest is None or dropped[0][0] < oldest:
+                with self._lock:
+                    self._close_dropped()
+
+    def _oldest_in_flight(self) -> int | None:
+        """The ticket of the oldest open in flight; None when there is none."""
+        return min(list(self._in_flight.values()), default=None)
 
     def _directory(self, parent: str) -> tuple[int, bool]:
         """The descriptor of directory ``parent`` (the store root for "") and whether it is the
@@ -347,7 +353,7 @@ class LocalFiles:
 
     def _close_dropped(self) -> None:
         """Close the directories dropped before every open in flight began (lock held)."""
-        oldest = min(list(self._in_flight.values()), default=None)
+        oldest = self._oldest_in_flight()
         waiting = []
         for ticket, fd in self._dropped:
             if oldest is None or ticket < oldest:
