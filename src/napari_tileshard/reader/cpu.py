@@ -15,7 +15,7 @@ import functools
 import math
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from itertools import product
 
@@ -27,7 +27,7 @@ from .fetch import FREE_BUFFER_BYTES
 from .memory import output_pool
 from .plan import Block, DimPart, Read, ReadPlan
 
-__all__ = ["UNIT_BYTES", "BlockSource", "CpuReadPath", "dim_pieces", "unit_boxes", "untile_into"]
+__all__ = ["UNIT_BYTES", "BlockSource", "CpuReadPath", "apart_order", "dim_pieces", "unit_boxes", "untile_into"]
 
 #: the most decoded bytes one decode task handles (its scratch buffer, reused per thread)
 UNIT_BYTES = 8 << 20
@@ -51,6 +51,17 @@ RELEASED_DECODE_MIN_READ_BYTES = 256 << 20
 #: threads: on 2 cores scrubbing was no faster with the task's own fetch (plugin p99 27.7 / 33.2 /
 #: 29.0 ms against 27.0 / 33.6 / 25.0, alternating runs)
 FETCH_IN_DECODE_TASKS_MIN_BYTES = 64 << 20
+
+
+def apart_order(blocks: Sequence[Block]) -> list[int]:
+    """The blocks' indices in an order where blocks next to each other lie apart in one C-order
+    output: by their place along the last dim first and along the first dim last, so that
+    consecutive blocks differ along the outermost dim they can.  Two blocks side by side along
+    the last dims share the output's pages (a 2048-wide uint16 plane: each row one page, half
+    of it each shard's); decoded at the same time, both threads fault the same fresh pages in and
+    the kernel zeroes them twice (2-core VM, a whole 1 GiB read in a fresh process: 430-480k
+    page faults per GB in plan order, 253-288k in this one)."""
+    return sorted(range(len(blocks)), key=lambda b: tuple(part.lo for part in reversed(blocks[b].parts)))
 
 
 #: a decode unit: its box positions ``(first, stop)`` and its box ranges per dim
@@ -280,15 +291,18 @@ class CpuReadPath:
     def read(self, plan: ReadPlan) -> np.ndarray:
         """All of ``plan`` as one array of the plan's output shape."""
         out = output_pool().empty(plan.shape, dtype=self.reader.dtype)  # reused memory where it can be
-        for _ in self.blocks(plan, lambda b: out[b.region]):
+        for _ in self.blocks(plan, lambda b: out[b.region], apart=True):
             pass
         return out.reshape(plan.out_shape)
 
     def blocks(
-        self, plan: ReadPlan, target: Callable[[Block], np.ndarray] | None
+        self, plan: ReadPlan, target: Callable[[Block], np.ndarray] | None, apart: bool = False
     ) -> Iterator[tuple[Block, np.ndarray]]:
         """Fill each block of ``plan`` (``target(block)``: the array it is written into) and yield
-        it, in plan order, once all of it is decoded.  ``target`` None (read-ahead): decode
+        it, in plan order, once all of it is decoded.  ``apart``: the targets are parts of one
+        array; where blocks are decoded at the same time (each block a task, below) they are
+        taken and yielded in :func:`apart_order`, so that no two of them fault the same
+        pages in.  ``target`` None (read-ahead): decode
         the chunks into the cache only, on the calling thread alone, with
         :meth:`~napari_tileshard.format.codecs.Codec.decode_chunks_released`, and place nothing
         (the blocks yielded are empty): the decode pool stays free for
@@ -317,15 +331,19 @@ class CpuReadPath:
             reads_of[read.block].append(read)
         window = max(1, min(self.reader.max_read_bytes, FREE_BUFFER_BYTES // 2))
         if self.workers > 1 and not into_cache_only and total >= FETCH_IN_DECODE_TASKS_MIN_BYTES:
-            yield from self._blocks_on_pool(plan, target, reads_of, rows, released, window)
+            order = apart_order(plan.blocks) if apart else range(len(plan.blocks))
+            yield from self._blocks_on_pool(plan, target, order, reads_of, rows, released, window)
         else:
             yield from self._blocks_in_turn(plan, target, reads_of, rows, released, window)
 
-    def _blocks_on_pool(self, plan: ReadPlan, target, reads_of, rows: int, released: bool, window: int):
-        """:meth:`blocks` with a decode pool: a task per block, queued up to ``window``
-        compressed bytes ahead of the block the caller waits for."""
+    def _blocks_on_pool(
+        self, plan: ReadPlan, target, order: Sequence[int], reads_of, rows: int, released: bool, window: int
+    ):
+        """:meth:`blocks` with a decode pool: a task per block, taken in ``order``, queued up to
+        ``window`` compressed bytes ahead of the block the caller waits for."""
         reader, pool = self.reader, self._decode_pool()
-        hinted = reader._hinted(plan.reads, self.workers)  # the decode threads fetch at once
+        # the decode threads fetch at once
+        hinted = reader._hinted([read for b in order for read in reads_of[b]], self.workers)
         pending: list[tuple[_BlockTask, Future]] = []
         in_flight = 0
 
@@ -346,7 +364,8 @@ class CpuReadPath:
             return task.block, task.out
 
         try:
-            for b, block in enumerate(plan.blocks):
+            for b in order:
+                block = plan.blocks[b]
                 for _ in reads_of[b]:
                     next(hinted)
                 task = _BlockTask(block, target(block), reads_of[b])
