@@ -109,6 +109,7 @@ def test_random_layouts_and_selections_read_as_zarr_python(
     shape, chunks, shards = layout
     with tempfile.TemporaryDirectory() as tmp, pytest.MonkeyPatch.context() as patch:
         patch.setattr(cpu_path, "FETCH_IN_DECODE_TASKS_MIN_BYTES", 0 if fetch_in_tasks else 1 << 62)
+        patch.setattr(cpu_path, "UNCACHED_READS_AS_LARGE", fetch_in_tasks)
         store = f"{tmp}/a.zarr" if local else zarr.storage.MemoryStore()
         array = _zarr_array(store, shape, chunks, shards, dtype, compressor, fill=3)
         reader = ShardReader(store, backend="cpu", max_read_bytes=max_read, gap_bytes=gap, workers=2)
@@ -440,6 +441,7 @@ def test_crc_mismatch_and_corrupt_chunk(tmp_path, fetch_in_tasks, monkeypatch):
     """Named errors, whichever thread fetches and decodes (the block's own task included: its
     error reaches the caller through the block, and the reader reads again afterwards)."""
     monkeypatch.setattr(cpu_path, "FETCH_IN_DECODE_TASKS_MIN_BYTES", 0 if fetch_in_tasks else 1 << 62)
+    monkeypatch.setattr(cpu_path, "UNCACHED_READS_AS_LARGE", fetch_in_tasks)
     path, blob, index = _one_shard(tmp_path)
     index[0, 1] -= 1  # a plausible entry, but the stored CRC no longer matches
     _write_index(path, blob, index, fix_crc=False)
@@ -541,6 +543,7 @@ def test_multi_row_units_and_partial_edges_equal_zarr(tmp_path, workers, fetch_i
     queued)."""
     monkeypatch.setattr(cpu_path, "UNIT_BYTES", 4 * 6 * 10 * 2 * 3)  # 3 chunks per unit
     monkeypatch.setattr(cpu_path, "FETCH_IN_DECODE_TASKS_MIN_BYTES", 0 if fetch_in_tasks else 1 << 62)
+    monkeypatch.setattr(cpu_path, "UNCACHED_READS_AS_LARGE", fetch_in_tasks)
     array = _zarr_array(tmp_path / "a.zarr", (23, 30, 41), (4, 6, 10), (8, 12, 40), "uint16", "zstd", fill=7)
     reader = ShardReader(tmp_path / "a.zarr", backend="cpu", workers=workers)
     for selection in [..., (slice(3, 21), slice(5, 29), slice(1, 40)), (5,), (slice(None, None, 3), 7), (..., 40)]:
@@ -917,8 +920,9 @@ def test_read_ahead_decodes_on_its_own_thread_in_one_native_call_per_unit(tmp_pa
 
 
 def test_reads_with_many_decode_workers_decode_each_unit_in_one_native_call(tmp_path, monkeypatch):
-    """With RELEASED_DECODE_MIN_WORKERS decode threads or more, or a read of at least
-    RELEASED_DECODE_MIN_READ_BYTES, and small chunks, a read decodes each unit with the codec's
+    """With RELEASED_DECODE_MIN_WORKERS decode threads or more, a read of at least
+    RELEASED_DECODE_MIN_READ_BYTES, or a decode pool and no chunk cache, and small chunks, a read
+    decodes each unit with the codec's
     batch call that holds no GIL for the whole unit (threads taking the GIL back after every chunk
     left others waiting); a smaller read with fewer threads, or chunks above
     RELEASED_DECODE_MAX_CHUNK_BYTES, chunk by chunk.  Same array."""
@@ -939,19 +943,21 @@ def test_reads_with_many_decode_workers_decode_each_unit_in_one_native_call(tmp_
             return original(self, *args, **kwargs)
 
         monkeypatch.setattr(Zstd, name, recorded)
-    many, whole = RELEASED_DECODE_MIN_WORKERS, data.nbytes
-    for workers, largest, large_read, expected in (
-        (1, cpu.RELEASED_DECODE_MAX_CHUNK_BYTES, whole + 1, "decode_chunks"),
-        (1, cpu.RELEASED_DECODE_MAX_CHUNK_BYTES, whole, "decode_chunks_released"),  # a large read
-        (many, cpu.RELEASED_DECODE_MAX_CHUNK_BYTES, whole + 1, "decode_chunks_released"),
-        (many, 1024 - 1, whole, "decode_chunks"),  # these chunks (1 KiB) counted as large
+    many, whole, small = RELEASED_DECODE_MIN_WORKERS, data.nbytes, cpu.RELEASED_DECODE_MAX_CHUNK_BYTES
+    for workers, cache_bytes, largest, large_read, expected in (
+        (1, 0, small, whole + 1, "decode_chunks"),
+        (1, 0, small, whole, "decode_chunks_released"),  # a large read
+        (many, 0, small, whole + 1, "decode_chunks_released"),
+        (many, 0, 1024 - 1, whole, "decode_chunks"),  # these chunks (1 KiB) counted as large
+        (2, 0, small, whole + 1, "decode_chunks_released"),  # no chunk cache: read as large reads are
+        (2, 1 << 20, small, whole + 1, "decode_chunks"),  # napari's reader (a cache): as small reads
     ):
         monkeypatch.setattr(cpu, "RELEASED_DECODE_MAX_CHUNK_BYTES", largest)
         monkeypatch.setattr(cpu, "RELEASED_DECODE_MIN_READ_BYTES", large_read)
         calls.clear()
-        with ShardReader(tmp_path / "a.zarr", backend="cpu", workers=workers) as reader:
+        with ShardReader(tmp_path / "a.zarr", backend="cpu", workers=workers, cache_bytes=cache_bytes) as reader:
             np.testing.assert_array_equal(reader.read(), data)
-        assert calls and set(calls) == {expected}, (workers, largest, set(calls))
+        assert calls and set(calls) == {expected}, (workers, cache_bytes, largest, set(calls))
 
 
 def _mount_table(monkeypatch, tmp_path, kind: str) -> None:
