@@ -1169,3 +1169,33 @@ def test_a_whole_read_into_fresh_memory_faults_each_page_in_about_once(tmp_path)
         memory.set_output_pool(previous)
     np.testing.assert_array_equal(out, array[...])
     assert faults < 1.2 * out.nbytes / 4096, faults
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    first=st.integers(0, 50),
+    count=st.integers(1, 60),
+    step=st.integers(1, 5),
+    shard=st.integers(1, 12),
+    per_shard=st.integers(1, 4),
+)
+def test_progression_parts_equal_dim_parts_and_are_shared_read_only(first, count, step, shard, per_shard):
+    """The parts of an arithmetic progression (what ints and slices select) are dim_parts' own,
+    the same objects for every plan selecting it (the pieces cut from them cached with them),
+    and read-only; a progression too long to cache is split afresh."""
+    from napari_tileshard.reader import plan as plan_module
+
+    chunk = max(1, shard // per_shard)
+    index = first + step * np.arange(count, dtype=np.int64)
+    expected = plan_module.dim_parts(index, shard, chunk)
+    parts = plan_module.progression_parts(index, shard, chunk)
+    assert len(parts) == len(expected)
+    for got, want in zip(parts, expected):
+        assert (got.shard, got.lo, got.hi) == (want.shard, want.lo, want.hi)
+        for name in ("chunks", "chunk_of", "within"):
+            np.testing.assert_array_equal(getattr(got, name), getattr(want, name))
+            assert not getattr(got, name).flags.writeable
+    assert plan_module.progression_parts(index.copy(), shard, chunk) is parts
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(plan_module, "PROGRESSION_CACHE_MAX_COUNT", count - 1)
+        assert plan_module.progression_parts(index, shard, chunk) is not parts

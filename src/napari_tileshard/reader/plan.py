@@ -16,6 +16,7 @@ Everything is computed from integers already checked, with NumPy over all chunks
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -31,6 +32,7 @@ __all__ = [
     "normalize_selection",
     "number_reads",
     "pack_runs",
+    "progression_parts",
     "single_runs",
 ]
 
@@ -271,6 +273,31 @@ class DimPart:
     chunks: np.ndarray
     chunk_of: np.ndarray
     within: np.ndarray
+
+
+#: progressions longer than this are split afresh by every plan (not cached: their arrays are large)
+PROGRESSION_CACHE_MAX_COUNT = 1 << 16
+
+
+def progression_parts(index: np.ndarray, shard_size: int, chunk_size: int) -> tuple[DimPart, ...]:
+    """:func:`dim_parts` of an arithmetic progression (what ints and slices select along a dim),
+    the same parts, read-only, for every plan that selects the same progression: a plane read's
+    parts along the frame's dims are those of the plane before (napari's time slider), and the
+    pieces the CPU path cuts them into (cached by part, ``cpu.dim_pieces``) with them."""
+    count = int(index.size)
+    if not count or count > PROGRESSION_CACHE_MAX_COUNT:
+        return tuple(dim_parts(index, shard_size, chunk_size))
+    step = int(index[1] - index[0]) if count > 1 else 1
+    return _progression_parts(int(index[0]), count, step, shard_size, chunk_size)
+
+
+@functools.lru_cache(maxsize=256)
+def _progression_parts(first: int, count: int, step: int, shard_size: int, chunk_size: int) -> tuple[DimPart, ...]:
+    parts = dim_parts(first + step * np.arange(count, dtype=np.int64), shard_size, chunk_size)
+    for part in parts:
+        for array in (part.chunks, part.chunk_of, part.within):
+            array.flags.writeable = False
+    return tuple(parts)
 
 
 def dim_parts(index: np.ndarray, shard_size: int, chunk_size: int) -> list[DimPart]:

@@ -43,10 +43,10 @@ from .plan import (
     Block,
     Read,
     ReadPlan,
-    dim_parts,
     normalize_selection,
     number_reads,
     pack_runs,
+    progression_parts,
     single_runs,
 )
 from .settings import cache_bytes_setting, max_read_bytes_setting, reader_setting, workers_setting
@@ -235,7 +235,7 @@ class ShardReader:
         indices, dropped = normalize_selection(selection, self.shape)
         shape = tuple(len(i) for i in indices)
         out_shape = tuple(n for n, d in zip(shape, dropped) if not d)
-        per_dim = [dim_parts(i, s, c) for i, s, c in zip(indices, self.shard_shape, self.chunk_shape)]
+        per_dim = [progression_parts(i, s, c) for i, s, c in zip(indices, self.shard_shape, self.chunk_shape)]
         strides = [int(np.prod(self.chunks_per_shard[d + 1 :], dtype=np.int64)) for d in range(self.ndim)]
         # Shards along a dim mostly need the same chunks of themselves (all of them, or the same
         # plane): per dim, parts with equal chunk numbers inside their shard share an id, and each
