@@ -8,7 +8,7 @@
 #   run(command="bash benchmarks/cpu_many_cores_device.sh", carry=[".kit/site.tar.xz", ".kit/pyspy.xz"])
 #   bash benchmarks/cpu_many_cores_device.sh --quick     # small, on any machine
 #
-# Knobs: PARTS (readab,writeab,profile,table,gputests), GIB (2), ROUNDS (5), READ_TILES
+# Knobs: PARTS (readab,planes,writeab,profile,table,gputests; planes needs readab's recordings), GIB (2), ROUNDS (5), READ_TILES
 # (64k-4m,256k-4m,1m-16m), WRITE_TILES (64k-d2,default,1m-d8), READ_VARIANTS and
 # WRITE_VARIANTS (space-separated --variant values of ab_cpu_read.py / ab_cpu_write.py),
 # TABLE_GIB (2), TABLE_ROUNDS (3), .kit/before_src.tar.xz (carried: `git archive <commit> src`, for
@@ -21,7 +21,7 @@ QUICK=0
 OUT=${OUT:-$root/.cpu_many_out}
 mkdir -p "$OUT"
 LIMIT_S=${LIMIT_S:-570}
-PARTS=${PARTS:-readab,writeab,profile,table,gputests}
+PARTS=${PARTS:-readab,planes,writeab,profile,table,gputests}
 PARTS_LOG=$OUT
 # shellcheck source=device_parts.sh
 source benchmarks/device_parts.sh
@@ -77,6 +77,15 @@ if want readab 150; then
     --dir "$DIR-read" $(variants "$READ_VARIANTS") --out "$OUT/read_ab.json" 2>&1 | tee "$OUT/read_ab.log"
 fi
 
+# 1b. Single planes of the same recordings (ab_cpu_planes.py): PLANE_VARIANTS against tensorstore.
+if want planes 40; then
+  paths=()
+  for tile in ${READ_TILES//,/ }; do [ -d "$DIR-read/$tile.zarr" ] && paths+=(--path "$DIR-read/$tile.zarr"); done
+  # shellcheck disable=SC2046
+  [ ${#paths[@]} -gt 0 ] && timeout $(($(left) - 20)) python3 benchmarks/ab_cpu_planes.py "${paths[@]}" \
+    --planes "${PLANES:-60}" $(variants "${PLANE_VARIANTS:-ours=}") 2>&1 | tee "$OUT/planes_ab.log"
+fi
+
 # 2. Writes: every variant against tensorstore, interleaved, on the user's clock.
 if want writeab 150; then
   # shellcheck disable=SC2046
@@ -123,7 +132,7 @@ if [ $QUICK = 0 ] && want gputests 200; then
   tail -3 "$OUT/pytest_gpu.log"
 fi
 echo "# done at ${SECONDS} s"
-cat "$OUT"/info.txt "$OUT"/parts.txt "$OUT"/skipped.txt "$OUT"/read_check.log "$OUT"/read_ab.log "$OUT"/write_ab.log \
+cat "$OUT"/info.txt "$OUT"/parts.txt "$OUT"/skipped.txt "$OUT"/read_check.log "$OUT"/read_ab.log "$OUT"/planes_ab.log "$OUT"/write_ab.log \
   "$OUT"/pytest_gpu.log 2>/dev/null >"$OUT/summary.txt"
 grep -v '^{' "$OUT/table.log" >>"$OUT/summary.txt" 2>/dev/null
 # one file back (a call brings back only a few): every log, JSON and profile
