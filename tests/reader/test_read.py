@@ -1199,3 +1199,28 @@ def test_progression_parts_equal_dim_parts_and_are_shared_read_only(first, count
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(plan_module, "PROGRESSION_CACHE_MAX_COUNT", count - 1)
         assert plan_module.progression_parts(index, shard, chunk) is not parts
+
+
+def test_units_are_at_least_unit_min_bytes_with_many_decode_threads(tmp_path, monkeypatch):
+    """A small read by many decode threads is cut into units of at least UNIT_MIN_BYTES (each
+    unit costs Python under the GIL: 256 KiB units made single planes 3x slower on 16 cores),
+    never more than a block's box, and reads the same."""
+    from napari_tileshard.reader import cpu
+
+    array = _zarr_array(tmp_path / "a.zarr", (4, 256, 512), (2, 32, 32), (2, 128, 256), "uint16", "zstd", holes=False)
+    seen: list[int] = []
+    real = cpu.unit_boxes
+
+    def recording(box_shape, max_rows):
+        seen.append(max_rows)
+        return real(box_shape, max_rows)
+
+    monkeypatch.setattr(cpu, "unit_boxes", recording)
+    chunk_bytes = 2 * 32 * 32 * 2
+    share = 128 * chunk_bytes // (16 * 4)  # a plane: 128 chunks decoded, four units per thread
+    for floor, rows in ((0, share // chunk_bytes), (64 << 10, (64 << 10) // chunk_bytes)):
+        monkeypatch.setattr(cpu, "UNIT_MIN_BYTES", floor)
+        seen.clear()
+        with ShardReader(tmp_path / "a.zarr", backend="cpu", workers=16) as reader:
+            np.testing.assert_array_equal(reader[1], array[1])
+        assert seen and set(seen) == {rows}, (floor, set(seen))
