@@ -5,6 +5,7 @@ chunks give errors naming the shard and chunk; the GPU path equals the CPU path.
 import os
 import resource
 import tempfile
+import threading
 import time
 from collections import Counter
 
@@ -1224,3 +1225,20 @@ def test_units_are_at_least_unit_min_bytes_with_many_decode_threads(tmp_path, mo
         with ShardReader(tmp_path / "a.zarr", backend="cpu", workers=16) as reader:
             np.testing.assert_array_equal(reader[1], array[1])
         assert seen and set(seen) == {rows}, (floor, set(seen))
+
+
+@pytest.mark.parametrize("kind, threads", [("ext4", 3), ("tmpfs", 2)])
+def test_a_pool_reading_a_disk_has_a_decode_thread_more(tmp_path, monkeypatch, kind, threads):
+    """Decode threads fetch their own reads; on a disk one of them waits for it at times, so a
+    pool reading local files on a disk has DISK_EXTRA_DECODE_THREADS more (none for files held
+    in memory)."""
+    _mount_table(monkeypatch, tmp_path, kind)
+    monkeypatch.setattr(cpu_path, "FETCH_IN_DECODE_TASKS_MIN_BYTES", 0)
+    array = _zarr_array(tmp_path / "a.zarr", (16, 64, 64), (2, 16, 16), (2, 32, 32), "uint16", "zstd", holes=False)
+    before = {t.ident for t in threading.enumerate()}
+    with ShardReader(tmp_path / "a.zarr", backend="cpu", workers=2) as reader:
+        assert reader._cpu_path().decode_threads == threads
+        for _ in range(3):
+            np.testing.assert_array_equal(reader.read(), array[...])
+        decoding = [t for t in threading.enumerate() if t.ident not in before and t.name.startswith("tileshard-decode")]
+        assert len(decoding) == threads
