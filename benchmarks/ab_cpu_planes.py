@@ -8,7 +8,8 @@ Python per block) weigh more.  Per engine: median and 90th-percentile millisecon
 process's CPU milliseconds per plane and its context switches per plane (threads waiting for each
 other); ratios are of the medians (tensorstore's over the engine's: above 1 is faster than
 tensorstore).  Variants as ``ab_cpu_read.py``'s (``name=SWITCH=v,keyword=v``; ``ours=`` the
-default reader, which has no chunk cache unless a variant sets ``cache_bytes``).
+default reader, which has no chunk cache unless a variant sets ``cache_bytes``;
+``switchinterval=S``: the interpreter's GIL switch interval during this variant's reads).
 
     python benchmarks/ab_cpu_planes.py --path /dev/shm/r/64k-4m.zarr --planes 60 \\
         --variant ours= --variant small=UNCACHED_READS_AS_LARGE=0
@@ -40,6 +41,16 @@ def _usage() -> tuple[float, int]:
     return now.ru_utime + now.ru_stime, now.ru_nvcsw + now.ru_nivcsw
 
 
+def _read_plane(reader, t: int, interval: float | None):
+    saved = sys.getswitchinterval()
+    if interval is not None:
+        sys.setswitchinterval(interval)
+    try:
+        return reader.read((t,))
+    finally:
+        sys.setswitchinterval(saved)
+
+
 def measure(path: Path, variants: list, planes: int, seed: int, tensorstore: bool) -> dict[str, dict]:
     """Per engine: the seconds, CPU seconds and context switches of each plane read."""
     engines: dict[str, tuple] = {}
@@ -51,8 +62,10 @@ def measure(path: Path, variants: list, planes: int, seed: int, tensorstore: boo
     for name, switches, keywords, source in variants:
         if source:
             raise SystemExit(f"variant {name}: another source tree is not supported here (one process)")
+        keywords = dict(keywords)
+        interval = keywords.pop("switchinterval", None)  # the GIL switch interval during its reads
         reader = ShardReader(path, backend="cpu", **keywords)
-        engines[name] = (switches, lambda t, reader=reader: reader.read((t,)))
+        engines[name] = (switches, lambda t, reader=reader, interval=interval: _read_plane(reader, t, interval))
     frames = ShardReader(path, backend="cpu").shape[0]
     names = list(engines)
     runs: dict[str, dict[str, list]] = {n: {"s": [], "cpu_s": [], "switches": []} for n in names}
