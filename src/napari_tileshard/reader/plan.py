@@ -275,8 +275,9 @@ class DimPart:
     within: np.ndarray
 
 
-#: progressions longer than this are split afresh by every plan (not cached: their arrays are large)
-PROGRESSION_CACHE_MAX_COUNT = 1 << 16
+#: progressions longer than this are split afresh by every plan (not cached): the cache holds at
+#: most 64 progressions, ~200 KiB each at this length (three int64 arrays)
+PROGRESSION_CACHE_MAX_COUNT = 8192
 
 
 def progression_parts(index: np.ndarray, shard_size: int, chunk_size: int) -> tuple[DimPart, ...]:
@@ -291,7 +292,7 @@ def progression_parts(index: np.ndarray, shard_size: int, chunk_size: int) -> tu
     return _progression_parts(int(index[0]), count, step, shard_size, chunk_size)
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=64)
 def _progression_parts(first: int, count: int, step: int, shard_size: int, chunk_size: int) -> tuple[DimPart, ...]:
     parts = dim_parts(first + step * np.arange(count, dtype=np.int64), shard_size, chunk_size)
     for part in parts:
