@@ -886,7 +886,7 @@ def test_read_ahead_decodes_on_its_own_thread_in_one_native_call_per_unit(tmp_pa
     """The read-ahead decodes the next tile row into the cache on its background thread alone
     (the decode threads stay free for the caller's reads), with the codec's batch call that
     takes the GIL back a few times per unit rather than per chunk; the caller's own reads
-    decode chunk by chunk; what the read-ahead decoded reads back exactly."""
+    decode on the decode threads; what the read-ahead decoded reads back exactly."""
     import threading
 
     from napari_tileshard.format.codecs import Zstd
@@ -909,10 +909,10 @@ def test_read_ahead_decodes_on_its_own_thread_in_one_native_call_per_unit(tmp_pa
         np.testing.assert_array_equal(layer[1], data[1])  # a step: rows 2-3 read ahead
         layer._wait_for_read_ahead()
         decoded = layer.stats.chunks_decoded
-        ahead = [thread for name, thread in calls if name == "decode_chunks_released"]
-        assert ahead and all(thread.startswith("tileshard-ahead") for thread in ahead)
-        own = [thread for name, thread in calls if name == "decode_chunks"]
-        assert own and not any(thread.startswith("tileshard-ahead") for thread in own)
+        ahead = [name for name, thread in calls if thread.startswith("tileshard-ahead")]
+        assert ahead and set(ahead) == {"decode_chunks_released"}
+        own = [thread for _, thread in calls if not thread.startswith("tileshard-ahead")]
+        assert own and all(thread.startswith("tileshard-decode") for thread in own)
         np.testing.assert_array_equal(layer[2], data[2])  # from the cache
         np.testing.assert_array_equal(layer[3], data[3])
         layer._wait_for_read_ahead()
@@ -921,8 +921,8 @@ def test_read_ahead_decodes_on_its_own_thread_in_one_native_call_per_unit(tmp_pa
 
 
 def test_reads_with_many_decode_workers_decode_each_unit_in_one_native_call(tmp_path, monkeypatch):
-    """With RELEASED_DECODE_MIN_WORKERS decode threads or more, a read of at least
-    RELEASED_DECODE_MIN_READ_BYTES, or a decode pool and no chunk cache, and small chunks, a read
+    """With RELEASED_DECODE_MIN_WORKERS decode threads or more (two), with or without a chunk
+    cache, or a read of at least RELEASED_DECODE_MIN_READ_BYTES, and small chunks, a read
     decodes each unit with the codec's
     batch call that holds no GIL for the whole unit (threads taking the GIL back after every chunk
     left others waiting); a smaller read with fewer threads, or chunks above
@@ -950,8 +950,9 @@ def test_reads_with_many_decode_workers_decode_each_unit_in_one_native_call(tmp_
         (1, 0, small, whole, "decode_chunks_released"),  # a large read
         (many, 0, small, whole + 1, "decode_chunks_released"),
         (many, 0, 1024 - 1, whole, "decode_chunks"),  # these chunks (1 KiB) counted as large
-        (2, 0, small, whole + 1, "decode_chunks_released"),  # no chunk cache: read as large reads are
-        (2, 1 << 20, small, whole + 1, "decode_chunks"),  # napari's reader (a cache): as small reads
+        (2, 0, small, whole + 1, "decode_chunks_released"),  # two decode threads already
+        (2, 1 << 20, small, whole + 1, "decode_chunks_released"),  # napari's reader (a cache) too
+        (2, 0, 1024 - 1, whole + 1, "decode_chunks"),
     ):
         monkeypatch.setattr(cpu, "RELEASED_DECODE_MAX_CHUNK_BYTES", largest)
         monkeypatch.setattr(cpu, "RELEASED_DECODE_MIN_READ_BYTES", large_read)

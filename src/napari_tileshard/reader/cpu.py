@@ -39,17 +39,18 @@ UNIT_BYTES = 8 << 20
 UNIT_MIN_BYTES = 2 << 20
 #: reads decoded by at least this many workers decode each unit of chunks of at most
 #: RELEASED_DECODE_MAX_CHUNK_BYTES in one native call that holds no GIL
-#: (Codec.decoded_chunks_released) instead of a call per chunk: with many decode threads, each
-#: taking the GIL back after every small chunk left most of them waiting for it (16 cores: 64 KiB
-#: chunks 1.55-1.61x the per-chunk path in three runs; 256 KiB 1.03-1.08x in three runs once the
-#: chunks were placed straight from the batch's memory; 1 MiB 0.84-0.86x, where that memory
-#: (8 MiB per unit) is faulted in afresh)
-RELEASED_DECODE_MIN_WORKERS = 4
+#: (Codec.decoded_chunks_released) instead of a call per chunk: decode threads taking the GIL
+#: back after every small chunk wait for each other (16 cores: 64 KiB chunks 1.55-1.61x the
+#: per-chunk path in three runs; 256 KiB 1.03-1.08x; 1 MiB 0.84-0.86x, where that memory (8 MiB
+#: per unit) is faulted in afresh).  Two are enough: on the 2-core VM napari's time-slider steps
+#: (a 16 MiB tile row into the chunk cache) had a plugin p99 of 20.1 / 20.5 ms with it against
+#: 22.4 / 23.0 chunk by chunk (default layout, forward / random, 3 alternating runs; 2x128²
+#: tiles 25.3 / 22.9 against 25.9 / 24.4, 6 runs).  (Before the batch decoded into one buffer it
+#: was slower there: its chunks were then copied out one by one.)
+RELEASED_DECODE_MIN_WORKERS = 2
 RELEASED_DECODE_MAX_CHUNK_BYTES = 256 << 10
-#: ... and so do reads of at least this many decoded bytes with fewer workers: two decode threads
-#: already wait for each other's GIL on 64 KiB chunks (2-core VM, whole 1 GiB reads: 1.07x the
-#: per-chunk path, 11 and 15 rounds), while napari's time-slider steps (a 16 MiB tile row) were
-#: slower with it (the batch's output buffer and copy: plugin p99 30 / 48 against 28 / 34 ms)
+#: ... and so do reads of at least this many decoded bytes on one thread (whole 1 GiB reads on the
+#: 2-core VM: 1.07x the per-chunk path, 11 and 15 rounds)
 RELEASED_DECODE_MIN_READ_BYTES = 256 << 20
 #: reads of at least this many decoded bytes by a decode pool: each block's task fetches its own
 #: reads (see CpuReadPath.blocks).  16 cores, whole 2 GiB reads: the prefetch threads' way was
@@ -58,11 +59,11 @@ RELEASED_DECODE_MIN_READ_BYTES = 256 << 20
 #: 29.0 ms against 27.0 / 33.6 / 25.0, alternating runs)
 FETCH_IN_DECODE_TASKS_MIN_BYTES = 64 << 20
 #: whether a reader without a chunk cache (every reader but napari's) reads as large reads do
-#: whatever the read's size, given a decode pool: each block a task fetching its own reads, each
-#: unit of small chunks decoded in one GIL-free call.  The two thresholds above are for napari's
-#: steps, whose decoded units go into the cache.  2-core VM, single 2048² planes (8 MiB) from
-#: /dev/shm, 60 alternating reads: median 12.0 / 11.4 / 13.4 ms against 14.7 / 12.2 / 13.9 (64
-#: KiB / 256 KiB / default tiles; tensorstore 10.6 / 10.6 / 11.1), a third of the thread switches
+#: whatever the read's size, given a decode pool: each block a task fetching its own reads.  The
+#: threshold above is for napari's steps, whose decoded units go into the cache.  2-core VM,
+#: single 2048² planes (8 MiB) from /dev/shm, 60 alternating reads (with the GIL-free batch):
+#: median 12.0 / 11.4 / 13.4 ms against 14.7 / 12.2 / 13.9 (64 KiB / 256 KiB / default tiles;
+#: tensorstore 10.6 / 10.6 / 11.1), a third of the thread switches
 UNCACHED_READS_AS_LARGE = True
 #: decode threads added to a pool reading local files on a disk (not held in memory): the threads
 #: fetch their own reads, and one waiting for the disk leaves its core idle.  2-core VM, whole
@@ -346,7 +347,7 @@ class CpuReadPath:
         as_large = UNCACHED_READS_AS_LARGE and self.cache is None and self.workers > 1
         released = into_cache_only or (
             self.chunk_bytes <= RELEASED_DECODE_MAX_CHUNK_BYTES
-            and (self.workers >= RELEASED_DECODE_MIN_WORKERS or total >= RELEASED_DECODE_MIN_READ_BYTES or as_large)
+            and (self.workers >= RELEASED_DECODE_MIN_WORKERS or total >= RELEASED_DECODE_MIN_READ_BYTES)
         )
         unit = min(UNIT_BYTES, max(UNIT_MIN_BYTES, total // (self.workers * 4)))
         rows = max(self.chunk_bytes, unit) // self.chunk_bytes
