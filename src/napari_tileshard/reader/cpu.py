@@ -61,9 +61,9 @@ FETCH_IN_DECODE_TASKS_MIN_BYTES = 64 << 20
 #: whether a reader without a chunk cache (every reader but napari's) reads as large reads do
 #: whatever the read's size, given a decode pool: each block a task fetching its own reads.  The
 #: threshold above is for napari's steps, whose decoded units go into the cache.  2-core VM,
-#: single 2048² planes (8 MiB) from /dev/shm, 60 alternating reads (with the GIL-free batch):
-#: median 12.0 / 11.4 / 13.4 ms against 14.7 / 12.2 / 13.9 (64 KiB / 256 KiB / default tiles;
-#: tensorstore 10.6 / 10.6 / 11.1), a third of the thread switches
+#: single 2048² planes (8 MiB) from /dev/shm, 60 alternating reads (``ab_cpu_planes.py``, with
+#: the GIL-free batch): median 12.6 / 14.1 / 14.1 ms against 15.7 / 13.9 / 14.3 (64 KiB / 256 KiB
+#: / default tiles; tensorstore 10.9 / 11.0 / 10.9), 24-25 thread switches a read against 64-99
 UNCACHED_READS_AS_LARGE = True
 #: decode threads added to a pool reading local files on a disk (not held in memory): the threads
 #: fetch their own reads, and one waiting for the disk leaves its core idle.  2-core VM, whole
