@@ -344,7 +344,7 @@ class CpuReadPath:
         data and reuses its read buffers instead of allocating fresh ones."""
         into_cache_only = target is None
         total = sum(b.box_chunks.size for b in plan.blocks) * self.chunk_bytes
-        as_large = UNCACHED_READS_AS_LARGE and self.cache is None and self.workers > 1
+        as_large = UNCACHED_READS_AS_LARGE and self.cache is None  # with a decode pool: below
         released = into_cache_only or (
             self.chunk_bytes <= RELEASED_DECODE_MAX_CHUNK_BYTES
             and (self.workers >= RELEASED_DECODE_MIN_WORKERS or total >= RELEASED_DECODE_MIN_READ_BYTES)
