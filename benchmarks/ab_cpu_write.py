@@ -79,7 +79,22 @@ def cases(names: list[str]):
     return [(name, default if name == "default" else found[name]) for name in names]
 
 
-def run_ours(camera, frames, layout, out, level, switches, keywords) -> tuple[float, float, float]:
+def caller_schedstat() -> tuple[float, float]:
+    """(seconds on a CPU, seconds runnable but waiting for one) of the calling thread so far
+    (Linux's ``/proc/thread-self/schedstat``; zeros elsewhere)."""
+    try:
+        run_ns, wait_ns, _ = open("/proc/thread-self/schedstat").read().split()
+    except OSError:
+        return 0.0, 0.0
+    return int(run_ns) / 1e9, int(wait_ns) / 1e9
+
+
+#: per engine, per run: the caller thread's share of the wall time on a CPU, waiting for one
+#: (runnable), and copying into staging (``WriterStats.copy_s``)
+CALLER: dict[str, list[tuple[float, float, float]]] = {}
+
+
+def run_ours(camera, frames, layout, out, level, switches, keywords, name="ours") -> tuple[float, float, float]:
     """(seconds, CPU seconds, CPU seconds of the caller's thread and the staging copy's helpers)."""
 
     def place(key):
@@ -95,6 +110,7 @@ def run_ours(camera, frames, layout, out, level, switches, keywords) -> tuple[fl
     try:
         shutil.rmtree(out, ignore_errors=True)
         before = thread_cpu_seconds()
+        sched0 = caller_schedstat()
         cpu0, wall0 = time.process_time(), time.perf_counter()
         writer = Writer(out, layout, codec="zstd", level=level, backend="cpu", overwrite=True, **keywords)
         with writer:
@@ -105,7 +121,12 @@ def run_ours(camera, frames, layout, out, level, switches, keywords) -> tuple[fl
                 t.native_id for t in threading.enumerate() if t.name.startswith("tileshard-copy")
             }
             append = sum(s - before.get(tid, 0.0) for tid, s in thread_cpu_seconds().items() if tid in appending)
-        return time.perf_counter() - wall0, time.process_time() - cpu0, append
+        wall = time.perf_counter() - wall0
+        sched = caller_schedstat()
+        CALLER.setdefault(name, []).append(
+            ((sched[0] - sched0[0]) / wall, (sched[1] - sched0[1]) / wall, writer.stats.copy_s / wall)
+        )
+        return wall, time.process_time() - cpu0, append
     finally:
         sys.setswitchinterval(saved_interval)
         for key, value in saved.items():
@@ -118,9 +139,12 @@ def run_tensorstore(camera, frames, layout, out, level) -> tuple[float, float, f
     ``ts.open`` to the last write (``cpu_many_cores.write_tensorstore``)."""
     if level != 1:
         raise SystemExit("tensorstore runs at level 1 here (cpu_many_cores.write_tensorstore)")
+    sched0 = caller_schedstat()
     row = write_tensorstore(camera, layout, frames, out)
+    sched = caller_schedstat()
     gb = frames * camera.frame_bytes / 1e9
     seconds = gb / row["gbps"]
+    CALLER.setdefault("ts", []).append(((sched[0] - sched0[0]) / seconds, (sched[1] - sched0[1]) / seconds, 0.0))
     return seconds, row["cpu_s_per_gb"] * gb, row["stages"]["append"] * gb
 
 
@@ -157,13 +181,24 @@ def main(argv=None):
                 if engine == "ts":
                     runs[engine].append(run_tensorstore(camera, frames, layout, out, args.level))
                 else:
-                    runs[engine].append(run_ours(camera, frames, layout, out, args.level, *by_name[engine]))
+                    runs[engine].append(
+                        run_ours(camera, frames, layout, out, args.level, *by_name[engine], name=engine)
+                    )
         line = [f"{case}:"]
+        caller = {e: CALLER.pop(e, []) for e in engines}
         for engine in engines:
             line.append(
                 f"{engine} {statistics.median(gb / w for w, *_ in runs[engine]):.3f} GB/s "
                 f"{statistics.median(c / gb for _, c, _ in runs[engine]):.2f} CPU-s/GB "
-                f"(append {statistics.median(a / gb for _, _, a in runs[engine]):.2f});"
+                f"(append {statistics.median(a / gb for _, _, a in runs[engine]):.2f}"
+                + (
+                    ", caller on-CPU / runnable / copying {:.2f} / {:.2f} / {:.2f}".format(
+                        *(statistics.median(row[k] for row in caller[engine]) for k in range(3))
+                    )
+                    if caller[engine]
+                    else ""
+                )
+                + ");"
             )
         reference = engines[0]
         for engine in engines[1:]:
