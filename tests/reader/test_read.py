@@ -882,6 +882,27 @@ def test_planes_from_the_chunk_cache_are_exact_whatever_units_decoded_them(tmp_p
     assert reader.stats.cache_hits >= 2 * 6 * 4  # two whole planes of 6 x 4 chunks among them
 
 
+def test_a_shard_partly_cached_partly_absent_reads_only_its_other_chunks(tmp_path):
+    """A shard some of whose chunks are in the chunk cache and some absent: a read decodes only
+    its stored chunks that the cache lacks, takes the others from the cache, fills the absent
+    ones, and is exact; shards with nothing cached are planned with the others at once."""
+    array = _zarr_array(tmp_path / "h.zarr", (12, 12), (2, 4), (6, 12), "uint16", "zstd")  # rows 0-3: absent
+    data = array[...]
+    reader = ShardReader(tmp_path / "h.zarr", backend="cpu", cache_bytes=1 << 20)
+    np.testing.assert_array_equal(reader[4:6, :4], data[4:6, :4])  # one chunk, now cached
+    decoded = reader.stats.chunks_decoded
+    assert decoded == 1
+    np.testing.assert_array_equal(reader[:], data)
+    # the first shard (rows 0-5): 6 chunks absent (rows 0-3), 1 cached, 2 decoded; the second: 9
+    assert reader.stats.chunks_decoded - decoded == 2 + 9
+    assert reader.stats.cache_hits == 1
+    plan = reader._plan(np.s_[:], use_cache=True)  # everything cached now: nothing to read
+    assert not plan.reads and all(
+        len(block.cached) == block.box_chunks.size - block.missing.size for block in plan.blocks
+    )
+    assert [block.missing.size for block in plan.blocks] == [6, 0]
+
+
 def test_read_ahead_decodes_on_its_own_thread_in_one_native_call_per_unit(tmp_path, monkeypatch):
     """The read-ahead decodes the next tile row into the cache on its background thread alone
     (the decode threads stay free for the caller's reads), with the codec's batch call that

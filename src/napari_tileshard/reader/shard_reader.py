@@ -25,7 +25,7 @@ import functools
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from itertools import product
+from itertools import product, repeat
 
 import numpy as np
 
@@ -275,9 +275,9 @@ class ShardReader:
         for b, (block, index) in enumerate(zip(blocks, indexes)):
             if index is None:
                 block.missing = np.arange(block.box_chunks.size)
-            elif cached_chunks:
-                runs_per_block[b] = self._block_runs(b, block, index, use_cache)
-            else:
+            elif cached_chunks and self._take_cached(block, index):
+                runs_per_block[b] = self._block_runs(b, block, index)
+            else:  # (a block of a new tile row while napari steps: nothing of it in the cache)
                 stored[b] = index
                 by_box.setdefault(box_of[b], []).append(b)
         for box_key, members in by_box.items():
@@ -294,7 +294,7 @@ class ShardReader:
                         (blocks[b].key, b, first[row], stop[row], chunks[row], relative[row], sizes[row], order[row])
                     ]
                 else:
-                    runs_per_block[b] = self._block_runs(b, blocks[b], stored[b], use_cache)
+                    runs_per_block[b] = self._block_runs(b, blocks[b], stored[b])
         return ReadPlan(shape, out_shape, blocks, number_reads(runs_per_block))
 
     def _indexes_of(self, keys: list[str]) -> list[ShardIndex | None]:
@@ -304,22 +304,28 @@ class ShardReader:
         read = dict(zip(unknown, self._read_indexes(unknown))) if unknown else {}
         return [index if cached else read[key] for key, (cached, index) in zip(keys, found)]
 
-    def _block_runs(self, b: int, block: Block, index: ShardIndex, use_cache: bool) -> list[tuple]:
-        """The runs of one shard's block (absent chunks, chunks in the cache, runs split by gaps
-        or the cap): ``(key, block, start, stop, chunks, offsets, nbytes, slots)`` each."""
+    def _take_cached(self, block: Block, index: ShardIndex) -> bool:
+        """Find the block's stored chunks in the chunk cache (``block.cached``); whether any was."""
+        assert self.cache is not None
+        chunks = block.box_chunks
+        offsets, nbytes = index.offsets[chunks], index.nbytes[chunks]
+        found = self.cache.get_many(list(zip(repeat(block.key), chunks.tolist(), offsets.tolist(), nbytes.tolist())))
+        # an absent chunk (size -1) has no cache entry: a lookup of it finds nothing
+        block.cached = {p: decoded for p, decoded in enumerate(found) if decoded is not None}
+        return bool(block.cached)
+
+    def _block_runs(self, b: int, block: Block, index: ShardIndex) -> list[tuple]:
+        """The runs of one shard's block (absent chunks, chunks in the cache (``block.cached``,
+        :meth:`_take_cached`), runs split by gaps or the cap): ``(key, block, start, stop,
+        chunks, offsets, nbytes, slots)`` each."""
         key = block.key
         offsets, nbytes = index.offsets[block.box_chunks], index.nbytes[block.box_chunks]
-        if nbytes.size and nbytes.min() >= 0:  # every chunk present
-            present = np.arange(nbytes.size)
-        else:
-            present = np.flatnonzero(nbytes >= 0)
-            block.missing = np.flatnonzero(nbytes < 0)
-        if use_cache and self.cache is not None and present.size:
-            places = zip(block.box_chunks[present].tolist(), offsets[present].tolist(), nbytes[present].tolist())
-            found = self.cache.get_many([(key, chunk, offset, size) for chunk, offset, size in places])
-            block.cached = {p: decoded for p, decoded in zip(present.tolist(), found) if decoded is not None}
-            if block.cached:
-                present = present[~np.isin(present, list(block.cached))]
+        stored = nbytes >= 0
+        if not stored.all():
+            block.missing = np.flatnonzero(~stored)
+        if block.cached:
+            stored[list(block.cached)] = False
+        present = np.flatnonzero(stored)
         runs = []
         for start, stop, positions in pack_runs(offsets[present], nbytes[present], self.gap_bytes, self.max_read_bytes):
             chosen = present[positions]

@@ -12,7 +12,6 @@ compresses, and are encoded the same way.  This module only schedules: what each
 from __future__ import annotations
 
 import os
-import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -44,17 +43,6 @@ _BOX_BYTES = 2 << 20
 #: for a staging buffer.  Alone it takes the GIL back once per frame: 7 helpers ran 0.91-0.96x
 #: and 2 helpers 0.93-0.97x of it (16 cores), 1 helper 0.93-1.00x (2 cores)
 STAGING_COPY_HELPERS = 0
-
-#: niceness added to each encode thread (Linux only; 0: none).  Experimental.
-ENCODE_THREAD_NICE = 0
-
-
-def _lower_encode_thread_priority() -> None:
-    if ENCODE_THREAD_NICE and hasattr(os, "setpriority") and sys.platform.startswith("linux"):
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), ENCODE_THREAD_NICE)
-        except OSError:
-            pass
 
 
 @dataclass
@@ -91,9 +79,7 @@ class CpuBackend(Backend):
     def __init__(self, layout, codec="zstd", level=1, *, threads: int | None = None, pyramid=None):
         super().__init__(layout, codec, level, pyramid)
         self.threads = threads or os.cpu_count() or 1
-        self._pool = ThreadPoolExecutor(
-            self.threads, thread_name_prefix="tileshard-cpu", initializer=_lower_encode_thread_priority
-        )
+        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="tileshard-cpu")
         self._scratch = threading.local()  # per pool thread: the buffer its tasks cut tiles into
         self._plans: dict = {}  # (layout, epochs) -> how a batch's tasks are split (:meth:`task_plan`)
         # Reductions run on their own thread: an encode task never waits on a reduction queued
