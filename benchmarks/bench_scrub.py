@@ -77,18 +77,63 @@ def stage_clock() -> StageClock:
     return clock
 
 
-def scrub(path: Path, steps: int, order: str, show: bool, ab_read_ahead: int = 0, stages: bool = False) -> dict:
-    import napari
-    from qtpy.QtWidgets import QApplication
+def busy_python(seconds: float) -> None:
+    """Run Python on this thread for ``seconds``, holding the GIL but for the interpreter's switches
+    (``--headless``'s stand-in for napari drawing a step)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        sum(range(200))
 
+
+class HeadlessViewer:
+    """What napari's viewer does with the layer data at a time-slider step, without Qt (``--headless``,
+    for hosts without a display stack): index the plane as napari's slicing does (``data[t:t+1, :, :]``,
+    on this thread), then ``draw_ms`` of Python standing in for napari's drawing (the read-ahead runs
+    beside it)."""
+
+    def __init__(self, data, draw_ms: float):
+        self.data, self.draw_s = data, draw_ms / 1e3
+
+    def step(self, t: int) -> None:
+        np.asarray(self.data[t : t + 1, :, :])
+        busy_python(self.draw_s)
+
+    def close(self) -> None:
+        pass
+
+
+def scrub(
+    path: Path,
+    steps: int,
+    order: str,
+    show: bool,
+    ab_read_ahead: int = 0,
+    stages: bool = False,
+    headless_draw_ms: float | None = None,
+) -> dict:
     reader_function = napari_get_reader(str(path))
     assert reader_function is not None, f"{path}: not opened by the plugin"
     [(data, meta, _kind)] = reader_function(str(path))
     assert isinstance(data, ShardReader), f"the layer data is {type(data).__name__}, not the plugin's reader"
-    viewer = napari.Viewer(show=show)
-    viewer.add_image(data, **{k: v for k, v in meta.items() if k in ("name", "metadata", "axis_labels")})
-    app = QApplication.instance()
-    app.processEvents()
+    if headless_draw_ms is not None:
+        viewer = HeadlessViewer(data, headless_draw_ms)
+        data[data.shape[0] // 2 : data.shape[0] // 2 + 1, :, :]  # napari's first draw (the middle frame)
+
+        def set_step(t: int) -> None:
+            viewer.step(t)
+    else:
+        import napari
+        from qtpy.QtWidgets import QApplication
+
+        viewer = napari.Viewer(show=show)
+        viewer.add_image(data, **{k: v for k, v in meta.items() if k in ("name", "metadata", "axis_labels")})
+        app = QApplication.instance()
+        app.processEvents()
+
+        def set_step(t: int) -> None:
+            viewer.dims.set_current_step(0, t)
+            app.processEvents()
+
     frames = data.shape[0]
     rng = np.random.default_rng(0)
     targets = rng.integers(0, frames, steps).tolist() if order == "random" else [(1 + i) % frames for i in range(steps)]
@@ -112,8 +157,7 @@ def scrub(path: Path, steps: int, order: str, show: bool, ab_read_ahead: int = 0
         runs = len(collections)
         spent = dict(clock.seconds) if clock else {}
         started = time.perf_counter()
-        viewer.dims.set_current_step(0, t)
-        app.processEvents()
+        set_step(t)
         step = time.perf_counter() - started
         plugin = stats.busy_seconds - busy
         rows.append(
@@ -138,7 +182,9 @@ def scrub(path: Path, steps: int, order: str, show: bool, ab_read_ahead: int = 0
     summary = {
         "steps": steps,
         "order": order,
-        "shown": show,
+        "shown": show and headless_draw_ms is None,
+        "headless_draw_ms": headless_draw_ms,
+        "read_ahead": data.read_ahead,
         "frames": frames,
         "shape": list(data.shape),
         "chunk_shape": list(data.chunk_shape),
@@ -193,6 +239,12 @@ def main(argv=None) -> int:
         "--ab-read-ahead", type=int, default=0, metavar="N", help="alternate blocks of N steps, read-ahead on and off"
     )
     parser.add_argument("--stages", action="store_true", help="CPU per step of the reader's stages")
+    parser.add_argument(
+        "--headless",
+        type=float,
+        metavar="DRAW_MS",
+        help="no napari: index the layer data as napari's slicing does, then DRAW_MS of Python for its drawing",
+    )
     parser.add_argument("--out", type=Path)
     parser.add_argument("--keep", action="store_true")
     args = parser.parse_args(argv)
@@ -202,7 +254,7 @@ def main(argv=None) -> int:
         path = args.dir / f"scrub-{'x'.join(map(str, tile))}.zarr"
         write_recording(path, args.frames, tile)
     try:
-        result = scrub(path, args.steps, args.order, not args.no_show, args.ab_read_ahead, args.stages)
+        result = scrub(path, args.steps, args.order, not args.no_show, args.ab_read_ahead, args.stages, args.headless)
     finally:
         if args.path is None and not args.keep:
             shutil.rmtree(path, ignore_errors=True)

@@ -8,7 +8,7 @@
 #   run(command="bash benchmarks/cpu_many_cores_device.sh", carry=[".kit/site.tar.xz", ".kit/pyspy.xz"])
 #   bash benchmarks/cpu_many_cores_device.sh --quick     # small, on any machine
 #
-# Knobs: PARTS (readab,planes,writeab,profile,table,gputests; planes needs readab's recordings), GIB (2), ROUNDS (5), READ_TILES
+# Knobs: PARTS (readab,planes,writeab,profile,table,scrub,gputests; planes needs readab's recordings), GIB (2), ROUNDS (5), READ_TILES
 # (64k-4m,256k-4m,1m-16m), WRITE_TILES (64k-d2,default,1m-d8), READ_VARIANTS and
 # WRITE_VARIANTS (space-separated --variant values of ab_cpu_read.py / ab_cpu_write.py),
 # TABLE_GIB (2), TABLE_ROUNDS (3), .kit/before_src.tar.xz (carried: `git archive <commit> src`, for
@@ -126,13 +126,45 @@ if want table 200; then
   rm -rf "$DIR-table"
 fi
 
+# 4b. napari scrubbing on this host's cores, without napari (no Qt here): the plugin's reader indexed
+#     as napari's slicing does, DRAW_MS of Python per step standing in for napari's drawing, the
+#     read-ahead on (4+ CPUs); SCRUB_RUNS runs per layout and order, and one read-ahead A/B.
+if want scrub 60; then
+  mkdir -p "$OUT/scrub"
+  timeout 120 python3 - <<'PY'
+import sys
+sys.path.insert(0, "benchmarks")
+from cpu_many_cores import layouts, make_layout
+from napari_tileshard import SyntheticCamera, Writer
+camera = SyntheticCamera((2048, 2048), "uint16", seed=0)
+camera.prepare()
+for name in ("64k-4m", "default"):
+    tile, per_shard = layouts()[name]
+    with Writer(f"/dev/shm/tileshard-scrub/{name}.zarr", make_layout(tile, per_shard), backend="cpu", overwrite=True) as writer:
+        for frame in camera.frames(128):
+            writer.append(frame)
+PY
+  for run in $(seq "${SCRUB_RUNS:-3}"); do
+    for name in 64k-4m default; do
+      for order in forward random; do
+        timeout 60 python3 benchmarks/bench_scrub.py --path "/dev/shm/tileshard-scrub/$name.zarr" --steps 120 \
+          --order "$order" --headless "${DRAW_MS:-25}" --out "$OUT/scrub/${name}_${order}_$run.json" |
+          python3 -c "import json, sys; d = json.load(sys.stdin); print('$name $order $run', d['read_ahead'], d['all']['plugin_ms'])"
+      done
+    done
+  done 2>&1 | tee "$OUT/scrub.log"
+  timeout 60 python3 benchmarks/bench_scrub.py --path /dev/shm/tileshard-scrub/64k-4m.zarr --steps 160 --order forward \
+    --headless "${DRAW_MS:-25}" --ab-read-ahead 10 --out "$OUT/scrub/64k-4m_forward_ab.json" >/dev/null 2>&1
+  rm -rf /dev/shm/tileshard-scrub
+fi
+
 # 5. The GPU tests (the GPU code paths this host also runs).
 if [ $QUICK = 0 ] && want gputests 200; then
   timeout $(($(left) - 10)) python3 -m pytest -m gpu -q -p no:cacheprovider -x tests 2>&1 | tail -40 >"$OUT/pytest_gpu.log"
   tail -3 "$OUT/pytest_gpu.log"
 fi
 echo "# done at ${SECONDS} s"
-cat "$OUT"/info.txt "$OUT"/parts.txt "$OUT"/skipped.txt "$OUT"/read_check.log "$OUT"/read_ab.log "$OUT"/planes_ab.log "$OUT"/write_ab.log \
+cat "$OUT"/info.txt "$OUT"/parts.txt "$OUT"/skipped.txt "$OUT"/read_check.log "$OUT"/read_ab.log "$OUT"/planes_ab.log "$OUT"/write_ab.log "$OUT"/scrub.log \
   "$OUT"/pytest_gpu.log 2>/dev/null >"$OUT/summary.txt"
 grep -v '^{' "$OUT/table.log" >>"$OUT/summary.txt" 2>/dev/null
 # one file back (a call brings back only a few): every log, JSON and profile
