@@ -903,11 +903,12 @@ def test_a_shard_partly_cached_partly_absent_reads_only_its_other_chunks(tmp_pat
     assert [block.missing.size for block in plan.blocks] == [6, 0]
 
 
-def test_read_ahead_decodes_on_its_own_thread_in_one_native_call_per_unit(tmp_path, monkeypatch):
-    """The read-ahead decodes the next tile row into the cache on its background thread alone
-    (the decode threads stay free for the caller's reads), with the codec's batch call that
-    takes the GIL back a few times per unit rather than per chunk; the caller's own reads
-    decode on the decode threads; what the read-ahead decoded reads back exactly."""
+def test_read_ahead_decodes_on_the_decode_threads_in_one_native_call_per_unit(tmp_path, monkeypatch):
+    """The read-ahead decodes the next tile row into the cache on the decode threads (its own
+    thread only queues the units: on 16 cores a row decoded by that thread alone was not done
+    when napari's next step came), with the codec's batch call that takes the GIL back a few
+    times per unit rather than per chunk; what the read-ahead decoded reads back exactly, and is
+    not decoded again."""
     import threading
 
     from napari_tileshard.format.codecs import Zstd
@@ -925,20 +926,21 @@ def test_read_ahead_decodes_on_its_own_thread_in_one_native_call_per_unit(tmp_pa
             return original(self, *args, **kwargs)
 
         monkeypatch.setattr(Zstd, name, recorded)
+    monkeypatch.setattr(cpu_path, "UNIT_MIN_BYTES", 0)  # units of 2 KiB: several per tile row
     with ShardReader(tmp_path / "a.zarr", backend="cpu", cache_bytes=1 << 20, read_ahead=True, workers=2) as layer:
         np.testing.assert_array_equal(layer[0], data[0])
-        np.testing.assert_array_equal(layer[1], data[1])  # a step: rows 2-3 read ahead
+        calls.clear()
+        np.testing.assert_array_equal(layer[1], data[1])  # from the cache; a step: rows 2-3 read ahead
         layer._wait_for_read_ahead()
         decoded = layer.stats.chunks_decoded
-        ahead = [name for name, thread in calls if thread.startswith("tileshard-ahead")]
-        assert ahead and set(ahead) == {"decode_chunks_released"}
-        own = [thread for _, thread in calls if not thread.startswith("tileshard-ahead")]
-        assert own and all(thread.startswith("tileshard-decode") for thread in own)
+        assert len(calls) >= 2 and {name for name, _ in calls} == {"decode_chunks_released"}
+        assert all(thread.startswith("tileshard-decode") for _, thread in calls), calls
+        calls.clear()
         np.testing.assert_array_equal(layer[2], data[2])  # from the cache
         np.testing.assert_array_equal(layer[3], data[3])
         layer._wait_for_read_ahead()
-        assert layer.stats.chunks_decoded >= decoded  # rows 4-5 ahead at most, nothing of rows 2-3 again
-        assert layer.stats.chunks_decoded - decoded in (0, 16)
+        assert layer.stats.chunks_decoded - decoded in (0, 16)  # rows 4-5 ahead at most, nothing of rows 2-3 again
+        assert all(thread.startswith("tileshard-decode") for _, thread in calls)
 
 
 def test_reads_with_many_decode_workers_decode_each_unit_in_one_native_call(tmp_path, monkeypatch):

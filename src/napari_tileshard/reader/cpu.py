@@ -70,6 +70,13 @@ UNCACHED_READS_AS_LARGE = True
 #: 1 GiB reads with the pages evicted: 1.10 / 1.07x with a third thread (64 / 256 KiB tiles), and
 #: 1.02 / 1.01x once the files are cached
 DISK_EXTRA_DECODE_THREADS = 1
+#: whether the read-ahead (napari's next tile row, decoded while napari draws) decodes its units on
+#: the decode pool rather than on its own thread alone.  16 cores, napari's time-slider steps
+#: forward (``bench_scrub.py --headless 25``, 64 KiB tiles): on its own thread the read-ahead of a
+#: 16 MiB tile row was not done when the next step came (one thread's decode beside a thread busy
+#: in Python), and the step waited for it, 28-43 ms, while steps without read-ahead decoded the
+#: row on the pool in 11-13 ms
+READ_AHEAD_ON_POOL = True
 
 
 def apart_order(blocks: Sequence[Block]) -> list[int]:
@@ -325,11 +332,10 @@ class CpuReadPath:
         array; where blocks are decoded at the same time (each block a task, below) they are
         taken and yielded in :func:`apart_order`, so that no two of them fault the same
         pages in.  ``target`` None (read-ahead): decode
-        the chunks into the cache only, on the calling thread alone, with
-        :meth:`~napari_tileshard.format.codecs.Codec.decode_chunks_released`, and place nothing
-        (the blocks yielded are empty): the decode pool stays free for
-        the caller's reads, and the GIL is taken back a few times per unit, not per chunk, beside
-        napari drawing.
+        the chunks into the cache only, with
+        :meth:`~napari_tileshard.format.codecs.Codec.decode_chunks_released` (the GIL is taken
+        back a few times per unit, not per chunk, beside napari drawing), and place nothing (the
+        blocks yielded are empty); its units go to the decode pool (READ_AHEAD_ON_POOL).
 
         With a decode pool and a read of ``FETCH_IN_DECODE_TASKS_MIN_BYTES`` or more (any read
         of a reader without a chunk cache: ``UNCACHED_READS_AS_LARGE``), each block
@@ -451,7 +457,7 @@ class CpuReadPath:
         reader, stats = self.reader, self.stats
         into_cache_only = target is None
         fetched = reader._fetched(plan.reads)
-        pool = self._decode_pool() if self.workers > 1 and not into_cache_only else None
+        pool = self._decode_pool() if self.workers > 1 and (READ_AHEAD_ON_POOL or not into_cache_only) else None
         nothing = np.empty(0, dtype=self.reader.dtype)
         pending: list[tuple[Block, np.ndarray, list, int, list]] = []
         in_flight = 0
