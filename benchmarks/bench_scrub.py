@@ -245,9 +245,21 @@ def main(argv=None) -> int:
         metavar="DRAW_MS",
         help="no napari: index the layer data as napari's slicing does, then DRAW_MS of Python for its drawing",
     )
+    parser.add_argument(
+        "--switch",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="set an UPPER-case switch of napari_tileshard.reader.cpu for this run (an A/B), e.g. READ_AHEAD_ON_POOL=0",
+    )
     parser.add_argument("--out", type=Path)
     parser.add_argument("--keep", action="store_true")
     args = parser.parse_args(argv)
+    for item in args.switch:
+        name, _, value = item.partition("=")
+        if not name.isupper() or not hasattr(cpu_reader, name):
+            raise SystemExit(f"--switch {item!r}: no such switch in napari_tileshard.reader.cpu")
+        setattr(cpu_reader, name, type(getattr(cpu_reader, name))(int(value)))
     path = args.path
     if path is None:
         tile = tuple(int(v) for v in args.tile.split(","))

@@ -144,12 +144,17 @@ for name in ("64k-4m", "default"):
         for frame in camera.frames(128):
             writer.append(frame)
 PY
+  # SCRUB_VARIANTS: name=SWITCH=v (bench_scrub.py --switch), each run alternating; "now=" the default
   for run in $(seq "${SCRUB_RUNS:-3}"); do
     for name in 64k-4m default; do
       for order in forward random; do
-        timeout 60 python3 benchmarks/bench_scrub.py --path "/dev/shm/tileshard-scrub/$name.zarr" --steps 120 \
-          --order "$order" --headless "${DRAW_MS:-25}" --out "$OUT/scrub/${name}_${order}_$run.json" |
-          python3 -c "import json, sys; d = json.load(sys.stdin); print('$name $order $run', d['read_ahead'], d['all']['plugin_ms'])"
+        for variant in ${SCRUB_VARIANTS:-now=}; do
+          label=${variant%%=*} switch=${variant#*=}
+          timeout 60 python3 benchmarks/bench_scrub.py --path "/dev/shm/tileshard-scrub/$name.zarr" --steps 120 \
+            --order "$order" --headless "${DRAW_MS:-25}" ${switch:+--switch "$switch"} \
+            --out "$OUT/scrub/${name}_${order}_${label}_$run.json" |
+            python3 -c "import json, sys; d = json.load(sys.stdin); print('$name $order $label $run', d['read_ahead'], d['all']['plugin_ms'])"
+        done
       done
     done
   done 2>&1 | tee "$OUT/scrub.log"
