@@ -250,12 +250,12 @@ def main(argv=None) -> int:
         action="append",
         default=[],
         metavar="NAME=VALUE",
-        help="set an UPPER-case switch of napari_tileshard.reader.cpu for this run (an A/B), e.g. READ_AHEAD_ON_POOL=0",
+        help="UPPER-case switches of napari_tileshard.reader.cpu for this run (A/B), e.g. READ_AHEAD_ON_POOL=0",
     )
     parser.add_argument("--out", type=Path)
     parser.add_argument("--keep", action="store_true")
     args = parser.parse_args(argv)
-    for item in args.switch:
+    for item in (part for text in args.switch for part in text.split(",")):
         name, _, value = item.partition("=")
         if not name.isupper() or not hasattr(cpu_reader, name):
             raise SystemExit(f"--switch {item!r}: no such switch in napari_tileshard.reader.cpu")

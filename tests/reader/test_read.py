@@ -906,9 +906,9 @@ def test_a_shard_partly_cached_partly_absent_reads_only_its_other_chunks(tmp_pat
 def test_read_ahead_decodes_on_the_decode_threads_in_one_native_call_per_unit(tmp_path, monkeypatch):
     """The read-ahead decodes the next tile row into the cache on the decode threads (its own
     thread only queues the units: on 16 cores a row decoded by that thread alone was not done
-    when napari's next step came), with the codec's batch call that takes the GIL back a few
-    times per unit rather than per chunk; what the read-ahead decoded reads back exactly, and is
-    not decoded again."""
+    when napari's next step came), a unit of READ_AHEAD_UNIT_BYTES per call of the codec's batch
+    that holds no GIL, whose memory the cache keeps (no copy); what the read-ahead decoded
+    reads back exactly, and is not decoded again."""
     import threading
 
     from napari_tileshard.format.codecs import Zstd
@@ -918,7 +918,7 @@ def test_read_ahead_decodes_on_the_decode_threads_in_one_native_call_per_unit(tm
     with Writer(tmp_path / "a.zarr", layout, backend="cpu", codec="zstd") as writer:
         writer.append(data)
     calls: list[tuple[str, str]] = []
-    for name in ("decode_chunks", "decode_chunks_released"):
+    for name in ("decode_chunks", "decode_chunks_released", "decoded_chunks_released"):
         original = getattr(Zstd, name)
 
         def recorded(self, *args, name=name, original=original, **kwargs):
@@ -926,14 +926,14 @@ def test_read_ahead_decodes_on_the_decode_threads_in_one_native_call_per_unit(tm
             return original(self, *args, **kwargs)
 
         monkeypatch.setattr(Zstd, name, recorded)
-    monkeypatch.setattr(cpu_path, "UNIT_MIN_BYTES", 0)  # units of 2 KiB: several per tile row
+    monkeypatch.setattr(cpu_path, "READ_AHEAD_UNIT_BYTES", 2048)  # 2 chunks of 1 KiB: 8 units per tile row
     with ShardReader(tmp_path / "a.zarr", backend="cpu", cache_bytes=1 << 20, read_ahead=True, workers=2) as layer:
         np.testing.assert_array_equal(layer[0], data[0])
         calls.clear()
         np.testing.assert_array_equal(layer[1], data[1])  # from the cache; a step: rows 2-3 read ahead
         layer._wait_for_read_ahead()
         decoded = layer.stats.chunks_decoded
-        assert len(calls) >= 2 and {name for name, _ in calls} == {"decode_chunks_released"}
+        assert [name for name, _ in calls] == ["decoded_chunks_released"] * 8  # the 16 chunks of rows 2-3
         assert all(thread.startswith("tileshard-decode") for _, thread in calls), calls
         calls.clear()
         np.testing.assert_array_equal(layer[2], data[2])  # from the cache
@@ -941,6 +941,12 @@ def test_read_ahead_decodes_on_the_decode_threads_in_one_native_call_per_unit(tm
         layer._wait_for_read_ahead()
         assert layer.stats.chunks_decoded - decoded in (0, 16)  # rows 4-5 ahead at most, nothing of rows 2-3 again
         assert all(thread.startswith("tileshard-decode") for _, thread in calls)
+    monkeypatch.setattr(cpu_path, "READ_AHEAD_ADOPTS_BATCH", False)  # decoded into the pool's memory instead
+    with ShardReader(tmp_path / "a.zarr", backend="cpu", cache_bytes=1 << 20, read_ahead=True, workers=2) as layer:
+        layer[0], layer[1]
+        layer._wait_for_read_ahead()
+        for row in range(2, 8):
+            np.testing.assert_array_equal(layer[row], data[row])
 
 
 def test_reads_with_many_decode_workers_decode_each_unit_in_one_native_call(tmp_path, monkeypatch):

@@ -77,6 +77,15 @@ DISK_EXTRA_DECODE_THREADS = 1
 #: in Python), and the step waited for it, 28-43 ms, while steps without read-ahead decoded the
 #: row on the pool in 11-13 ms
 READ_AHEAD_ON_POOL = True
+#: the read-ahead's units (at most a block): each unit takes the GIL back a few times, and beside
+#: a thread busy in Python (napari drawing) every time may wait up to the interpreter's switch
+#: interval.  2-core VM, a 16 MiB tile row read ahead while the main thread runs Python: 86-88 ms
+#: in 2 MiB units, 59 in 4 MiB units; 46-48 with the batch's memory adopted as well (below)
+READ_AHEAD_UNIT_BYTES = 4 << 20
+#: whether the read-ahead's cache keeps the memory the codec's GIL-free batch decoded into (no
+#: copy into the output pool's memory, one time less taking the GIL back per unit; that memory is
+#: the decoded bytes' size, allocated afresh): 62 against 88 ms in the same probe (2 MiB units)
+READ_AHEAD_ADOPTS_BATCH = True
 
 
 def apart_order(blocks: Sequence[Block]) -> list[int]:
@@ -230,10 +239,12 @@ class BlockSource:
                 return None
         return base.reshape(-1).view(np.uint8)[start : start + len(rows) * step].reshape(len(rows), step)
 
-    def decoded_released(self, first: int, stop: int, chunk_bytes: int, scratch: np.ndarray) -> np.ndarray | None:
+    def decoded_released(
+        self, first: int, stop: int, chunk_bytes: int, scratch: np.ndarray | None
+    ) -> np.ndarray | None:
         """Box positions ``first..stop`` decoded in one GIL-free codec call, as ``(rows,
         chunk_bytes)`` uint8 over the call's own memory, or in ``scratch`` (``(rows,
-        chunk_bytes)`` uint8) where the call used several buffers
+        chunk_bytes)`` uint8; None: a new array) where the call used several buffers
         (:meth:`~napari_tileshard.format.codecs.Codec.decoded_chunks_released`): when all of
         them were read into one buffer and the codec has such a call.  Else None (:meth:`decode`
         then decodes them into the caller's rows)."""
@@ -356,6 +367,8 @@ class CpuReadPath:
             and (self.workers >= RELEASED_DECODE_MIN_WORKERS or total >= RELEASED_DECODE_MIN_READ_BYTES)
         )
         unit = min(UNIT_BYTES, max(UNIT_MIN_BYTES, total // (self.workers * 4)))
+        if into_cache_only:
+            unit = READ_AHEAD_UNIT_BYTES
         rows = max(self.chunk_bytes, unit) // self.chunk_bytes
         reads_of: list[list[Read]] = [[] for _ in plan.blocks]
         for read in plan.reads:
@@ -528,6 +541,12 @@ class CpuReadPath:
             if direct is not None:
                 chunks = direct.view(self.chunk_dtype).reshape((rows,) + self.chunk_shape)
                 untile_into(out, chunks, block, ranges, self.chunk_shape)
+                return
+        if into_cache_only and READ_AHEAD_ADOPTS_BATCH and len(places) == rows:
+            direct = source.decoded_released(first, stop, self.chunk_bytes, None)
+            if direct is not None:
+                assert self.cache is not None
+                self.cache.adopt_rows([place for _, place in places], direct)
                 return
         if places and len(places) == rows:
             # every chunk of the unit goes into the cache: decode into memory the cache then
