@@ -75,16 +75,18 @@ DISK_EXTRA_DECODE_THREADS = 1
 #: forward (``bench_scrub.py --headless 25``, 64 KiB tiles): on its own thread the read-ahead of a
 #: 16 MiB tile row was not done when the next step came (one thread's decode beside a thread busy
 #: in Python), and the step waited for it, 28-43 ms, while steps without read-ahead decoded the
-#: row on the pool in 11-13 ms
+#: row on the pool in 11-13 ms.  With the pool (and the two switches below) the plugin's p99 of
+#: forward steps was 15.8-19.9 ms against 41-50 (benchmarks/results/cpu_16core_2026-11-27g/)
 READ_AHEAD_ON_POOL = True
 #: the read-ahead's units (at most a block): each unit takes the GIL back a few times, and beside
 #: a thread busy in Python (napari drawing) every time may wait up to the interpreter's switch
-#: interval.  2-core VM, a 16 MiB tile row read ahead while the main thread runs Python: 86-88 ms
-#: in 2 MiB units, 59 in 4 MiB units; 46-48 with the batch's memory adopted as well (below)
+#: interval.  2-core VM, a 16 MiB tile row read ahead while the main thread runs Python, median:
+#: 84-88 ms in 2 MiB units, 60-67 in 4 MiB units, 53-55 with the batch's memory adopted as well
+#: (below), 115-118 on the read-ahead's own thread (benchmarks/results/cpu_2core_2026-11-27g/)
 READ_AHEAD_UNIT_BYTES = 4 << 20
 #: whether the read-ahead's cache keeps the memory the codec's GIL-free batch decoded into (no
 #: copy into the output pool's memory, one time less taking the GIL back per unit; that memory is
-#: the decoded bytes' size, allocated afresh): 62 against 88 ms in the same probe (2 MiB units)
+#: the decoded bytes' size, allocated afresh): 61-63 against 84-88 ms in the same probe (2 MiB units)
 READ_AHEAD_ADOPTS_BATCH = True
 
 
