@@ -198,7 +198,7 @@ def test_cpu_task_plan_splits_each_shard_into_even_runs_of_tile_rows_cut_into_bo
         tasks = epochs * layout.inner_shard_count
         bounds = np.linspace(0, tps_1, min(tps_1, max(1, -(-2 * threads // tasks))) + 1).astype(int)
         assert [(piece.start, piece.stop) for piece, _ in pieces] == list(zip(bounds[:-1], bounds[1:]))
-        box_tiles = max(1, (2 << 20) // layout.tile_bytes)
+        box_tiles = max(1, ((2 << 20) if threads < 8 else (4 << 20)) // layout.tile_bytes)  # 4 MiB from 8 threads on
         assert all(boxes == layout.shard_boxes(piece, box_tiles) for piece, boxes in pieces)
         row_slots = layout.tiles_per_shard_inner // tps_1
         assert piece_bytes == np.diff(bounds).max() * row_slots * layout.tile_bytes

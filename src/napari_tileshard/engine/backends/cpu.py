@@ -24,7 +24,7 @@ from .stages.compress import compress_cpu
 from .stages.reduce import reduce_cpu
 from .stages.tile import tile_cpu
 
-__all__ = ["CpuBackend", "CpuTicket", "EncodeTasks"]
+__all__ = ["MANY_THREADS", "CpuBackend", "CpuTicket", "EncodeTasks", "box_bytes_for"]
 
 #: one level's encode tasks of a batch: ``[epoch][inner shard][piece]``, each giving
 #: ``(chunks, padded slot sizes)``
@@ -33,8 +33,21 @@ EncodeTasks = list[list[list[Future]]]
 #: bytes of tiles a task cuts and compresses at a time, so they are still in the core's cache when
 #: libzstd reads them.  On the 2-core box, one thread cutting and compressing 32x128x128 tiles: the
 #: tile copy cost 0.40 CPU-s/GB into a 64 MiB piece (a whole shard) and 0.19-0.21 with boxes of
-#: 0.5-4 MiB; larger boxes mean fewer Python calls per GB (which hold the GIL).
+#: 0.5-4 MiB; larger boxes mean fewer Python calls per GB (which hold the GIL).  Two encode
+#: threads writing 64 / 256 KiB tiles: 4 MiB boxes 0.93 / 0.95x of 2 MiB ones.
 _BOX_BYTES = 2 << 20
+#: ... and with at least MANY_THREADS encode threads, where each box's taking the GIL back (the
+#: caller's frame copy waits for it among 16 threads): 16 cores, 64 KiB tiles, 4 MiB boxes
+#: 1.04 (1.02-1.11)x of 2 MiB ones, 8 MiB 1.04-1.10x; 256 KiB / 1 MiB / default 1.04 / 1.02 / 0.99
+#: (benchmarks/results/cpu_16core_2026-11-27g/, calls 5 and 6)
+_MANY_THREADS_BOX_BYTES = 4 << 20
+MANY_THREADS = 8
+
+
+def box_bytes_for(threads: int) -> int:
+    """Bytes of tiles an encode task cuts and compresses at a time, with ``threads`` encode threads."""
+    return _MANY_THREADS_BOX_BYTES if threads >= MANY_THREADS else _BOX_BYTES
+
 
 #: threads helping the caller copy frames into staging (the GPU backend's default: up to 7).  On
 #: the 16-core host the caller's copy with 7 helpers was what every write waited for: py-spy put
@@ -79,6 +92,7 @@ class CpuBackend(Backend):
     def __init__(self, layout, codec="zstd", level=1, *, threads: int | None = None, pyramid=None):
         super().__init__(layout, codec, level, pyramid)
         self.threads = threads or os.cpu_count() or 1
+        self.box_bytes = box_bytes_for(self.threads)  # tiles an encode task cuts and compresses at a time
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="tileshard-cpu")
         self._scratch = threading.local()  # per pool thread: the buffer its tasks cut tiles into
         self._plans: dict = {}  # (layout, epochs) -> how a batch's tasks are split (:meth:`task_plan`)
@@ -94,7 +108,7 @@ class CpuBackend(Backend):
         estimate = super().memory_estimate(batch_bytes, staging_buffers)
         if not self.codec.encoded_tiles_alias_input:  # each pool thread's tile buffer: one box of tiles
             estimate["host"] += self.threads * max(
-                min(max(1, _BOX_BYTES // lay.tile_bytes), lay.tiles_per_shard_inner) * lay.tile_bytes
+                min(max(1, self.box_bytes // lay.tile_bytes), lay.tiles_per_shard_inner) * lay.tile_bytes
                 for lay in self.pyramid.layouts
             )
         return estimate
@@ -146,7 +160,7 @@ class CpuBackend(Backend):
             tps_1 = layout.tiles_per_shard[1] if layout.rank > 1 else 1
             count = max(1, min(tps_1, -(-2 * self.threads // tasks)))
             bounds = [tps_1 * i // count for i in range(count + 1)]  # as even as whole tile rows go
-            box_tiles = max(1, _BOX_BYTES // layout.tile_bytes)
+            box_tiles = max(1, self.box_bytes // layout.tile_bytes)
             pieces = [(slice(a, b), layout.shard_boxes(slice(a, b), box_tiles)) for a, b in zip(bounds, bounds[1:])]
             rows = max(b - a for a, b in zip(bounds, bounds[1:]))
             plan = self._plans[key] = (pieces, rows * (layout.tiles_per_shard_inner // tps_1) * layout.tile_bytes)
@@ -159,7 +173,7 @@ class CpuBackend(Backend):
         # Cut and compress one cache-sized box of tiles at a time: the codec reads the tiles
         # while they are still in this core's cache, instead of from memory after a whole piece
         # (up to 64 MiB with deep tiles) was cut.  The chunks and their order are the piece's.
-        box_tiles = max(1, _BOX_BYTES // layout.tile_bytes)
+        box_tiles = max(1, self.box_bytes // layout.tile_bytes)
         scratch = self._tile_scratch(min(box_tiles * layout.tile_bytes, piece_bytes))
         chunks, sizes = [], []
         for box in boxes:
