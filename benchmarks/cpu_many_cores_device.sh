@@ -129,6 +129,8 @@ fi
 # 4b. napari scrubbing on this host's cores, without napari (no Qt here): the plugin's reader indexed
 #     as napari's slicing does, DRAW_MS of Python per step standing in for napari's drawing, the
 #     read-ahead on (4+ CPUs); SCRUB_RUNS runs per layout and order, and one read-ahead A/B.
+#     SCRUB_CPUS (e.g. 0-3): the scrubs run on those CPUs alone (taskset; set TILESHARD_READ_WORKERS
+#     to their count too: the reader sizes its pool by os.cpu_count()).
 if want scrub 60; then
   mkdir -p "$OUT/scrub"
   timeout 120 python3 - <<'PY'
@@ -150,7 +152,7 @@ PY
       for order in forward random; do
         for variant in ${SCRUB_VARIANTS:-now=}; do
           label=${variant%%=*} switch=${variant#*=}
-          timeout 60 python3 benchmarks/bench_scrub.py --path "/dev/shm/tileshard-scrub/$name.zarr" --steps 120 \
+          timeout 60 ${SCRUB_CPUS:+taskset -c "$SCRUB_CPUS"} python3 benchmarks/bench_scrub.py --path "/dev/shm/tileshard-scrub/$name.zarr" --steps 120 \
             --order "$order" --headless "${DRAW_MS:-25}" ${switch:+--switch "$switch"} \
             --out "$OUT/scrub/${name}_${order}_${label}_$run.json" |
             python3 -c "import json, sys; d = json.load(sys.stdin); print('$name $order $label $run', d['read_ahead'], d['all']['plugin_ms'])"
@@ -158,7 +160,7 @@ PY
       done
     done
   done 2>&1 | tee "$OUT/scrub.log"
-  timeout 60 python3 benchmarks/bench_scrub.py --path /dev/shm/tileshard-scrub/64k-4m.zarr --steps 160 --order forward \
+  timeout 60 ${SCRUB_CPUS:+taskset -c "$SCRUB_CPUS"} python3 benchmarks/bench_scrub.py --path /dev/shm/tileshard-scrub/64k-4m.zarr --steps 160 --order forward \
     --headless "${DRAW_MS:-25}" --ab-read-ahead 10 --out "$OUT/scrub/64k-4m_forward_ab.json" >/dev/null 2>&1
   rm -rf /dev/shm/tileshard-scrub
 fi
