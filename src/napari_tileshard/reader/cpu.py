@@ -368,9 +368,10 @@ class CpuReadPath:
             self.chunk_bytes <= RELEASED_DECODE_MAX_CHUNK_BYTES
             and (self.workers >= RELEASED_DECODE_MIN_WORKERS or total >= RELEASED_DECODE_MIN_READ_BYTES)
         )
-        unit = min(UNIT_BYTES, max(UNIT_MIN_BYTES, total // (self.workers * 4)))
         if into_cache_only:
             unit = READ_AHEAD_UNIT_BYTES
+        else:
+            unit = min(UNIT_BYTES, max(UNIT_MIN_BYTES, total // (self.workers * 4)))
         rows = max(self.chunk_bytes, unit) // self.chunk_bytes
         reads_of: list[list[Read]] = [[] for _ in plan.blocks]
         for read in plan.reads:
