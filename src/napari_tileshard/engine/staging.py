@@ -18,7 +18,7 @@ import numpy as np
 
 from .backends.base import Backend
 
-__all__ = ["StagingRing", "copy_frame", "copy_holding_gil", "copy_in_parts", "copy_threads"]
+__all__ = ["StagingRing", "copy_frame", "copy_in_parts", "copy_threads"]
 
 _PARALLEL_COPY_BYTES = 2 << 20
 
@@ -30,46 +30,12 @@ def copy_threads() -> int:
     return max(min(3, cores - 1), min(7, cores // 2))
 
 
-#: the caller copies alone while holding the GIL (:func:`copy_holding_gil`), not through NumPy
-HOLD_GIL_WHEN_ALONE = True
-#: bytes :func:`copy_holding_gil` copies between chances for other threads to take the GIL: a
-#: piece copies in about 1 ms, a fifth of the interpreter's switch interval
-HELD_PIECE_BYTES = 4 << 20
-
-
-def copy_holding_gil(destination: np.ndarray, source: np.ndarray, piece_bytes: int | None = None) -> None:
-    """``destination[...] = source`` (1-D uint8 arrays of one size, C-contiguous) by CPython's
-    memoryview assignment: one memcpy per ``piece_bytes`` (default :data:`HELD_PIECE_BYTES`) that
-    keeps the GIL.
-
-    Why not NumPy: NumPy releases the GIL for a large copy, and the thread must take it back
-    afterwards.  Beside many encode threads, each taking the GIL back after every box, that
-    wait was as long as the copy itself: a writer's caller on a 16-core host was inside its
-    frame copy 0.67 of the time and on a CPU only 0.4.  Between pieces the interpreter may hand
-    the GIL to a thread that asked for it, so no thread waits for more than one piece.
-    """
-    into, out_of = memoryview(destination).cast("B"), memoryview(source).cast("B")
-    if len(into) != len(out_of):
-        raise ValueError(f"copy of {len(out_of)} bytes into {len(into)}")
-    piece_bytes = piece_bytes or HELD_PIECE_BYTES
-    for start in range(0, len(out_of), piece_bytes):
-        stop = start + piece_bytes
-        into[start:stop] = out_of[start:stop]
-
-
 def copy_in_parts(destination: np.ndarray, source: np.ndarray, pool: ThreadPoolExecutor | None, threads: int) -> None:
     """``destination[...] = source`` (1-D uint8 arrays of one size); from 2 MiB on split over
     ``threads`` threads of ``pool`` and the caller's (one thread's memcpy tops out near 4 GB/s).
-    Without helpers the caller copies holding the GIL (:func:`copy_holding_gil`).
     Returns once every part is copied, also when interrupted."""
     n = source.nbytes
-    if pool is None or threads < 1:
-        if HOLD_GIL_WHEN_ALONE and destination.flags.c_contiguous and source.flags.c_contiguous:
-            copy_holding_gil(destination, source)
-        else:
-            destination[...] = source
-        return
-    if n < _PARALLEL_COPY_BYTES:
+    if n < _PARALLEL_COPY_BYTES or pool is None or threads < 1:
         destination[...] = source
         return
     parts = threads + 1
