@@ -278,3 +278,17 @@ def test_a_submission_costs_the_planner_the_same_whatever_the_backlog(tmp_path, 
     # Bounded by the batch, the workers and max_moves (64); it used to sum over every queued shard.
     assert per_submit[2000] < 500, per_submit
     assert len(stored_files(tmp_path / "s")) == warm + len(futures)
+
+
+def test_sizes_the_caller_knows_are_the_bytes_counted(tmp_path):
+    # the collector passes each shard's size (it knows it: taken as given, not counted again);
+    # without sizes each buffer is counted
+    pieces = {"c/0": [b"ab", np.arange(5, dtype=np.uint16)], "c/1": [bytearray(7)]}
+    counted = []
+    for run, sizes in enumerate((None, [12, 7], [100, 1])):
+        dispatcher = Dispatcher(FaultInjectingSink(tmp_path / f"s{run}"), 2)
+        for future in dispatcher.submit(list(pieces.items()), sizes):
+            future.result()
+        dispatcher.shutdown()
+        counted.append(dispatcher.stats().bytes)
+    assert counted == [19, 19, 101]

@@ -84,3 +84,33 @@ def test_marking_failed_says_what_is_known_of_the_mark(tmp_path, caplog, failure
     assert said in caplog.text
     if isinstance(failure, TimeoutError) or "timed out" in str(failure):
         assert "could not mark" not in caplog.text
+
+
+@pytest.mark.parametrize("unbounded", [True, False])
+@pytest.mark.parametrize("attributes", [{}, {"note": "9182736450918273", "count": 9182736450918273}])
+def test_each_zarr_json_is_the_full_rendering_of_its_metadata(tmp_path, unbounded, attributes):
+    """zarr.json is rendered once per level and state and only the rows are put in after: the
+    bytes are what the full rendering (array_metadata, then metadata_bytes) gives, for every
+    level of a pyramid, every state and rows of any size, also where an attribute holds the
+    number the first rendering stands in with (then every one is rendered in full)."""
+    from napari_tileshard.format.metadata import STATE_KEY, metadata_bytes
+    from napari_tileshard.format.pyramid import plan_pyramid
+    from napari_tileshard.format.shard_spec import array_metadata
+
+    frames = 0 if unbounded else 40
+    layout = Layout([Dim("t", frames, 2, 2), Dim("y", 64, 16, 2), Dim("x", 48, 16, 2)], "uint16")
+    pyramid = plan_pyramid(layout, "mean")
+    assert pyramid.levels > 1
+    publisher = Publisher(
+        FaultInjectingSink(tmp_path / "a.zarr"), pyramid, "zstd", 3, attributes, [""] * pyramid.levels, print
+    )
+    for k, level in enumerate(pyramid.layouts):
+        for state in ("recording", "complete", "failed"):
+            for rows in (0, 1, 7, 40, 123456789012):
+                shape0 = rows if level.unbounded else level.shape[0]
+                expected = metadata_bytes(
+                    array_metadata(
+                        level, "zstd", 3, shape0, {**attributes, STATE_KEY: {"rows_written": rows, "state": state}}
+                    )
+                )
+                assert publisher.metadata_of(k, rows, state) == expected

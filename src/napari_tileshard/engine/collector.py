@@ -299,7 +299,8 @@ class Collector:
             [
                 (self._prefixes[k] + self._pyramid.layouts[k].shard_key(shard.coords), shard.buffers + [shard.index])
                 for k, shard in shards
-            ]
+            ],
+            [shard.nbytes for _, shard in shards],  # known: not counted again chunk by chunk
         )
         for future, (level, shard) in zip(futures, shards, strict=True):  # statistics before publication
             future.add_done_callback(functools.partial(self._written, level, shard.nbytes))

@@ -43,6 +43,11 @@ def _no_answer(exc: BaseException) -> bool:
     return isinstance(exc, TimeoutError) or bool(_NO_ANSWER.search(str(exc)))
 
 
+#: the rows a zarr.json is first rendered with (:meth:`Publisher.metadata_of`): a number no real
+#: recording reaches and no other field of the metadata holds
+_ROWS_STAND_IN = 9_182_736_450_918_273
+
+
 class _Group:
     __slots__ = ("remaining", "rows")
 
@@ -79,6 +84,7 @@ class Publisher:
         self._groups: deque[_Group] = deque()
         self._changed = threading.Condition()
         self._publish_lock = threading.Lock()  # one zarr.json writer at a time, in order
+        self._texts: dict[tuple[int, str], list[str] | None] = {}  # (level, state) -> zarr.json split at the rows
         self.rows = 0  # rows of level 0 that the store claims now
         self.error: BaseException | None = None
         self.state = RECORDING
@@ -218,6 +224,33 @@ class Publisher:
                     self._groups.popleft()
                 self._changed.notify_all()
 
+    def metadata_of(self, k: int, level_rows: int, state: str) -> bytes:
+        """``zarr.json`` of level ``k`` with ``level_rows`` rows written, in ``state``.
+
+        Rendered once per level and state with a stand-in for the rows (they are
+        ``rows_written``, and ``shape[0]`` of an unbounded array), then only the number is put
+        in: a recording publishes after every shard epoch, over a hundred times a second with
+        small shards on many cores, and building and encoding the metadata each time held the
+        GIL that the encode threads wait for.  json writes an integer as ``str()`` does, so the
+        bytes are ``metadata_bytes``' own; where the stand-in is found elsewhere too (in an
+        attribute), every zarr.json is rendered in full."""
+        key = (k, state)
+        if key not in self._texts:
+            text = self._render(k, _ROWS_STAND_IN, state).decode()
+            pieces = text.split(str(_ROWS_STAND_IN))
+            places = 2 if self._pyramid.layouts[k].unbounded else 1  # rows_written, and shape[0] if unbounded
+            self._texts[key] = pieces if len(pieces) == places + 1 else None
+        pieces = self._texts[key]
+        if pieces is None:
+            return self._render(k, level_rows, state)
+        return str(level_rows).join(pieces).encode()
+
+    def _render(self, k: int, level_rows: int, state: str) -> bytes:
+        layout = self._pyramid.layouts[k]
+        shape0 = level_rows if layout.unbounded else layout.shape[0]
+        attributes = {**self._attributes, STATE_KEY: {"rows_written": level_rows, "state": state}}
+        return metadata_bytes(array_metadata(layout, self._codec, self._level, shape0, attributes))
+
     def _set_error(self, exc: BaseException) -> None:
         if self.error is None:
             self.error = exc
@@ -231,12 +264,8 @@ class Publisher:
         # Coarsest level first, level 0 last: when a write fails part way, level 0 (whose rows
         # :attr:`rows` reports) still holds the previous claim, so the two never disagree.
         levels = list(enumerate(zip(pyramid.layouts, self._prefixes)))
-        for k, (layout, prefix) in reversed(levels):
-            level_rows = pyramid.level_rows(k, rows)
-            shape0 = level_rows if layout.unbounded else layout.shape[0]
-            attributes = {**self._attributes, STATE_KEY: {"rows_written": level_rows, "state": state}}
-            metadata = array_metadata(layout, self._codec, self._level, shape0, attributes)
-            self._sink.write(prefix + METADATA_KEY, [metadata_bytes(metadata)])
+        for k, (_, prefix) in reversed(levels):
+            self._sink.write(prefix + METADATA_KEY, [self.metadata_of(k, pyramid.level_rows(k, rows), state)])
         self.rows = rows
         self.state = state
         if self._on_publish is not None:

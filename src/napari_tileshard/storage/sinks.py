@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import logging
 import os
 import uuid
@@ -344,24 +345,30 @@ class DirectorySink(Sink):
             raise
 
     def _write(self, key: str, views: list[memoryview]) -> None:
+        # Paths as strings, not pathlib objects: a recording writes hundreds of shards a second,
+        # and building Path objects for each held the GIL that encode threads wait for.
         self._check_root()
-        parts = key.split("/")
-        try:
-            for i in range(1, len(parts)):
-                rel = "/".join(parts[:i])
-                if rel in self._dirs:
-                    continue
-                try:
-                    os.mkdir(self.root / rel)  # one level at a time: never the root or above
-                    self._made_dirs.append(rel)
-                except FileExistsError:
-                    pass
-                self._dirs.add(rel)
-        except FileNotFoundError:
-            self._check_root()
-            raise
-        path = self.root / key
-        tmp = path.parent / f".{path.name}.{uuid.uuid4().hex[:12]}.tmp"
+        root = os.fspath(self.root)
+        parent, _, name = key.rpartition("/")
+        if parent and parent not in self._dirs:
+            parts = parent.split("/")
+            try:
+                for i in range(1, len(parts) + 1):
+                    rel = "/".join(parts[:i])
+                    if rel in self._dirs:
+                        continue
+                    try:
+                        os.mkdir(f"{root}/{rel}")  # one level at a time: never the root or above
+                        self._made_dirs.append(rel)
+                    except FileExistsError:
+                        pass
+                    self._dirs.add(rel)
+            except FileNotFoundError:
+                self._check_root()
+                raise
+        path = f"{root}/{key}"
+        folder = f"{root}/{parent}" if parent else root
+        tmp = f"{folder}/.{name}.{_temporary_token()}.tmp"
         # The temporary file is created inside the try that removes it: an interrupt landing just
         # after it was created (Ctrl-C while convert publishes zarr.json) left a 0-byte file.
         try:
@@ -373,11 +380,11 @@ class DirectorySink(Sink):
                 os.close(fd)
             os.replace(tmp, path)
         except FileNotFoundError:
-            tmp.unlink(missing_ok=True)
+            _unlink_if_there(tmp)
             self._check_root()
             raise
         except BaseException:
-            tmp.unlink(missing_ok=True)
+            _unlink_if_there(tmp)
             raise
         self._written.add(key)
 
@@ -386,6 +393,23 @@ class DirectorySink(Sink):
             return (self.root / key).read_bytes()
         except FileNotFoundError:
             return None
+
+
+#: temporary file names: this process's random part, then a count (12 hex digits in all, as
+#: ``overwrite.TEMP_NAME`` expects); one random draw per process, not a uuid4 per file
+_TEMPORARY_PREFIX = uuid.uuid4().hex[:6]
+_temporary_count = itertools.count()
+
+
+def _temporary_token() -> str:
+    return f"{_TEMPORARY_PREFIX}{next(_temporary_count) % (1 << 24):06x}"
+
+
+def _unlink_if_there(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def _writev_all(fd: int, views: list) -> None:

@@ -150,8 +150,9 @@ class Dispatcher:
         thread.start()
 
     # -- the control plane --------------------------------------------------------------------
-    def submit(self, writes: Sequence[tuple[str, Sequence]]) -> list[Future]:
-        """Queue one batch of ``(key, buffers)`` writes; the strategy places it."""
+    def submit(self, writes: Sequence[tuple[str, Sequence]], sizes: Sequence[int] | None = None) -> list[Future]:
+        """Queue one batch of ``(key, buffers)`` writes; the strategy places it.  ``sizes``: the
+        bytes of each write where the caller knows them (else counted here, a buffer at a time)."""
         tasks = []
         with self._cond:
             if self._closing:
@@ -164,8 +165,8 @@ class Dispatcher:
                     task.future.set_exception(_cancelled(task.key, failure))
                 return [task.future for task in tasks]
             self._round += 1
-            for key, buffers in writes:
-                nbytes = sum(memoryview(b).nbytes for b in buffers)
+            for i, (key, buffers) in enumerate(writes):
+                nbytes = sum(memoryview(b).nbytes for b in buffers) if sizes is None else sizes[i]
                 tasks.append(Task(key, buffers, nbytes, next(self._seq), self._round))
                 self._latest[key] = tasks[-1].seq
                 self._counts["bytes"] += nbytes
