@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+import zstandard
 
 from ._zarr_sync import sync, sync_for
 from .errors import StoreExistsError, StoreVanishedError
@@ -49,6 +50,7 @@ __all__ = [
     "Sink",
     "ZarrStoreSink",
     "byte_views",
+    "flat_pieces",
     "check_key",
     "check_store_path",
     "write_deadline",
@@ -164,6 +166,21 @@ def byte_views(key: str, buffers) -> list[memoryview]:
         if view.nbytes:
             views.append(view if view.ndim == 1 and view.format == "B" else view.cast("B"))
     return views
+
+
+#: types whose objects are flat, contiguous bytes by the type alone: a shard's chunks from
+#: python-zstandard's batch encoder, and its index
+_FLAT_TYPES = frozenset(t for t in (bytes, getattr(zstandard, "BufferSegment", None)) if t is not None)
+
+
+def flat_pieces(key: str, buffers) -> list:
+    """The non-empty pieces of object ``key``, for ``os.writev``: as they are where each is flat
+    bytes by its type (:data:`_FLAT_TYPES`), else :func:`byte_views` (which checks each).  A shard
+    of 64 KiB chunks has a piece per chunk, hundreds of shards a second: the check per piece held
+    the GIL that the encode threads wait for."""
+    if isinstance(buffers, (list, tuple)) and set(map(type, buffers)) <= _FLAT_TYPES:
+        return list(filter(len, buffers))
+    return byte_views(key, buffers)
 
 
 def _is_buffer(value) -> bool:
@@ -336,15 +353,15 @@ class DirectorySink(Sink):
             )
 
     def write(self, key: str, buffers) -> None:
-        views = byte_views(check_key(key), buffers)  # refused arguments are no storage failure
+        pieces = flat_pieces(check_key(key), buffers)  # refused arguments are no storage failure
         try:
-            self._write(key, views)
+            self._write(key, pieces)
         except Exception as exc:  # an interrupt is no storage failure (it still propagates)
             if self._write_error is None:
                 self._write_error = exc
             raise
 
-    def _write(self, key: str, views: list[memoryview]) -> None:
+    def _write(self, key: str, views: list) -> None:
         # Paths as strings, not pathlib objects: a recording writes hundreds of shards a second,
         # and building Path objects for each held the GIL that encode threads wait for.
         self._check_root()
@@ -412,14 +429,22 @@ def _unlink_if_there(path: str) -> None:
         pass
 
 
-def _writev_all(fd: int, views: list) -> None:
-    while views:
-        written = os.writev(fd, views)
+def _writev_all(fd: int, pieces: list) -> None:
+    """Every byte of ``pieces`` (flat: ``len`` is their bytes) to ``fd``: one writev as a rule,
+    the rest again where the OS wrote part."""
+    written = os.writev(fd, pieces)
+    if written == sum(map(len, pieces)):
+        return  # the usual case: no Python per piece
+    views = [memoryview(piece).cast("B") for piece in pieces]
+    while True:
         while views and written >= views[0].nbytes:
             written -= views[0].nbytes
             views.pop(0)
-        if views and written:
+        if not views:
+            return
+        if written:
             views[0] = views[0][written:]
+        written = os.writev(fd, views)
 
 
 class ZarrStoreSink(Sink):
