@@ -376,3 +376,25 @@ def test_a_directory_sink_writes_flat_pieces_as_they_are_and_every_byte_of_a_par
     assert (tmp_path / "run.zarr/c/0/0").read_bytes() == expected
     assert (tmp_path / "run.zarr/c/0/1").read_bytes() == expected
     assert len(calls) == -(-len(expected) // 1000)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform (a child imports the module afresh)")
+def test_temporary_names_differ_between_a_process_and_its_forked_child():
+    """Temporary file names are a per-process random part and a count: a forked child (processes
+    of one conversion write into one store) draws its own part, so the same count in both
+    processes still names two files."""
+    from napari_tileshard.storage.overwrite import TEMP_NAME
+    from napari_tileshard.storage.sinks import _temporary_token
+
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its next name, then leave at once
+        os.write(write, _temporary_token().encode())
+        os._exit(0)
+    os.close(write)
+    mine = _temporary_token()
+    os.waitpid(pid, 0)
+    theirs = os.read(read, 64).decode()
+    os.close(read)
+    assert TEMP_NAME.fullmatch(f".c.{mine}.tmp") and TEMP_NAME.fullmatch(f".c.{theirs}.tmp")
+    assert mine[:6] != theirs[:6]

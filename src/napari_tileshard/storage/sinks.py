@@ -361,7 +361,7 @@ class DirectorySink(Sink):
                 self._write_error = exc
             raise
 
-    def _write(self, key: str, views: list) -> None:
+    def _write(self, key: str, pieces: list) -> None:
         # Paths as strings, not pathlib objects: a recording writes hundreds of shards a second,
         # and building Path objects for each held the GIL that encode threads wait for.
         self._check_root()
@@ -391,8 +391,8 @@ class DirectorySink(Sink):
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
-                for start in range(0, len(views), _IOV_MAX):
-                    _writev_all(fd, views[start : start + _IOV_MAX])
+                for start in range(0, len(pieces), _IOV_MAX):
+                    _writev_all(fd, pieces[start : start + _IOV_MAX])
             finally:
                 os.close(fd)
             os.replace(tmp, path)
@@ -413,13 +413,23 @@ class DirectorySink(Sink):
 
 
 #: temporary file names: this process's random part, then a count (12 hex digits in all, as
-#: ``overwrite.TEMP_NAME`` expects); one random draw per process, not a uuid4 per file
-_TEMPORARY_PREFIX = uuid.uuid4().hex[:6]
+#: ``overwrite.TEMP_NAME`` expects); one random draw per process (a forked child draws its own:
+#: processes of one conversion write into one store), not a uuid4 per file
+_temporary_prefix = uuid.uuid4().hex[:6]
 _temporary_count = itertools.count()
 
 
+def _new_temporary_prefix() -> None:
+    global _temporary_prefix
+    _temporary_prefix = uuid.uuid4().hex[:6]
+
+
+if hasattr(os, "register_at_fork"):  # POSIX; elsewhere a child process imports this module afresh
+    os.register_at_fork(after_in_child=_new_temporary_prefix)
+
+
 def _temporary_token() -> str:
-    return f"{_TEMPORARY_PREFIX}{next(_temporary_count) % (1 << 24):06x}"
+    return f"{_temporary_prefix}{next(_temporary_count) % (1 << 24):06x}"
 
 
 def _unlink_if_there(path: str) -> None:
