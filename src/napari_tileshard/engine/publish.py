@@ -236,10 +236,9 @@ class Publisher:
         attribute), every zarr.json is rendered in full."""
         key = (k, state)
         if key not in self._texts:
-            text = self._render(k, _ROWS_STAND_IN, state).decode()
-            pieces = text.split(str(_ROWS_STAND_IN))
+            split = self._render(k, _ROWS_STAND_IN, state).decode().split(str(_ROWS_STAND_IN))
             places = 2 if self._pyramid.layouts[k].unbounded else 1  # rows_written, and shape[0] if unbounded
-            self._texts[key] = pieces if len(pieces) == places + 1 else None
+            self._texts[key] = split if len(split) == places + 1 else None
         pieces = self._texts[key]
         if pieces is None:
             return self._render(k, level_rows, state)
