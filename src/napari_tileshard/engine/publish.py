@@ -190,6 +190,8 @@ class Publisher:
                 self._set_error(exc)
                 self._changed.notify_all()
                 return
+            if group.remaining:  # a group with writes to go publishes nothing new: only its last write may
+                return
         self._advance()
 
     def _advance(self) -> None:
