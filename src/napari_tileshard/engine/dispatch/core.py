@@ -203,10 +203,7 @@ class Dispatcher:
                 self._current[worker] = (task, start)
                 self._writing[task.key] = self._writing.get(task.key, 0) + 1
                 if self._idle and strategy.wakes_idle_on_start:
-                    # one idle worker times its hedging deadline from this start (waking them all
-                    # for every shard cost each its turn at the GIL, which the encode threads and
-                    # the caller wait for: ~6 wake-ups per shard with 4 workers)
-                    self._cond.notify()
+                    self._cond.notify_all()  # idle workers time their hedging deadline from this start
                 if task.started is None:
                     task.started = start
                 self._in_flight.add(task)
@@ -251,10 +248,9 @@ class Dispatcher:
             del task.running[worker]
             self._current[worker] = None
             self._writing[task.key] -= 1
-            released = False
             if not self._writing[task.key]:
                 del self._writing[task.key]
-                released = self._release_deferred(task.key)
+                self._release_deferred(task.key)
             stats = self._telemetry[worker]
             stats.busy_s += seconds
             kind = "duplicate" if duplicate else "write"
@@ -289,10 +285,7 @@ class Dispatcher:
             if not task.running:
                 self._in_flight.discard(task)
                 task.buffers = ()  # the last copy is done: the shard's memory may go
-            if released or self._closing or self._failure is not None:
-                self._cond.notify_all()  # work to start, or workers to end
-            else:
-                self._cond.notify()  # one idle worker looks again (a steal, a hedge)
+            self._cond.notify_all()
             if self._closing:
                 self._watchdog_wake.notify_all()
         if resolve == "result":
@@ -313,16 +306,15 @@ class Dispatcher:
         with self._cond:
             return self._models[worker].predict(nbytes)
 
-    def _release_deferred(self, key: str) -> bool:
-        """The last copy of ``key`` landed: its next version may go, first in line (True if one waited)."""
+    def _release_deferred(self, key: str) -> None:
+        """The last copy of ``key`` landed: its next version may go, first in line."""
         waiting = self._deferred.pop(key, None)
         if not waiting:
-            return False
+            return
         task = waiting.popleft()
         if waiting:
             self._deferred[key] = waiting
         self._strategy.requeue_first(task)
-        return True
 
     # -- liveness -----------------------------------------------------------------------------
     @property
