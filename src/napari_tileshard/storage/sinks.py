@@ -397,11 +397,11 @@ class DirectorySink(Sink):
                 os.close(fd)
             os.replace(tmp, path)
         except FileNotFoundError:
-            _unlink_if_there(tmp)
+            Path(tmp).unlink(missing_ok=True)
             self._check_root()
             raise
         except BaseException:
-            _unlink_if_there(tmp)
+            Path(tmp).unlink(missing_ok=True)
             raise
         self._written.add(key)
 
@@ -430,13 +430,6 @@ if hasattr(os, "register_at_fork"):  # POSIX; elsewhere a child process imports 
 
 def _temporary_token() -> str:
     return f"{_temporary_prefix}{next(_temporary_count) % (1 << 24):06x}"
-
-
-def _unlink_if_there(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 def _writev_all(fd: int, pieces: list) -> None:
