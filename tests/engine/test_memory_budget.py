@@ -255,3 +255,40 @@ def test_a_frame_buffer_is_read_only_once_its_block_ends(tmp_path, backend):
         with pytest.raises(ValueError, match="read-only"):
             place[0, 0] = 1  # also after a block left by an exception
     np.testing.assert_array_equal(read_back(tmp_path / "x.zarr"), frames)
+
+
+def test_a_pinned_pool_hands_out_the_smallest_idle_buffer_that_fits_and_keeps_at_most_its_idle_bytes():
+    from napari_tileshard.gpu.pinned import PinnedPool
+
+    made: list[int] = []
+
+    def allocate(nbytes: int) -> np.ndarray:
+        made.append(nbytes)
+        return np.zeros(nbytes, np.uint8)
+
+    mib = 1 << 20
+    pool = PinnedPool(10 * mib, allocate=allocate)
+    small, large = pool.take(1), pool.take(5 * mib + 1)
+    assert made == [2 * mib, 6 * mib]  # whole huge pages
+    pool.give(large)
+    pool.give(small)
+    assert pool.idle() == 8 * mib
+    assert pool.take(mib) is small  # the smallest that fits, not the first
+    assert pool.take(3 * mib) is large
+    assert pool.pinned == 2 and pool.idle() == 0
+    pool.give(large)
+    pool.give(small)
+    pool.give(pool.take(9 * mib))  # 8 + 10 MiB idle > 10: the oldest (large, then small) let go
+    assert pool.idle() == 10 * mib and made[-1] == 10 * mib
+    pool.give(np.zeros(11 * mib, np.uint8))  # larger than the pool keeps at all
+    assert pool.idle() == 10 * mib
+    assert pool.clear() == 10 * mib and pool.idle() == 0
+    with pytest.raises(ValueError, match="-1"):
+        PinnedPool(-1)
+
+
+def test_gpu_readers_keep_at_most_2_gib_of_pinned_staging_and_an_eighth_of_the_ram():
+    from napari_tileshard.gpu.pinned import default_read_staging_bytes
+
+    assert default_read_staging_bytes(128 << 30) == 2 << 30
+    assert default_read_staging_bytes(8 << 30) == 1 << 30

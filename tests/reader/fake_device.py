@@ -17,6 +17,7 @@ import types
 import numpy as np
 import zstandard
 
+from napari_tileshard.gpu.pinned import PinnedPool
 from napari_tileshard.reader.gpu import untile_emulated
 
 
@@ -155,3 +156,8 @@ nvcomp = types.SimpleNamespace(
     decompress_temp_bytes=lambda n, chunk_bytes, total: 64,
     decompress_async=_decompress_async,
 )
+
+
+def pinned_pool(idle_bytes: int = 1 << 30) -> PinnedPool:
+    """A :class:`PinnedPool` over plain host memory (what the stand-in's copies read and write)."""
+    return PinnedPool(idle_bytes, allocate=lambda nbytes: np.zeros(nbytes, np.uint8))

@@ -16,8 +16,9 @@ from napari_tileshard.format.shard_spec import ChunkDecodeError
 from napari_tileshard.reader.gpu import GpuReadPath
 
 
-def _gpu_path(reader: ShardReader) -> GpuReadPath:
-    return GpuReadPath(reader, cupy_module=fake_device.cupy, nvcomp_module=fake_device.nvcomp)
+def _gpu_path(reader: ShardReader, pinned=None) -> GpuReadPath:
+    pinned = pinned or fake_device.pinned_pool()
+    return GpuReadPath(reader, cupy_module=fake_device.cupy, nvcomp_module=fake_device.nvcomp, pinned=pinned)
 
 
 @pytest.mark.parametrize(
@@ -72,4 +73,40 @@ def test_a_chunk_nvcomp_cannot_decode_is_named(tmp_path):
     path = _gpu_path(reader)
     with pytest.raises(ChunkDecodeError, match="nvCOMP zstd decode failed"):
         path.read(plan, device=False)
+    path.close()
+
+
+def test_a_fresh_reader_reads_with_the_pinned_buffers_an_earlier_read_gave_back(tmp_path):
+    """Each read gives its staging buffers and D2H pieces back to the pool when it ends; a new
+    path (a fresh reader, the old one not yet collected) pins nothing more for the same read."""
+    array = _zarr_array(tmp_path / "a.zarr", (12, 40, 36), (2, 8, 12), (4, 16, 36), "uint16", "zstd", fill=7)
+    pool = fake_device.pinned_pool()
+    first = _gpu_path(ShardReader(tmp_path / "a.zarr", backend="cpu"), pool)
+    reader = ShardReader(tmp_path / "a.zarr", backend="cpu")
+    np.testing.assert_array_equal(first.read(reader.plan(...), device=False), array[...])
+    pinned, idle = pool.pinned, pool.idle()
+    assert pinned >= 2 and idle > 0  # staging and the two D2H pieces (one reusing the staging), all back
+    second = _gpu_path(reader, pool)  # the first still alive, as a reader waiting for the collector is
+    for _ in range(2):
+        np.testing.assert_array_equal(second.read(reader.plan(...), device=False), array[...])
+        np.testing.assert_array_equal(second.read(reader.plan((slice(1, 5),)), device=True), array[1:5])
+    assert pool.pinned == pinned and pool.idle() == idle
+    first.close()
+    second.close()
+
+
+def test_a_read_that_fails_gives_its_staging_back(tmp_path):
+    _zarr_array(tmp_path / "a.zarr", (4, 16, 16), (2, 8, 8), (4, 16, 16), "uint16", "zstd", holes=False)
+    reader = ShardReader(tmp_path / "a.zarr", backend="cpu")
+    plan = reader.plan(...)
+    shard = tmp_path / "a.zarr" / plan.reads[0].key
+    raw = bytearray(shard.read_bytes())
+    first = plan.reads[0].start + int(plan.reads[0].offsets[0])
+    raw[first : first + 4] = b"\0\0\0\0"
+    shard.write_bytes(bytes(raw))
+    pool = fake_device.pinned_pool()
+    path = _gpu_path(reader, pool)
+    with pytest.raises(ChunkDecodeError):
+        path.read(plan, device=False)
+    assert pool.pinned == 1 and pool.idle() > 0
     path.close()

@@ -595,6 +595,33 @@ def test_gpu_reads_our_writer(tmp_path):
 
 @pytest.mark.gpu
 @gpu
+def test_a_fresh_gpu_reader_pins_nothing_an_earlier_read_pinned(tmp_path):
+    """Pinned staging comes from the process's pool and goes back at the end of each read: a new
+    reader, the earlier one still alive, reads with the same pinned memory; release_gpu_memory
+    lets it go."""
+    from napari_tileshard import release_gpu_memory
+    from napari_tileshard.gpu.pinned import read_staging_pool
+
+    layout = Layout([Dim("t", 0, 4, 2), Dim("y", 300, 64, 2), Dim("x", 257, 64, 2)], "uint16")
+    data = _data((13, 300, 257), "uint16")
+    with Writer(tmp_path / "a.zarr", layout, backend="cpu") as writer:
+        writer.append(data)
+    first = ShardReader(tmp_path / "a.zarr", backend="gpu")
+    np.testing.assert_array_equal(first[...], data)
+    pool = read_staging_pool()
+    pinned, idle = pool.pinned, pool.idle()
+    assert idle > 0
+    second = ShardReader(tmp_path / "a.zarr", backend="gpu")
+    np.testing.assert_array_equal(second[...], data)
+    np.testing.assert_array_equal(second[2:7], data[2:7])
+    assert (pool.pinned, pool.idle()) == (pinned, idle)
+    assert release_gpu_memory()["host"] >= idle and pool.idle() == 0
+    first.close()
+    second.close()
+
+
+@pytest.mark.gpu
+@gpu
 def test_gpu_decodes_many_shards_in_one_call(tmp_path):
     layout = Layout([Dim("t", 0, 4, 1), Dim("y", 256, 32, 2), Dim("x", 256, 32, 2)], "uint16")
     data = _data((16, 256, 256), "uint16")

@@ -38,6 +38,7 @@ import numpy as np
 from ..format.codecs import gpu_decode_support
 from ..format.shard_spec import ChunkDecodeError, ShardSpec
 from ..gpu import nvcomp
+from ..gpu.pinned import PinnedPool, read_staging_pool
 from ..gpu.probe import unavailable_reason as gpu_unavailable_reason
 from .memory import output_pool
 from .plan import Read, ReadPlan
@@ -349,9 +350,12 @@ class GpuReadPath:
     #: bytes of one D2H piece for NumPy output (two pinned buffers of it alternate)
     HOST_PIECE_BYTES = 64 << 20
 
-    def __init__(self, reader, cupy_module=None, nvcomp_module=None):
+    def __init__(self, reader, cupy_module=None, nvcomp_module=None, pinned: PinnedPool | None = None):
         """``cupy_module`` / ``nvcomp_module``: stand-ins for CuPy and :mod:`napari_tileshard.gpu.nvcomp`
-        (default: those), for running this path's host side without a GPU in tests."""
+        (default: those), for running this path's host side without a GPU in tests.  ``pinned``:
+        where a read takes its pinned staging buffers and gives them back when it ends (default:
+        the process's :func:`~napari_tileshard.gpu.pinned.read_staging_pool`, so that a fresh
+        reader finds the memory an earlier read pinned)."""
         if cupy_module is None:
             import cupy
         else:
@@ -374,7 +378,10 @@ class GpuReadPath:
         # the page cache on the 16-core H100 host, far below what the device decodes.
         self._threads = max(1, reader.workers)
         self._io = ThreadPoolExecutor(self._threads, thread_name_prefix="tileshard-gpu-read")
-        self._free_pinned: list[tuple[np.ndarray, Any]] = []  # (buffer, event of its last H2D)
+        self._pinned = pinned if pinned is not None else read_staging_pool()
+        #: this read's staging buffers between batches: (buffer, event of its last H2D); given
+        #: back to ``_pinned`` when the read ends
+        self._free_pinned: list[tuple[np.ndarray, Any]] = []
         self._pinned_lock = threading.Lock()  # the prefetch threads take buffers, this one returns them
         self._device: dict[str, object] = {}  # reused device buffers by role, grown when too small
         self._retired: list[object] = []  # replaced device buffers, freed when the read's stream is done
@@ -382,14 +389,12 @@ class GpuReadPath:
         self._meta_pinned: list[Any] = [None, None]  # per parity: (pinned tables, event of their H2D)
         self._temp_sizes: dict[int, int] = {}  # nvCOMP's temp bytes by chunk count
         self._pinned_bytes = 0  # the size of every pinned staging buffer (the largest batch's)
-        self._host_pieces: list[np.ndarray] = []
         fill = np.full(reader.chunk_elements, reader.fill_value, dtype=reader.dtype).view(np.uint8)
         self._fill = cupy.asarray(fill)
 
     def close(self) -> None:
         self._io.shutdown()
-        self._free_pinned.clear()
-        self._host_pieces.clear()
+        self._give_back_staging()
         self._device.clear()
         self._retired.clear()
 
@@ -409,8 +414,7 @@ class GpuReadPath:
             found = next((i for i, (b, _) in enumerate(self._free_pinned) if b.size >= size), None)
             buffer, uploaded = self._free_pinned.pop(found) if found is not None else (None, None)
         if buffer is None:
-            memory = self.cupy.cuda.alloc_pinned_memory(size)
-            buffer = np.frombuffer(memory, np.uint8, size)
+            buffer = self._pinned.take(size)
         elif uploaded is not None:
             uploaded.synchronize()  # its previous batch's H2D may still be reading it
         reader = self.reader
@@ -425,10 +429,21 @@ class GpuReadPath:
     def _recycle(self, host: np.ndarray, uploaded=None) -> None:
         with self._pinned_lock:
             self._free_pinned.append((host, uploaded))
-            while len(self._free_pinned) > max(2, self.reader.prefetch + 1):
-                _, last_upload = self._free_pinned.pop(0)  # keep a bounded number of pinned buffers
-                if last_upload is not None:
-                    last_upload.synchronize()  # not freed under its own H2D
+            extra = self._free_pinned[: -max(2, self.reader.prefetch + 1)]  # beyond what a read takes at once
+            del self._free_pinned[: len(extra)]
+        self._give_back(extra)
+
+    def _give_back_staging(self) -> None:
+        """Give this read's staging buffers back to the pool (a read's end, or close)."""
+        with self._pinned_lock:
+            held, self._free_pinned = self._free_pinned, []
+        self._give_back(held)
+
+    def _give_back(self, buffers: list[tuple[np.ndarray, Any]]) -> None:
+        for buffer, uploaded in buffers:
+            if uploaded is not None:
+                uploaded.synchronize()  # not handed on under its own H2D
+            self._pinned.give(buffer)
 
     def _buffer(self, role: str, nbytes: int):
         """A reused device buffer of at least ``nbytes`` (first ``nbytes`` returned).  One that
@@ -475,18 +490,21 @@ class GpuReadPath:
         with self.stream:
             out = cupy.empty(plan.shape, dtype=reader.dtype)
             checks: list[tuple] = []
-            if out.size:
-                chunk_of, within, dim_offset = untile_tables(plan)
-                tables = (cupy.asarray(chunk_of), cupy.asarray(within))
-                block_table = block_params(plan, reader.chunk_shape, dim_offset)
-                batches = self.batches(plan)
-                self._pinned_bytes = max([self._pinned_bytes] + [b.staging_bytes for b in batches])
-                self._reserve(batches)
-                for k, (batch, host) in enumerate(reader._fetched(batches, self._fetch)):
-                    started = time.perf_counter()
-                    checks.append(self._decode_and_place(plan, batch, host, k % 2, out, tables, block_table))
-                    reader.stats.add(decode_seconds=time.perf_counter() - started)
-            self.stream.synchronize()
+            try:
+                if out.size:
+                    chunk_of, within, dim_offset = untile_tables(plan)
+                    tables = (cupy.asarray(chunk_of), cupy.asarray(within))
+                    block_table = block_params(plan, reader.chunk_shape, dim_offset)
+                    batches = self.batches(plan)
+                    self._pinned_bytes = max([self._pinned_bytes] + [b.staging_bytes for b in batches])
+                    self._reserve(batches)
+                    for k, (batch, host) in enumerate(reader._fetched(batches, self._fetch)):
+                        started = time.perf_counter()
+                        checks.append(self._decode_and_place(plan, batch, host, k % 2, out, tables, block_table))
+                        reader.stats.add(decode_seconds=time.perf_counter() - started)
+                self.stream.synchronize()
+            finally:
+                self._give_back_staging()  # each waits for its own H2D first
             self._retired.clear()
             self._raise_on_failed_chunks(checks)
         out = out.reshape(plan.out_shape)
@@ -681,17 +699,14 @@ class GpuReadPath:
             return result
         src, dst = out.data.ptr, result.reshape(-1).view(np.uint8)
         piece = min(self.HOST_PIECE_BYTES, total)
-        while len(self._host_pieces) < 2 or self._host_pieces[0].size < piece:
-            if self._host_pieces and self._host_pieces[0].size < piece:
-                self._host_pieces.clear()
-            self._host_pieces.append(np.frombuffer(cupy.cuda.alloc_pinned_memory(piece), np.uint8, piece))
+        pieces = [self._pinned.take(piece), self._pinned.take(piece)]
         starts = list(range(0, total, piece))
         landed = [cupy.cuda.Event(block=True, disable_timing=True) for _ in (0, 1)]
 
         def enqueue(k: int) -> None:
             size = min(piece, total - starts[k])
             cupy.cuda.runtime.memcpyAsync(
-                self._host_pieces[k % 2].ctypes.data,
+                pieces[k % 2].ctypes.data,
                 src + starts[k],
                 size,
                 cupy.cuda.runtime.memcpyDeviceToHost,
@@ -702,16 +717,21 @@ class GpuReadPath:
         def copy_out(k: int) -> None:
             size = min(piece, total - starts[k])
             bounds = [size * i // self._threads for i in range(self._threads + 1)]
-            host, at = self._host_pieces[k % 2], starts[k]
+            host, at = pieces[k % 2], starts[k]
             parts = [(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
             list(self._io.map(lambda ab: np.copyto(dst[at + ab[0] : at + ab[1]], host[ab[0] : ab[1]]), parts))
 
-        enqueue(0)
-        for k in range(len(starts)):
-            landed[k % 2].synchronize()
-            if k + 1 < len(starts):
-                enqueue(k + 1)  # into the other buffer, copied out in the previous round
-            copy_out(k)
+        try:
+            enqueue(0)
+            for k in range(len(starts)):
+                landed[k % 2].synchronize()
+                if k + 1 < len(starts):
+                    enqueue(k + 1)  # into the other buffer, copied out in the previous round
+                copy_out(k)
+        finally:
+            self.stream.synchronize()  # no D2H left in flight into them
+            for host in pieces:
+                self._pinned.give(host)
         return result
 
     def time_decompress(self, batch: DeviceBatch, repeat: int = 5) -> float:
@@ -736,6 +756,7 @@ class GpuReadPath:
                 self.stream.synchronize()
                 best = min(best, time.perf_counter() - started)
         self._recycle(host)
+        self._give_back_staging()
         return best
 
     def _copy_chunks(self, src, src_offsets, dst, dst_offsets, nbytes) -> None:

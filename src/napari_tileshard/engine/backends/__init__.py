@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from ...format import codecs
 from ...gpu import probe as gpu_probe
+from ...gpu.pinned import release_read_staging
 from .base import Backend, Ticket
 from .multi_gpu import MultiGpuBackend
 
@@ -171,11 +172,14 @@ def resolve_devices(devices) -> list[int]:
 
 
 def release_gpu_memory() -> dict[str, int]:
-    """Give back the GPU buffers kept for the next recording and CuPy's cached blocks; returns
-    the bytes released (``host``: pinned, ``device``).  Never loads CuPy: without a GPU
-    recording in this process there is nothing to release."""
+    """Give back the GPU buffers kept for the next recording, CuPy's cached blocks and the GPU
+    readers' idle pinned staging; returns the bytes released (``host``: pinned, ``device``).
+    Never loads CuPy: without a GPU recording or read in this process there is nothing to
+    release."""
     gpu = sys.modules.get(f"{__name__}.gpu")
-    return gpu.release_gpu_memory() if gpu is not None else {"host": 0, "device": 0}
+    released = gpu.release_gpu_memory() if gpu is not None else {"host": 0, "device": 0}
+    released["host"] += release_read_staging()
+    return released
 
 
 def _entry(name: str) -> BackendEntry:
