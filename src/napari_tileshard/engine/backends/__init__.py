@@ -177,9 +177,9 @@ def release_gpu_memory() -> dict[str, int]:
     Never loads CuPy: without a GPU recording or read in this process there is nothing to
     release."""
     gpu = sys.modules.get(f"{__name__}.gpu")
-    released = gpu.release_gpu_memory() if gpu is not None else {"host": 0, "device": 0}
-    released["host"] += release_read_staging()
-    return released
+    if gpu is not None:
+        return gpu.release_gpu_memory()
+    return {"host": release_read_staging(), "device": 0}
 
 
 def _entry(name: str) -> BackendEntry:

@@ -31,7 +31,7 @@ import numpy as np
 
 from ...format import codecs
 from ...gpu import nvcomp
-from ...gpu.pinned import PinnedRecycler, gpu_numa_cpus, pin
+from ...gpu.pinned import PinnedRecycler, gpu_numa_cpus, pin, release_read_staging
 from ..collector import pending_shard_epochs
 from .base import Backend, MemoryBudget
 from .stages.aggregate import aggregate_geometry, aggregate_gpu, aggregate_kernels, split_packed
@@ -151,15 +151,15 @@ _warm_lock = threading.Lock()
 
 
 def release_gpu_memory(device: int | None = None) -> dict[str, int]:
-    """Give back the buffers kept for the next recording (of ``device``; None: every GPU) and
-    CuPy's cached blocks.
+    """Give back the buffers kept for the next recording (of ``device``; None: every GPU, and
+    the GPU readers' idle pinned staging too) and CuPy's cached blocks.
 
     Returns the bytes released (host: pinned, device).  A Writer that is recording is not affected.
     """
     with _warm_lock:
         keys = [key for key in _warm if device is None or key[0] == device]
         resources = [_warm.pop(key) for key in keys]
-    released = {"host": 0, "device": 0}
+    released = {"host": release_read_staging() if device is None else 0, "device": 0}
     for r in resources:
         for kind, n in r.nbytes().items():
             released[kind] += n
