@@ -334,13 +334,18 @@ def _hostile_zstd_chunks(tile: np.ndarray) -> dict[str, bytes]:
     }
 
 
-def _frame_bytes(chunk) -> int:
-    """The frame walk (``codecs._frame_sizes``) over one chunk."""
+#: the two frame walks _frame_sizes chooses between (by the number of chunks)
+WALKS = {"by chunk": codecs._frame_sizes_by_chunk, "at once": codecs._frame_sizes_at_once}
+
+
+def _frame_bytes(chunk, walk) -> int:
+    """The frame walk over one chunk."""
     data = np.frombuffer(chunk, dtype=np.uint8)
-    return int(codecs._frame_sizes(data, np.zeros(1, np.int64), np.full(1, data.size, np.int64))[0])
+    return int(walk(data, np.zeros(1, np.int64), np.full(1, data.size, np.int64))[0])
 
 
-def test_the_zstd_frame_walk_finds_where_each_frame_ends():
+@pytest.mark.parametrize("walk", WALKS.values(), ids=WALKS.keys())
+def test_the_zstd_frame_walk_finds_where_each_frame_ends(walk):
     """The batch decode accepts a chunk only when its first frame spans all of it: the walk over
     block headers gives libzstd's compressed frame size for raw, RLE and compressed blocks, many
     blocks, a checksum, and no end where the blocks run past the chunk."""
@@ -355,9 +360,9 @@ def test_the_zstd_frame_walk_finds_where_each_frame_ends():
     for payload in payloads:
         for compressor in (zstandard.ZstdCompressor(), zstandard.ZstdCompressor(write_checksum=True, level=9)):
             frame = compressor.compress(payload)
-            assert _frame_bytes(frame) == len(frame)
-            assert _frame_bytes(frame + b"\0" * 5) == len(frame)
-            assert _frame_bytes(frame[:-1]) == -1
+            assert _frame_bytes(frame, walk) == len(frame)
+            assert _frame_bytes(frame + b"\0" * 5, walk) == len(frame)
+            assert _frame_bytes(frame[:-1], walk) == -1
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -398,7 +403,8 @@ def test_decode_chunks_released_equals_decode_chunks(name):
     assert rng is not None
 
 
-def test_the_frame_walk_of_a_whole_batch_matches_each_frame():
+@pytest.mark.parametrize("walk", WALKS.values(), ids=WALKS.keys())
+def test_the_frame_walk_of_a_whole_batch_matches_each_frame(walk):
     """Frames of 1 to many blocks, with and without checksums, frames followed by other bytes,
     truncated ones and bytes that are no zstd frame, side by side in one buffer: the walk over all
     of them at once gives each its own frame's size (libzstd's), or -1."""
@@ -421,7 +427,7 @@ def test_the_frame_walk_of_a_whole_batch_matches_each_frame():
     starts = np.cumsum([0] + [len(p) for p in pieces[:-1]]).astype(np.int64)
     ends = starts + np.array([len(p) for p in pieces], dtype=np.int64)
     data = np.frombuffer(b"".join(pieces), dtype=np.uint8)
-    assert codecs._frame_sizes(data, starts, ends).tolist() == expected
+    assert list(walk(data, starts, ends)) == expected
 
 
 def _frame_size_by_the_spec(chunk: bytes) -> int:
@@ -453,7 +459,7 @@ def _frame_size_by_the_spec(chunk: bytes) -> int:
     damage=st.lists(st.tuples(st.integers(0, 1 << 20), st.integers(0, 255)), max_size=3),
     cut=st.integers(-3, 3),
 )
-def test_the_frame_walk_equals_the_spec_on_damaged_frames(sizes, checksum, damage, cut):
+def test_the_frame_walks_equal_the_spec_on_damaged_frames(sizes, checksum, damage, cut):
     """Frames of raw, RLE and compressed blocks, some bytes overwritten and some frames cut
     short or followed by others: the vectorised walk over all of them equals the spec's walk,
     chunk by chunk (damaged block headers give other sizes, reserved types, or no end)."""
@@ -469,7 +475,19 @@ def test_the_frame_walk_equals_the_spec_on_damaged_frames(sizes, checksum, damag
     starts = np.cumsum([0] + [len(c) for c in chunks[:-1]]).astype(np.int64)
     ends = starts + np.array([len(c) for c in chunks], dtype=np.int64)
     data = np.frombuffer(b"".join(chunks), dtype=np.uint8)  # the last frame ends where the data does
-    assert codecs._frame_sizes(data, starts, ends).tolist() == [_frame_size_by_the_spec(c) for c in chunks]
+    expected = [_frame_size_by_the_spec(c) for c in chunks]
+    for walk in WALKS.values():
+        assert list(walk(data, starts, ends)) == expected, walk.__name__
+
+
+def test_the_frame_walk_gives_the_same_sizes_on_both_sides_of_its_switch():
+    frame = zstandard.ZstdCompressor().compress(_tiles()[0].tobytes())
+    for count in (1, codecs._WALK_BY_CHUNK_MAX, codecs._WALK_BY_CHUNK_MAX + 1, 300):
+        data = np.frombuffer(frame * count, dtype=np.uint8)
+        starts = np.arange(count, dtype=np.int64) * len(frame)
+        sizes = codecs._frame_sizes(data, starts, starts + len(frame))
+        assert sizes.dtype == np.int64 and sizes.tolist() == [len(frame)] * count
+        assert sizes.tolist() == list(codecs._frame_sizes_by_chunk(data, starts, starts + len(frame)))
 
 
 @pytest.mark.parametrize(
