@@ -16,7 +16,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from itertools import product
 
 import numpy as np
@@ -26,6 +26,7 @@ from ..format.shard_spec import ChunkDecodeError
 from .fetch import FREE_BUFFER_BYTES
 from .memory import output_pool
 from .plan import Block, DimPart, Read, ReadPlan
+from .tasks import TaskPool
 
 __all__ = ["UNIT_BYTES", "BlockSource", "CpuReadPath", "apart_order", "dim_pieces", "unit_boxes", "untile_into"]
 
@@ -290,6 +291,7 @@ class _BlockTask:
         self.present = 0  # chunks of the block its reads hold (counted by the caller's thread)
         self.remaining = 0
         self.error: BaseException | None = None
+        self.cancelled = False  # the read ended before this task started: it only finishes
         self.done: Future = Future()
         self._lock = threading.Lock()
 
@@ -328,7 +330,7 @@ class CpuReadPath:
         #: files on a disk (not held in memory: the OS takes read-ahead hints for them)
         self.decode_threads = self.workers + (DISK_EXTRA_DECODE_THREADS if reader._objects.hints else 0)
         self._local = threading.local()  # per decode thread: its scratch buffer
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: TaskPool | None = None
 
     def read(self, plan: ReadPlan) -> np.ndarray:
         """All of ``plan`` as one array of the plan's output shape."""
@@ -391,12 +393,12 @@ class CpuReadPath:
         reader, pool = self.reader, self._decode_pool()
         # the decode threads fetch at once
         hinted = reader._hinted([read for b in order for read in reads_of[b]], self.workers)
-        pending: list[tuple[_BlockTask, Future]] = []
+        pending: list[_BlockTask] = []
         in_flight = 0
 
         def finish() -> tuple[Block, np.ndarray]:
             nonlocal in_flight
-            task, _ = pending.pop(0)
+            task = pending.pop(0)
             started = time.perf_counter()
             try:
                 task.done.result()
@@ -416,20 +418,24 @@ class CpuReadPath:
                 for _ in reads_of[b]:
                     next(hinted)
                 task = _BlockTask(block, target(block), reads_of[b])
-                pending.append((task, pool.submit(self._start_block, task, rows, released)))
+                pool.post(self._start_block, task, rows, released)
+                pending.append(task)
                 in_flight += task.nbytes
-                while pending and (in_flight > window or pending[0][0].done.done()):
+                while pending and (in_flight > window or pending[0].done.done()):
                     yield finish()
             while pending:
                 yield finish()
         finally:
-            for _, head in pending:
-                head.cancel()
+            for task in pending:  # not started yet: left undone
+                task.cancelled = True
 
     def _start_block(self, task: _BlockTask, rows: int, released: bool) -> None:
         """A block's task on the decode pool: fetch its reads, queue its units after the first
         (:meth:`_finish_unit` each) and decode the first here."""
         block, reader = task.block, self.reader
+        if task.cancelled:
+            task.finish(reader, None)
+            return
         try:
             for read in task.reads:  # fetched buffers go back with the block, whatever happens next
                 task.buffers.append(reader._fetch(read))
@@ -449,7 +455,7 @@ class CpuReadPath:
         work = functools.partial(self._finish_unit, task, source, released)
         for unit in units[1:]:
             try:
-                self._decode_pool().submit(work, unit)
+                self._decode_pool().post(work, unit)
             except RuntimeError:  # the pool is shutting down: this thread decodes the rest
                 work(unit)
         work(units[0])
@@ -604,9 +610,9 @@ class CpuReadPath:
                 future.result()
         self.stats.add(chunks_decoded=n, bytes_decoded=n * self.chunk_bytes)
 
-    def _decode_pool(self) -> ThreadPoolExecutor:
+    def _decode_pool(self) -> TaskPool:
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.decode_threads, thread_name_prefix="tileshard-decode")
+            self._pool = TaskPool(self.decode_threads, "tileshard-decode")
         return self._pool
 
     def close(self) -> None:
