@@ -491,15 +491,16 @@ def test_the_frame_walk_gives_the_same_sizes_on_both_sides_of_its_switch():
 
 
 @pytest.mark.parametrize(
-    "spread, count, several_buffers",
+    "spread, count, several_buffers, tail",
     [
-        (4000, 16, False),  # ~1.3:1
-        (16, 16, False),  # ~4:1: one buffer, the segments given to the batch lengthened
-        (16, 2, False),
-        (1, 16, True),  # constant tiles, ~1000:1: too few bytes to lengthen the segments
+        (4000, 16, False, 0),  # ~1.3:1
+        (16, 16, False, 0),  # ~4:1: one buffer, the segments given to the batch lengthened
+        (16, 2, False, 0),
+        (16, 16, False, 1 << 20),  # bytes after the chunks (a shard's index, other chunks): the first lengthened alone
+        (1, 16, True, 0),  # constant tiles, ~1000:1: too few bytes to lengthen the segments
     ],
 )
-def test_zstd_batch_into_its_own_memory_or_scratch(spread, count, several_buffers):
+def test_zstd_batch_into_its_own_memory_or_scratch(spread, count, several_buffers, tail):
     """Zstd's batch call hands back the chunks over its own memory where it decoded them into
     one buffer (for chunks compressed more than 2:1 too, python-zstandard sizing that buffer by
     the segments it is given, lengthened), and copies them into the scratch given where it used
@@ -513,7 +514,7 @@ def test_zstd_batch_into_its_own_memory_or_scratch(spread, count, several_buffer
     chunks = [bytes(codec.encode(t)) for t in tiles]
     offsets = np.cumsum([0] + [len(c) for c in chunks[:-1]])
     sizes = np.array([len(c) for c in chunks])
-    src = memoryview(b"".join(chunks))
+    src = memoryview(b"".join(chunks) + b"\x5a" * tail)
     scratch = np.full((count, tiles[0].nbytes), 0xAB, np.uint8)
     got = codec.decoded_chunks_released(src, offsets, sizes, tiles[0].nbytes, scratch)
     assert got is not None
@@ -524,3 +525,16 @@ def test_zstd_batch_into_its_own_memory_or_scratch(spread, count, several_buffer
     dest = np.zeros_like(scratch)
     codec.decode_chunks_released(src, offsets.tolist(), sizes.tolist(), dest)
     np.testing.assert_array_equal(dest, np.stack(tiles))
+
+
+def test_batch_segments_are_lengthened_within_the_source_until_one_buffer_holds_every_chunk():
+    """python-zstandard sizes its first output buffer by the segments' total, rounded up to a
+    power of two: lengthened, that total rounds up to the decoded bytes; no segment runs past
+    the source; the first alone where it can, else the first ones first."""
+    starts, lengths = np.array([0, 10, 20]), np.array([10, 10, 10])
+    for size, expected in ((1000, [45, 10, 10]), (40, [40, 15, 10]), (32, [32, 22, 11]), (30, [10, 10, 10])):
+        got = codecs._one_buffer_lengths(starts, lengths, size, 100)  # a total over 64 rounds up to 128 >= 100
+        assert got.tolist() == expected, size
+        assert (starts + got <= max(size, 30)).all()
+    assert codecs._one_buffer_lengths(starts, lengths, 1000, 40).tolist() == [13, 10, 10]  # over 32: 64 >= 40
+    assert codecs._one_buffer_lengths(starts, lengths, 1000, 32) is lengths  # 30 rounds up to 32 already

@@ -589,6 +589,10 @@ def _one_buffer_lengths(starts: np.ndarray, lengths: np.ndarray, size: int, deco
     missing = target - int(lengths.sum())
     if missing <= 0:
         return lengths
+    if int(starts[0]) + int(lengths[0]) + missing <= size:  # the first segment alone (mostly): no NumPy pass
+        lengthened = lengths.copy()
+        lengthened[0] += missing
+        return lengthened
     room = size - (starts + lengths)  # bytes after each segment, to the end of the source
     before = np.concatenate(([0], np.cumsum(room)[:-1]))
     added = np.clip(missing - before, 0, room)
