@@ -1299,25 +1299,3 @@ def test_a_pool_reading_a_disk_has_a_decode_thread_more(tmp_path, monkeypatch, k
             np.testing.assert_array_equal(reader.read(), array[...])
         decoding = [t for t in threading.enumerate() if t.ident not in before and t.name.startswith("tileshard-decode")]
         assert len(decoding) == threads
-
-
-@pytest.mark.parametrize("threads_from", [1, 10**9], ids=["threads", "one-by-one"])
-def test_many_shard_indexes_are_read_by_threads_and_give_the_same_plan(tmp_path, monkeypatch, threads_from):
-    """A plan of many local shards reads their indexes on the index threads; the plan, a
-    corrupt index's refusal and the read equal reading them one by one."""
-    monkeypatch.setattr(fetch_module, "INDEX_THREADS_MIN_KEYS", threads_from)
-    array = _zarr_array(tmp_path / "a.zarr", (12, 40, 48), (2, 4, 4), (2, 8, 8), "uint16", "zstd")  # 6x5x6 shards
-    reader = ShardReader(tmp_path / "a.zarr", backend="cpu")
-    plan = reader.plan(...)
-    assert len(plan.blocks) == 180 and reader.stats.index_requests == 180
-    np.testing.assert_array_equal(reader[...], array[...])
-    again = ShardReader(tmp_path / "a.zarr", backend="cpu").plan(...)
-    assert [r.key for r in again.reads] == [r.key for r in plan.reads]
-    indexing = [t for t in threading.enumerate() if t.name.startswith("tileshard-index")]
-    assert bool(indexing) or threads_from > 1
-    shard = tmp_path / "a.zarr" / plan.reads[-1].key
-    blob = bytearray(shard.read_bytes())
-    blob[-1] ^= 0xFF  # the index's checksum
-    shard.write_bytes(bytes(blob))
-    with pytest.raises(ShardIndexError, match=plan.reads[-1].key.replace("/", ".")):
-        ShardReader(tmp_path / "a.zarr", backend="cpu")[...]
