@@ -32,22 +32,6 @@ FREE_BUFFER_BYTES = 256 << 20
 #: disk went from 0.89 / 0.93 to 1.00 / 1.15 GB/s with the hints (``read_probes.py fetch-cold``).
 WILL_NEED_BYTES = 64 << 20
 
-#: local shard indexes read at once by up to this many threads (each an open, fstat, pread and
-#: close: system calls without the GIL), for plans of at least INDEX_THREADS_MIN_KEYS shards: a
-#: whole read's plan opened its shards one after the other before any decoding began
-INDEX_THREADS = 8
-INDEX_THREADS_MIN_KEYS = 32
-_index_pool: ThreadPoolExecutor | None = None
-_index_pool_lock = threading.Lock()
-
-
-def _index_threads() -> ThreadPoolExecutor:
-    global _index_pool
-    with _index_pool_lock:
-        if _index_pool is None:
-            _index_pool = ThreadPoolExecutor(INDEX_THREADS, thread_name_prefix="tileshard-index")
-        return _index_pool
-
 
 def _cached(fd: int, offset: int) -> bool:
     """Whether the byte at ``offset`` of ``fd`` is in the OS page cache: a one-byte read that may
@@ -92,21 +76,11 @@ class StoreObjects:
         return self.indexes([key], spec)[0]
 
     def indexes(self, keys: list[str], spec: ShardSpec) -> list[tuple[int, bytes] | None]:
-        """:meth:`index` of each of ``keys``: local files a few system calls each (many of them
-        by several threads at once), other stores in one gather of concurrent requests (an
-        object store's latency is paid once, not once per shard)."""
+        """:meth:`index` of each of ``keys``: local files one after the other (a few system
+        calls each), other stores in one gather of concurrent requests (an object store's
+        latency is paid once, not once per shard)."""
         started = time.perf_counter()
-        if self.local and len(keys) >= INDEX_THREADS_MIN_KEYS:
-            parts = min(INDEX_THREADS, os.cpu_count() or 1, len(keys))
-            bounds = [len(keys) * i // parts for i in range(parts + 1)]
-            found = [
-                index
-                for part in _index_threads().map(
-                    lambda ab: [self._local_index(key, spec) for key in keys[ab[0] : ab[1]]], zip(bounds, bounds[1:])
-                )
-                for index in part
-            ]
-        elif self.local:
+        if self.local:
             found = [self._local_index(key, spec) for key in keys]
         else:
             found = sync(self._remote_indexes(keys, spec))
