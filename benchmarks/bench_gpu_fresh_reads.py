@@ -7,8 +7,9 @@ does (the reader before is still alive while the new one reads, until the garbag
 it: reader and read path refer to each other).  Per read: GB/s of the user's clock (the reader's
 construction, the read and, for NumPy output, the copy to the host), for NumPy output and for
 output on the device (``read(..., device=True)``).  ``--collect``: ``gc.collect()`` before each
-read (the earlier readers gone).  Prints one JSON line; with the pinned staging pool
-(``napari_tileshard.gpu.pinned.read_staging_pool``) also how many buffers it pinned.
+read (the earlier readers gone).  Prints one JSON line: also CuPy's device memory in use after
+each NumPy read (GB; the earlier readers not collected yet) and, with the pinned staging pool
+(``napari_tileshard.gpu.pinned.read_staging_pool``), how many buffers it pinned.
 
     python benchmarks/bench_gpu_fresh_reads.py --tiles 64k --reads 4
 """
@@ -67,8 +68,10 @@ def main() -> None:
     path = Path(args.dir)
     write(path, args.gib, args.tiles, args.writer)
     result: dict = {"label": args.label, "tiles": args.tiles, "collect": args.collect}
+    import cupy
+
     for output in ("numpy", "device"):
-        rates = []
+        rates, held = [], []
         reader = None
         for _ in range(args.reads):
             if args.collect:
@@ -77,12 +80,13 @@ def main() -> None:
             reader = ShardReader(path, backend="gpu")
             data = reader[...] if output == "numpy" else reader.read(..., device=True)
             if output == "device":
-                import cupy
-
                 cupy.cuda.get_current_stream().synchronize()
             rates.append(round(data.nbytes / (time.perf_counter() - started) / 1e9, 2))
             del data
+            held.append(round(cupy.get_default_memory_pool().used_bytes() / 1e9, 2))
         result[output] = rates
+        if output == "numpy":
+            result["device_gb_held_after_each"] = held
         del reader
     result["pinned_by_pool"] = pool_pinned()
     print(json.dumps(result), flush=True)

@@ -622,6 +622,31 @@ def test_a_fresh_gpu_reader_pins_nothing_an_earlier_read_pinned(tmp_path):
 
 @pytest.mark.gpu
 @gpu
+def test_a_gpu_reader_holds_no_device_memory_between_reads(tmp_path):
+    """Its batch buffers go back to CuPy's pool when a read ends, for the next read of any
+    reader: a reader a script dropped holds none while it waits for the garbage collector."""
+    import cupy
+
+    layout = Layout([Dim("t", 0, 4, 2), Dim("y", 300, 64, 2), Dim("x", 257, 64, 2)], "uint16")
+    data = _data((13, 300, 257), "uint16")
+    with Writer(tmp_path / "a.zarr", layout, backend="cpu") as writer:
+        writer.append(data)
+    pool = cupy.get_default_memory_pool()
+    before = pool.used_bytes()
+    readers = [ShardReader(tmp_path / "a.zarr", backend="gpu") for _ in range(3)]
+    for reader in readers:
+        np.testing.assert_array_equal(reader[...], data)
+        # a read's buffers are megabytes here; what stays is each reader's fill-value chunk (32 KiB)
+        assert pool.used_bytes() - before < 256 << 10
+    on_device = readers[0].read(slice(2, 9), device=True)
+    assert on_device.nbytes <= pool.used_bytes() - before < on_device.nbytes + (256 << 10)  # the output alone
+    np.testing.assert_array_equal(cupy.asnumpy(on_device), data[2:9])
+    for reader in readers:
+        reader.close()
+
+
+@pytest.mark.gpu
+@gpu
 def test_gpu_decodes_many_shards_in_one_call(tmp_path):
     layout = Layout([Dim("t", 0, 4, 1), Dim("y", 256, 32, 2), Dim("x", 256, 32, 2)], "uint16")
     data = _data((16, 256, 256), "uint16")
