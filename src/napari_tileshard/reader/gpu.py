@@ -402,7 +402,7 @@ class GpuReadPath:
         where the next read, of this reader or a fresh one, finds them.  Kept between reads they
         stayed with every reader a script had dropped until the garbage collector found it (a
         reader and its path refer to each other): the decoded pool, both staging buffers and
-        nvCOMP's scratch, about 1 GiB at the default batch size."""
+        nvCOMP's scratch: 2.7 GB a reader for 1 GiB reads of 64 KiB tiles (H100)."""
         self._device.clear()
         self._retired.clear()
         self._consumed = [None, None]
