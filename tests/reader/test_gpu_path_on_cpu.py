@@ -81,7 +81,8 @@ def test_a_fresh_reader_reads_with_the_pinned_buffers_an_earlier_read_gave_back(
     path (a fresh reader, the old one not yet collected) pins nothing more for the same read."""
     array = _zarr_array(tmp_path / "a.zarr", (12, 40, 36), (2, 8, 12), (4, 16, 36), "uint16", "zstd", fill=7)
     pool = fake_device.pinned_pool()
-    first = _gpu_path(ShardReader(tmp_path / "a.zarr", backend="cpu"), pool)
+    earlier = ShardReader(tmp_path / "a.zarr", backend="cpu")  # a path's reader owns it
+    first = _gpu_path(earlier, pool)
     reader = ShardReader(tmp_path / "a.zarr", backend="cpu")
     np.testing.assert_array_equal(first.read(reader.plan(...), device=False), array[...])
     pinned, idle = pool.pinned, pool.idle()

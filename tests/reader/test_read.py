@@ -1324,3 +1324,30 @@ def test_a_pool_reading_a_disk_has_a_decode_thread_more(tmp_path, monkeypatch, k
             np.testing.assert_array_equal(reader.read(), array[...])
         decoding = [t for t in threading.enumerate() if t.ident not in before and t.name.startswith("tileshard-decode")]
         assert len(decoding) == threads
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors through /proc/self/fd (Linux)")
+def test_a_reader_a_script_drops_goes_at_once_with_its_threads_and_descriptors(tmp_path):
+    """Not when the garbage collector runs: a script reading with a fresh reader each time ran
+    out of a 1024-descriptor limit at the sixth (each held its shards' directories open)."""
+    import gc
+    import weakref
+
+    array = _zarr_array(tmp_path / "a.zarr", (8, 64, 64), (2, 8, 8), (2, 16, 16), "uint16", "zstd", holes=False)
+    fds, threads = len(os.listdir("/proc/self/fd")), threading.active_count()
+    gc.disable()  # what frees it must be the reference count, not the collector
+    try:
+        for _ in range(3):
+            reader = ShardReader(tmp_path / "a.zarr", backend="cpu", workers=2, prefetch=2)
+            np.testing.assert_array_equal(reader[...], array[...])
+            assert len(os.listdir("/proc/self/fd")) > fds + 10  # its shard directories
+        gone = weakref.ref(reader)
+        del reader
+        assert gone() is None
+        assert len(os.listdir("/proc/self/fd")) == fds
+        deadline = time.monotonic() + 5
+        while threading.active_count() > threads and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert threading.active_count() == threads
+    finally:
+        gc.enable()

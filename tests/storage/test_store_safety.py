@@ -490,3 +490,19 @@ def test_local_files_keep_a_quarter_of_the_descriptor_limit_open():
         import resource
 
         assert descriptor_limit() in (resource.getrlimit(resource.RLIMIT_NOFILE)[0], None)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors through /proc/self/fd (Linux)")
+def test_local_files_dropped_without_close_close_their_directories(tmp_path):
+    from napari_tileshard.storage.safe_read import LocalFiles
+
+    for d in range(20):
+        (tmp_path / "c" / str(d)).mkdir(parents=True)
+        (tmp_path / "c" / str(d) / "0").write_bytes(b"x")
+    before = len(os.listdir("/proc/self/fd"))
+    files = LocalFiles(tmp_path)
+    for d in range(20):
+        os.close(files.open(f"c/{d}/0"))
+    assert len(os.listdir("/proc/self/fd")) - before >= 20  # the directories held open
+    del files  # no close(): a reader a script let go
+    assert len(os.listdir("/proc/self/fd")) == before

@@ -15,6 +15,7 @@ import functools
 import math
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from itertools import product
 
@@ -352,7 +353,9 @@ class CpuReadPath:
     the chunks of one read."""
 
     def __init__(self, reader):
-        self.reader = reader
+        # weakly: the reader owns its path, and a reader a script drops must go at once, with
+        # its decode threads and the directories it holds open (not when the collector runs)
+        self.reader = weakref.proxy(reader)
         self.codec: Codec = reader.codec
         self.chunk_bytes, self.chunk_shape = reader.chunk_bytes, reader.chunk_shape
         self.chunk_dtype = reader.chunk_dtype

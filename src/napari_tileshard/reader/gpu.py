@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -360,7 +361,8 @@ class GpuReadPath:
             import cupy
         else:
             cupy = cupy_module
-        self.reader, self.cupy, self.nvcomp = reader, cupy, nvcomp_module or nvcomp
+        # the reader weakly (it owns this path): see CpuReadPath
+        self.reader, self.cupy, self.nvcomp = weakref.proxy(reader), cupy, nvcomp_module or nvcomp
         self.stream = cupy.cuda.Stream(non_blocking=True)  # realign, decode, un-tile, D2H
         self.copy_stream = cupy.cuda.Stream(non_blocking=True)  # H2D of the staged reads
         self.codec = reader.codec
