@@ -504,7 +504,7 @@ _WORD = struct.Struct("<I").unpack_from
 def _frame_sizes_by_chunk(data: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> list[int]:
     """:func:`_frame_sizes` one chunk after the other (a little-endian word read per block
     header)."""
-    view = memoryview(data)
+    view = data.data  # a memoryview of the uint8 bytes: items are ints
     size, sizes = len(view), []
     for begin, end in zip(starts.tolist(), ends.tolist()):
         frame = -1
