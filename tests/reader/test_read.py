@@ -581,13 +581,19 @@ def test_gpu_reads_equal_cpu_and_zarr(layout, compressor, dtype, max_read, data)
             np.testing.assert_array_equal(gpu_reader[selection], cpu_reader[selection])
 
 
+def _our_recording(path) -> np.ndarray:
+    """13 frames of 300 x 257 uint16 written by our CPU Writer (edge tiles and shards) to ``path``."""
+    layout = Layout([Dim("t", 0, 4, 2), Dim("y", 300, 64, 2), Dim("x", 257, 64, 2)], "uint16")
+    data = _data((13, 300, 257), "uint16")
+    with Writer(path, layout, backend="cpu") as writer:
+        writer.append(data)
+    return data
+
+
 @pytest.mark.gpu
 @gpu
 def test_gpu_reads_our_writer(tmp_path):
-    layout = Layout([Dim("t", 0, 4, 2), Dim("y", 300, 64, 2), Dim("x", 257, 64, 2)], "uint16")
-    data = _data((13, 300, 257), "uint16")
-    with Writer(tmp_path / "a.zarr", layout, backend="cpu") as writer:
-        writer.append(data)
+    data = _our_recording(tmp_path / "a.zarr")
     reader = ShardReader(tmp_path / "a.zarr", backend="gpu")
     np.testing.assert_array_equal(reader[...], data)
     np.testing.assert_array_equal(reader[5, 100:200], data[5, 100:200])
@@ -602,10 +608,7 @@ def test_a_fresh_gpu_reader_pins_nothing_an_earlier_read_pinned(tmp_path):
     from napari_tileshard import release_gpu_memory
     from napari_tileshard.gpu.pinned import read_staging_pool
 
-    layout = Layout([Dim("t", 0, 4, 2), Dim("y", 300, 64, 2), Dim("x", 257, 64, 2)], "uint16")
-    data = _data((13, 300, 257), "uint16")
-    with Writer(tmp_path / "a.zarr", layout, backend="cpu") as writer:
-        writer.append(data)
+    data = _our_recording(tmp_path / "a.zarr")
     first = ShardReader(tmp_path / "a.zarr", backend="gpu")
     np.testing.assert_array_equal(first[...], data)
     pool = read_staging_pool()
@@ -624,13 +627,10 @@ def test_a_fresh_gpu_reader_pins_nothing_an_earlier_read_pinned(tmp_path):
 @gpu
 def test_a_gpu_reader_holds_no_device_memory_between_reads(tmp_path):
     """Its batch buffers go back to CuPy's pool when a read ends, for the next read of any
-    reader: a reader a script dropped holds none while it waits for the garbage collector."""
+    reader: readers kept between reads hold none."""
     import cupy
 
-    layout = Layout([Dim("t", 0, 4, 2), Dim("y", 300, 64, 2), Dim("x", 257, 64, 2)], "uint16")
-    data = _data((13, 300, 257), "uint16")
-    with Writer(tmp_path / "a.zarr", layout, backend="cpu") as writer:
-        writer.append(data)
+    data = _our_recording(tmp_path / "a.zarr")
     pool = cupy.get_default_memory_pool()
     before = pool.used_bytes()
     readers = [ShardReader(tmp_path / "a.zarr", backend="gpu") for _ in range(3)]
