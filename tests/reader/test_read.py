@@ -1351,3 +1351,25 @@ def test_a_reader_a_script_drops_goes_at_once_with_its_threads_and_descriptors(t
         assert threading.active_count() == threads
     finally:
         gc.enable()
+
+
+def test_a_read_given_up_then_its_reader_dropped_leaves_no_failing_threads(tmp_path, caplog):
+    """Blocks still queued or decoding when a caller stops iterating, its reader dropped at
+    once: they end quietly (nothing logged by the decode threads), and the threads go."""
+    import gc
+    import logging
+
+    _zarr_array(tmp_path / "a.zarr", (16, 64, 64), (2, 8, 8), (2, 16, 16), "uint16", "zstd", holes=False)
+    threads = threading.active_count()
+    with caplog.at_level(logging.ERROR, logger="napari_tileshard.reader.tasks"):
+        reader = ShardReader(tmp_path / "a.zarr", backend="cpu", workers=2)
+        blocks = reader.iter_blocks()
+        next(blocks)
+        blocks.close()
+        del blocks, reader
+        gc.collect()
+        deadline = time.monotonic() + 5
+        while threading.active_count() > threads and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert threading.active_count() == threads
+    assert caplog.text == ""

@@ -330,7 +330,11 @@ class _BlockTask:
             self.finish(reader, self.error)
 
     def finish(self, reader, error: BaseException | None) -> None:
-        reader._recycle(self.buffers)
+        if self.buffers:
+            try:
+                reader._recycle(self.buffers)
+            except ReferenceError:  # a read given up, its reader dropped since: the buffers go with it
+                pass
         self.buffers = []
         self.error = error
         self._end.release()
