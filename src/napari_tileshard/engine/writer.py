@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
 import threading
 import time
 import warnings
@@ -36,6 +35,7 @@ from ..format.layout import Layout
 from ..format.metadata import METADATA_KEY, metadata_bytes
 from ..format.ome import group_metadata
 from ..format.pyramid import Pyramid, level_fraction
+from ..gpu.pinned import physical_memory
 from ..storage.sinks import Sink
 from ..storage.urls import open_sink
 from .backends import select_backend
@@ -155,7 +155,7 @@ def estimate_memory(
     cpu_levels = int(
         cpu_epochs * layout.epoch_bytes * (level_fraction(pyramid) - 1) * (8 if pyramid.method == "mean" else 2) / 4
     )
-    default = GpuBackend.budget_for(None, _physical_memory())
+    default = GpuBackend.budget_for(None, physical_memory())
     budget = MemoryBudget(max_host_bytes or default.host, max_device_bytes or default.device)
 
     def gpu(epochs: int) -> dict[str, int]:
@@ -225,7 +225,7 @@ def plan_batches(
     cap = layout.epoch_count or math.inf
     explicit = budget
     if not batch_bytes:
-        default = backend.default_budget(_physical_memory())
+        default = backend.default_budget(physical_memory())
         budget = MemoryBudget(budget.host or default.host, budget.device or default.device)
     preferred = int(min(cap, max(1, (batch_bytes or backend.preferred_batch_bytes) // layout.epoch_bytes)))
 
@@ -261,13 +261,6 @@ def plan_batches(
         f"({layout.epoch_bytes} bytes per tile epoch); {'raise' if given else 'pass a larger'} max_{kind}_bytes"
         f"{'' if batch_bytes else ' or use smaller tiles'}"
     )
-
-
-def _physical_memory() -> int | None:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):  # not every platform says
-        return None
 
 
 class Writer:
@@ -370,7 +363,7 @@ class Writer:
         """Shards are held in memory until their shard epoch is complete: refuse what cannot fit."""
         layout = self.layout
         shard_epoch_bytes = layout.tiles_per_shard[0] * sum(lay.epoch_bytes for lay in self.pyramid.layouts)
-        memory = _physical_memory()
+        memory = physical_memory()
         if memory and shard_epoch_bytes > memory // 2:
             raise ValueError(
                 f"one shard epoch ({layout.tiles_per_shard[0]} tiles of {layout.tile_shape[0]} along "

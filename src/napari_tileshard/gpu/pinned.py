@@ -25,6 +25,7 @@ __all__ = [
     "default_read_staging_bytes",
     "gpu_numa_cpus",
     "parse_cpulist",
+    "physical_memory",
     "pin",
     "read_staging_pool",
     "release_read_staging",
@@ -197,10 +198,10 @@ class PinnedPool:
     next taker in the process.
 
     The GPU reader stages every batch of shards in pinned memory.  Each reader pinned its own
-    and kept it while the reader lived, so a fresh reader (one per read in a script, while the
-    last one waits for the garbage collector) pinned ~1 GB again first: its 1 GiB read ran at
-    0.5-1.4 GB/s instead of 5-8.  A read takes its buffers from this pool and gives them back
-    when it ends, so any later read of the process finds them pinned already.
+    and kept it while the reader lived, so a fresh reader (one per read in a script) pinned ~1 GB
+    again first: its 1 GiB read ran at 0.5-1.4 GB/s instead of 5-8.  A read takes its buffers
+    from this pool and gives them back when it ends, so any later read of the process, by any
+    reader, finds them pinned already.
 
     ``allocate(nbytes)``: new pinned memory as a uint8 array (default :func:`pin`; a stand-in
     without a GPU in tests).  Thread-safe."""
@@ -248,15 +249,21 @@ class PinnedPool:
         return sum(b.nbytes for b in idle)
 
 
+def physical_memory() -> int | None:
+    """The machine's RAM in bytes (None where the platform does not say): what the memory
+    budgets of the writer, the CPU reader's output pool and the GPU readers' staging follow."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 def default_read_staging_bytes(physical_bytes: int | None = None) -> int:
     """Idle pinned bytes the GPU readers of a process keep: 2 GiB (one reader's staging at the
     default batch size), at most an eighth of the machine's memory, as the GPU backend's pinned
-    budget."""
+    budget (2 GiB where the size is unknown)."""
     if physical_bytes is None:
-        try:
-            physical_bytes = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        except (AttributeError, ValueError, OSError):  # not reported
-            physical_bytes = 16 << 30
+        physical_bytes = physical_memory() or 16 << 30
     return int(min(2 << 30, max(0, physical_bytes) // 8))
 
 

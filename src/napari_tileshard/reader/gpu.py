@@ -402,9 +402,8 @@ class GpuReadPath:
     def _release_device_buffers(self) -> None:
         """Let go of the read's device buffers (its stream done): they go back to CuPy's pool,
         where the next read, of this reader or a fresh one, finds them.  Kept between reads they
-        stayed with every reader a script had dropped until the garbage collector found it (a
-        reader and its path refer to each other): the decoded pool, both staging buffers and
-        nvCOMP's scratch: 2.7 GB a reader for 1 GiB reads of 64 KiB tiles (H100)."""
+        stayed with every reader alive (the decoded pool, both staging buffers and nvCOMP's
+        scratch: 2.7 GB a reader for 1 GiB reads of 64 KiB tiles on the H100)."""
         self._device.clear()
         self._retired.clear()
         self._consumed = [None, None]

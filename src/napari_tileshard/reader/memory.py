@@ -30,7 +30,6 @@ memory of that size itself) and with ``TILESHARD_POOL_BYTES=0``, :meth:`OutputPo
 from __future__ import annotations
 
 import mmap
-import os
 import sys
 import sysconfig
 import threading
@@ -38,6 +37,7 @@ import weakref
 
 import numpy as np
 
+from ..gpu.pinned import physical_memory
 from .settings import pool_bytes_setting
 
 __all__ = [
@@ -86,10 +86,7 @@ def pool_unsupported_reason(implementation: str | None = None, gil_disabled: boo
 def default_pool_bytes(physical_bytes: int | None = None) -> int:
     """A quarter of the machine's memory, within 1-16 GiB (2 GiB where the size is unknown)."""
     if physical_bytes is None:
-        try:
-            physical_bytes = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        except (AttributeError, ValueError, OSError):  # Windows, or not reported
-            physical_bytes = 0
+        physical_bytes = physical_memory() or 0
     if physical_bytes <= 0:
         return 2 << 30
     return int(min(16 << 30, max(1 << 30, physical_bytes // 4)))
