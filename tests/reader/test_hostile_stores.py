@@ -375,7 +375,9 @@ def test_reader_store_does_not_follow_symlinks_out(tmp_path):
 def test_shard_reader_opens_shards_as_safely_as_open_local_file(tmp_path):
     """ShardReader opens shards relative to the store's directories (LocalFiles): a shard or a
     directory symlinked outside the store and a FIFO are refused, a symlink inside is followed,
-    a missing shard is fill value; the same after the directories are held open."""
+    a missing shard is fill value; the same after the directories are held open.  A reader that
+    read the shards before they were swapped reads the versions it opened (checked then, and kept
+    open), as the indexes it cached, until ``refresh``."""
     from napari_tileshard import ShardReader
     from napari_tileshard.storage.safe_read import UnsafeStoreError
 
@@ -391,8 +393,10 @@ def test_shard_reader_opens_shards_as_safely_as_open_local_file(tmp_path):
     (path / "c/3/0/0").unlink()
     os.mkfifo(path / "c/3/0/0")  # a FIFO: refused, never opened for reading
     (path / "c/0/0/0").unlink()  # missing: fill value
+    np.testing.assert_array_equal(reader[8:16], data[8:16])  # the files it opened and kept: never the FIFO
     for fresh in (False, True):  # the directories held open since the first read, then a new reader
         reader = ShardReader(path, backend="cpu") if fresh else reader
+        reader.refresh()
         np.testing.assert_array_equal(reader[4:8], data[4:8])
         with pytest.raises(UnsafeStoreError, match="outside the store"):
             reader[9]

