@@ -317,6 +317,75 @@ def decode_ceiling(path: Path, threads: int) -> dict:
     }
 
 
+def pipeline_ceiling(path: Path, threads: int) -> dict:
+    """What a whole read costs with no reader around it: ``threads`` threads each taking whole
+    shards in turn, and per shard its bytes read from the file (``os.preadv``, the descriptor
+    opened beforehand), every chunk decoded in one python-zstandard batch (the GIL released) and
+    the chunks placed into a touched output array by one strided NumPy copy, with no plan, no
+    checks and no task machinery (a few Python calls per shard).  The work any reader of the
+    array must do (the bytes out of the page cache, decoded, placed), as fast as libzstd, the
+    kernel and NumPy do it on this host: ``pipeline_gbps`` (best of 2).  ``{}`` where a shard is
+    not one read of all its chunks in box order or not whole (the layouts here all are)."""
+    import threading
+
+    import zstandard
+
+    from napari_tileshard.format import codecs
+
+    reader = ShardReader(path, backend="cpu")
+    plan = reader.plan(...)
+    chunk_shape, chunk_bytes, ndim = reader.chunk_shape, reader.chunk_bytes, len(reader.chunk_shape)
+    out = np.zeros(plan.shape, dtype=reader.dtype)  # touched, as the output pool's memory
+    reads_of: list[list] = [[] for _ in plan.blocks]
+    for read in plan.reads:
+        reads_of[read.block].append(read)
+    jobs, descriptors = [], []
+    for block, reads in zip(plan.blocks, reads_of):
+        box = block.box_shape
+        if len(reads) != 1 or not np.array_equal(reads[0].slots, np.arange(block.box_chunks.size)):
+            return {}
+        if tuple(block.shape) != tuple(b * c for b, c in zip(box, chunk_shape)):
+            return {}
+        read = reads[0]
+        fd = os.open(os.path.join(str(path), read.key), os.O_RDONLY)
+        descriptors.append(fd)
+        count = len(read.offsets)
+        segments = np.empty((count, 2), dtype=np.uint64)
+        segments[:, 0] = read.offsets
+        segments[:, 1] = codecs._one_buffer_lengths(read.offsets, read.nbytes, read.size, count * chunk_bytes)
+        target = out[block.region].reshape([n for b, c in zip(box, chunk_shape) for n in (b, c)])
+        order = [axis for d in range(ndim) for axis in (d, ndim + d)]
+        jobs.append((fd, read.start, read.size, segments.tobytes(), count, target, tuple(box), order))
+    sizes = {count: np.full(count, chunk_bytes, dtype=np.uint64).tobytes() for *_, count, _, _, _ in jobs}
+    local = threading.local()
+
+    def one(job) -> None:
+        fd, start, size, segments, count, target, box, order = job
+        buffer = getattr(local, "buffer", None)
+        if buffer is None or buffer.size < size:
+            buffer = local.buffer = np.zeros(max(size, 64 << 20), np.uint8)
+            local.context = zstandard.ZstdDecompressor()
+        view = buffer[:size]
+        os.preadv(fd, [view], start)
+        decoded = local.context.multi_decompress_to_buffer(
+            zstandard.BufferWithSegments(view, segments), decompressed_sizes=sizes[count], threads=1
+        )
+        [(_, chunks)] = codecs._runs(decoded, count, chunk_bytes)
+        source = chunks.view(reader.dtype).reshape(box + tuple(chunk_shape)).transpose(order)
+        np.copyto(target, source)
+
+    try:
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(one, jobs[: threads * 2]))  # each thread's buffer and context made
+            best = min(_timed(lambda: list(pool.map(one, jobs))) for _ in range(2))
+        exact = bool(np.array_equal(out, reader.read()))  # what it placed is the array
+    finally:
+        for fd in descriptors:
+            os.close(fd)
+        reader.close()
+    return {"pipeline_gbps": round(out.nbytes / best / 1e9, 2), "pipeline_exact": exact}
+
+
 def measure_isolated(name: str, path: Path, planes: int, repeat: int, cold: bool) -> dict:
     """:func:`measure` in a fresh Python process (``--isolate``); RuntimeError with its reason
     when the engine cannot run there."""

@@ -12,12 +12,18 @@ For each layout (2048² uint16 frames of ``SyntheticCamera``, zstd level 1, stor
   ``tile`` / ``compress`` (timed inside the encode threads), ``encode-other``, ``collect``,
   ``write`` (the I/O threads), ``close``; tensorstore split into the caller's slab copy and its
   own threads.  Beside them libzstd level 1 on the same tiles, contiguous in memory: one thread,
-  and ``--threads`` threads at once (each compressing its share, the GIL released).
+  and ``--threads`` threads at once (each compressing its share, the GIL released); and the bare
+  pipeline every writer must run, shard by shard on ``--threads`` threads: tiles cut out of
+  frames in memory, compressed in one batch, written as a shard file, no writer around it
+  (``write_pipeline``), with ours and tensorstore as fractions of it.
 * **read**: the whole array by ``ShardReader(backend="cpu")`` and by tensorstore; ours split into
   ``plan`` (the caller's thread: plan, orchestration), ``fetch`` (the store reads, timed where they run),
   ``decode`` and ``untile`` (timed inside the decode threads), ``decode-other``; the first read
   (fresh output memory) apart from the later ones (the output pool's memory); libzstd's decode of
-  the same chunks, one thread and ``--threads`` threads at once (``bench_read.decode_ceiling``).
+  the same chunks, one thread and ``--threads`` threads at once (``bench_read.decode_ceiling``),
+  and the bare pipeline every reader must run, shard by shard on ``--threads`` threads: the bytes
+  out of the page cache, decoded in one GIL-free batch, placed by one copy, no reader around it
+  (``bench_read.pipeline_ceiling``), with ours and tensorstore as fractions of it.
 
 Engines take turns (``--rounds``, the order rotating) and ours ÷ tensorstore is taken within
 each round: medians and ranges over the rounds; libzstd alone is measured once per layout, after
@@ -61,7 +67,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
 sys.path.insert(0, str(HERE))
 
-from bench_read import decode_ceiling, evict  # noqa: E402
+from bench_read import decode_ceiling, evict, pipeline_ceiling  # noqa: E402
 from bench_write import tensorstore_spec, write_in_slabs  # noqa: E402
 from cpu_stages import StageClock, stage_seconds, thread_cpu_seconds  # noqa: E402
 from zstd_ceiling import contiguous_tiles  # noqa: E402
@@ -147,6 +153,66 @@ def compress_ceiling(camera, tile, threads: int, sample_bytes: int) -> dict:
         f"zstd_{threads}threads_gbps": tiles.nbytes / many / 1e9,
         "threads": threads,
     }
+
+
+def write_pipeline(camera, tile, per_shard, threads: int, sample_bytes: int, out: Path) -> dict:
+    """The bare pipeline every writer of these shards must run, on ``threads`` threads with no
+    writer around it: per shard (one task each, taken in turn) its tiles cut out of frames
+    already in memory (one strided NumPy copy into the thread's tile buffer), compressed in one
+    GIL-free libzstd batch (level 1), and written as a shard file (chunks and index, one
+    ``writev``) into ``out`` (the store's file system).  Input GB/s, best of 2: the rate the
+    work itself allows on this host (no caller's copy of frames, no metadata, no ordering)."""
+    import crc32c
+
+    frames_per_epoch = tile[0] * per_shard[0]
+    frames = max(frames_per_epoch, sample_bytes // camera.frame_bytes // frames_per_epoch * frames_per_epoch)
+    stack = np.stack(list(camera.frames(frames)))
+    shard = [t * k for t, k in zip(tile, per_shard)]
+    count = per_shard[0] * per_shard[1] * per_shard[2]
+    tile_bytes = tile[0] * tile[1] * tile[2] * stack.itemsize
+    regions = [
+        (e, y, x)
+        for e in range(frames // shard[0])
+        for y in range(FRAME[0] // shard[1])
+        for x in range(FRAME[1] // shard[2])
+    ]
+    segments = np.empty((count, 2), dtype=np.uint64)
+    segments[:, 0] = np.arange(count, dtype=np.uint64) * np.uint64(tile_bytes)
+    segments[:, 1] = tile_bytes
+    segments_bytes = segments.tobytes()
+    local = threading.local()
+    out.mkdir(parents=True, exist_ok=True)
+
+    def one(region) -> None:
+        e, y, x = region
+        buffer = getattr(local, "buffer", None)
+        if buffer is None:
+            buffer = local.buffer = np.zeros((count, tile_bytes // stack.itemsize), stack.dtype)
+            local.compressor = zstandard.ZstdCompressor(level=1)
+        part = stack[tuple(slice(i * n, (i + 1) * n) for i, n in zip((e, y, x), shard))]
+        lifted = part.reshape(per_shard[0], tile[0], per_shard[1], tile[1], per_shard[2], tile[2])
+        np.copyto(buffer.reshape(per_shard + tuple(tile)), lifted.transpose(0, 2, 4, 1, 3, 5))
+        batch = zstandard.BufferWithSegments(buffer, segments_bytes)
+        chunks = local.compressor.multi_compress_to_buffer(batch, threads=1)
+        pieces = [chunks[i] for i in range(count)]
+        sizes = np.fromiter((len(c) for c in pieces), dtype=np.uint64, count=count)
+        index = np.empty((count, 2), dtype=np.uint64)
+        index[:, 1] = sizes
+        index[:, 0] = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+        raw = index.tobytes()
+        fd = os.open(out / f"{e}.{y}.{x}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.writev(fd, [*pieces, raw, crc32c.crc32c(raw).to_bytes(4, "little")])
+        finally:
+            os.close(fd)
+
+    try:
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(one, regions[: threads * 2]))  # each thread's buffer and compressor made
+            best = min(_timed(lambda: list(pool.map(one, regions))) for _ in range(2))
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+    return {"pipeline_gbps": stack.nbytes / best / 1e9}
 
 
 # -- reads -------------------------------------------------------------------------------
@@ -284,6 +350,13 @@ def summarise(rounds: list[dict], ceiling_key: str, ceiling_rounds: list[dict]) 
         summary["zstd_1thread_gbps"] = statistics.median(c["zstd_1thread_gbps"] for c in ceiling_rounds)
         summary["zstd_all_gbps"] = statistics.median(c[ceiling_key] for c in ceiling_rounds)
         summary["ours_vs_zstd_all"] = [r["ours"]["gbps"] / summary["zstd_all_gbps"] for r in rounds]
+        if all("pipeline_gbps" in c for c in ceiling_rounds):
+            summary["pipeline_gbps"] = statistics.median(c["pipeline_gbps"] for c in ceiling_rounds)
+            summary["pipeline_exact"] = all(c.get("pipeline_exact", True) for c in ceiling_rounds)
+            summary["ours_vs_pipeline"] = [r["ours"]["gbps"] / summary["pipeline_gbps"] for r in rounds]
+            summary["ts_vs_pipeline"] = [
+                r["tensorstore"]["gbps"] / summary["pipeline_gbps"] for r in rounds if "tensorstore" in r
+            ]
     return summary
 
 
@@ -291,8 +364,8 @@ def table(results: dict) -> str:
     lines = [
         "| path | layout | ours GB/s | tensorstore GB/s | ours ÷ ts, median (range) "
         "| libzstd 1 thread / all threads GB/s (disk: its sequential rate) | ours ÷ that "
-        "| CPU-s/GB ours (stages) | CPU-s/GB tensorstore |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| CPU-s/GB ours (stages) | CPU-s/GB tensorstore | the bare pipeline GB/s, ours / ts ÷ it |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for kind in ("write", "read", "read-disk"):
         for name, s in results.get(kind, {}).items():
@@ -306,7 +379,13 @@ def table(results: dict) -> str:
             lines.append(
                 f"| {kind} | {name} | {s['ours_gbps']:.2f} | {s.get('ts_gbps', float('nan')):.2f} | "
                 f"{spread(s.get('ours_vs_ts', []))} | {ceiling} | {limit} | "
-                f"{s['ours_cpu_s_per_gb']:.2f} ({stages}) | {s.get('ts_cpu_s_per_gb', float('nan')):.2f} |"
+                f"{s['ours_cpu_s_per_gb']:.2f} ({stages}) | {s.get('ts_cpu_s_per_gb', float('nan')):.2f} | "
+                + (
+                    f"{s['pipeline_gbps']:.2f}{'' if s['pipeline_exact'] else ' (NOT EXACT)'}, "
+                    f"{spread(s['ours_vs_pipeline'])} / {spread(s['ts_vs_pipeline'])} |"
+                    if "pipeline_gbps" in s
+                    else "- |"
+                )
             )
     return "\n".join(lines)
 
@@ -361,7 +440,14 @@ def main(argv=None) -> int:
                     measure = write_ours if engine == "ours" else write_tensorstore
                     row[engine] = measure(camera, layout, frames, out)
                 if not ceilings:  # libzstd alone once per layout, between the engines' first and second rounds
-                    ceilings.append(compress_ceiling(camera, tile, args.threads, args.sample_mib << 20))
+                    ceilings.append(
+                        {
+                            **compress_ceiling(camera, tile, args.threads, args.sample_mib << 20),
+                            **write_pipeline(
+                                camera, tile, per_shard, args.threads, args.sample_mib << 20, args.dir / "pipeline"
+                            ),
+                        }
+                    )
                 rounds.append(row)
                 print(json.dumps({"write": name, "round": r, **row, "zstd": ceilings[-1]}), flush=True)
             results["raw"]["write"][name] = {"rounds": rounds, "zstd": ceilings}
@@ -386,7 +472,8 @@ def main(argv=None) -> int:
                         else:
                             row[engine] = read_cold(engine, place)
                     if kind == "read" and not ceilings:  # once per layout (a 1-thread pass over every chunk)
-                        ceilings.append(decode_ceiling(place, args.threads))
+                        limits = decode_ceiling(place, args.threads)
+                        ceilings.append({**limits, **pipeline_ceiling(place, args.threads)})
                     else:
                         row["disk_sequential_gbps"] = sequential_read_gbps(place)
                     rounds.append(row)
