@@ -411,6 +411,27 @@ def test_shard_reader_opens_shards_as_safely_as_open_local_file(tmp_path):
         ShardReader(path, backend="cpu")[9]
 
 
+@posix_only
+def test_a_shard_replaced_after_its_index_was_read_is_read_as_the_version_indexed(tmp_path):
+    """A shard replaced (written anew and renamed over, as a recording rewrites one) after a
+    reader read its index: its chunks are read from the version whose index the reader holds
+    (the descriptor it opened then), not from the new file at the old file's offsets (a failed
+    decode or another shard's bytes); after ``refresh`` the new version."""
+    from napari_tileshard import ShardReader
+
+    old = SyntheticCamera((8, 8), "uint16", seed=3).stack(8)
+    new = SyntheticCamera((8, 8), "uint16", seed=9).stack(8) // 7  # other bytes, other chunk sizes
+    path = write_store(tmp_path / "r.zarr", data=old)
+    other = write_store(tmp_path / "other.zarr", data=new)
+    reader = ShardReader(path, backend="cpu")
+    np.testing.assert_array_equal(reader[...], old)
+    for shard in sorted(p.relative_to(other) for p in (other / "c").rglob("*") if p.is_file()):
+        os.replace(other / shard, path / shard)
+    np.testing.assert_array_equal(reader[...], old)
+    reader.refresh()
+    np.testing.assert_array_equal(reader[...], new)
+
+
 # -- 6 (reader side): the Writer's record of the rows written ------------------------------------
 def recorded(path, rows, state):
     def change(meta):
