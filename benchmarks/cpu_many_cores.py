@@ -67,7 +67,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
 sys.path.insert(0, str(HERE))
 
-from bench_read import decode_ceiling, evict, pipeline_ceiling  # noqa: E402
+from bench_read import CEILING_BATCH_BYTES, decode_ceiling, evict, pipeline_ceiling  # noqa: E402
 from bench_write import tensorstore_spec, write_in_slabs  # noqa: E402
 from cpu_stages import StageClock, stage_seconds, thread_cpu_seconds  # noqa: E402
 from zstd_ceiling import contiguous_tiles  # noqa: E402
@@ -130,10 +130,11 @@ def sample_tiles(camera, tile, sample_bytes: int) -> np.ndarray:
 
 def compress_ceiling(camera, tile, threads: int, sample_bytes: int) -> dict:
     """libzstd level 1 on the same tiles: one thread, and ``threads`` threads at once (each its
-    share, one ``multi_compress_to_buffer`` call per 64 tiles: the GIL released), best of 2."""
+    share, one ``multi_compress_to_buffer`` call per ``CEILING_BATCH_BYTES`` of tiles, as a
+    writer's box: the GIL released), best of 2."""
     tiles = sample_tiles(camera, tile, sample_bytes)
     count, nbytes = tiles.shape
-    per_call = 64
+    per_call = max(1, CEILING_BATCH_BYTES // nbytes)
 
     def compress(rows: range) -> None:
         compressor = zstandard.ZstdCompressor(level=1)
