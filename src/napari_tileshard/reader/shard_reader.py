@@ -214,8 +214,9 @@ class ShardReader:
         return found
 
     def refresh(self) -> None:
-        """Forget the cached indexes and the store's directories held open (a recording in
-        progress rewrites its open shards)."""
+        """Forget the cached indexes and close the store's directories and shards held open (a
+        recording in progress rewrites its open shards): until then a shard is read as the
+        version whose index was read."""
         self._indexes.clear()
         self._objects.close()
 
