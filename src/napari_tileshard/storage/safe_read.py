@@ -83,11 +83,13 @@ METADATA_NAMES = ("zarr.json", ".zarray", ".zattrs", ".zgroup", ".zmetadata")
 MIN_OPEN_DIRECTORIES, MAX_OPEN_DIRECTORIES = 16, 4096
 
 #: regular files (shards) all LocalFiles of a process keep open between reads at most: an eighth of
-#: the process's descriptors (macOS: 32, a Linux desktop: 128, containers: this cap).  A shard
-#: kept open is read with one system call (``preadv``) instead of five (``stat``, ``open``,
-#: ``fstat``, ``preadv``, ``close``), each of which hands the GIL back and forth: 16 cores, whole
-#: 2 GiB reads of 4 MiB shards with their bytes in memory instead of opened (the bound of this):
-#: 1.29x / 1.37x (64 KiB / 256 KiB tiles), 1.03x with 16 MiB shards (a quarter of the opens)
+#: the process's descriptors (macOS: 32, a Linux desktop: 128, containers: this cap).  A reader
+#: then reads a shard's index and its chunks from one version of the file (a shard replaced in
+#: between was read at the old index's offsets), with one system call (``preadv``) per read
+#: instead of five (``stat``, ``open``, ``fstat``, ``preadv``, ``close``; on a network file system
+#: an open is a round trip).  From tmpfs on 16 cores whole reads ran as fast as before
+#: (benchmarks/results/cpu_16core_2026-11-27j/, call 2): the copy out of the page cache, not the
+#: opens, is a file read's cost there
 MAX_KEPT_FILES = 4096
 
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
