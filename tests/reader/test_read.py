@@ -1403,3 +1403,19 @@ def test_a_read_given_up_then_its_reader_dropped_leaves_no_failing_threads(tmp_p
             time.sleep(0.01)
     assert threading.active_count() == threads
     assert caplog.text == ""
+
+
+def test_whole_shards_and_edge_shards_read_as_zarr_python(tmp_path):
+    """A whole read with 2+ decode threads, whole shards inside (16 x 16) and partial ones at the
+    array's 40 / 36 edges, and a selection cutting chunks: all equal zarr-python; a damaged chunk
+    inside a whole shard is named."""
+    array = _zarr_array(tmp_path / "a.zarr", (6, 40, 36), (2, 8, 8), (2, 16, 16), "uint16", "zstd", holes=False)
+    with ShardReader(tmp_path / "a.zarr", backend="cpu", workers=2) as reader:
+        np.testing.assert_array_equal(reader[...], array[...])
+        np.testing.assert_array_equal(reader[1:5, 3:37, 2:30], array[1:5, 3:37, 2:30])
+    shard = tmp_path / "a.zarr" / "c" / "0" / "1" / "1"
+    blob = bytearray(shard.read_bytes())
+    blob[8:12] = b"\xff\xff\xff\xff"  # chunk 0's frame header
+    shard.write_bytes(bytes(blob))
+    with pytest.raises(ChunkDecodeError, match="c/0/1/1 chunk 0: zstd"):
+        ShardReader(tmp_path / "a.zarr", backend="cpu", workers=2)[...]
