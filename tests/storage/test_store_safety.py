@@ -624,3 +624,39 @@ def test_local_files_keep_an_eighth_of_the_descriptor_limit_in_files():
 
     assert kept_files(256) == 32 and kept_files(1024) == 128 and kept_files(7) == 0
     assert kept_files(10**7) == MAX_KEPT_FILES and kept_files(None) == 32
+
+
+@pytest.mark.skipif(
+    not os.path.isdir("/proc/self/fd") or os.open not in os.supports_dir_fd,
+    reason="counts descriptors through /proc/self/fd (Linux); files are kept where opened relative to a directory",
+)
+def test_all_local_files_of_a_process_keep_an_eighth_of_its_limit_together(tmp_path):
+    """Under a 256-file limit (macOS's default) the LocalFiles of three stores keep 32 files open
+    in all, not 32 each: the first keeps its newest 32, the others, finding none left, read each
+    file through a descriptor of its own (and every read is right)."""
+    for store in ("a", "b", "c"):
+        for i in range(40):
+            (tmp_path / store / "c" / str(i)).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / store / "c" / str(i)).write_bytes(f"{store}{i}".encode())
+    child = f"""
+import os, resource
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+from napari_tileshard.storage.safe_read import LocalFiles
+root = {str(tmp_path)!r}
+def kept():
+    return sum(os.readlink(f"/proc/self/fd/{{n}}").startswith(root + "/") and
+               os.path.isfile(os.readlink(f"/proc/self/fd/{{n}}")) for n in os.listdir("/proc/self/fd")
+               if os.path.exists(f"/proc/self/fd/{{n}}"))
+stores = [LocalFiles(os.path.join(root, s)) for s in "abc"]
+for store, name in zip(stores, "abc"):
+    for i in range(40):
+        assert store.use(f"c/{{i}}", lambda fd: os.pread(fd, 16, 0)) == f"{{name}}{{i}}".encode()
+print(kept())
+"""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert int(done.stdout.strip()) == 32
