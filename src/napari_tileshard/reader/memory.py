@@ -104,15 +104,14 @@ class _Mapping:
         self.nbytes = nbytes
         self.spare = populate  # made ahead by replenish(), not handed out yet
         if hasattr(mmap, "MAP_PRIVATE"):  # POSIX: private memory (a shared mapping is shmem)
-            self.map = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+            if populate and hasattr(mmap, "MAP_POPULATE"):  # Linux: every page faulted in by mmap()
+                flags |= mmap.MAP_POPULATE
+                populate = False
+            self.map = mmap.mmap(-1, nbytes, flags=flags)
         else:  # Windows: anonymous memory backed by the paging file
             self.map = mmap.mmap(-1, nbytes)
-        if populate:
-            # Each page written once by NumPy's fill, which runs without the GIL; not mmap's
-            # MAP_POPULATE, whose faults run inside mmap() with the GIL held: replenishing a 16 MiB
-            # tile row's memory on napari's background thread then stopped every other thread for
-            # milliseconds (2-core VM: another thread's longest wait for the GIL 7.5 ms at the
-            # 99th percentile with MAP_POPULATE, 0.12 ms with the fill)
+        if populate:  # no MAP_POPULATE: write each page once (NumPy's fill runs without the GIL)
             np.frombuffer(self.map, dtype=np.uint8).fill(0)
 
     def references(self) -> int:
@@ -198,8 +197,8 @@ class OutputPool:
     def replenish(self, max_bytes: int = REPLENISH_MAX_BYTES) -> int:
         """Make, for each mapping :meth:`empty` had to make afresh or took from the spares this
         makes since the last call (so that as many stay ready while a cache grows), an idle
-        one of the same size with its pages faulted in (each written once, without the GIL:
-        see :class:`_Mapping`), up to ``max_bytes`` in all and within the pool's caps:
+        one of the same size with its pages faulted in (``MAP_POPULATE`` where the platform has
+        it, else each page written once), up to ``max_bytes`` in all and within the pool's caps:
         the next read of the same shapes reuses touched memory instead of faulting fresh pages
         in (the kernel zeroes each one) on its critical path.  Meant for a background thread;
         returns the bytes made ready.  Misses larger than ``max_bytes`` are forgotten."""
