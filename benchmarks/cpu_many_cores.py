@@ -73,6 +73,8 @@ from cpu_stages import StageClock, stage_seconds, thread_cpu_seconds  # noqa: E4
 from zstd_ceiling import contiguous_tiles  # noqa: E402
 
 from napari_tileshard import Dim, Layout, ShardReader, SyntheticCamera, Writer  # noqa: E402
+from napari_tileshard.format.codecs import Raw  # noqa: E402
+from napari_tileshard.format.shard_spec import ShardSpec  # noqa: E402
 from napari_tileshard.reader import cpu as cpu_reader  # noqa: E402
 
 FRAME = (2048, 2048)
@@ -163,8 +165,6 @@ def write_pipeline(camera, tile, per_shard, threads: int, sample_bytes: int, out
     GIL-free libzstd batch (level 1), and written as a shard file (chunks and index, one
     ``writev``) into ``out`` (the store's file system).  Input GB/s, best of 2: the rate the
     work itself allows on this host (no caller's copy of frames, no metadata, no ordering)."""
-    import crc32c
-
     frames_per_epoch = tile[0] * per_shard[0]
     frames = max(frames_per_epoch, sample_bytes // camera.frame_bytes // frames_per_epoch * frames_per_epoch)
     stack = np.stack(list(camera.frames(frames)))
@@ -181,6 +181,8 @@ def write_pipeline(camera, tile, per_shard, threads: int, sample_bytes: int, out
     segments[:, 0] = np.arange(count, dtype=np.uint64) * np.uint64(tile_bytes)
     segments[:, 1] = tile_bytes
     segments_bytes = segments.tobytes()
+    # the shard index as the Writer encodes it (entries and their CRC32C)
+    encode_index = ShardSpec.from_layout(make_layout(tile, per_shard), Raw()).encode_entries
     local = threading.local()
     out.mkdir(parents=True, exist_ok=True)
 
@@ -197,13 +199,10 @@ def write_pipeline(camera, tile, per_shard, threads: int, sample_bytes: int, out
         chunks = local.compressor.multi_compress_to_buffer(batch, threads=1)
         pieces = [chunks[i] for i in range(count)]
         sizes = np.fromiter((len(c) for c in pieces), dtype=np.uint64, count=count)
-        index = np.empty((count, 2), dtype=np.uint64)
-        index[:, 1] = sizes
-        index[:, 0] = np.concatenate(([0], np.cumsum(sizes)[:-1]))
-        raw = index.tobytes()
+        index = encode_index(np.stack([np.cumsum(sizes) - sizes, sizes], axis=1))  # offsets, sizes
         fd = os.open(out / f"{e}.{y}.{x}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            os.writev(fd, [*pieces, raw, crc32c.crc32c(raw).to_bytes(4, "little")])
+            os.writev(fd, [*pieces, index])
         finally:
             os.close(fd)
 

@@ -325,9 +325,10 @@ class LocalFiles:
             self._leave(me)
 
     def _keep_file(self, key: str, fd: int) -> tuple[int, bool]:
-        """Keep ``fd`` as file ``key``'s, dropping this store's oldest beyond ``max_files`` or
-        the process's count; where another thread kept ``key`` meanwhile, its descriptor (``fd``
-        closed).  Returns the descriptor and whether it is the caller's to close (not kept)."""
+        """Keep ``fd`` as file ``key``'s, dropping this store's oldest when the count of files
+        kept (``max_files``, else the process's) is spent; where another thread kept ``key``
+        meanwhile, its descriptor (``fd`` closed).  Returns the descriptor and whether it is the
+        caller's to close (not kept)."""
         with self._lock:
             kept = self._files.get(key)
             if kept is not None:
@@ -335,9 +336,10 @@ class LocalFiles:
                 return kept, False
             if len(self._dropped) >= min(self.max_dirs, max(1, self._kept.limit)):
                 return fd, True  # descriptors stay bounded (see _keep)
-            if len(self._files) >= self._kept.limit or not self._kept.take():
+            if not self._kept.take():  # the count spent (each file kept holds one of it)
                 if not self._files:
                     return fd, True
+                # this store's oldest goes, and its share of the count passes to ``fd``
                 self._dropped.append((next(self._tickets), self._files.pop(next(iter(self._files)))))
             self._close_dropped()
             self._files[key] = fd
