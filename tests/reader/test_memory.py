@@ -4,10 +4,6 @@ MADV_FREE, the setting at 0) give plain NumPy arrays; reads stay exact over reus
 
 import gc
 import mmap
-import platform
-import sys
-import threading
-import time
 
 import numpy as np
 import pytest
@@ -249,10 +245,14 @@ def test_small_mappings_are_kept_up_to_their_own_cap():
     assert memory.SMALL_MAPPINGS_MAX_BYTES - (63 << 20) < pool.nbytes <= memory.SMALL_MAPPINGS_MAX_BYTES
 
 
-def test_replenish_makes_ready_the_mappings_reads_had_to_make_afresh():
+@pytest.mark.parametrize("populate", [True, False], ids=["map-populate", "written-once"])
+def test_replenish_makes_ready_the_mappings_reads_had_to_make_afresh(monkeypatch, populate):
     """Each mapping ``empty`` made afresh is made again, idle and faulted in, by ``replenish``;
     the next array of that size takes it, and taking one of those spares asks for another, so
-    that as many stay ready while a cache keeps growing."""
+    that as many stay ready while a cache keeps growing.  Without ``MAP_POPULATE`` each page
+    is written once instead."""
+    if not populate:
+        monkeypatch.delattr(mmap, "MAP_POPULATE", raising=False)
     pool = _pool()
     held = [pool.empty((2 * MIB,), np.uint8) for _ in range(2)]
     assert pool.created == 2 and pool.missed == 2
@@ -264,68 +264,6 @@ def test_replenish_makes_ready_the_mappings_reads_had_to_make_afresh():
     assert pool.missed == 2  # the spares taken: made again next time
     more[0][...] = 5
     assert int(more[0].min()) == 5 and int(held[0].size) == 2 * MIB
-
-
-def _minor_faults_writing(buffer) -> int:
-    import resource  # POSIX only, as the test using it
-
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    np.frombuffer(buffer, dtype=np.uint8)[:: mmap.PAGESIZE] = 7  # one byte a page
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-
-
-@pytest.mark.skipif(not hasattr(mmap, "MAP_PRIVATE"), reason="anonymous private mappings are POSIX")
-@pytest.mark.parametrize("kernel", [True, False], ids=["madvise", "written"])
-def test_fault_in_leaves_no_page_to_fault_and_the_mapping_idle(kernel):
-    """After ``fault_in`` writing the mapping faults no page in (a fresh one faults every page);
-    the kernel's way where it has it (Linux 5.14+), else each page written once, which is also
-    what ``kernel=False`` gives; the mapping keeps no reference from it (the pool's idle test)."""
-    pages = 16 * MIB // mmap.PAGESIZE
-    fresh = mmap.mmap(-1, 16 * MIB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    assert _minor_faults_writing(fresh) > pages // 2  # the measure sees faults
-    mapping = mmap.mmap(-1, 16 * MIB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    references = sys.getrefcount(mapping)
-    how = memory.fault_in(mapping, kernel=kernel)
-    linux_madvise = sys.platform.startswith("linux") and tuple(map(int, platform.release().split(".")[:2])) >= (5, 14)
-    assert how == ("madvise" if kernel and linux_madvise else "written")
-    assert sys.getrefcount(mapping) == references
-    assert _minor_faults_writing(mapping) < pages // 20
-    assert int(np.frombuffer(mapping, dtype=np.uint8)[1]) == 0  # the rest of each page: zeros
-    mapping.close()  # no buffer of it is left exported
-    fresh.close()
-
-
-def test_replenish_faults_memory_in_without_holding_the_gil():
-    """napari's reader replenishes on a background thread while napari draws and the next step
-    decodes: other threads run while the pages are faulted in.  (mmap's ``MAP_POPULATE`` and
-    Python's ``mmap.madvise`` hold the GIL meanwhile: a 64 MiB mapping stopped every other thread
-    for 24-41 ms on the 2-core VM, ``fault_in`` 0.3-1.0 ms.)  The best of three, against a bound
-    far from both."""
-    if pool_unsupported_reason() is not None:
-        pytest.skip(f"the pool is off here: {pool_unsupported_reason()}")
-    longest = []
-    for _ in range(3):
-        pool = OutputPool(512 * MIB, min_bytes=MIB)
-        held = pool.empty((64 * MIB,), np.uint8)  # a miss: replenish makes one 64 MiB mapping
-        done = threading.Event()
-
-        def replenish(pool=pool, done=done) -> None:
-            pool.replenish()
-            done.set()
-
-        worker = threading.Thread(target=replenish)
-        gaps, last = [], time.perf_counter()
-        worker.start()
-        while not done.is_set():
-            time.sleep(0)  # hands the GIL over and takes it back
-            now = time.perf_counter()
-            gaps.append(now - last)
-            last = now
-        worker.join()
-        assert pool.replenished == 1
-        longest.append(max(gaps))
-        del held
-    assert min(longest) < 0.010, f"this thread waited {1e3 * min(longest):.1f} ms for the GIL at best"
 
 
 def test_replenish_stays_within_its_bound_and_the_pools_cap():

@@ -29,14 +29,11 @@ memory of that size itself) and with ``TILESHARD_POOL_BYTES=0``, :meth:`OutputPo
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import mmap
 import sys
 import sysconfig
 import threading
 import weakref
-from collections.abc import Callable
 
 import numpy as np
 
@@ -48,7 +45,6 @@ __all__ = [
     "OutputPool",
     "REPLENISH_MAX_BYTES",
     "default_pool_bytes",
-    "fault_in",
     "output_pool",
     "pool_unsupported_reason",
     "set_output_pool",
@@ -108,11 +104,15 @@ class _Mapping:
         self.nbytes = nbytes
         self.spare = populate  # made ahead by replenish(), not handed out yet
         if hasattr(mmap, "MAP_PRIVATE"):  # POSIX: private memory (a shared mapping is shmem)
-            self.map = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+            if populate and hasattr(mmap, "MAP_POPULATE"):  # Linux: every page faulted in by mmap()
+                flags |= mmap.MAP_POPULATE
+                populate = False
+            self.map = mmap.mmap(-1, nbytes, flags=flags)
         else:  # Windows: anonymous memory backed by the paging file
             self.map = mmap.mmap(-1, nbytes)
-        if populate:
-            fault_in(self.map)
+        if populate:  # no MAP_POPULATE: write each page once (NumPy's fill runs without the GIL)
+            np.frombuffer(self.map, dtype=np.uint8).fill(0)
 
     def references(self) -> int:
         return sys.getrefcount(self.map)
@@ -197,8 +197,8 @@ class OutputPool:
     def replenish(self, max_bytes: int = REPLENISH_MAX_BYTES) -> int:
         """Make, for each mapping :meth:`empty` had to make afresh or took from the spares this
         makes since the last call (so that as many stay ready while a cache grows), an idle
-        one of the same size with its pages faulted in (:func:`fault_in`: other threads run
-        meanwhile), up to ``max_bytes`` in all and within the pool's caps:
+        one of the same size with its pages faulted in (``MAP_POPULATE`` where the platform has
+        it, else each page written once), up to ``max_bytes`` in all and within the pool's caps:
         the next read of the same shapes reuses touched memory instead of faulting fresh pages
         in (the kernel zeroes each one) on its critical path.  Meant for a background thread;
         returns the bytes made ready.  Misses larger than ``max_bytes`` are forgotten."""
@@ -255,44 +255,6 @@ class OutputPool:
         """Forget every mapping (those in use are unmapped once their arrays are gone)."""
         with self._lock:
             self._mappings.clear()
-
-
-@functools.cache
-def _madvise() -> Callable[[int, int, int], int] | None:
-    """libc's ``madvise`` through ctypes, which releases the GIL for the call (Linux only)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        function = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    function.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    function.restype = ctypes.c_int
-    return function
-
-
-#: Linux 5.14+ (the name is in Python's mmap from 3.13 on)
-MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
-
-
-def fault_in(buffer: mmap.mmap, kernel: bool = True) -> str:
-    """Fault every page of the writable mapping ``buffer`` in, letting other threads run
-    meanwhile; returns how: ``"madvise"`` (``MADV_POPULATE_WRITE``: the kernel faults the pages
-    in, as fast as ``MAP_POPULATE``) where the kernel has it and ``kernel``, else ``"written"``
-    (NumPy writes each page once: 1.4x the time on the 2-core VM).
-
-    Not ``MAP_POPULATE`` or Python's ``mmap.madvise``: both keep the GIL while the kernel works
-    (a 64 MiB mapping stopped napari's main thread for 24-41 ms on the 2-core VM; this: 0.3-0.5)."""
-    madvise = _madvise() if kernel else None
-    if madvise is not None:
-        view = ctypes.c_char.from_buffer(buffer)  # a buffer export: only for the address
-        address = ctypes.addressof(view)
-        del view
-        if madvise(address, len(buffer), MADV_POPULATE_WRITE) == 0:
-            return "madvise"
-        # EINVAL: a kernel before 5.14; anything else: the write below says it the usual way
-    np.frombuffer(buffer, dtype=np.uint8).fill(0)
-    return "written"
 
 
 def _given_back(mapping_ref, references: int) -> None:
