@@ -19,7 +19,7 @@ from zarr.codecs import BloscCodec, GzipCodec, ZstdCodec
 
 from napari_tileshard import Dim, Layout, ShardReader, Writer
 from napari_tileshard.engine.backends import gpu_unavailable_reason
-from napari_tileshard.format.shard_spec import ChunkDecodeError, ShardIndexError
+from napari_tileshard.format.shard_spec import ChunkDecodeError, ShardIndexError, ShardReadError
 from napari_tileshard.reader import cpu as cpu_path
 from napari_tileshard.reader import fetch as fetch_module
 from napari_tileshard.reader import memory
@@ -1175,7 +1175,7 @@ def test_without_a_residency_check_every_range_is_hinted(tmp_path, monkeypatch):
     array = _zarr_array(tmp_path / "a.zarr", (24, 16, 16), (1, 8, 8), (1, 16, 16), "uint16", "zstd", holes=False)
     calls = _advice_recorder(monkeypatch, tmp_path)
     monkeypatch.delattr(os, "RWF_NOWAIT", raising=False)
-    with ShardReader(tmp_path / "a.zarr", backend="cpu", prefetch=1) as reader:
+    with ShardReader(tmp_path / "a.zarr", backend="cpu", prefetch=1, workers=1) as reader:
         plan = reader.plan(...)
         np.testing.assert_array_equal(reader.read(...), array[...])
     assert len(calls) == len(plan.reads) - 1
@@ -1209,6 +1209,106 @@ def test_hints_sample_reads_found_cached_and_resume_at_the_first_that_is_not(mon
     assert sampled and all(i % CACHED_SAMPLE == 0 for i in sampled)  # then a sample
     first_uncached = min(i for i in looked if i >= 120)
     assert looked[looked.index(first_uncached) :] == list(range(first_uncached, count))  # then all again
+
+
+def test_disk_fetches_go_to_the_disk_threads_unless_cached_and_sample_long_cached_runs():
+    """A read whose start the page cache lacks is fetched on the pool (its future holds the
+    buffer); a cached one is left to the decode thread (None).  After CACHED_RUN cached reads in
+    a row only one read in CACHED_SAMPLE is looked at (the rest left to the decode threads);
+    the first look that finds one not cached looks at every read again."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from napari_tileshard.reader.fetch import CACHED_RUN, CACHED_SAMPLE, DiskFetches
+    from napari_tileshard.reader.plan import Read
+
+    class Objects:
+        def __init__(self, uncached: set[int]):
+            self.uncached, self.looked = uncached, []
+
+        def cached(self, key, offset):
+            self.looked.append(int(key))
+            return int(key) not in self.uncached
+
+    def fetch(read):
+        return threading.current_thread().name, read.key
+
+    none = np.zeros(1, np.int64)
+    reads = [Read(i, str(i), i, 0, 10, none, none, none, none) for i in range(120)]
+    uncached = {0, 1, 2} | set(range(80, 120))
+    objects = Objects(uncached)
+    with ThreadPoolExecutor(2, thread_name_prefix="disk-test") as pool:
+        fetches = DiskFetches(objects, fetch, pool)
+        futures = [fetches.submit(read) for read in reads]
+        results = {i: f.result() for i, f in enumerate(futures) if f is not None}
+    assert all(name.startswith("disk-test") and key == str(i) for i, (name, key) in results.items())
+    assert {0, 1, 2} <= set(results) and not set(range(3, 3 + CACHED_RUN)) & set(results)
+    looked = objects.looked
+    assert looked[: 3 + CACHED_RUN] == list(range(3 + CACHED_RUN))  # every read, until the run is long
+    sampled = [i for i in looked if 3 + CACHED_RUN <= i < 80]
+    assert sampled and all((i + 1) % CACHED_SAMPLE == 0 for i in sampled)  # then a sample
+    first_uncached = min(i for i in looked if i >= 80)  # the first sampled read past 80
+    assert looked[looked.index(first_uncached) :] == list(range(first_uncached, 120))  # then all again
+    assert set(results) == {0, 1, 2} | set(range(first_uncached, 120))
+
+
+def _data_reads_by_thread(monkeypatch, cached: bool) -> list[str]:
+    """:func:`_page_cache`, noting the name of the thread of each data read."""
+    real_preadv, names = os.preadv, []
+
+    def preadv(fd, buffers, offset, flags=0):
+        if flags:
+            if not cached:
+                raise BlockingIOError("not in the page cache")
+            return 1
+        names.append(threading.current_thread().name)
+        return real_preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    return names
+
+
+@pytest.mark.skipif(not hasattr(os, "RWF_NOWAIT"), reason="the residency check needs Linux's RWF_NOWAIT")
+def test_a_large_read_of_a_disk_is_fetched_by_the_disk_threads_ahead_of_its_decode(tmp_path, monkeypatch):
+    """A whole read of local files on a disk, nothing in the page cache: every shard is fetched
+    by the reader's disk threads (a decode thread never waits for the disk) and no hint is given
+    (they would fill the page cache with the same ranges); with every page cached the decode
+    threads copy their own reads.  Exact both ways; the threads end with the reader."""
+    array = _zarr_array(tmp_path / "a.zarr", (24, 16, 16), (1, 8, 8), (1, 16, 16), "uint16", "zstd", holes=False)
+    calls = _advice_recorder(monkeypatch, tmp_path)
+    monkeypatch.setattr(cpu_path, "FETCH_IN_DECODE_TASKS_MIN_BYTES", 0)
+    before = {t.ident for t in threading.enumerate()}
+    names = _data_reads_by_thread(monkeypatch, cached=False)
+    with ShardReader(tmp_path / "a.zarr", backend="cpu", workers=2) as reader:
+        plan = reader.plan(...)
+        np.testing.assert_array_equal(reader.read(...), array[...])
+        assert len(names) == len(plan.reads) and all(n.startswith("tileshard-disk") for n in names), names
+        assert calls == []
+        names = _data_reads_by_thread(monkeypatch, cached=True)
+        np.testing.assert_array_equal(reader.read(...), array[...])
+        assert len(names) == len(plan.reads) and all(n.startswith("tileshard-decode") for n in names), names
+    deadline = time.monotonic() + 5
+    while any(t.name.startswith("tileshard-disk") and t.ident not in before for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "the disk threads outlived the reader"
+        time.sleep(0.01)
+
+
+@pytest.mark.skipif(not hasattr(os, "RWF_NOWAIT"), reason="the residency check needs Linux's RWF_NOWAIT")
+def test_a_shard_cut_short_fails_a_read_fetched_by_the_disk_threads_by_name(tmp_path, monkeypatch):
+    """A shard whose data ends before its index says (cut short, its index rewritten at the end)
+    fails the read with ShardReadError naming it when a disk thread fetches it; the reader
+    reads the rest of the store afterwards."""
+    array = _zarr_array(tmp_path / "a.zarr", (24, 16, 16), (1, 8, 8), (1, 16, 16), "uint16", "zstd", holes=False)
+    _mount_table(monkeypatch, tmp_path, "ext4")
+    monkeypatch.setattr(cpu_path, "FETCH_IN_DECODE_TASKS_MIN_BYTES", 0)
+    shard = tmp_path / "a.zarr" / "c" / "5" / "0" / "0"
+    data = shard.read_bytes()
+    index_bytes = 4 * 16 + 4  # four chunks, offset and size each, and the index's crc32c
+    shard.write_bytes(data[: (len(data) - index_bytes) // 2] + data[-index_bytes:])
+    _data_reads_by_thread(monkeypatch, cached=False)
+    with ShardReader(tmp_path / "a.zarr", backend="cpu", workers=2) as reader:
+        with pytest.raises(ShardReadError, match="c/5/0/0"):
+            reader.read(...)
+        np.testing.assert_array_equal(reader.read((slice(6, 24),)), array[6:24])
 
 
 def _pages_of(shape, itemsize, region) -> set[int]:

@@ -17,13 +17,14 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
 from itertools import product
 
 import numpy as np
 
 from ..format.codecs import Codec, CodecError
 from ..format.shard_spec import ChunkDecodeError
-from .fetch import FREE_BUFFER_BYTES
+from .fetch import FREE_BUFFER_BYTES, DiskFetches
 from .memory import output_pool
 from .plan import Block, DimPart, Read, ReadPlan
 from .tasks import TaskPool
@@ -294,6 +295,7 @@ class _BlockTask:
         "buffers",
         "cancelled",
         "error",
+        "fetched",
         "nbytes",
         "out",
         "present",
@@ -303,8 +305,11 @@ class _BlockTask:
         "_units",
     )
 
-    def __init__(self, block: Block, out: np.ndarray, reads: list[Read]):
+    def __init__(self, block: Block, out: np.ndarray, reads: list[Read], fetched: list[Future | None] | None = None):
         self.block, self.out, self.reads = block, out, reads
+        # per read: its buffer on its way (the reader's disk threads: DiskFetches) or None (the
+        # task fetches it); None: the task fetches every read
+        self.fetched = fetched
         self.nbytes = sum(read.size for read in reads)
         self.buffers: list[np.ndarray] = []
         self.present = 0  # chunks of the block its reads hold (counted by the caller's thread)
@@ -430,8 +435,11 @@ class CpuReadPath:
         """:meth:`blocks` with a decode pool: a task per block, taken in ``order``, queued up to
         ``window`` compressed bytes ahead of the block the caller waits for."""
         reader, pool = self.reader, self._decode_pool()
-        # the decode threads fetch at once
-        hinted = reader._hinted([read for b in order for read in reads_of[b]], self.workers)
+        # Local files on a disk: the reader's disk threads fetch each block's reads the page
+        # cache lacks as it is queued (up to ``window`` ahead of the decode), so no decode thread
+        # waits for the disk.  The rest (cached, in memory, object stores): the decode threads
+        # fetch their own reads at once.
+        disk = DiskFetches(reader._objects, reader._fetch, reader._disk_io()) if reader._objects.hints else None
         pending: list[_BlockTask] = []
         in_flight = 0
         # the counts of the decode threads' work, added here once (no lock taken there, nor per block)
@@ -453,9 +461,8 @@ class CpuReadPath:
         try:
             for b in order:
                 block = plan.blocks[b]
-                for _ in reads_of[b]:
-                    next(hinted)
-                task = _BlockTask(block, target(block), reads_of[b])
+                fetched = None if disk is None else [disk.submit(read) for read in reads_of[b]]
+                task = _BlockTask(block, target(block), reads_of[b], fetched)
                 pool.post(self._start_block, task, rows, released)
                 pending.append(task)
                 in_flight += task.nbytes
@@ -466,6 +473,9 @@ class CpuReadPath:
         finally:
             for task in pending:  # not started yet: left undone
                 task.cancelled = True
+                for future in task.fetched or ():
+                    if future is not None:
+                        future.cancel()
             self.stats.add(
                 decode_seconds=waited,
                 cache_hits=cache_hits,
@@ -481,8 +491,10 @@ class CpuReadPath:
             task.finish(reader, None)
             return
         try:
-            for read in task.reads:  # fetched buffers go back with the block, whatever happens next
-                task.buffers.append(reader._fetch(read))
+            for k, read in enumerate(task.reads):  # fetched buffers go back with the block, whatever happens next
+                future = None if task.fetched is None else task.fetched[k]
+                buffer = None if future is None else future.result()
+                task.buffers.append(reader._fetch(read) if buffer is None else buffer)
             source = BlockSource(block, list(zip(task.reads, task.buffers)), self.codec)
             task.present = source.present
             units = unit_boxes(block.box_shape, rows)

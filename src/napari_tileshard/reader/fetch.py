@@ -21,7 +21,16 @@ from .memory import output_pool
 from .plan import Read
 from .stats import ReadStats
 
-__all__ = ["FREE_BUFFER_BYTES", "WILL_NEED_BYTES", "ReadBuffers", "StoreObjects", "hinted_ahead", "prefetched"]
+__all__ = [
+    "DISK_FETCH_THREADS",
+    "DiskFetches",
+    "FREE_BUFFER_BYTES",
+    "WILL_NEED_BYTES",
+    "ReadBuffers",
+    "StoreObjects",
+    "hinted_ahead",
+    "prefetched",
+]
 
 #: the most bytes of read buffers a reader keeps for reuse
 FREE_BUFFER_BYTES = 256 << 20
@@ -32,6 +41,12 @@ FREE_BUFFER_BYTES = 256 << 20
 #: and four at 1.06-1.28 (``bench_read.disk_ceiling``); the reader's own fetch from the evicted
 #: disk went from 0.89 / 0.93 to 1.00 / 1.15 GB/s with the hints (``read_probes.py fetch-cold``).
 WILL_NEED_BYTES = 64 << 20
+
+#: threads that fetch a large read's ranges of local files on a disk ahead of its decode: a disk
+#: serves several requests at once faster than one (the 2-core VM's: 0.75-0.79 GB/s with one
+#: thread, 1.42-1.46 with four, ``bench_read.disk_ceiling``), and a decode thread that fetched
+#: its own reads left its core idle while it waited (the hints above did not fill that wait)
+DISK_FETCH_THREADS = 4
 
 
 def _cached(fd: int, offset: int) -> bool:
@@ -161,6 +176,17 @@ class StoreObjects:
         if done != len(out):
             raise ShardReadError(key, None, f"bytes {start}..{start + len(out)} asked, {done} read: shard truncated")
 
+    def cached(self, key: str, offset: int) -> bool:
+        """Whether byte ``offset`` of ``key`` is in the OS page cache (local files on Linux; else
+        False, not known; a missing or refused file: False, its read says why)."""
+        if not self.local:
+            return False
+        assert self.files is not None
+        try:  # the file stays open for the read that follows (LocalFiles.use)
+            return self.files.use(key, functools.partial(_cached, offset=offset))
+        except Exception:  # noqa: BLE001 - the read itself says what is wrong with the file
+            return False
+
     def will_need(self, key: str, start: int, size: int) -> bool:
         """Ask the OS to start reading bytes ``start .. start + size`` of ``key`` into its page
         cache (where :attr:`hints`; elsewhere nothing).  A hint: nothing is read here and nothing
@@ -251,6 +277,29 @@ def hinted_ahead(reads: list[Read], objects: StoreObjects) -> Iterator[Read]:
             ahead += later.size
             hinted += 1
         yield read
+
+
+class DiskFetches:
+    """Reads of local files on a disk fetched ahead of their decode: :meth:`submit` a read as its
+    block is queued; the page cache lacks its start: ``fetch(read)`` goes to ``pool`` (the
+    reader's disk threads), else None (the decode thread copies it out of the page cache just
+    before decoding it, while it is still in the CPU's caches).  Where reads keep being cached,
+    only a sample is looked at (``CACHED_RUN``, as :func:`hinted_ahead`)."""
+
+    def __init__(self, objects: StoreObjects, fetch: Callable[[Read], np.ndarray], pool: ThreadPoolExecutor):
+        self._objects, self._fetch, self._pool = objects, fetch, pool
+        self._seen = 0
+        self._cached_in_a_row = 0
+
+    def submit(self, read: Read) -> Future | None:
+        self._seen += 1
+        if self._cached_in_a_row >= CACHED_RUN and self._seen % CACHED_SAMPLE:
+            return None
+        if self._objects.cached(read.key, read.start):
+            self._cached_in_a_row += 1
+            return None
+        self._cached_in_a_row = 0
+        return self._pool.submit(self._fetch, read)
 
 
 def prefetched(

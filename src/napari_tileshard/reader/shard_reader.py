@@ -33,7 +33,7 @@ from ..format.shard_spec import ShardIndex, ShardSpec, UnsupportedArray
 from ..storage.safe_read import StoreAccess
 from .cache import ChunkCache, IndexCache
 from .cpu import CpuReadPath
-from .fetch import ReadBuffers, StoreObjects, hinted_ahead, prefetched
+from .fetch import DISK_FETCH_THREADS, ReadBuffers, StoreObjects, hinted_ahead, prefetched
 from .gpu import GpuReadPath, gpu_read_unavailable_reason
 from .lazy import LazySelection
 from .levels import open_array
@@ -138,6 +138,7 @@ class ShardReader:
         self._cpu: CpuReadPath | None = None
         self._gpu: GpuReadPath | None = None
         self._io: ThreadPoolExecutor | None = None  # the prefetch threads, kept across reads
+        self._disk_pool: ThreadPoolExecutor | None = None  # the disk fetch threads (_disk_io)
 
     # -- configuration ------------------------------------------------------------------
     def _configure(self, array) -> str | None:
@@ -507,6 +508,13 @@ class ShardReader:
         self._objects.read_into(read.key, read.start, buffer)
         return buffer
 
+    def _disk_io(self) -> ThreadPoolExecutor:
+        """The threads that fetch a large read's ranges of local files on a disk ahead of its
+        decode (:meth:`~napari_tileshard.reader.cpu.CpuReadPath.blocks`), made on first use."""
+        if self._disk_pool is None:
+            self._disk_pool = ThreadPoolExecutor(DISK_FETCH_THREADS, thread_name_prefix="tileshard-disk")
+        return self._disk_pool
+
     def _recycle(self, buffers) -> None:
         """Return read buffers once decoded (see :class:`~napari_tileshard.reader.fetch.ReadBuffers`)."""
         self._buffers.recycle(buffers)
@@ -546,9 +554,10 @@ class ShardReader:
         if self._ahead_pool is not None:
             self._ahead_pool.shutdown()
             self._ahead_pool = None
-        if self._io is not None:
-            self._io.shutdown()
-            self._io = None
+        for pool in (self._io, self._disk_pool):
+            if pool is not None:
+                pool.shutdown()
+        self._io = self._disk_pool = None
         self._objects.close()
         if self._cpu is not None:
             self._cpu.close()
