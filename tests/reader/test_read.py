@@ -1211,11 +1211,11 @@ def test_hints_sample_reads_found_cached_and_resume_at_the_first_that_is_not(mon
     assert looked[looked.index(first_uncached) :] == list(range(first_uncached, count))  # then all again
 
 
-def test_disk_fetches_go_to_the_disk_threads_unless_cached_and_sample_long_cached_runs():
-    """A read whose start the page cache lacks is fetched on the pool (its future holds the
-    buffer); a cached one is left to the decode thread (None).  After CACHED_RUN cached reads in
-    a row only one read in CACHED_SAMPLE is looked at (the rest left to the decode threads);
-    the first look that finds one not cached looks at every read again."""
+def test_disk_fetches_run_a_bounded_way_ahead_skip_cached_reads_and_sample_long_cached_runs():
+    """The disk threads fetch the reads the page cache lacks, at most ``ahead_bytes`` ahead of the
+    reads taken; a cached read is left to the decode thread (``take`` gives None).  After
+    CACHED_RUN cached reads in a row only one read in CACHED_SAMPLE is looked at; the first look
+    that finds one not cached looks at every read again.  ``close`` cancels what was not taken."""
     from concurrent.futures import ThreadPoolExecutor
 
     from napari_tileshard.reader.fetch import CACHED_RUN, CACHED_SAMPLE, DiskFetches
@@ -1229,26 +1229,51 @@ def test_disk_fetches_go_to_the_disk_threads_unless_cached_and_sample_long_cache
             self.looked.append(int(key))
             return int(key) not in self.uncached
 
+    fetched: list[int] = []
+
     def fetch(read):
-        return threading.current_thread().name, read.key
+        fetched.append(int(read.key))
+        return np.full(1, int(read.key), np.int64), threading.current_thread().name
 
     none = np.zeros(1, np.int64)
     reads = [Read(i, str(i), i, 0, 10, none, none, none, none) for i in range(120)]
     uncached = {0, 1, 2} | set(range(80, 120))
     objects = Objects(uncached)
     with ThreadPoolExecutor(2, thread_name_prefix="disk-test") as pool:
-        fetches = DiskFetches(objects, fetch, pool)
-        futures = [fetches.submit(read) for read in reads]
-        results = {i: f.result() for i, f in enumerate(futures) if f is not None}
-    assert all(name.startswith("disk-test") and key == str(i) for i, (name, key) in results.items())
-    assert {0, 1, 2} <= set(results) and not set(range(3, 3 + CACHED_RUN)) & set(results)
+        disk = DiskFetches(reads, objects, fetch, pool, ahead_bytes=25)  # three reads of 10 bytes
+        assert objects.looked == [0, 1, 2]  # submitted at once: 30 bytes ahead, then no more
+        taken = {}
+        for read in reads:
+            result = disk.take(read)
+            if result is not None:
+                buffer, name = result
+                assert int(buffer[0]) == read.index and name.startswith("disk-test")
+                taken[read.index] = name
+        disk.close()
     looked = objects.looked
     assert looked[: 3 + CACHED_RUN] == list(range(3 + CACHED_RUN))  # every read, until the run is long
     sampled = [i for i in looked if 3 + CACHED_RUN <= i < 80]
     assert sampled and all((i + 1) % CACHED_SAMPLE == 0 for i in sampled)  # then a sample
-    first_uncached = min(i for i in looked if i >= 80)  # the first sampled read past 80
+    first_uncached = min(i for i in looked if i >= 80)
     assert looked[looked.index(first_uncached) :] == list(range(first_uncached, 120))  # then all again
-    assert set(results) == {0, 1, 2} | set(range(first_uncached, 120))
+    assert set(taken) == set(fetched) == {0, 1, 2} | set(range(first_uncached, 120))
+
+    started: list[int] = []
+    release = threading.Event()
+
+    def slow_fetch(read):
+        started.append(read.index)
+        release.wait(5)
+
+    with ThreadPoolExecutor(1) as pool:  # nothing taken: close cancels what did not start
+        disk = DiskFetches(reads, Objects(set(range(120))), slow_fetch, pool, ahead_bytes=50)  # five
+        deadline = time.monotonic() + 5
+        while not started and time.monotonic() < deadline:  # the first one is running
+            time.sleep(0.001)
+        disk.close()
+        release.set()
+    assert started == [0]  # the one running finished; the four queued never ran
+    assert disk.take(reads[4]) is None  # cancelled, not taken: the caller fetches it
 
 
 def _data_reads_by_thread(monkeypatch, cached: bool) -> list[str]:

@@ -17,7 +17,6 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future
 from itertools import product
 
 import numpy as np
@@ -295,7 +294,7 @@ class _BlockTask:
         "buffers",
         "cancelled",
         "error",
-        "fetched",
+        "disk",
         "nbytes",
         "out",
         "present",
@@ -305,11 +304,9 @@ class _BlockTask:
         "_units",
     )
 
-    def __init__(self, block: Block, out: np.ndarray, reads: list[Read], fetched: list[Future | None] | None = None):
+    def __init__(self, block: Block, out: np.ndarray, reads: list[Read], disk: DiskFetches | None = None):
         self.block, self.out, self.reads = block, out, reads
-        # per read: its buffer on its way (the reader's disk threads: DiskFetches) or None (the
-        # task fetches it); None: the task fetches every read
-        self.fetched = fetched
+        self.disk = disk  # the reads fetched by the reader's disk threads; None: the task fetches them
         self.nbytes = sum(read.size for read in reads)
         self.buffers: list[np.ndarray] = []
         self.present = 0  # chunks of the block its reads hold (counted by the caller's thread)
@@ -435,11 +432,13 @@ class CpuReadPath:
         """:meth:`blocks` with a decode pool: a task per block, taken in ``order``, queued up to
         ``window`` compressed bytes ahead of the block the caller waits for."""
         reader, pool = self.reader, self._decode_pool()
-        # Local files on a disk: the reader's disk threads fetch each block's reads the page
-        # cache lacks as it is queued (up to ``window`` ahead of the decode), so no decode thread
-        # waits for the disk.  The rest (cached, in memory, object stores): the decode threads
-        # fetch their own reads at once.
-        disk = DiskFetches(reader._objects, reader._fetch, reader._disk_io()) if reader._objects.hints else None
+        # Local files on a disk: the reader's disk threads fetch the reads the page cache lacks a
+        # little ahead of the decode threads, so none of them waits for the disk.  The rest
+        # (cached, in memory, object stores): the decode threads fetch their own reads at once.
+        disk = None
+        if reader._objects.hints:
+            reads = [read for b in order for read in reads_of[b]]
+            disk = DiskFetches(reads, reader._objects, reader._fetch, reader._disk_io())
         pending: list[_BlockTask] = []
         in_flight = 0
         # the counts of the decode threads' work, added here once (no lock taken there, nor per block)
@@ -461,8 +460,7 @@ class CpuReadPath:
         try:
             for b in order:
                 block = plan.blocks[b]
-                fetched = None if disk is None else [disk.submit(read) for read in reads_of[b]]
-                task = _BlockTask(block, target(block), reads_of[b], fetched)
+                task = _BlockTask(block, target(block), reads_of[b], disk)
                 pool.post(self._start_block, task, rows, released)
                 pending.append(task)
                 in_flight += task.nbytes
@@ -473,9 +471,8 @@ class CpuReadPath:
         finally:
             for task in pending:  # not started yet: left undone
                 task.cancelled = True
-                for future in task.fetched or ():
-                    if future is not None:
-                        future.cancel()
+            if disk is not None:
+                disk.close()
             self.stats.add(
                 decode_seconds=waited,
                 cache_hits=cache_hits,
@@ -491,9 +488,8 @@ class CpuReadPath:
             task.finish(reader, None)
             return
         try:
-            for k, read in enumerate(task.reads):  # fetched buffers go back with the block, whatever happens next
-                future = None if task.fetched is None else task.fetched[k]
-                buffer = None if future is None else future.result()
+            for read in task.reads:  # fetched buffers go back with the block, whatever happens next
+                buffer = None if task.disk is None else task.disk.take(read)
                 task.buffers.append(reader._fetch(read) if buffer is None else buffer)
             source = BlockSource(block, list(zip(task.reads, task.buffers)), self.codec)
             task.present = source.present

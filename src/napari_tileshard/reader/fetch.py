@@ -7,7 +7,7 @@ import functools
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
 
@@ -22,6 +22,7 @@ from .plan import Read
 from .stats import ReadStats
 
 __all__ = [
+    "DISK_FETCH_AHEAD_BYTES",
     "DISK_FETCH_THREADS",
     "DiskFetches",
     "FREE_BUFFER_BYTES",
@@ -47,6 +48,11 @@ WILL_NEED_BYTES = 64 << 20
 #: thread, 1.42-1.46 with four, ``bench_read.disk_ceiling``), and a decode thread that fetched
 #: its own reads left its core idle while it waited (the hints above did not fill that wait)
 DISK_FETCH_THREADS = 4
+
+#: how far (bytes) the disk threads fetch ahead of the reads the decode threads take: enough to
+#: keep a disk busy (four shard reads in flight), near enough that a read is still in the CPU's
+#: caches when it is decoded, and a bound on the read buffers held
+DISK_FETCH_AHEAD_BYTES = 16 << 20
 
 
 def _cached(fd: int, offset: int) -> bool:
@@ -280,26 +286,69 @@ def hinted_ahead(reads: list[Read], objects: StoreObjects) -> Iterator[Read]:
 
 
 class DiskFetches:
-    """Reads of local files on a disk fetched ahead of their decode: :meth:`submit` a read as its
-    block is queued; the page cache lacks its start: ``fetch(read)`` goes to ``pool`` (the
-    reader's disk threads), else None (the decode thread copies it out of the page cache just
-    before decoding it, while it is still in the CPU's caches).  Where reads keep being cached,
-    only a sample is looked at (``CACHED_RUN``, as :func:`hinted_ahead`)."""
+    """The reads of a large read of local files on a disk, fetched by ``pool`` (the reader's disk
+    threads) ahead of the decode threads that take them, at most ``ahead_bytes`` ahead.
 
-    def __init__(self, objects: StoreObjects, fetch: Callable[[Read], np.ndarray], pool: ThreadPoolExecutor):
+    ``reads`` in the order the decode takes them.  A read the page cache holds (its start, by
+    :meth:`StoreObjects.cached`) is left to the decode thread, which copies it just before it
+    decodes it; where reads keep being cached, only a sample is looked at (``CACHED_RUN``, as
+    :func:`hinted_ahead`).  :meth:`take` hands a read's buffer over and fetches further ahead;
+    :meth:`close` cancels what was not taken."""
+
+    def __init__(
+        self,
+        reads: Sequence[Read],
+        objects: StoreObjects,
+        fetch: Callable[[Read], np.ndarray],
+        pool: ThreadPoolExecutor,
+        ahead_bytes: int = 0,
+    ):
+        self._reads = reads
+        self._position = {read.index: k for k, read in enumerate(reads)}
         self._objects, self._fetch, self._pool = objects, fetch, pool
+        self._ahead_bytes = ahead_bytes or DISK_FETCH_AHEAD_BYTES
+        self._futures: dict[int, Future] = {}  # by read index: submitted, not taken
+        self._next = 0  # reads[:_next] were submitted, left to the decode or taken
+        self._ahead = 0  # bytes submitted and not taken
         self._seen = 0
         self._cached_in_a_row = 0
+        self._closed = False
+        self._lock = threading.Lock()
+        with self._lock:
+            self._advance()
 
-    def submit(self, read: Read) -> Future | None:
-        self._seen += 1
-        if self._cached_in_a_row >= CACHED_RUN and self._seen % CACHED_SAMPLE:
-            return None
-        if self._objects.cached(read.key, read.start):
-            self._cached_in_a_row += 1
-            return None
-        self._cached_in_a_row = 0
-        return self._pool.submit(self._fetch, read)
+    def take(self, read: Read) -> np.ndarray | None:
+        """The buffer of ``read`` once fetched, or None: the caller fetches it."""
+        with self._lock:
+            future = self._futures.pop(read.index, None)
+            if future is not None:
+                self._ahead -= read.size
+            else:  # never submitted: reads up to it are the caller's (a decode thread ran ahead)
+                self._next = max(self._next, self._position.get(read.index, -1) + 1)
+            self._advance()
+        return None if future is None else future.result()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            futures, self._futures = list(self._futures.values()), {}
+        for future in futures:
+            future.cancel()
+
+    def _advance(self) -> None:
+        """Submit the next reads the page cache lacks while less than ``ahead_bytes`` wait (lock held)."""
+        while not self._closed and self._next < len(self._reads) and self._ahead < self._ahead_bytes:
+            read = self._reads[self._next]
+            self._next += 1
+            self._seen += 1
+            if self._cached_in_a_row >= CACHED_RUN and self._seen % CACHED_SAMPLE:
+                continue
+            if self._objects.cached(read.key, read.start):
+                self._cached_in_a_row += 1
+                continue
+            self._cached_in_a_row = 0
+            self._futures[read.index] = self._pool.submit(self._fetch, read)
+            self._ahead += read.size
 
 
 def prefetched(
