@@ -23,7 +23,7 @@ import numpy as np
 
 from ..format.codecs import Codec, CodecError
 from ..format.shard_spec import ChunkDecodeError
-from .fetch import FREE_BUFFER_BYTES, DiskFetches
+from .fetch import DISK_FETCH_AHEAD_BYTES, FREE_BUFFER_BYTES, DiskFetches
 from .memory import output_pool
 from .plan import Block, DimPart, Read, ReadPlan
 from .tasks import TaskPool
@@ -66,10 +66,11 @@ FETCH_IN_DECODE_TASKS_MIN_BYTES = 64 << 20
 #: the GIL-free batch): median 12.6 / 14.1 / 14.1 ms against 15.7 / 13.9 / 14.3 (64 KiB / 256 KiB
 #: / default tiles; tensorstore 10.9 / 11.0 / 10.9), 24-25 thread switches a read against 64-99
 UNCACHED_READS_AS_LARGE = True
-#: decode threads added to a pool reading local files on a disk (not held in memory): the threads
-#: fetch their own reads, and one waiting for the disk leaves its core idle.  2-core VM, whole
-#: 1 GiB reads with the pages evicted: 1.10 / 1.07x with a third thread (64 / 256 KiB tiles), and
-#: 1.02 / 1.01x once the files are cached
+#: decode threads added to a pool reading local files on a disk (not held in memory): a thread
+#: waiting for the disk (its own fetch, or a read the disk threads have not finished) leaves its
+#: core idle.  2-core VM, whole 1 GiB reads with the pages evicted: 1.10 / 1.07x with a third
+#: thread (64 / 256 KiB tiles), 1.02 / 1.01x once the files are cached; with the disk threads
+#: (DiskFetches) 1.07 / 1.08x (median of 3 rounds, ``results/cpu_2core_2026-11-27k/``)
 DISK_EXTRA_DECODE_THREADS = 1
 #: whether the read-ahead (napari's next tile row, decoded while napari draws) decodes its units on
 #: the decode pool rather than on its own thread alone.  16 cores, napari's time-slider steps
@@ -438,7 +439,9 @@ class CpuReadPath:
         disk = None
         if reader._objects.hints:
             reads = [read for b in order for read in reads_of[b]]
-            disk = DiskFetches(reads, reader._objects, reader._fetch, reader._disk_io())
+            # each decode thread's next read on its way, however large the shards (within the window)
+            ahead = min(window, max([DISK_FETCH_AHEAD_BYTES, *(self.decode_threads * read.size for read in reads)]))
+            disk = DiskFetches(reads, reader._objects, reader._fetch, reader._disk_io(), ahead)
         pending: list[_BlockTask] = []
         in_flight = 0
         # the counts of the decode threads' work, added here once (no lock taken there, nor per block)
