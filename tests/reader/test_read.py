@@ -1072,10 +1072,10 @@ def _advice_recorder(monkeypatch, tmp_path):
     return calls
 
 
-def _page_cache(monkeypatch, cached: bool) -> list[int]:
+def _page_cache(monkeypatch, cached: bool, note=lambda offset: offset) -> list:
     """The page cache as the reader's residency check sees it (os.preadv with RWF_NOWAIT): every
-    page ``cached`` or none; the other reads are real.  Returns how many hints were given when the
-    first bytes were read (filled by the first real read)."""
+    page ``cached`` or none; the other reads are real, each noted (``note(offset)``, by default
+    the offset) in the list returned."""
     real_preadv, seen = os.preadv, []
 
     def preadv(fd, buffers, offset, flags=0):
@@ -1083,7 +1083,7 @@ def _page_cache(monkeypatch, cached: bool) -> list[int]:
             if not cached:
                 raise BlockingIOError("not in the page cache")
             return 1
-        seen.append(offset)
+        seen.append(note(offset))
         return real_preadv(fd, buffers, offset)
 
     monkeypatch.setattr(os, "preadv", preadv)
@@ -1278,18 +1278,7 @@ def test_disk_fetches_run_a_bounded_way_ahead_skip_cached_reads_and_sample_long_
 
 def _data_reads_by_thread(monkeypatch, cached: bool) -> list[str]:
     """:func:`_page_cache`, noting the name of the thread of each data read."""
-    real_preadv, names = os.preadv, []
-
-    def preadv(fd, buffers, offset, flags=0):
-        if flags:
-            if not cached:
-                raise BlockingIOError("not in the page cache")
-            return 1
-        names.append(threading.current_thread().name)
-        return real_preadv(fd, buffers, offset)
-
-    monkeypatch.setattr(os, "preadv", preadv)
-    return names
+    return _page_cache(monkeypatch, cached, note=lambda offset: threading.current_thread().name)
 
 
 @pytest.mark.skipif(not hasattr(os, "RWF_NOWAIT"), reason="the residency check needs Linux's RWF_NOWAIT")
