@@ -440,7 +440,8 @@ class CpuReadPath:
         if reader._objects.hints:
             reads = [read for b in order for read in reads_of[b]]
             # each decode thread's next read on its way, however large the shards (within the window)
-            ahead = min(window, max([DISK_FETCH_AHEAD_BYTES, *(self.decode_threads * read.size for read in reads)]))
+            largest = max((read.size for read in reads), default=0)
+            ahead = min(window, max(DISK_FETCH_AHEAD_BYTES, self.decode_threads * largest))
             disk = DiskFetches(reads, reader._objects, reader._fetch, reader._disk_io(), ahead)
         pending: list[_BlockTask] = []
         in_flight = 0

@@ -258,6 +258,21 @@ CACHED_RUN = 16
 CACHED_SAMPLE = 16
 
 
+class _CachedRuns:
+    """Which reads to look at in the page cache: every one until ``CACHED_RUN`` in a row were
+    found cached, then those at positions divisible by ``CACHED_SAMPLE``, every one again after
+    a look finds one that is not."""
+
+    def __init__(self) -> None:
+        self.in_a_row = 0
+
+    def look(self, position: int) -> bool:
+        return self.in_a_row < CACHED_RUN or position % CACHED_SAMPLE == 0
+
+    def saw(self, cached: bool) -> None:
+        self.in_a_row = self.in_a_row + 1 if cached else 0
+
+
 def hinted_ahead(reads: list[Read], objects: StoreObjects) -> Iterator[Read]:
     """A plan's ``reads`` in order; as each is taken (to be fetched), the OS is asked to read
     the ones after it into its page cache, up to ``WILL_NEED_BYTES`` ahead
@@ -269,7 +284,7 @@ def hinted_ahead(reads: list[Read], objects: StoreObjects) -> Iterator[Read]:
         return
     hinted = 0  # reads[:hinted] were hinted or taken
     ahead = 0  # bytes of the reads hinted after the one being taken
-    cached_in_a_row = 0
+    runs = _CachedRuns()
     for i, read in enumerate(reads):
         if i < hinted:
             ahead -= read.size  # hinted earlier; taken now
@@ -277,9 +292,8 @@ def hinted_ahead(reads: list[Read], objects: StoreObjects) -> Iterator[Read]:
             hinted = i + 1
         while hinted < len(reads) and ahead < WILL_NEED_BYTES:
             later = reads[hinted]
-            if cached_in_a_row < CACHED_RUN or hinted % CACHED_SAMPLE == 0:
-                asked = objects.will_need(later.key, later.start, later.size)
-                cached_in_a_row = 0 if asked else cached_in_a_row + 1
+            if runs.look(hinted):
+                runs.saw(cached=not objects.will_need(later.key, later.start, later.size))
             ahead += later.size
             hinted += 1
         yield read
@@ -311,7 +325,7 @@ class DiskFetches:
         self._next = 0  # reads[:_next] were submitted, left to the decode or taken
         self._ahead = 0  # bytes submitted and not taken
         self._seen = 0
-        self._cached_in_a_row = 0
+        self._runs = _CachedRuns()
         self._closed = False
         self._lock = threading.Lock()
         with self._lock:
@@ -341,12 +355,12 @@ class DiskFetches:
             read = self._reads[self._next]
             self._next += 1
             self._seen += 1
-            if self._cached_in_a_row >= CACHED_RUN and self._seen % CACHED_SAMPLE:
+            if not self._runs.look(self._seen):
                 continue
-            if self._objects.cached(read.key, read.start):
-                self._cached_in_a_row += 1
+            cached = self._objects.cached(read.key, read.start)
+            self._runs.saw(cached)
+            if cached:
                 continue
-            self._cached_in_a_row = 0
             self._futures[read.index] = self._pool.submit(self._fetch, read)
             self._ahead += read.size
 
