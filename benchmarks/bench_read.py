@@ -347,7 +347,7 @@ def decode_ceiling(path: Path, threads: int) -> dict:
     }
 
 
-def pipeline_ceiling(path: Path, threads: int) -> dict:
+def pipeline_ceiling(path: Path, threads: int, place_bytes: int = 0, mapped: bool = False) -> dict:
     """What a whole read costs with no reader around it: ``threads`` threads each taking whole
     shards in turn, and per shard its bytes read from the file (``os.preadv``, the descriptor
     opened beforehand), every chunk decoded in one python-zstandard batch (the GIL released) and
@@ -355,12 +355,20 @@ def pipeline_ceiling(path: Path, threads: int) -> dict:
     checks and no task machinery (a few Python calls per shard).  The work any reader of the
     array must do (the bytes out of the page cache, decoded, placed), as fast as libzstd, the
     kernel and NumPy do it on this host: ``pipeline_gbps`` (best of 2).  ``{}`` where a shard is
-    not one read of all its chunks in box order or not whole (the layouts here all are)."""
+    not one read of all its chunks in box order or not whole (the layouts here all are).
+
+    Variants (how far a reader's own work could go): ``place_bytes``: a shard's chunks decoded
+    and placed in batches of about that many decoded bytes (sub-boxes in box order), each placed
+    while still in the CPU's caches, instead of the whole shard decoded and then placed;
+    ``mapped``: the shard's bytes decoded straight from a read-only ``mmap`` of the file (its pages
+    populated at the map, unmapped after), not copied out of the page cache first."""
+    import mmap
     import threading
 
     import zstandard
 
     from napari_tileshard.format import codecs
+    from napari_tileshard.reader.cpu import unit_boxes
 
     reader = ShardReader(path, backend="cpu")
     plan = reader.plan(...)
@@ -369,9 +377,10 @@ def pipeline_ceiling(path: Path, threads: int) -> dict:
     reads_of: list[list] = [[] for _ in plan.blocks]
     for read in plan.reads:
         reads_of[read.block].append(read)
+    order = [axis for d in range(ndim) for axis in (d, ndim + d)]
     jobs, descriptors = [], []
     for block, reads in zip(plan.blocks, reads_of):
-        box = block.box_shape
+        box = tuple(block.box_shape)
         if len(reads) != 1 or not np.array_equal(reads[0].slots, np.arange(block.box_chunks.size)):
             return {}
         if tuple(block.shape) != tuple(b * c for b, c in zip(box, chunk_shape)):
@@ -379,30 +388,52 @@ def pipeline_ceiling(path: Path, threads: int) -> dict:
         read = reads[0]
         fd = os.open(os.path.join(str(path), read.key), os.O_RDONLY)
         descriptors.append(fd)
-        count = len(read.offsets)
-        segments = np.empty((count, 2), dtype=np.uint64)
-        segments[:, 0] = read.offsets
-        segments[:, 1] = codecs._one_buffer_lengths(read.offsets, read.nbytes, read.size, count * chunk_bytes)
-        target = out[block.region].reshape([n for b, c in zip(box, chunk_shape) for n in (b, c)])
-        order = [axis for d in range(ndim) for axis in (d, ndim + d)]
-        jobs.append((fd, read.start, read.size, segments.tobytes(), count, target, tuple(box), order))
-    sizes = {count: np.full(count, chunk_bytes, dtype=np.uint64).tobytes() for *_, count, _, _, _ in jobs}
+        whole = out[block.region]
+        rows = max(1, place_bytes // chunk_bytes) if place_bytes else block.box_chunks.size
+        batches = []
+        for (first, stop), ranges in unit_boxes(box, rows):
+            count = stop - first
+            offsets, nbytes = read.offsets[first:stop], read.nbytes[first:stop]
+            segments = np.empty((count, 2), dtype=np.uint64)
+            segments[:, 0] = offsets
+            segments[:, 1] = codecs._one_buffer_lengths(offsets, nbytes, read.size, count * chunk_bytes)
+            shape = tuple(hi - lo for lo, hi in ranges)
+            target = whole[tuple(slice(lo * c, hi * c) for (lo, hi), c in zip(ranges, chunk_shape))]
+            target = target.reshape([n for b, c in zip(shape, chunk_shape) for n in (b, c)])
+            batches.append((segments.tobytes(), count, target, shape))
+        jobs.append((fd, read.start, read.size, batches))
+    sizes: dict[int, bytes] = {}
+    for *_, batches in jobs:
+        for _, count, _, _ in batches:
+            sizes.setdefault(count, np.full(count, chunk_bytes, dtype=np.uint64).tobytes())
     local = threading.local()
+    populate = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
     def one(job) -> None:
-        fd, start, size, segments, count, target, box, order = job
-        buffer = getattr(local, "buffer", None)
-        if buffer is None or buffer.size < size:
-            buffer = local.buffer = np.zeros(max(size, 64 << 20), np.uint8)
+        fd, start, size, batches = job
+        if not hasattr(local, "context"):
             local.context = zstandard.ZstdDecompressor()
-        view = buffer[:size]
-        os.preadv(fd, [view], start)
-        decoded = local.context.multi_decompress_to_buffer(
-            zstandard.BufferWithSegments(view, segments), decompressed_sizes=sizes[count], threads=1
-        )
-        [(_, chunks)] = codecs._runs(decoded, count, chunk_bytes)
-        source = chunks.view(reader.dtype).reshape(box + tuple(chunk_shape)).transpose(order)
-        np.copyto(target, source)
+            local.buffer = None if mapped else np.zeros(max(size, 64 << 20), np.uint8)
+        mapping = None
+        if mapped:
+            head = start % mmap.ALLOCATIONGRANULARITY
+            mapping = mmap.mmap(fd, size + head, flags=populate, prot=mmap.PROT_READ, offset=start - head)
+            view = memoryview(mapping)[head : head + size]
+        else:
+            view = local.buffer[:size]
+            os.preadv(fd, [view], start)
+        try:
+            for segments, count, target, shape in batches:
+                decoded = local.context.multi_decompress_to_buffer(
+                    zstandard.BufferWithSegments(view, segments), decompressed_sizes=sizes[count], threads=1
+                )
+                [(_, chunks)] = codecs._runs(decoded, count, chunk_bytes)
+                np.copyto(target, chunks.view(reader.dtype).reshape(shape + tuple(chunk_shape)).transpose(order))
+                del decoded, chunks
+        finally:
+            if mapping is not None:
+                view.release()
+                mapping.close()
 
     try:
         with ThreadPoolExecutor(threads) as pool:
