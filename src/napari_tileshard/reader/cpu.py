@@ -25,7 +25,7 @@ from ..format.codecs import Codec, CodecError
 from ..format.shard_spec import ChunkDecodeError
 from .fetch import DISK_FETCH_AHEAD_BYTES, FREE_BUFFER_BYTES, DiskFetches
 from .memory import output_pool
-from .plan import Block, DimPart, Read, ReadPlan
+from .plan import Block, DimPart, Read, ReadPlan, distinct
 from .tasks import TaskPool
 
 __all__ = ["UNIT_BYTES", "BlockSource", "CpuReadPath", "apart_order", "dim_pieces", "unit_boxes", "untile_into"]
@@ -272,7 +272,7 @@ class BlockSource:
             for j in np.flatnonzero(where < 0).tolist():
                 rows[j] = fill if where[j] == -1 else self.block.cached[first + j]
         offsets = self.offset_of[first:stop].tolist()
-        for buffer in np.unique(where[where >= 0]).tolist():
+        for buffer in distinct(where[where >= 0]).tolist():
             sizes = np.where(where == buffer, self.nbytes_of[first:stop], -1).tolist()
             try:
                 decode_chunks(self.views[buffer], offsets, sizes, rows, absent=-1)

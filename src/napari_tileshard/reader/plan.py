@@ -29,6 +29,7 @@ __all__ = [
     "Read",
     "ReadPlan",
     "dim_parts",
+    "distinct",
     "normalize_selection",
     "number_reads",
     "pack_runs",
@@ -301,6 +302,19 @@ def _progression_parts(first: int, count: int, step: int, shard_size: int, chunk
     return tuple(parts)
 
 
+def distinct(values: np.ndarray) -> np.ndarray:
+    """The sorted distinct values of the 1-D array ``values``, as ``np.unique(values)``, without
+    its first call's cost: NumPy 2 (2.3+) imports ``numpy.ma`` there, which took 62 ms on the
+    2-core VM, a third of a process's first 128 MiB read."""
+    ordered = np.sort(values)
+    if ordered.size < 2:
+        return ordered
+    keep = np.empty(ordered.size, dtype=bool)
+    keep[0] = True
+    np.not_equal(ordered[1:], ordered[:-1], out=keep[1:])
+    return ordered[keep]
+
+
 def dim_parts(index: np.ndarray, shard_size: int, chunk_size: int) -> list[DimPart]:
     """Split one dim's selected indices by shard (vectorised over the indices)."""
     if not index.size:
@@ -311,7 +325,7 @@ def dim_parts(index: np.ndarray, shard_size: int, chunk_size: int) -> list[DimPa
     parts = []
     for s, lo, hi in zip(shards.tolist(), bounds[:-1], bounds[1:]):
         chunk_numbers = index[lo:hi] // chunk_size
-        chunks = np.unique(chunk_numbers)
+        chunks = distinct(chunk_numbers)
         parts.append(
             DimPart(
                 s,
