@@ -1381,7 +1381,7 @@ def test_distinct_equals_numpy_unique(values, dtype):
 
 
 def test_a_processs_first_read_does_not_import_numpy_ma(tmp_path):
-    """A script's first read pays no import beyond the package's own: NumPy 2.3+ imports
+    """A script's first read pays no import beyond the package's own: recent NumPy (2.4) imports
     ``numpy.ma`` on a process's first ``np.unique`` call (62 ms on the 2-core VM, a third of a
     first 128 MiB read), which the read's plan and decode no longer make."""
     import subprocess

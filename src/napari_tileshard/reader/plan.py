@@ -304,7 +304,7 @@ def _progression_parts(first: int, count: int, step: int, shard_size: int, chunk
 
 def distinct(values: np.ndarray) -> np.ndarray:
     """The sorted distinct values of the 1-D array ``values``, as ``np.unique(values)``, without
-    its first call's cost: NumPy 2 (2.3+) imports ``numpy.ma`` there, which took 62 ms on the
+    its first call's cost: recent NumPy (2.4) imports ``numpy.ma`` there, which took 62 ms on the
     2-core VM, a third of a process's first 128 MiB read."""
     ordered = np.sort(values)
     if ordered.size < 2:
