@@ -184,26 +184,6 @@ def test_cpu_batches_are_the_epochs_the_threads_need_and_at_least_16_mib(tmp_pat
     assert estimate_memory(shallow)["cpu_host"] < estimate_memory(shallow, batch_bytes=batch * 2)["cpu_host"]
 
 
-def test_cpu_backend_stages_deeper_with_many_encode_threads():
-    """With many encode threads (16 cores) the caller fills a staging buffer while three more
-    are encoded, with few the base's two; the Writer plans with the backend's count."""
-    from napari_tileshard.engine.backends.base import MemoryBudget
-    from napari_tileshard.engine.backends.cpu import MANY_THREADS, MANY_THREADS_STAGING_BUFFERS
-    from napari_tileshard.engine.writer import plan_batches
-    from napari_tileshard.format.pyramid import Pyramid
-
-    layout = Layout([Dim("t", 0, 2, 1), Dim("y", 512, 128, 2), Dim("x", 512, 128, 2)], "uint16")
-    assert CpuBackend.staging_buffers_for(threads=MANY_THREADS - 1) == 2
-    assert CpuBackend.staging_buffers_for(threads=MANY_THREADS) == MANY_THREADS_STAGING_BUFFERS == 4
-    for threads, expected in ((2, 2), (16, 4)):
-        backend = CpuBackend(layout, "zstd", 1, threads=threads)
-        try:
-            planned = plan_batches(backend, Pyramid.single(layout), "zstd", None, None, MemoryBudget(None, None))
-            assert planned[1] == expected
-        finally:
-            backend.close()
-
-
 @given(layouts(), st.integers(1, 4), st.integers(1, 17))
 @settings(max_examples=80, deadline=None)
 def test_cpu_task_plan_splits_each_shard_into_even_runs_of_tile_rows_cut_into_boxes(layout, epochs, threads):

@@ -172,7 +172,7 @@ def estimate_memory(
     gpu_epochs = preferred if batch_bytes else largest_fitting(preferred, lambda e: budget.admits(gpu(e)))
     estimate = gpu(gpu_epochs or 1)
     return {
-        "cpu_host": CpuBackend.staging_buffers_for() * cpu_epochs * layout.epoch_bytes
+        "cpu_host": CpuBackend.preferred_staging_buffers * cpu_epochs * layout.epoch_bytes
         + cpu_levels
         + in_flight_bytes(pyramid, codec, cpu_epochs),
         "gpu_host": estimate["host"],

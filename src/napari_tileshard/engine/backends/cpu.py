@@ -44,15 +44,6 @@ _MANY_THREADS_BOX_BYTES = 4 << 20
 MANY_THREADS = 8
 
 
-#: staging buffers of a CPU backend with at least MANY_THREADS encode threads (fewer: the base's 2):
-#: the caller fills one while the encode threads work on the others.  16 cores, writes of 2 GiB
-#: against 2 buffers, 4 rounds each on two hosts: the default layout 1.06 (1.03-1.15)x and 1.03
-#: (0.94-1.14)x; 64 KiB tiles 1.00 and 0.98x, 256 KiB / 1 MiB tiles 0.98 / 1.00x (one host); 18
-#: or 20 encode threads instead 0.93-0.95x (benchmarks/results/cpu_16core_2026-11-28/, calls 7
-#: and 8).  A buffer is a batch (batch_bytes_for: 128 MiB for the default layout there)
-MANY_THREADS_STAGING_BUFFERS = 4
-
-
 def box_bytes_for(threads: int) -> int:
     """Bytes of tiles an encode task cuts and compresses at a time, with ``threads`` encode threads."""
     return _MANY_THREADS_BOX_BYTES if threads >= MANY_THREADS else _BOX_BYTES
@@ -90,12 +81,6 @@ class CpuBackend(Backend):
     _MAX_BATCH_BYTES = 256 << 20
 
     @classmethod
-    def staging_buffers_for(cls, threads: int | None = None) -> int:
-        """Staging buffers by default with ``threads`` encode threads (default: one per CPU)."""
-        threads = threads or os.cpu_count() or 1
-        return MANY_THREADS_STAGING_BUFFERS if threads >= MANY_THREADS else cls.preferred_staging_buffers
-
-    @classmethod
     def batch_bytes_for(cls, layout, threads: int | None = None) -> int:
         """Input per batch by default: whole tile epochs, enough that each of ``threads`` encode
         threads (default: one per CPU) gets two (epoch, shard) tasks, and at least
@@ -118,7 +103,6 @@ class CpuBackend(Backend):
         )
         # Tasks per (epoch, shard [piece]): a few epochs per batch so every thread has work.
         self.preferred_batch_bytes = self.batch_bytes_for(layout, self.threads)
-        self.preferred_staging_buffers = self.staging_buffers_for(self.threads)
 
     def memory_estimate(self, batch_bytes: int, staging_buffers: int) -> dict[str, int]:
         estimate = super().memory_estimate(batch_bytes, staging_buffers)
