@@ -324,7 +324,6 @@ class DiskFetches:
         self._futures: dict[int, Future] = {}  # by read index: submitted, not taken
         self._next = 0  # reads[:_next] were submitted, left to the decode or taken
         self._ahead = 0  # bytes submitted and not taken
-        self._seen = 0
         self._runs = _CachedRuns()
         self._closed = False
         self._lock = threading.Lock()
@@ -354,8 +353,7 @@ class DiskFetches:
         while not self._closed and self._next < len(self._reads) and self._ahead < self._ahead_bytes:
             read = self._reads[self._next]
             self._next += 1
-            self._seen += 1
-            if not self._runs.look(self._seen):
+            if not self._runs.look(self._next):
                 continue
             cached = self._objects.cached(read.key, read.start)
             self._runs.saw(cached)

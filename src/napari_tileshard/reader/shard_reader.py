@@ -526,18 +526,10 @@ class ShardReader:
         (:func:`~napari_tileshard.reader.fetch.hinted_ahead`)."""
         if self.prefetch and self._io is None:
             self._io = ThreadPoolExecutor(min(8, self.prefetch), thread_name_prefix="tileshard-read")
-        if fetch is None:
-            reads = self._hinted(reads, self.prefetch)
+        if fetch is None and self._objects.hints and len(reads) > self.prefetch + 1:
+            # more reads than the reader fetches at once: the OS reads the later ones meanwhile
+            reads = hinted_ahead(reads, self._objects)
         return prefetched(reads, fetch or self._fetch, self.prefetch, self._io)
-
-    def _hinted(self, reads, in_flight: int) -> Iterator:
-        """A plan's ``reads`` in order; where the store takes hints (local files on a disk) with
-        hints to the OS beyond each one taken
-        (:func:`~napari_tileshard.reader.fetch.hinted_ahead`) when there are more than the
-        ``in_flight`` reads the reader itself fetches at once."""
-        if self._objects.hints and len(reads) > in_flight + 1:
-            return hinted_ahead(reads, self._objects)
-        return iter(reads)
 
     def _cpu_path(self) -> CpuReadPath:
         if self._cpu is None:
