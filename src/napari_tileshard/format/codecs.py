@@ -36,6 +36,8 @@ import numpy as np
 import zstandard
 from zarr.codecs import BloscCodec, GzipCodec, ZstdCodec
 
+from . import libzstd
+
 __all__ = [
     "Blosc",
     "BloscLz4",
@@ -376,7 +378,17 @@ class Zstd(Codec):
         if got != n:
             raise CodecError(f"zstd frame decodes to {got} bytes, expected {n}")
 
+    def decode_chunks(self, src, offsets, nbytes, dest, absent=-1):
+        # libzstd's GIL-free call for all of them where it takes them, else one call per chunk
+        if not self._present_frames_into(src, offsets, nbytes, dest, absent):
+            self._decode_each(src, offsets, nbytes, dest, absent)
+
+    def _decode_each(self, src, offsets, nbytes, dest, absent):
+        super().decode_chunks(src, offsets, nbytes, dest, absent)
+
     def decode_chunks_released(self, src, offsets, nbytes, dest, absent=-1):
+        if self._present_frames_into(src, offsets, nbytes, dest, absent):
+            return
         chunk_bytes = dest.shape[1] if dest.ndim == 2 else 0
         sizes = np.asarray(nbytes, dtype=np.int64)
         rows = np.flatnonzero(sizes != absent)
@@ -384,7 +396,7 @@ class Zstd(Codec):
         if rows.size and chunk_bytes:
             runs = self._decoded_runs(src, np.asarray(offsets, dtype=np.int64)[rows], sizes[rows], chunk_bytes)
         if runs is None:  # refused, or nothing to decode: chunk by chunk, which names the chunk and the reason
-            self.decode_chunks(src, offsets, nbytes, dest, absent)
+            self._decode_each(src, offsets, nbytes, dest, absent)
             return
         every = len(rows) == dest.shape[0]
         for first, run in runs:
@@ -394,6 +406,12 @@ class Zstd(Codec):
                 dest[rows[first : first + len(run)]] = run
 
     def decoded_chunks_released(self, src, offsets, nbytes, chunk_bytes, scratch=None):
+        lengths = np.asarray(nbytes, dtype=np.int64)
+        decoder = libzstd.frame_decoder()
+        if lengths.size and decoder is not None:
+            whole = np.empty((len(lengths), chunk_bytes), dtype=np.uint8) if scratch is None else scratch
+            if self._frames_into(decoder, src, np.asarray(offsets, dtype=np.int64), lengths, whole):
+                return whole
         runs = self._decoded_runs(src, offsets, nbytes, chunk_bytes)
         if runs is None:
             return None
@@ -403,6 +421,56 @@ class Zstd(Codec):
         for first, run in runs:
             whole[first : first + len(run)] = run
         return whole
+
+    def _present_frames_into(self, src, offsets, nbytes, dest: np.ndarray, absent: int) -> bool:
+        """:meth:`_frames_into` for the chunks whose ``nbytes`` is not ``absent``, each into its own row."""
+        decoder = libzstd.frame_decoder()
+        if decoder is None or dest.ndim != 2:
+            return False
+        sizes = np.asarray(nbytes, dtype=np.int64)
+        rows = np.flatnonzero(sizes != absent)
+        if not rows.size:
+            return True
+        return self._frames_into(decoder, src, np.asarray(offsets, dtype=np.int64)[rows], sizes[rows], dest, rows)
+
+    @staticmethod
+    def _frames_into(
+        decoder: libzstd.FrameDecoder, src, starts: np.ndarray, lengths: np.ndarray, dest: np.ndarray, rows=None
+    ) -> bool:
+        """Chunk ``i`` (bytes ``starts[i]`` .. ``+ lengths[i]`` of ``src``) decoded into row
+        ``rows[i]`` of ``dest`` (default: row ``i``) by ``decoder`` (:mod:`.libzstd`), one
+        GIL-free call per run of chunks that lie back to back in ``src`` and in ``dest``; False
+        where a check or libzstd refused (rows may then hold anything: the caller decodes them
+        again another way, which names what is wrong).
+
+        libzstd decodes a run as concatenated frames, so each chunk must be exactly one frame
+        (the walk of :func:`_frame_sizes`) that declares exactly one row's size (the header's
+        content size, which libzstd holds the frame to): a frame of another or no declared size
+        would shift the rows after it."""
+        row_bytes = dest.shape[1] if dest.ndim == 2 else 0
+        if not row_bytes or dest.dtype != np.uint8 or not dest.flags.c_contiguous or (lengths <= 0).any():
+            return False
+        data = np.frombuffer(src, dtype=np.uint8)
+        ends = starts + lengths
+        if (_frame_sizes(data, starts, ends) != lengths).any() or (_content_sizes(data, starts) != row_bytes).any():
+            return False
+        rows = np.arange(len(starts)) if rows is None else np.asarray(rows, dtype=np.int64)
+        # a run ends where the next chunk does not follow it in src, or its row does not follow
+        breaks = np.flatnonzero((starts[1:] != ends[:-1]) | (rows[1:] != rows[:-1] + 1)) + 1
+        bounds = [0, *breaks.tolist(), len(starts)]
+        source, target = data.ctypes.data, dest.ctypes.data
+        for first, stop in zip(bounds, bounds[1:]):
+            count = stop - first
+            begin, row = int(starts[first]), int(rows[first])
+            if row < 0 or row + count > dest.shape[0]:
+                return False
+            expected = count * row_bytes
+            decoded = decoder.decode_frames(
+                source + begin, int(ends[stop - 1]) - begin, target + row * row_bytes, expected
+            )
+            if decoded != expected:
+                return False
+        return True
 
     def _decoded_runs(self, src, offsets, nbytes, chunk_bytes) -> list[tuple[int, np.ndarray]] | None:
         # python-zstandard's multi_decompress_to_buffer decodes every chunk with the GIL released
@@ -474,6 +542,41 @@ def _frame_header_tables() -> tuple[np.ndarray, np.ndarray]:
 
 
 _HEADER_BYTES, _CHECKSUM_BYTES = _frame_header_tables()
+
+
+def _content_size_tables() -> tuple[np.ndarray, np.ndarray]:
+    """Per frame header descriptor byte (RFC 8878, 3.1.1.1.4): the bytes of the content size
+    field (0: none declared) and its offset from the frame's start."""
+    descriptor = np.arange(256, dtype=np.int64)
+    single_segment = (descriptor >> 5) & 1
+    flag = descriptor >> 6
+    field = np.where(flag == 0, single_segment, _CONTENT_SIZE_BYTES[flag])
+    return field, 5 + (1 - single_segment) + _DICTIONARY_ID_BYTES[descriptor & 3]
+
+
+_CONTENT_FIELD_BYTES, _CONTENT_FIELD_AT = _content_size_tables()
+
+
+def _content_sizes(data: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """The content size each zstd frame at ``starts`` declares in its header, -1 where it
+    declares none; over all frames at once, a few NumPy calls per header layout among them (one,
+    mostly: one writer's frames).  The headers must lie in ``data`` (as :func:`_frame_sizes`
+    checks: the field ends before the frame's first block)."""
+    descriptor = data[starts + 4]
+    sizes = np.full(len(starts), -1, dtype=np.int64)
+    one = (descriptor == descriptor[0]).all()
+    layouts = [int(descriptor[0])] if one else np.flatnonzero(np.bincount(descriptor)).tolist()
+    for layout in layouts:
+        field = int(_CONTENT_FIELD_BYTES[layout])
+        if not field:
+            continue
+        at = starts + int(_CONTENT_FIELD_AT[layout])
+        # the little-endian field at every byte offset (a view, no copy)
+        fields = np.ndarray((data.size - field + 1,), dtype=f"<u{field}", buffer=data, strides=(1,))
+        chosen = slice(None) if len(layouts) == 1 else descriptor == layout
+        value = fields[at[chosen]].astype(np.int64)  # 8-byte sizes past 2**63: negative, never a chunk's size
+        sizes[chosen] = value + 256 if field == 2 else value  # the 2-byte field counts from 256
+    return sizes
 
 
 #: up to this many chunks the frame walk goes chunk by chunk in Python, beyond it over all

@@ -1,0 +1,200 @@
+"""libzstd's own frame decoder (format/libzstd.py) as Zstd's batch decode: the same bytes as
+python-zstandard chunk by chunk, one call per run of chunks back to back, and every chunk it
+refuses decoded chunk by chunk, which names it; the setting that switches it off."""
+
+from __future__ import annotations
+
+import platform
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import zstandard
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from napari_tileshard.format import codecs, libzstd
+from napari_tileshard.format.codecs import CodecError, Zstd
+
+needs_libzstd = pytest.mark.skipif(
+    libzstd._loaded() is None, reason="no libzstd with an exported C API here (numcodecs' or the system's)"
+)
+
+
+@pytest.fixture(autouse=True)
+def _libzstd_on(monkeypatch):
+    """These tests are of the default decoder, whatever the environment running them says."""
+    monkeypatch.setenv(libzstd.DECODER_SETTING, "auto")
+
+
+def _chunks(count: int, chunk_bytes: int, seed: int, level: int = 1):
+    rng = np.random.default_rng(seed)
+    tiles = np.cumsum(rng.integers(0, 4, (count, chunk_bytes // 2)), axis=1).astype(np.uint16).view(np.uint8)
+    compressor = zstandard.ZstdCompressor(level=level)
+    return tiles, [compressor.compress(t.tobytes()) for t in tiles]
+
+
+def _layout(chunks: list[bytes], gaps: list[int]) -> tuple[bytes, np.ndarray, np.ndarray]:
+    """The chunks in one buffer, ``gaps[i]`` bytes of other data before chunk ``i``."""
+    parts, offsets, at = [], [], 0
+    for chunk, gap in zip(chunks, gaps):
+        parts.append(b"\xa5" * gap)
+        at += gap
+        offsets.append(at)
+        parts.append(chunk)
+        at += len(chunk)
+    return b"".join(parts), np.array(offsets, dtype=np.int64), np.array([len(c) for c in chunks], dtype=np.int64)
+
+
+def test_the_setting_picks_the_decoder_and_names_a_bad_value(monkeypatch):
+    monkeypatch.setenv(libzstd.DECODER_SETTING, "zstandard")
+    assert libzstd.frame_decoder() is None
+    monkeypatch.setenv(libzstd.DECODER_SETTING, "fast")
+    with pytest.raises(ValueError, match="TILESHARD_ZSTD_DECODER.*'fast'"):
+        libzstd.frame_decoder()
+    monkeypatch.setenv(libzstd.DECODER_SETTING, "auto")
+    assert libzstd.frame_decoder() is libzstd._loaded()
+
+
+@pytest.mark.skipif(
+    not (sys.platform.startswith("linux") and platform.machine() == "x86_64"),
+    reason="numcodecs' Linux x86-64 wheels export libzstd's API; elsewhere python-zstandard decodes",
+)
+def test_linux_finds_a_libzstd_with_the_multi_frame_call():
+    decoder = libzstd._loaded()
+    assert decoder is not None and decoder.version >= 10400
+    assert decoder.origin in ("numcodecs", "system")
+
+
+@needs_libzstd
+@settings(max_examples=40, deadline=None)
+@given(
+    count=st.integers(1, 20),
+    chunk_kib=st.sampled_from([1, 4, 64, 200]),
+    gaps=st.lists(st.sampled_from([0, 0, 0, 1, 7]), min_size=20, max_size=20),
+    absent=st.lists(st.booleans(), min_size=20, max_size=20),
+    level=st.sampled_from([-1, 1, 3]),
+)
+def test_libzstd_decodes_what_python_zstandard_decodes(count, chunk_kib, gaps, absent, level):
+    """Chunks back to back or apart in the source, some rows absent: every present row as
+    python-zstandard decodes it, absent rows untouched, in one libzstd call per run."""
+    tiles, chunks = _chunks(count, chunk_kib << 10, seed=count * 7 + chunk_kib, level=level)
+    src, offsets, nbytes = _layout(chunks, gaps[:count])
+    sizes = np.where(absent[:count], -1, nbytes)
+    codec = Zstd(level=level)
+    for decode in (codec.decode_chunks, codec.decode_chunks_released):
+        dest = np.full(tiles.shape, 0x3C, np.uint8)
+        decode(memoryview(src), offsets.tolist(), sizes.tolist(), dest, absent=-1)
+        for i in range(count):
+            expected = np.full(tiles.shape[1], 0x3C, np.uint8) if absent[i] else tiles[i]
+            np.testing.assert_array_equal(dest[i], expected)
+    whole = codec.decoded_chunks_released(memoryview(src), offsets, nbytes, tiles.shape[1])
+    np.testing.assert_array_equal(whole, tiles)
+
+
+@needs_libzstd
+def test_one_libzstd_call_per_run_of_chunks_back_to_back():
+    tiles, chunks = _chunks(6, 8192, seed=3)
+    src, offsets, nbytes = _layout(chunks, [0, 0, 5, 0, 0, 0])  # two runs: chunks 0-1 and 2-5
+    calls = []
+    decoder = libzstd._loaded()
+
+    class Counting:
+        def decode_frames(self, *args):
+            calls.append(args)
+            return decoder.decode_frames(*args)
+
+    dest = np.zeros_like(tiles)
+    assert Zstd._frames_into(Counting(), memoryview(src), offsets, nbytes, dest)
+    np.testing.assert_array_equal(dest, tiles)
+    assert len(calls) == 2
+
+
+@needs_libzstd
+@pytest.mark.parametrize("damage", ["not_zstd", "shorter", "other_size", "no_size", "trailing"])
+def test_what_libzstd_refuses_is_decoded_chunk_by_chunk_and_named(damage):
+    """A damaged chunk fails the batch and is named by the chunk-by-chunk decode; a frame that
+    declares no size is decoded right, chunk by chunk (libzstd could not place the rows after
+    it); bytes after a chunk's frame are refused as they are without libzstd."""
+    tiles, chunks = _chunks(5, 65536, seed=9)
+    chunks = list(chunks)
+    if damage == "not_zstd":
+        chunks[2] = np.random.default_rng(1).integers(0, 256, len(chunks[2]), dtype=np.uint8).tobytes()
+    elif damage == "shorter":
+        chunks[2] = chunks[2][:-10]
+    elif damage == "other_size":
+        chunks[2] = zstandard.ZstdCompressor(level=1).compress(tiles[2].tobytes()[:-2])
+    elif damage == "no_size":
+        stream = zstandard.ZstdCompressor(level=1, write_content_size=False).compressobj()
+        chunks[2] = stream.compress(tiles[2].tobytes()) + stream.flush()
+    else:
+        chunks[2] = chunks[2] + b"\x00\x01"
+    src, offsets, nbytes = _layout(chunks, [0] * 5)
+    codec = Zstd(level=1)
+    for decode in (codec.decode_chunks, codec.decode_chunks_released):
+        dest = np.zeros_like(tiles)
+        if damage == "no_size":
+            decode(memoryview(src), offsets.tolist(), nbytes.tolist(), dest)
+            np.testing.assert_array_equal(dest, tiles)
+            continue
+        with pytest.raises(CodecError) as raised:
+            decode(memoryview(src), offsets.tolist(), nbytes.tolist(), dest)
+        assert raised.value.chunk == 2
+    got = codec.decoded_chunks_released(memoryview(src), offsets, nbytes, tiles.shape[1])
+    if damage == "no_size":
+        np.testing.assert_array_equal(got, tiles)
+
+
+@needs_libzstd
+def test_content_sizes_read_every_header_layout():
+    """The declared size as python-zstandard reads it, for 1-, 2-, 4- and 8-byte fields, frames
+    that declare none, and several header layouts in one batch."""
+    rng = np.random.default_rng(2)
+    frames = []
+    for n in (0, 1, 255, 256, 300, 65535, 65791, 65792, 70000, 1 << 20):
+        frames.append(zstandard.ZstdCompressor(level=1).compress(rng.integers(0, 255, n, dtype=np.uint8).tobytes()))
+    stream = zstandard.ZstdCompressor(level=1, write_content_size=False).compressobj()
+    frames.append(stream.compress(b"abc" * 1000) + stream.flush())
+    data = np.frombuffer(b"".join(frames), dtype=np.uint8)
+    starts = np.concatenate(([0], np.cumsum([len(f) for f in frames])[:-1])).astype(np.int64)
+    expected = [zstandard.frame_content_size(f) for f in frames]
+    expected = [-1 if size == zstandard.CONTENTSIZE_UNKNOWN else size for size in expected]
+    assert len(set(data[starts + 4].tolist())) >= 4  # several layouts
+    assert codecs._content_sizes(data, starts).tolist() == expected
+    assert codecs._content_sizes(data, starts[4:5]).tolist() == expected[4:5]  # one layout
+
+
+@needs_libzstd
+def test_libzstd_decodes_without_the_gil():
+    """Beside a thread busy in Python, the batch decodes many times faster than python-zstandard
+    chunk by chunk, which takes the GIL back after every chunk (each time waiting up to the
+    interpreter's switch interval): the libzstd call holds no GIL."""
+    tiles, chunks = _chunks(64, 65536, seed=4)
+    src, offsets, nbytes = _layout(chunks, [0] * 64)
+    codec, dest = Zstd(level=1), np.empty_like(tiles)
+
+    def batches_in(seconds: float, decode) -> int:
+        done, end = 0, time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            decode(memoryview(src), offsets.tolist(), nbytes.tolist(), dest, -1)
+            done += 1
+        return done
+
+    stop = threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            pass
+
+    spinner = threading.Thread(target=spin)
+    spinner.start()
+    try:
+        batched = batches_in(0.5, codec.decode_chunks)
+        np.testing.assert_array_equal(dest, tiles)
+        chunk_by_chunk = batches_in(0.5, codec._decode_each)
+    finally:
+        stop.set()
+        spinner.join()
+    assert batched >= 3 * max(1, chunk_by_chunk), (batched, chunk_by_chunk)
