@@ -31,7 +31,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
 sys.path.insert(0, str(HERE))
 
-from ab_cpu_read import _converted, _place, parse_variant  # noqa: E402
+from ab_cpu_read import parse_variant, switched  # noqa: E402
 
 from napari_tileshard import ShardReader  # noqa: E402
 
@@ -72,18 +72,12 @@ def measure(path: Path, variants: list, planes: int, seed: int, tensorstore: boo
     for i, t in enumerate(np.random.default_rng(seed).integers(0, frames, planes).tolist()):
         for name in names[i % len(names) :] + names[: i % len(names)]:
             switches, read = engines[name]
-            saved = {key: getattr(*_place(key)) for key in switches}
-            for key, value in switches.items():
-                setattr(*_place(key), _converted(saved[key], value))
-            try:
+            with switched(switches):
                 cpu0, switches0 = _usage()
                 started = time.perf_counter()
                 read(t)
                 seconds = time.perf_counter() - started
                 cpu1, switches1 = _usage()
-            finally:
-                for key, value in saved.items():
-                    setattr(*_place(key), value)
             runs[name]["s"].append(seconds)
             runs[name]["cpu_s"].append(cpu1 - cpu0)
             runs[name]["switches"].append(switches1 - switches0)

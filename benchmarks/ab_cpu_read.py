@@ -27,6 +27,7 @@ the array once per round (for A/B of code versions; then every engine runs in a 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import os
@@ -90,6 +91,29 @@ def _place(key: str):
     return importlib.import_module(MODULES[module]), name
 
 
+@contextlib.contextmanager
+def switched(switches: dict):
+    """A variant's switches set while the block runs, then restored: module attributes, and
+    ``TILESHARD_*`` environment variables (the reader's settings, read where they are used)."""
+    environment = {key: value for key, value in switches.items() if key.startswith("TILESHARD_")}
+    attributes = {key: value for key, value in switches.items() if key not in environment}
+    saved = {key: getattr(*_place(key)) for key in attributes}
+    saved_environment = {key: os.environ.get(key) for key in environment}
+    for key, value in attributes.items():
+        setattr(*_place(key), _converted(saved[key], value))
+    os.environ.update({key: str(value) for key, value in environment.items()})
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            setattr(*_place(key), value)
+        for key, value in saved_environment.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 def read_once(engine: str, path: Path, switches: dict, keywords: dict, repeat: int) -> dict:
     """Best-of-``repeat`` whole read by one engine in this process: seconds, CPU seconds, bytes."""
     keywords = dict(keywords)
@@ -98,9 +122,8 @@ def read_once(engine: str, path: Path, switches: dict, keywords: dict, repeat: i
     saved_interval = sys.getswitchinterval()
     if switch_interval is not None:
         sys.setswitchinterval(switch_interval)
-    saved = {key: getattr(*_place(key)) for key in switches}
-    for key, value in switches.items():
-        setattr(*_place(key), _converted(saved[key], value))
+    settings = contextlib.ExitStack()
+    settings.enter_context(switched(switches))
     saved_pool = memory.set_output_pool(memory.OutputPool(pool_bytes)) if pool_bytes is not None else None
     try:
         if engine == "ts":
@@ -140,8 +163,7 @@ def read_once(engine: str, path: Path, switches: dict, keywords: dict, repeat: i
         return best
     finally:
         sys.setswitchinterval(saved_interval)
-        for key, value in saved.items():
-            setattr(*_place(key), value)
+        settings.close()
         if pool_bytes is not None:
             memory.set_output_pool(saved_pool)
 
@@ -204,10 +226,7 @@ def check_exact(path: Path, engines: list[str], by_name: dict) -> dict[str, bool
         if source:
             continue
         keywords = {k: v for k, v in keywords.items() if k != "pool_bytes"}
-        saved = {key: getattr(*_place(key)) for key in switches}
-        for key, value in switches.items():
-            setattr(*_place(key), _converted(saved[key], value))
-        try:
+        with switched(switches):
             if engine == "ts":
                 import tensorstore as ts
 
@@ -222,9 +241,6 @@ def check_exact(path: Path, engines: list[str], by_name: dict) -> dict[str, bool
                 same &= bool(out.dtype == expected.dtype and np.array_equal(out, expected))
                 del out
             found[engine] = same
-        finally:
-            for key, value in saved.items():
-                setattr(*_place(key), value)
     return found
 
 

@@ -57,6 +57,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from napari_tileshard import Dim, Layout, ShardReader, SyntheticCamera, Writer
+from napari_tileshard.format import libzstd
 
 #: tile shapes (t, y, x) by name; shards are one tile deep x 1024 x 1024 pixels, so the shard
 #: size follows: 8-deep tiles make 16 MiB shards, 2-deep 4 MiB (issue 30's layouts: "64k-4m",
@@ -330,9 +331,22 @@ def decode_ceiling(path: Path, threads: int) -> dict:
                 zstandard.BufferWithSegments(blob, segments), decompressed_sizes=sizes, threads=1
             )
 
+    decoder = libzstd.frame_decoder()
+    frame_runs = [(np.frombuffer(blob, np.uint8), len(sizes) // 8 * chunk_bytes) for blob, _, sizes in batches]
+
+    def libzstd_batched(share) -> None:  # the reader's own decoder: one call per batch, a reused buffer
+        assert decoder is not None
+        out = np.empty(per_call * chunk_bytes, np.uint8)
+        for source, nbytes in share:
+            if decoder.decode_frames(source.ctypes.data, source.nbytes, out.ctypes.data, nbytes) != nbytes:
+                raise RuntimeError("libzstd refused the array's chunks")
+
+    runs = [("per_chunk", per_chunk, frames), ("batched", batched, batches)]
+    if decoder is not None:
+        runs.append(("libzstd", libzstd_batched, frame_runs))
     ways = {}
     with ThreadPoolExecutor(threads) as pool:
-        for name, decode, items in (("per_chunk", per_chunk, frames), ("batched", batched, batches)):
+        for name, decode, items in runs:
             one = min(_timed(functools.partial(decode, items)) for _ in range(2))
             shares = [items[k::threads] for k in range(threads)]
             many = min(_timed(functools.partial(_all_done, pool.map, decode, shares)) for _ in range(2))
@@ -400,20 +414,37 @@ def pipeline_ceiling(path: Path, threads: int, place_bytes: int = 0, mapped: boo
             shape = tuple(hi - lo for lo, hi in ranges)
             target = whole[tuple(slice(lo * c, hi * c) for (lo, hi), c in zip(ranges, chunk_shape))]
             target = target.reshape([n for b, c in zip(shape, chunk_shape) for n in (b, c)])
-            batches.append((segments.tobytes(), count, target, shape))
+            batches.append((segments.tobytes(), count, target, shape, int(offsets[0]), int(offsets[-1] + nbytes[-1])))
         jobs.append((fd, read.start, read.size, batches))
     sizes: dict[int, bytes] = {}
     for *_, batches in jobs:
-        for _, count, _, _ in batches:
+        for _, count, *_ in batches:
             sizes.setdefault(count, np.full(count, chunk_bytes, dtype=np.uint64).tobytes())
     local = threading.local()
     populate = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+
+    decoder = libzstd.frame_decoder()  # the reader's: libzstd's own where found
+    most = max(count for *_, batches in jobs for _, count, *_ in batches)
+
+    def decode(view, segments: bytes, count: int, begin: int, end: int) -> np.ndarray:
+        if decoder is None:
+            decoded = local.context.multi_decompress_to_buffer(
+                zstandard.BufferWithSegments(view, segments), decompressed_sizes=sizes[count], threads=1
+            )
+            [(_, chunks)] = codecs._runs(decoded, count, chunk_bytes)
+            return chunks
+        address = np.frombuffer(view, np.uint8).ctypes.data + begin
+        chunks = local.chunks[: count * chunk_bytes]
+        if decoder.decode_frames(address, end - begin, chunks.ctypes.data, chunks.nbytes) != chunks.nbytes:
+            raise RuntimeError("libzstd refused the array's chunks")
+        return chunks.reshape(count, chunk_bytes)
 
     def one(job) -> None:
         fd, start, size, batches = job
         if not hasattr(local, "context"):
             local.context = zstandard.ZstdDecompressor()
             local.buffer = None if mapped else np.zeros(max(size, 64 << 20), np.uint8)
+            local.chunks = np.zeros(most * chunk_bytes, np.uint8)
         mapping = None
         if mapped:
             head = start % mmap.ALLOCATIONGRANULARITY
@@ -423,13 +454,10 @@ def pipeline_ceiling(path: Path, threads: int, place_bytes: int = 0, mapped: boo
             view = local.buffer[:size]
             os.preadv(fd, [view], start)
         try:
-            for segments, count, target, shape in batches:
-                decoded = local.context.multi_decompress_to_buffer(
-                    zstandard.BufferWithSegments(view, segments), decompressed_sizes=sizes[count], threads=1
-                )
-                [(_, chunks)] = codecs._runs(decoded, count, chunk_bytes)
+            for segments, count, target, shape, begin, end in batches:
+                chunks = decode(view, segments, count, begin, end)
                 np.copyto(target, chunks.view(reader.dtype).reshape(shape + tuple(chunk_shape)).transpose(order))
-                del decoded, chunks
+                del chunks
         finally:
             if mapping is not None:
                 view.release()
@@ -444,7 +472,11 @@ def pipeline_ceiling(path: Path, threads: int, place_bytes: int = 0, mapped: boo
         for fd in descriptors:
             os.close(fd)
         reader.close()
-    return {"pipeline_gbps": round(out.nbytes / best / 1e9, 2), "pipeline_exact": exact}
+    return {
+        "pipeline_gbps": round(out.nbytes / best / 1e9, 2),
+        "pipeline_exact": exact,
+        "pipeline_decoder": "python-zstandard" if decoder is None else f"libzstd ({decoder.origin})",
+    }
 
 
 def measure_isolated(name: str, path: Path, planes: int, repeat: int, cold: bool) -> dict:
