@@ -438,38 +438,46 @@ class Zstd(Codec):
         decoder: libzstd.FrameDecoder, src, starts: np.ndarray, lengths: np.ndarray, dest: np.ndarray, rows=None
     ) -> bool:
         """Chunk ``i`` (bytes ``starts[i]`` .. ``+ lengths[i]`` of ``src``) decoded into row
-        ``rows[i]`` of ``dest`` (default: row ``i``) by ``decoder`` (:mod:`.libzstd`), one
-        GIL-free call per run of chunks that lie back to back in ``src`` and in ``dest``; False
-        where a check or libzstd refused (rows may then hold anything: the caller decodes them
-        again another way, which names what is wrong).
+        ``rows[i]`` of ``dest`` (default: row ``i``; rows ascending) by ``decoder``
+        (:mod:`.libzstd`), one GIL-free call per run of chunks that lie back to back in ``src``
+        and in ``dest``; False where a check or libzstd refused (rows may then hold anything: the
+        caller decodes them again another way, which names what is wrong).
 
         libzstd decodes a run as concatenated frames, so each chunk must be exactly one frame
         (the walk of :func:`_frame_sizes`) that declares exactly one row's size (the header's
         content size, which libzstd holds the frame to): a frame of another or no declared size
-        would shift the rows after it."""
+        would shift the rows after it.  The checks cost the decode threads GIL time per call:
+        up to ``_WALK_BY_CHUNK_MAX`` chunks in plain Python (a few microseconds per chunk;
+        NumPy's per-call cost dominated single-chunk calls, 1 MiB tiles), beyond it in NumPy."""
         row_bytes = dest.shape[1] if dest.ndim == 2 else 0
-        if not row_bytes or dest.dtype != np.uint8 or not dest.flags.c_contiguous or (lengths <= 0).any():
+        if not row_bytes or dest.dtype != np.uint8 or not dest.flags.c_contiguous:
             return False
         data = np.frombuffer(src, dtype=np.uint8)
-        ends = starts + lengths
-        if (_frame_sizes(data, starts, ends) != lengths).any() or (_content_sizes(data, starts) != row_bytes).any():
-            return False
-        rows = np.arange(len(starts)) if rows is None else np.asarray(rows, dtype=np.int64)
-        # a run ends where the next chunk does not follow it in src, or its row does not follow
-        breaks = np.flatnonzero((starts[1:] != ends[:-1]) | (rows[1:] != rows[:-1] + 1)) + 1
-        bounds = [0, *breaks.tolist(), len(starts)]
-        source, target = data.ctypes.data, dest.ctypes.data
-        for first, stop in zip(bounds, bounds[1:]):
-            count = stop - first
-            begin, row = int(starts[first]), int(rows[first])
-            if row < 0 or row + count > dest.shape[0]:
+        count = len(starts)
+        begins = starts.tolist()
+        ends = (starts + lengths).tolist()
+        places = list(range(count)) if rows is None else (rows.tolist() if isinstance(rows, np.ndarray) else rows)
+        if count <= _WALK_BY_CHUNK_MAX:
+            declared: list[int] = []
+            sizes = _frame_sizes_by_chunk(data, begins, ends, declared)
+            if sizes != lengths.tolist() or declared.count(row_bytes) != count:
                 return False
-            expected = count * row_bytes
-            decoded = decoder.decode_frames(
-                source + begin, int(ends[stop - 1]) - begin, target + row * row_bytes, expected
-            )
+        elif (_frame_sizes(data, starts, starts + lengths) != lengths).any() or (
+            _content_sizes(data, starts) != row_bytes
+        ).any():
+            return False
+        if places[0] < 0 or places[-1] >= dest.shape[0]:
+            return False
+        # a run ends where the next chunk does not follow it in src, or its row does not follow
+        source, target, first = data.ctypes.data, dest.ctypes.data, 0
+        for i in range(1, count + 1):
+            if i < count and begins[i] == ends[i - 1] and places[i] == places[i - 1] + 1:
+                continue
+            expected, begin, row = (i - first) * row_bytes, begins[first], places[first]
+            decoded = decoder.decode_frames(source + begin, ends[i - 1] - begin, target + row * row_bytes, expected)
             if decoded != expected:
                 return False
+            first = i
         return True
 
     def _decoded_runs(self, src, offsets, nbytes, chunk_bytes) -> list[tuple[int, np.ndarray]] | None:
@@ -555,6 +563,7 @@ def _content_size_tables() -> tuple[np.ndarray, np.ndarray]:
 
 
 _CONTENT_FIELD_BYTES, _CONTENT_FIELD_AT = _content_size_tables()
+_CONTENT_FIELD_BYTES_LIST, _CONTENT_FIELD_AT_LIST = _CONTENT_FIELD_BYTES.tolist(), _CONTENT_FIELD_AT.tolist()
 
 
 def _content_sizes(data: np.ndarray, starts: np.ndarray) -> np.ndarray:
@@ -604,16 +613,23 @@ _HEADER_BYTES_LIST, _CHECKSUM_BYTES_LIST = _HEADER_BYTES.tolist(), _CHECKSUM_BYT
 _WORD = struct.Struct("<I").unpack_from
 
 
-def _frame_sizes_by_chunk(data: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> list[int]:
+def _frame_sizes_by_chunk(data: np.ndarray, starts, ends, declared: list[int] | None = None) -> list[int]:
     """:func:`_frame_sizes` one chunk after the other (a little-endian word read per block
-    header)."""
+    header); ``starts``/``ends``: arrays or lists.  ``declared``: where given, each frame's
+    declared content size is appended to it (-1: none declared, or no frame)."""
     view = data.data  # a memoryview of the uint8 bytes: items are ints
     size, sizes = len(view), []
-    for begin, end in zip(starts.tolist(), ends.tolist()):
-        frame = -1
+    starts = starts.tolist() if isinstance(starts, np.ndarray) else starts
+    ends = ends.tolist() if isinstance(ends, np.ndarray) else ends
+    for begin, end in zip(starts, ends):
+        frame = content = -1
         if begin >= 0 and end <= size and end - begin >= 9 and _WORD(view, begin)[0] == _ZSTD_MAGIC:
             descriptor = view[begin + 4]
             header_bytes = _HEADER_BYTES_LIST[descriptor]
+            field = _CONTENT_FIELD_BYTES_LIST[descriptor]
+            if field and header_bytes > 0:
+                at = begin + _CONTENT_FIELD_AT_LIST[descriptor]
+                content = int.from_bytes(view[at : at + field], "little") + (256 if field == 2 else 0)
             position = begin + header_bytes
             for _ in range(_MAX_BLOCKS if header_bytes > 0 else 0):
                 if position + 3 > end:
@@ -628,6 +644,8 @@ def _frame_sizes_by_chunk(data: np.ndarray, starts: np.ndarray, ends: np.ndarray
                     frame = frame_end - begin if frame_end <= end else -1
                     break
         sizes.append(frame)
+        if declared is not None:
+            declared.append(content)
     return sizes
 
 
