@@ -6,8 +6,10 @@ build and numcodecs' have it.  This measures what that costs on the machine it r
 chunks the Writer makes (SyntheticCamera frames, cut into tiles, zstd level 1), one thread:
 
 * ``zstandard``: python-zstandard, one ``decompress`` per chunk (a context reused);
-* ``zstandard-batch``: the reader's batch decode, one call per shard's chunks into a reused
-  buffer (:meth:`Zstd.decoded_chunks_released`: python-zstandard's ``multi_decompress_to_buffer``);
+* ``zstandard-batch``: python-zstandard's batch as the reader used it, one call per shard's
+  chunks (``multi_decompress_to_buffer``; ``TILESHARD_ZSTD_DECODER=zstandard``);
+* ``reader-libzstd``: the reader's decode now, one libzstd multi-frame call per shard's chunks
+  straight into a reused buffer (:mod:`napari_tileshard.format.libzstd`: numcodecs' build);
 * ``libzstd-asm`` / ``libzstd-c``: the system's libzstd through ctypes, one context reused,
   with its assembly decoder and with it switched off (``ZSTD_d_disableHuffmanAssembly``), the
   same library otherwise (absent where the system has no libzstd.so.1);
@@ -24,6 +26,7 @@ import argparse
 import ctypes
 import ctypes.util
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -33,6 +36,7 @@ import zstandard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from napari_tileshard import SyntheticCamera  # noqa: E402
+from napari_tileshard.format import libzstd  # noqa: E402
 from napari_tileshard.format.codecs import Zstd  # noqa: E402
 
 #: (frames deep, tile side) per layout name, as bench_read.TILES
@@ -89,9 +93,26 @@ def decoders(chunks: list[bytes], nbytes: int, shard_chunks: int) -> dict:
         batches.append((b"".join(shard), np.concatenate(([0], np.cumsum(lengths)[:-1])), lengths))
     scratch = np.empty((shard_chunks, nbytes), dtype=np.uint8)
     for source, offsets, lengths in batches:
-        if codec.decoded_chunks_released(source, offsets, lengths, nbytes, scratch) is None:
-            raise SystemExit("the reader's batch refused the chunks")
-    runs["zstandard-batch"] = lambda: [codec.decoded_chunks_released(*b, nbytes, scratch) for b in batches]
+        if codec._decoded_runs(source, offsets, lengths, nbytes) is None:
+            raise SystemExit("python-zstandard's batch refused the chunks")
+
+    def reader_batches(decoder: str):
+        def run():
+            saved = os.environ.get(libzstd.DECODER_SETTING)
+            os.environ[libzstd.DECODER_SETTING] = decoder
+            try:
+                return [codec.decoded_chunks_released(*b, nbytes, scratch) for b in batches]
+            finally:
+                if saved is None:
+                    del os.environ[libzstd.DECODER_SETTING]
+                else:
+                    os.environ[libzstd.DECODER_SETTING] = saved
+
+        return run
+
+    runs["zstandard-batch"] = reader_batches("zstandard")
+    if libzstd.frame_decoder() is not None:
+        runs["reader-libzstd"] = reader_batches("auto")
     lib = _system_libzstd()
     if lib is not None:
         out = ctypes.create_string_buffer(nbytes)
@@ -137,7 +158,7 @@ def main(argv=None) -> int:
         ratio = {
             f"{k}/zstandard-batch": round(v / rates["zstandard-batch"], 3)
             for k, v in rates.items()
-            if k in ("libzstd-asm", "libzstd-c", "numcodecs")
+            if k in ("reader-libzstd", "libzstd-asm", "libzstd-c", "numcodecs")
         }
         print(name, json.dumps(rates), json.dumps(ratio), flush=True)
     lib = _system_libzstd()
