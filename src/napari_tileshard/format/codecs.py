@@ -452,8 +452,10 @@ class Zstd(Codec):
         row_bytes = dest.shape[1] if dest.ndim == 2 else 0
         if not row_bytes or dest.dtype != np.uint8 or not dest.flags.c_contiguous:
             return False
-        data = np.frombuffer(src, dtype=np.uint8)
         count = len(starts)
+        if not count:
+            return True
+        data = np.frombuffer(src, dtype=np.uint8)
         begins = starts.tolist()
         ends = (starts + lengths).tolist()
         places = list(range(count)) if rows is None else (rows.tolist() if isinstance(rows, np.ndarray) else rows)
