@@ -113,12 +113,13 @@ def test_one_libzstd_call_per_run_of_chunks_back_to_back():
 
 
 @needs_libzstd
+@pytest.mark.parametrize("count", [3, 6])  # the frame headers read in Python, and in NumPy
 @pytest.mark.parametrize("damage", ["not_zstd", "shorter", "other_size", "no_size", "trailing"])
-def test_what_libzstd_refuses_is_decoded_chunk_by_chunk_and_named(damage):
+def test_what_libzstd_refuses_is_decoded_chunk_by_chunk_and_named(damage, count):
     """A damaged chunk fails the batch and is named by the chunk-by-chunk decode; a frame that
     declares no size is decoded right, chunk by chunk (libzstd could not place the rows after
     it); bytes after a chunk's frame are refused as they are without libzstd."""
-    tiles, chunks = _chunks(5, 65536, seed=9)
+    tiles, chunks = _chunks(count, 65536, seed=9)
     chunks = list(chunks)
     if damage == "not_zstd":
         chunks[2] = np.random.default_rng(1).integers(0, 256, len(chunks[2]), dtype=np.uint8).tobytes()
@@ -131,7 +132,7 @@ def test_what_libzstd_refuses_is_decoded_chunk_by_chunk_and_named(damage):
         chunks[2] = stream.compress(tiles[2].tobytes()) + stream.flush()
     else:
         chunks[2] = chunks[2] + b"\x00\x01"
-    src, offsets, nbytes = _layout(chunks, [0] * 5)
+    src, offsets, nbytes = _layout(chunks, [0] * count)
     codec = Zstd(level=1)
     for decode in (codec.decode_chunks, codec.decode_chunks_released):
         dest = np.zeros_like(tiles)
@@ -198,3 +199,26 @@ def test_libzstd_decodes_without_the_gil():
         stop.set()
         spinner.join()
     assert batched >= 3 * max(1, chunk_by_chunk), (batched, chunk_by_chunk)
+
+
+@needs_libzstd
+@pytest.mark.parametrize("extra", ["skippable", "empty"])
+def test_frames_of_no_content_after_a_chunks_frame_add_nothing(extra):
+    """Bytes after a chunk's frame that are themselves frames of no content (a skippable frame,
+    an empty zstd frame) add no bytes: libzstd's batch decodes every row right, as zarr-python's
+    decode (numcodecs) takes such a chunk too; it reads no block headers, only frame headers."""
+    from numcodecs import Zstd as NumcodecsZstd
+
+    tiles, chunks = _chunks(6, 65536, seed=11)
+    tail = (
+        (0x184D2A50).to_bytes(4, "little") + (3).to_bytes(4, "little") + b"abc"
+        if extra == "skippable"
+        else zstandard.ZstdCompressor(level=1).compress(b"")
+    )
+    chunks = list(chunks)
+    chunks[2] = chunks[2] + tail
+    np.testing.assert_array_equal(np.frombuffer(NumcodecsZstd().decode(chunks[2]), np.uint8), tiles[2])
+    src, offsets, nbytes = _layout(chunks, [0] * 6)
+    dest = np.zeros_like(tiles)
+    assert Zstd._frames_into(libzstd._loaded(), memoryview(src), offsets, nbytes, dest)
+    np.testing.assert_array_equal(dest, tiles)

@@ -443,12 +443,16 @@ class Zstd(Codec):
         and in ``dest``; False where a check or libzstd refused (rows may then hold anything: the
         caller decodes them again another way, which names what is wrong).
 
-        libzstd decodes a run as concatenated frames, so each chunk must be exactly one frame
-        (the walk of :func:`_frame_sizes`) that declares exactly one row's size (the header's
-        content size, which libzstd holds the frame to): a frame of another or no declared size
-        would shift the rows after it.  The checks cost the decode threads GIL time per call:
-        up to ``_WALK_BY_CHUNK_MAX`` chunks in plain Python (a few microseconds per chunk;
-        NumPy's per-call cost dominated single-chunk calls, 1 MiB tiles), beyond it in NumPy."""
+        libzstd decodes a run as concatenated frames and holds each to the content size its
+        header declares, so each chunk must start with a frame that declares exactly one row's
+        size (:func:`_declared_rows`): a frame of another or no declared size would shift the
+        rows after it.  That is enough for every row to get its own chunk's bytes, without the
+        walk of each chunk's block headers the other ways run (:func:`_frame_sizes`, which cost
+        16 decode threads a fifth of their GIL time): where a chunk's frame ends before its
+        extent, libzstd reads the bytes left as the next frame (refused unless they are frames
+        of no content, which add no bytes: zarr-python's decode takes those too); where it runs
+        past its extent, the next chunk's frame is not where libzstd reads on, or the run's end
+        cuts the frame (refused); a run's rows are its capacity (never more written)."""
         row_bytes = dest.shape[1] if dest.ndim == 2 else 0
         if not row_bytes or dest.dtype != np.uint8 or not dest.flags.c_contiguous:
             return False
@@ -459,14 +463,10 @@ class Zstd(Codec):
         begins = starts.tolist()
         ends = (starts + lengths).tolist()
         places = list(range(count)) if rows is None else (rows.tolist() if isinstance(rows, np.ndarray) else rows)
-        if count <= _WALK_BY_CHUNK_MAX:
-            declared: list[int] = []
-            sizes = _frame_sizes_by_chunk(data, begins, ends, declared)
-            if sizes != lengths.tolist() or declared.count(row_bytes) != count:
+        if LIBZSTD_WALKS_BLOCKS:  # the block walk too, as the other ways (an A/B switch)
+            if (_frame_sizes(data, starts, starts + lengths) != lengths).any():
                 return False
-        elif (_frame_sizes(data, starts, starts + lengths) != lengths).any() or (
-            _content_sizes(data, starts) != row_bytes
-        ).any():
+        if not _declared_rows(data, begins, ends, row_bytes):
             return False
         if places[0] < 0 or places[-1] >= dest.shape[0]:
             return False
@@ -567,6 +567,40 @@ def _content_size_tables() -> tuple[np.ndarray, np.ndarray]:
 _CONTENT_FIELD_BYTES, _CONTENT_FIELD_AT = _content_size_tables()
 _CONTENT_FIELD_BYTES_LIST, _CONTENT_FIELD_AT_LIST = _CONTENT_FIELD_BYTES.tolist(), _CONTENT_FIELD_AT.tolist()
 
+#: whether the libzstd batch walks each chunk's block headers as well as reading its frame
+#: header (see Zstd._frames_into); a switch for A/B runs
+LIBZSTD_WALKS_BLOCKS = False
+#: up to this many chunks the frame headers are read in plain Python, beyond it in NumPy (whose
+#: per-call cost outweighs a few chunks' Python)
+_HEADERS_IN_PYTHON_MAX = 4
+
+
+def _declared_rows(data: np.ndarray, begins: list[int], ends: list[int], row_bytes: int) -> bool:
+    """Whether every chunk ``data[begins[i]:ends[i]]`` starts with a zstd frame header, inside
+    the chunk, that declares ``row_bytes`` of content."""
+    size = data.size
+    if len(begins) <= _HEADERS_IN_PYTHON_MAX:
+        view = data.data
+        for begin, end in zip(begins, ends):
+            if begin < 0 or end > size or end - begin < 9 or _WORD(view, begin)[0] != _ZSTD_MAGIC:
+                return False
+            descriptor = view[begin + 4]
+            field, header = _CONTENT_FIELD_BYTES_LIST[descriptor], _HEADER_BYTES_LIST[descriptor]
+            if not field or header < 0 or begin + header + 3 > end:
+                return False
+            at = begin + _CONTENT_FIELD_AT_LIST[descriptor]
+            if int.from_bytes(view[at : at + field], "little") + (256 if field == 2 else 0) != row_bytes:
+                return False
+        return True
+    starts, stops = np.asarray(begins, dtype=np.int64), np.asarray(ends, dtype=np.int64)
+    if starts.min() < 0 or stops.max() > size or (stops - starts < 9).any():
+        return False
+    words = np.ndarray((size - 3,), dtype="<u4", buffer=data, offset=0, strides=(1,))
+    header = _HEADER_BYTES[data[starts + 4]]
+    if (words[starts] != _ZSTD_MAGIC).any() or (header < 0).any() or (starts + header + 3 > stops).any():
+        return False
+    return bool((_content_sizes(data, starts) == row_bytes).all())
+
 
 def _content_sizes(data: np.ndarray, starts: np.ndarray) -> np.ndarray:
     """The content size each zstd frame at ``starts`` declares in its header, -1 where it
@@ -615,23 +649,16 @@ _HEADER_BYTES_LIST, _CHECKSUM_BYTES_LIST = _HEADER_BYTES.tolist(), _CHECKSUM_BYT
 _WORD = struct.Struct("<I").unpack_from
 
 
-def _frame_sizes_by_chunk(data: np.ndarray, starts, ends, declared: list[int] | None = None) -> list[int]:
+def _frame_sizes_by_chunk(data: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> list[int]:
     """:func:`_frame_sizes` one chunk after the other (a little-endian word read per block
-    header); ``starts``/``ends``: arrays or lists.  ``declared``: where given, each frame's
-    declared content size is appended to it (-1: none declared, or no frame)."""
+    header)."""
     view = data.data  # a memoryview of the uint8 bytes: items are ints
     size, sizes = len(view), []
-    starts = starts.tolist() if isinstance(starts, np.ndarray) else starts
-    ends = ends.tolist() if isinstance(ends, np.ndarray) else ends
-    for begin, end in zip(starts, ends):
-        frame = content = -1
+    for begin, end in zip(starts.tolist(), ends.tolist()):
+        frame = -1
         if begin >= 0 and end <= size and end - begin >= 9 and _WORD(view, begin)[0] == _ZSTD_MAGIC:
             descriptor = view[begin + 4]
             header_bytes = _HEADER_BYTES_LIST[descriptor]
-            field = _CONTENT_FIELD_BYTES_LIST[descriptor]
-            if field and header_bytes > 0:
-                at = begin + _CONTENT_FIELD_AT_LIST[descriptor]
-                content = int.from_bytes(view[at : at + field], "little") + (256 if field == 2 else 0)
             position = begin + header_bytes
             for _ in range(_MAX_BLOCKS if header_bytes > 0 else 0):
                 if position + 3 > end:
@@ -646,8 +673,6 @@ def _frame_sizes_by_chunk(data: np.ndarray, starts, ends, declared: list[int] | 
                     frame = frame_end - begin if frame_end <= end else -1
                     break
         sizes.append(frame)
-        if declared is not None:
-            declared.append(content)
     return sizes
 
 
