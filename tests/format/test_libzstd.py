@@ -222,3 +222,22 @@ def test_frames_of_no_content_after_a_chunks_frame_add_nothing(extra):
     dest = np.zeros_like(tiles)
     assert Zstd._frames_into(libzstd._loaded(), memoryview(src), offsets, nbytes, dest)
     np.testing.assert_array_equal(dest, tiles)
+
+
+@needs_libzstd
+def test_with_the_block_walk_switched_on_the_rows_are_the_same(monkeypatch):
+    """The A/B switch that puts the block walk back (as python-zstandard's batch checks): rows
+    decode as without it; a chunk holding an empty frame after its own is refused by that batch
+    and decoded chunk by chunk, which takes it (as zarr-python does): the same rows either way."""
+    tiles, chunks = _chunks(6, 65536, seed=12)
+    chunks = list(chunks)
+    chunks[4] = chunks[4] + zstandard.ZstdCompressor(level=1).compress(b"")
+    src, offsets, nbytes = _layout(chunks, [0] * 6)
+    decoder = libzstd._loaded()
+    for walk in (False, True):
+        monkeypatch.setattr(codecs, "LIBZSTD_WALKS_BLOCKS", walk)
+        dest = np.zeros_like(tiles)
+        assert Zstd._frames_into(decoder, memoryview(src), offsets, nbytes, dest) is not walk
+        dest = np.zeros_like(tiles)
+        Zstd(level=1).decode_chunks(memoryview(src), offsets.tolist(), nbytes.tolist(), dest)
+        np.testing.assert_array_equal(dest, tiles)
