@@ -253,6 +253,12 @@ def main(argv=None) -> int:
     parser.add_argument("--path", type=Path, action="append", help="an existing array (repeatable)")
     parser.add_argument("--tiles", default="64k-4m,256k-4m,1m-16m", help="recordings to write (without --path)")
     parser.add_argument("--gib", type=float, default=1.0)
+    parser.add_argument(
+        "--write-backend",
+        default="cpu",
+        help="the Writer backend of the recordings it writes (cpu: libzstd level-1 frames, as a CPU user's; "
+        "gpu/auto: nvCOMP's on a GPU machine, which decode ~3x slower on the CPU)",
+    )
     parser.add_argument("--dir", type=Path, default=Path("/dev/shm/tileshard-ab-read"))
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--repeat", type=int, default=1, help="reads per engine per round (best kept)")
@@ -285,7 +291,7 @@ def main(argv=None) -> int:
         for tile in args.tiles.split(","):
             path = args.dir / f"{tile}.zarr"
             if not (path / "zarr.json").exists():
-                write_recording(path, args.gib, TILES[tile])
+                write_recording(path, args.gib, TILES[tile], backend=args.write_backend)
             paths.append(path)
     print(f"# {os.cpu_count()} CPUs; {args.rounds} rounds, order rotating; engines {engines}; isolate={isolate}")
     print(f"# {' '.join(sys.argv)}", flush=True)

@@ -74,7 +74,10 @@ ENGINES = ("tileshard-cpu", "tileshard-gpu-host", "tileshard-gpu-device", "tenso
 MAX_REPEAT_SECONDS = 3.0
 
 
-def write_recording(path: Path, gib: float, tile) -> None:
+def write_recording(path: Path, gib: float, tile, backend: str = "auto") -> None:
+    """``gib`` of camera frames in ``tile`` tiles, written by ``backend``: on a GPU machine "auto" is
+    the GPU backend, whose nvCOMP frames libzstd decodes at about a third of the rate of its own
+    level-1 frames (``results/cpu_16core_2026-11-28b/`` call m), so CPU read A/Bs ask for "cpu"."""
     camera = SyntheticCamera((2048, 2048), "uint16")
     frames = int(gib * 2**30 // camera.frame_bytes)
     frames = max(tile[0], frames - frames % tile[0])
@@ -87,7 +90,7 @@ def write_recording(path: Path, gib: float, tile) -> None:
         "uint16",
     )
     shutil.rmtree(path, ignore_errors=True)
-    with Writer(path, layout, backend="auto") as writer:
+    with Writer(path, layout, backend=backend) as writer:
         for i in range(frames):
             writer.append(camera.frame(i))
 
