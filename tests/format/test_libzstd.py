@@ -71,10 +71,10 @@ def test_linux_finds_a_libzstd_with_the_multi_frame_call():
 @needs_libzstd
 @settings(max_examples=40, deadline=None)
 @given(
-    count=st.integers(1, 20),
+    count=st.integers(1, 48),  # both sides of codecs._HEADERS_IN_PYTHON_MAX
     chunk_kib=st.sampled_from([1, 4, 64, 200]),
-    gaps=st.lists(st.sampled_from([0, 0, 0, 1, 7]), min_size=20, max_size=20),
-    absent=st.lists(st.booleans(), min_size=20, max_size=20),
+    gaps=st.lists(st.sampled_from([0, 0, 0, 1, 7]), min_size=48, max_size=48),
+    absent=st.lists(st.booleans(), min_size=48, max_size=48),
     level=st.sampled_from([-1, 1, 3]),
 )
 def test_libzstd_decodes_what_python_zstandard_decodes(count, chunk_kib, gaps, absent, level):
@@ -113,7 +113,7 @@ def test_one_libzstd_call_per_run_of_chunks_back_to_back():
 
 
 @needs_libzstd
-@pytest.mark.parametrize("count", [3, 6])  # the frame headers read in Python, and in NumPy
+@pytest.mark.parametrize("count", [3, codecs._HEADERS_IN_PYTHON_MAX + 2])  # headers read in Python, and in NumPy
 @pytest.mark.parametrize("damage", ["not_zstd", "shorter", "other_size", "no_size", "trailing"])
 def test_what_libzstd_refuses_is_decoded_chunk_by_chunk_and_named(damage, count):
     """A damaged chunk fails the batch and is named by the chunk-by-chunk decode; a frame that

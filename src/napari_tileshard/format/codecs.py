@@ -570,9 +570,10 @@ _CONTENT_FIELD_BYTES_LIST, _CONTENT_FIELD_AT_LIST = _CONTENT_FIELD_BYTES.tolist(
 #: whether the libzstd batch walks each chunk's block headers as well as reading its frame
 #: header (see Zstd._frames_into); a switch for A/B runs
 LIBZSTD_WALKS_BLOCKS = False
-#: up to this many chunks the frame headers are read in plain Python, beyond it in NumPy (whose
-#: per-call cost outweighs a few chunks' Python)
-_HEADERS_IN_PYTHON_MAX = 4
+#: up to this many chunks the frame headers are read in plain Python, beyond it in NumPy (2-core
+#: VM, 64 KiB chunks: Python 2.3 / 9.3 / 16 / 31 us for 4 / 16 / 32 / 64 chunks, NumPy 23-27 us
+#: whatever the count)
+_HEADERS_IN_PYTHON_MAX = 40
 
 
 def _declared_rows(data: np.ndarray, begins: list[int], ends: list[int], row_bytes: int) -> bool:
