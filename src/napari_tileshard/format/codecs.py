@@ -462,7 +462,7 @@ class Zstd(Codec):
         data = np.frombuffer(src, dtype=np.uint8)
         begins = starts.tolist()
         ends = (starts + lengths).tolist()
-        places = list(range(count)) if rows is None else (rows.tolist() if isinstance(rows, np.ndarray) else rows)
+        places = list(range(count)) if rows is None else rows.tolist()
         if LIBZSTD_WALKS_BLOCKS:  # the block walk too, as the other ways (an A/B switch)
             if (_frame_sizes(data, starts, starts + lengths) != lengths).any():
                 return False
@@ -539,33 +539,24 @@ _CONTENT_SIZE_BYTES = np.array([0, 2, 4, 8], dtype=np.int64)
 _MAX_BLOCKS = 256
 
 
-def _frame_header_tables() -> tuple[np.ndarray, np.ndarray]:
+def _frame_header_tables() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Per frame header descriptor byte (RFC 8878, 3.1.1.1.1): the header's size from the
     frame's start (magic, descriptor, window, dictionary id, content size; -1: the reserved bit
-    set) and the checksum's size after the last block."""
+    set), the checksum's size after the last block, and the content size field's bytes (0: none
+    declared) and offset from the frame's start (3.1.1.1.4)."""
     descriptor = np.arange(256, dtype=np.int64)
     single_segment = (descriptor >> 5) & 1
     content_size_flag = descriptor >> 6
     content_size = np.where(content_size_flag == 0, single_segment, _CONTENT_SIZE_BYTES[content_size_flag])
-    header = 5 + (1 - single_segment) + _DICTIONARY_ID_BYTES[descriptor & 3] + content_size
-    return np.where((descriptor >> 3) & 1 == 1, -1, header), 4 * ((descriptor >> 2) & 1)
+    content_at = 5 + (1 - single_segment) + _DICTIONARY_ID_BYTES[descriptor & 3]
+    header = content_at + content_size
+    return np.where((descriptor >> 3) & 1 == 1, -1, header), 4 * ((descriptor >> 2) & 1), content_size, content_at
 
 
-_HEADER_BYTES, _CHECKSUM_BYTES = _frame_header_tables()
-
-
-def _content_size_tables() -> tuple[np.ndarray, np.ndarray]:
-    """Per frame header descriptor byte (RFC 8878, 3.1.1.1.4): the bytes of the content size
-    field (0: none declared) and its offset from the frame's start."""
-    descriptor = np.arange(256, dtype=np.int64)
-    single_segment = (descriptor >> 5) & 1
-    flag = descriptor >> 6
-    field = np.where(flag == 0, single_segment, _CONTENT_SIZE_BYTES[flag])
-    return field, 5 + (1 - single_segment) + _DICTIONARY_ID_BYTES[descriptor & 3]
-
-
-_CONTENT_FIELD_BYTES, _CONTENT_FIELD_AT = _content_size_tables()
+_HEADER_BYTES, _CHECKSUM_BYTES, _CONTENT_FIELD_BYTES, _CONTENT_FIELD_AT = _frame_header_tables()
 _CONTENT_FIELD_BYTES_LIST, _CONTENT_FIELD_AT_LIST = _CONTENT_FIELD_BYTES.tolist(), _CONTENT_FIELD_AT.tolist()
+#: added to a content size field's value, by its bytes: the 2-byte field counts from 256
+_CONTENT_FIELD_BIAS = [0, 0, 256, 0, 0, 0, 0, 0, 0]
 
 #: whether the libzstd batch walks each chunk's block headers as well as reading its frame
 #: header (see Zstd._frames_into); a switch for A/B runs
@@ -590,7 +581,7 @@ def _declared_rows(data: np.ndarray, begins: list[int], ends: list[int], row_byt
             if not field or header < 0 or begin + header + 3 > end:
                 return False
             at = begin + _CONTENT_FIELD_AT_LIST[descriptor]
-            if int.from_bytes(view[at : at + field], "little") + (256 if field == 2 else 0) != row_bytes:
+            if int.from_bytes(view[at : at + field], "little") + _CONTENT_FIELD_BIAS[field] != row_bytes:
                 return False
         return True
     starts, stops = np.asarray(begins, dtype=np.int64), np.asarray(ends, dtype=np.int64)
@@ -621,7 +612,7 @@ def _content_sizes(data: np.ndarray, starts: np.ndarray) -> np.ndarray:
         fields = np.ndarray((data.size - field + 1,), dtype=f"<u{field}", buffer=data, strides=(1,))
         chosen = slice(None) if len(layouts) == 1 else descriptor == layout
         value = fields[at[chosen]].astype(np.int64)  # 8-byte sizes past 2**63: negative, never a chunk's size
-        sizes[chosen] = value + 256 if field == 2 else value  # the 2-byte field counts from 256
+        sizes[chosen] = value + _CONTENT_FIELD_BIAS[field]
     return sizes
 
 
