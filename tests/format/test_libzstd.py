@@ -241,3 +241,73 @@ def test_with_the_block_walk_switched_on_the_rows_are_the_same(monkeypatch):
         dest = np.zeros_like(tiles)
         Zstd(level=1).decode_chunks(memoryview(src), offsets.tolist(), nbytes.tolist(), dest)
         np.testing.assert_array_equal(dest, tiles)
+
+
+@needs_libzstd
+@settings(max_examples=30, deadline=None)
+@given(
+    count=st.integers(1, 5),
+    chunk_kib=st.sampled_from([256, 300, 1024]),
+    need_fraction=st.floats(0.0, 1.0),
+    gaps=st.lists(st.sampled_from([0, 0, 3]), min_size=5, max_size=5),
+    level=st.sampled_from([-1, 1, 3]),
+)
+def test_prefixes_are_the_first_bytes_of_the_whole_decode(count, chunk_kib, need_fraction, gaps, level):
+    """Chunks decoded as far as their first ``need`` bytes: those bytes as the whole decode
+    gives them, fewer bytes decoded than whole, and None where no whole block could be saved."""
+    tiles, chunks = _chunks(count, chunk_kib << 10, seed=count + chunk_kib + level, level=level)
+    src, offsets, nbytes = _layout(chunks, gaps[:count])
+    chunk_bytes = tiles.shape[1]
+    need = max(1, int(need_fraction * chunk_bytes))
+    result = Zstd(level=level).decoded_prefixes(memoryview(src), offsets, nbytes, chunk_bytes, need)
+    if need > chunk_bytes - codecs._BLOCK_CONTENT_MAX:
+        assert result is None
+        return
+    assert result is not None
+    rows, decoded = result
+    assert count * need <= decoded < count * chunk_bytes
+    np.testing.assert_array_equal(rows[:, :need], tiles[:, :need])
+
+
+@needs_libzstd
+@pytest.mark.parametrize("damage", ["cut_short", "other_size", "not_zstd", "checksum_frames", "checksum_codec"])
+def test_prefixes_refused_are_left_to_the_whole_decode(damage):
+    """A chunk cut inside its needed blocks, of another declared size or no zstd frame: None
+    (the caller decodes whole, which names it); frames with a content checksum are not decoded
+    in part (a part goes unchecked); the next call on the thread decodes right."""
+    tiles, chunks = _chunks(3, 512 << 10, seed=5)
+    codec = Zstd()
+    if damage == "cut_short":
+        chunks[1] = chunks[1][:200]
+    elif damage == "other_size":
+        chunks[1] = zstandard.ZstdCompressor(level=1).compress(tiles[1, : 256 << 10].tobytes())
+    elif damage == "not_zstd":
+        chunks[1] = b"\x00" * len(chunks[1])
+    elif damage == "checksum_frames":
+        chunks = [zstandard.ZstdCompressor(level=1, write_checksum=True).compress(t.tobytes()) for t in tiles]
+    else:
+        codec = Zstd(checksum=True)
+    src, offsets, nbytes = _layout(chunks, [0, 0, 0])
+    assert codec.decoded_prefixes(memoryview(src), offsets, nbytes, tiles.shape[1], 100 << 10) is None
+    _, good = _chunks(3, 512 << 10, seed=5)
+    src, offsets, nbytes = _layout(good, [0, 0, 0])
+    rows, _ = Zstd().decoded_prefixes(memoryview(src), offsets, nbytes, tiles.shape[1], 100 << 10)
+    np.testing.assert_array_equal(rows[:, : 100 << 10], tiles[:, : 100 << 10])
+
+
+@needs_libzstd
+def test_a_prefix_decode_stops_at_the_block_holding_the_last_byte_needed():
+    """libzstd is given one block more only where the blocks before held too little, and stops
+    there: the bytes decoded are whole blocks, the fewest that hold ``need``."""
+    tiles, chunks = _chunks(1, 1 << 20, seed=9)
+    decoder = libzstd._loaded()
+    assert decoder.decodes_prefixes
+    data = np.frombuffer(chunks[0], dtype=np.uint8)
+    ends = list(codecs._block_ends(data.data, 0, data.size, 0))
+    assert len(ends) >= 8  # a 1 MiB frame: blocks of at most 128 KiB
+    out = np.zeros(tiles.shape[1], np.uint8)
+    decoded = [decoder.decode_prefix(data.ctypes.data, ends[:k], out.ctypes.data, out.size, 1) for k in (1, 2)]
+    assert decoded[0] == decoded[1] > 0  # the first block was enough: the second never given
+    assert decoder.decode_prefix(data.ctypes.data, ends[:1], out.ctypes.data, out.size, out.size) == -1
+    assert decoder.decode_prefix(data.ctypes.data, ends, out.ctypes.data, out.size, out.size) == out.size
+    np.testing.assert_array_equal(out, tiles[0])

@@ -551,6 +551,49 @@ def test_multi_row_units_and_partial_edges_equal_zarr(tmp_path, workers, fetch_i
         np.testing.assert_array_equal(reader[selection], array[selection], err_msg=str(selection))
 
 
+@pytest.mark.parametrize("workers", [1, 3])
+def test_planes_of_deep_tiles_decode_each_chunk_only_as_far_as_the_plane(tmp_path, workers, monkeypatch):
+    """A plane of tiles 8 frames deep (256 KiB chunks: two zstd blocks at least) needs the first
+    rows of each chunk: planes in a chunk's first half decode as far as their block, the others
+    whole (the last block holds them); the same planes either way, and with it switched off."""
+    array = _zarr_array(
+        tmp_path / "a.zarr", (20, 256, 256), (8, 128, 128), (8, 256, 256), "uint16", "zstd", holes=False
+    )
+    reader = ShardReader(tmp_path / "a.zarr", backend="cpu", workers=workers)
+    chunk_bytes = 8 * 128 * 128 * 2
+    for t in range(20):
+        reader.stats.reset()
+        np.testing.assert_array_equal(reader[t], array[t], err_msg=str(t))
+        stats = reader.stats
+        assert stats.chunks_decoded == 4
+        if t % 8 < 4:  # (t % 8 + 1) frames of 32 KiB at most 128 KiB: the last block is not needed
+            assert stats.partial_chunks == 4 and stats.bytes_decoded <= 4 * (chunk_bytes - (128 << 10)), t
+        else:
+            assert stats.partial_chunks == 0 and stats.bytes_decoded == 4 * chunk_bytes, t
+    selection = (slice(1, 19, 8), slice(3, 200), slice(None, None, 3))  # the first rows of chunks, stepped
+    np.testing.assert_array_equal(reader[selection], array[selection])
+    assert reader.stats.partial_chunks > 0
+    monkeypatch.setattr(cpu_path, "PREFIX_DECODE", False)
+    reader.stats.reset()
+    np.testing.assert_array_equal(reader[2], array[2])
+    assert reader.stats.partial_chunks == 0 and reader.stats.bytes_decoded == 4 * chunk_bytes
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_selections_of_deep_tiles_decoded_in_part_read_as_zarr_python(tmp_path_factory, data):
+    """Selections over chunks of several zstd blocks, decoded as far as each unit needs, as
+    zarr-python reads them (absent chunks, steps, ints, the rows of a chunk's start)."""
+    tmp = tmp_path_factory.mktemp("deep")
+    # 320 KiB chunks of 8 frames of 40 KiB: a unit whose last row read lies in its first 4 frames
+    # (the first 192 KiB) is decoded in part
+    array = _zarr_array(tmp / "a.zarr", (20, 256, 320), (8, 128, 160), (8, 256, 160), "uint16", "zstd", fill=5)
+    reader = ShardReader(tmp / "a.zarr", backend="cpu", workers=2)
+    for _ in range(4):
+        selection = data.draw(selections((20, 256, 320)))
+        np.testing.assert_array_equal(reader[selection], array[selection], err_msg=str(selection))
+
+
 gpu = pytest.mark.skipif(gpu_unavailable_reason() is not None, reason=f"no usable GPU: {gpu_unavailable_reason()}")
 
 

@@ -28,6 +28,7 @@ import json
 import struct
 import threading
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar, cast
 
@@ -189,6 +190,17 @@ class Codec:
         else copied into ``scratch`` (``(count, chunk_bytes)`` uint8; None: a new array), a copy
         per buffer of the call.  None where this codec has no such call or the batch refused
         something: then :meth:`decode_chunks_released` decodes them and names what is wrong."""
+        return None
+
+    def decoded_prefixes(
+        self, src, offsets, nbytes, chunk_bytes: int, need: int, scratch: np.ndarray | None = None
+    ) -> tuple[np.ndarray, int] | None:
+        """Every chunk (all present) decoded as far as its first ``need`` bytes (of
+        ``chunk_bytes``) and no further where the codec can stop early, into ``scratch`` (``(count,
+        chunk_bytes)`` uint8; None: a new array): the array (each row valid up to ``need`` bytes
+        at least) and the bytes decoded in all.  None where this codec cannot stop early, it
+        would save nothing, or something was refused: then the caller decodes the chunks whole
+        (which names what is wrong)."""
         return None
 
     def decode(self, data, nbytes: int) -> bytes:
@@ -421,6 +433,35 @@ class Zstd(Codec):
         for first, run in runs:
             whole[first : first + len(run)] = run
         return whole
+
+    def decoded_prefixes(self, src, offsets, nbytes, chunk_bytes, need, scratch=None):
+        # A zstd frame is decoded block by block (RFC 8878, 3.1.1.2: up to 128 KiB of content
+        # each), so a chunk of several blocks, of which a read needs the first rows only (a plane
+        # of tiles several frames deep), is decoded as far as the block holding its last needed
+        # byte: a frame's first rows come from its first blocks.  Not for frames with a content
+        # checksum: it covers the whole content, so a frame decoded in part goes unchecked.
+        decoder = libzstd.frame_decoder()
+        if decoder is None or not decoder.decodes_prefixes or self.checksum or need > chunk_bytes - _BLOCK_CONTENT_MAX:
+            return None
+        starts = np.asarray(offsets, dtype=np.int64)
+        begins, ends = starts.tolist(), (starts + np.asarray(nbytes, dtype=np.int64)).tolist()
+        data = np.frombuffer(src, dtype=np.uint8)
+        if not begins or not _declared_rows(data, begins, ends, chunk_bytes):
+            return None
+        whole = np.empty((len(begins), chunk_bytes), dtype=np.uint8) if scratch is None else scratch
+        if whole.shape[1] != chunk_bytes or whole.shape[0] < len(begins) or not whole.flags.c_contiguous:
+            return None
+        view, source, target = data.data, data.ctypes.data, whole.ctypes.data
+        skipped = -(-need // _BLOCK_CONTENT_MAX) - 1  # blocks that cannot hold all of ``need``
+        decoded = 0
+        for row, (begin, end) in enumerate(zip(begins, ends)):
+            out = decoder.decode_prefix(
+                source + begin, _block_ends(view, begin, end, skipped), target + row * chunk_bytes, chunk_bytes, need
+            )
+            if out < need:
+                return None
+            decoded += out
+        return whole, decoded
 
     def _present_frames_into(self, src, offsets, nbytes, dest: np.ndarray, absent: int) -> bool:
         """:meth:`_frames_into` for the chunks whose ``nbytes`` is not ``absent``, each into its own row."""
@@ -708,6 +749,36 @@ def _frame_sizes_at_once(data: np.ndarray, starts: np.ndarray, ends: np.ndarray)
         if not chunk.size:
             break
     return sizes
+
+
+#: the most content one zstd block holds (RFC 8878, 3.1.1.2.3: Block_Maximum_Size)
+_BLOCK_CONTENT_MAX = 128 << 10
+
+
+def _block_ends(view: memoryview, begin: int, end: int, skipped: int) -> Iterator[int]:
+    """Where the blocks of the zstd frame at ``view[begin:end]`` (its header checked already:
+    :func:`_declared_rows`) end, from ``begin``, one after the other (the first ``skipped`` not
+    given), walked as far as the caller takes them; it stops before a block that runs past
+    ``end`` or of a reserved type, and at a frame with a content checksum (see
+    Zstd.decoded_prefixes)."""
+    descriptor = view[begin + 4]
+    if _CHECKSUM_BYTES_LIST[descriptor]:
+        return
+    position = begin + _HEADER_BYTES_LIST[descriptor]
+    for block in range(_MAX_BLOCKS):
+        if position + 3 > end:
+            return
+        header = _WORD(view, position - 1)[0] >> 8  # its 3 bytes (no chunk starts with one)
+        kind = header & 6
+        if kind == 6:  # a reserved block type
+            return
+        position += 4 if kind == 2 else 3 + (header >> 3)  # an RLE block: one byte
+        if position > end:
+            return
+        if block >= skipped:
+            yield position - begin
+        if header & 1:  # the last block
+            return
 
 
 #: per block header's low 3 bits (last-block flag, block type): 0 more blocks follow, 1 the last

@@ -23,6 +23,7 @@ import ctypes.util
 import functools
 import os
 import threading
+from collections.abc import Iterable
 
 __all__ = ["DECODER_SETTING", "FrameDecoder", "frame_decoder"]
 
@@ -40,7 +41,12 @@ class FrameDecoder:
         self._decompress = library.ZSTD_decompressDCtx
         self._is_error = library.ZSTD_isError
         self._create, self._free = library.ZSTD_createDCtx, library.ZSTD_freeDCtx
+        self._stream, self._reset = library.ZSTD_decompressStream, library.ZSTD_DCtx_reset
+        self._set_parameter = library.ZSTD_DCtx_setParameter
         self._local = threading.local()
+        #: whether :meth:`decode_prefix` works with this build (it decodes into the caller's
+        #: buffer with ZSTD_d_stableOutBuffer, an experimental parameter of libzstd >= 1.4.4)
+        self.decodes_prefixes = self._prefix_context() is not None
 
     def decode_frames(self, src_address: int, src_bytes: int, dest_address: int, dest_bytes: int) -> int:
         """Decode the concatenated zstd frames at ``src_address`` into ``dest_bytes`` at
@@ -53,6 +59,43 @@ class FrameDecoder:
         written = self._decompress(context.handle, dest_address, dest_bytes, src_address, src_bytes)
         return -1 if self._is_error(written) else int(written)
 
+    def decode_prefix(
+        self, src_address: int, block_ends: Iterable[int], dest_address: int, dest_bytes: int, need: int
+    ) -> int:
+        """Decode the first ``need`` bytes (at least) of the zstd frame at ``src_address`` into
+        ``dest_address``, whose ``dest_bytes`` hold all of its content, and stop: libzstd is given
+        the frame up to each of ``block_ends`` in turn (offsets from ``src_address`` where its
+        blocks end, ascending) until that many bytes are out, and decodes each block given
+        straight into the buffer.  The bytes decoded (whole blocks: ``need`` or more), or -1
+        where libzstd refused or the ends ran out first.  One call of libzstd per end (one,
+        mostly), each without the GIL."""
+        context = self._prefix_context()
+        if context is None:
+            return -1
+        source, target = context.source, context.target
+        target.dst, target.size, target.pos = dest_address, dest_bytes, 0
+        source.src, source.pos = src_address, 0
+        try:
+            for end in block_ends:
+                source.size = end
+                if self._is_error(self._stream(context.handle, context.target_ref, context.source_ref)):
+                    return -1
+                if target.pos >= need:
+                    return int(target.pos)
+            return -1
+        finally:
+            self._reset(context.handle, _RESET_SESSION_ONLY)  # the next frame starts afresh
+
+    def _prefix_context(self) -> _StreamContext | None:
+        """This thread's streaming context for :meth:`decode_prefix` (None: the build lacks it)."""
+        context = getattr(self._local, "stream", None)
+        if context is None:
+            context = _StreamContext(self._create, self._free)
+            if self._is_error(self._set_parameter(context.handle, _D_STABLE_OUT_BUFFER, 1)):
+                return None
+            self._local.stream = context
+        return context
+
 
 class _Context:
     """A ZSTD_DCtx, freed with this object (a thread's, dropped when the thread ends)."""
@@ -64,6 +107,30 @@ class _Context:
 
     def __del__(self):
         self._free(self.handle)
+
+
+class _InBuffer(ctypes.Structure):
+    _fields_ = [("src", ctypes.c_void_p), ("size", ctypes.c_size_t), ("pos", ctypes.c_size_t)]
+
+
+class _OutBuffer(ctypes.Structure):
+    _fields_ = [("dst", ctypes.c_void_p), ("size", ctypes.c_size_t), ("pos", ctypes.c_size_t)]
+
+
+class _StreamContext(_Context):
+    """A ZSTD_DCtx for streaming, with its ZSTD_inBuffer and ZSTD_outBuffer (reused)."""
+
+    def __init__(self, create, free):
+        super().__init__(create, free)
+        self.source, self.target = _InBuffer(), _OutBuffer()
+        self.source_ref, self.target_ref = ctypes.byref(self.source), ctypes.byref(self.target)
+
+
+#: zstd.h: ZSTD_d_stableOutBuffer (ZSTD_d_experimentalParam2): the output buffer is the same at
+#: every call and holds the whole frame, so libzstd decodes into it, not into a buffer of its own
+_D_STABLE_OUT_BUFFER = 1001
+#: zstd.h: ZSTD_reset_session_only
+_RESET_SESSION_ONLY = 1
 
 
 def frame_decoder() -> FrameDecoder | None:
@@ -116,3 +183,9 @@ def _declare(library: ctypes.CDLL) -> None:
     library.ZSTD_decompressDCtx.argtypes = [pointer, pointer, size, pointer, size]
     library.ZSTD_isError.restype = ctypes.c_uint
     library.ZSTD_isError.argtypes = [size]
+    library.ZSTD_decompressStream.restype = size
+    library.ZSTD_decompressStream.argtypes = [pointer, ctypes.POINTER(_OutBuffer), ctypes.POINTER(_InBuffer)]
+    library.ZSTD_DCtx_reset.restype = size
+    library.ZSTD_DCtx_reset.argtypes = [pointer, ctypes.c_int]
+    library.ZSTD_DCtx_setParameter.restype = size
+    library.ZSTD_DCtx_setParameter.argtypes = [pointer, ctypes.c_int, ctypes.c_int]

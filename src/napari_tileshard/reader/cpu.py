@@ -90,6 +90,11 @@ READ_AHEAD_UNIT_BYTES = 4 << 20
 #: copy into the output pool's memory, one time less taking the GIL back per unit; that memory is
 #: the decoded bytes' size, allocated afresh): 61-63 against 84-88 ms in the same probe (2 MiB units)
 READ_AHEAD_ADOPTS_BATCH = True
+#: whether a unit whose reads need only the first part of each chunk (in C order: a plane of
+#: tiles several frames deep) has its chunks decoded only that far, where the codec can stop
+#: early (Codec.decoded_prefixes: zstd, block by block).  Not for units going into the chunk
+#: cache (napari's), which keeps whole chunks for the next steps.
+PREFIX_DECODE = True
 
 
 def apart_order(blocks: Sequence[Block]) -> list[int]:
@@ -156,6 +161,26 @@ def dim_pieces(part: DimPart, lo: int, hi: int, chunk: int) -> tuple[tuple[slice
         pieces.append((slice(a, e), i, slice(first, int(part.within[e - 1]) + 1, step), False))
         i += 1
     return tuple(pieces)
+
+
+@functools.lru_cache(maxsize=256)  # the same parts and ranges for every plane of a read's shape
+def last_within(part: DimPart, lo: int, hi: int) -> int:
+    """The last element inside a chunk along ``part``'s dim that the part reads from its box
+    indices ``lo..hi`` (-1: none)."""
+    first, stop = np.searchsorted(part.chunk_of, [lo, hi], side="left").tolist()
+    return int(part.within[first:stop].max()) if stop > first else -1
+
+
+def needed_prefix(block: Block, ranges, chunk_shape: tuple[int, ...], itemsize: int) -> int:
+    """The bytes at the start of each chunk of a unit (box ``ranges`` of ``block``) that hold
+    every element it reads: up to the last element in C order, whose index along each dim is
+    the last one read along it (an index grows with each dim's, so the last of each dim's
+    elements read is the last of all)."""
+    last, stride = 0, 1
+    for part, (lo, hi), extent in zip(reversed(block.parts), reversed(ranges), reversed(chunk_shape)):
+        last += last_within(part, lo, hi) * stride
+        stride *= extent
+    return (last + 1) * itemsize
 
 
 def untile_into(out: np.ndarray, chunks: np.ndarray, block: Block, ranges, chunk_shape) -> None:
@@ -258,6 +283,20 @@ class BlockSource:
             return None
         return self.codec.decoded_chunks_released(
             self.views[buffer], self.offset_of[first:stop], self.nbytes_of[first:stop], chunk_bytes, scratch
+        )
+
+    def decoded_prefixes(
+        self, first: int, stop: int, chunk_bytes: int, need: int, scratch: np.ndarray
+    ) -> tuple[np.ndarray, int] | None:
+        """Box positions ``first..stop`` decoded as far as their first ``need`` bytes into
+        ``scratch`` (:meth:`~napari_tileshard.format.codecs.Codec.decoded_prefixes`): when all of
+        them were read into one buffer and the codec can stop early.  Else None."""
+        where = self.buffer_of[first:stop]
+        buffer = int(where[0]) if where.size else -1
+        if buffer < 0 or (where != buffer).any():
+            return None
+        return self.codec.decoded_prefixes(
+            self.views[buffer], self.offset_of[first:stop], self.nbytes_of[first:stop], chunk_bytes, need, scratch
         )
 
     def decode(self, first: int, stop: int, rows: np.ndarray, fill: np.ndarray, released: bool = False) -> None:
@@ -599,6 +638,19 @@ class CpuReadPath:
         places = source.decoded_places(first, stop) if self.cache is not None else []
         if into_cache_only and not places:
             return  # nothing of this unit to decode into the cache
+        if PREFIX_DECODE and not places and not into_cache_only:
+            need = needed_prefix(block, ranges, self.chunk_shape, self.chunk_dtype.itemsize)
+            partial = (
+                source.decoded_prefixes(first, stop, self.chunk_bytes, need, self._scratch(rows))
+                if need < self.chunk_bytes
+                else None
+            )
+            if partial is not None:
+                decoded, nbytes = partial
+                self.stats.add(partial_chunks=rows, bytes_decoded=nbytes - rows * self.chunk_bytes)
+                chunks = decoded.view(self.chunk_dtype).reshape((rows,) + self.chunk_shape)
+                untile_into(out, chunks, block, ranges, self.chunk_shape)
+                return
         if released and not places:
             # placed straight from the codec's own memory where it decoded into one buffer, not
             # copied into scratch first

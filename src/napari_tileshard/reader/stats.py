@@ -33,6 +33,9 @@ class ReadStats:
     index_bytes: int = 0
     chunks_decoded: int = 0
     bytes_decoded: int = 0
+    #: of the chunks decoded, those decoded only as far as the read needed (the first frames of
+    #: tiles several frames deep: a plane), which ``bytes_decoded`` counts in part
+    partial_chunks: int = 0
     decode_seconds: float = 0.0
     #: batched GPU decompress calls (the GPU path decodes a whole batch of blocks per call)
     device_decode_calls: int = 0
