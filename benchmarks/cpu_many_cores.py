@@ -216,9 +216,9 @@ def write_pipeline(camera, tile, per_shard, threads: int, sample_bytes: int, out
 
 
 # -- reads -------------------------------------------------------------------------------
-def write_recording(camera, layout: Layout, frames: int, path: Path) -> None:
+def write_recording(camera, layout: Layout, frames: int, path: Path, backend: str = "cpu") -> None:
     shutil.rmtree(path, ignore_errors=True)
-    with Writer(path, layout, codec="zstd", level=1, backend="cpu") as writer:
+    with Writer(path, layout, codec="zstd", level=1, backend=backend) as writer:
         for frame in camera.frames(frames):
             writer.append(frame)
 
