@@ -10,7 +10,8 @@
 #   bash benchmarks/planes_device.sh --quick        # small, on any machine
 #
 # Knobs: PARTS (pytest,planes | table), GIB (2), PLANES (60), LAYOUTS (64k-4m,256k-4m,1m-16m,256k,
-# default), TABLE_GIB (16), LIMIT_S (570: the whole call).
+# default), VARIANTS (ab_cpu_planes.py's --variant arguments), TABLE_GIB (16), LIMIT_S (570: the
+# whole call).
 set -uo pipefail
 root=$(pwd)
 QUICK=0
@@ -23,6 +24,7 @@ GIB=${GIB:-2}
 PLANES=${PLANES:-60}
 LAYOUTS=${LAYOUTS:-64k-4m,256k-4m,1m-16m,256k,default}
 TABLE_GIB=${TABLE_GIB:-16}
+VARIANTS=${VARIANTS:---variant ours= --variant whole=PREFIX_DECODE=0}
 SHM=/dev/shm/tileshard-planes
 export PYTHONUNBUFFERED=1
 site=""
@@ -54,7 +56,7 @@ if want planes 120; then
     [ "$(left)" -lt 60 ] && break
     # shellcheck disable=SC2086
     timeout $(($(left) - 20)) python3 benchmarks/ab_cpu_planes.py $paths --planes "$PLANES" --seed "$pass" \
-      --variant ours= --variant whole=PREFIX_DECODE=0 > "$OUT/planes_$pass.log" 2>&1
+      $VARIANTS > "$OUT/planes_$pass.log" 2>&1
     grep -v '^#' "$OUT/planes_$pass.log"
   done
   rm -rf "$SHM"

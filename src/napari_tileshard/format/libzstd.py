@@ -35,13 +35,17 @@ DECODER_SETTING = "TILESHARD_ZSTD_DECODER"
 class FrameDecoder:
     """One loaded libzstd: :meth:`decode_frames` with a decompression context per thread."""
 
-    def __init__(self, library: ctypes.CDLL, origin: str):
+    def __init__(self, library: ctypes.CDLL, origin: str, holding_gil: ctypes.PyDLL | None = None):
         self.origin = origin  # where the library was found (for messages and benchmarks)
         self.version = int(library.ZSTD_versionNumber())
         self._decompress = library.ZSTD_decompressDCtx
-        self._is_error = library.ZSTD_isError
         self._create, self._free = library.ZSTD_createDCtx, library.ZSTD_freeDCtx
-        self._stream, self._reset = library.ZSTD_decompressStream, library.ZSTD_DCtx_reset
+        self._stream = library.ZSTD_decompressStream
+        # Calls of a few instructions keep the GIL (the same library loaded as a PyDLL): a ctypes
+        # call through a CDLL gives the GIL up and takes it back, and each taking back waits for
+        # the other decode threads' turns (16 threads, per-chunk calls: 5x the thread switches).
+        quick = holding_gil or library
+        self._is_error, self._reset = quick.ZSTD_isError, quick.ZSTD_DCtx_reset
         self._set_parameter = library.ZSTD_DCtx_setParameter
         self._local = threading.local()
         #: whether :meth:`decode_prefix` works with this build (it decodes into the caller's
@@ -148,12 +152,13 @@ def frame_decoder() -> FrameDecoder | None:
 def _loaded() -> FrameDecoder | None:
     for origin, path in _candidates():
         try:
-            library = ctypes.CDLL(path)
+            library, holding_gil = ctypes.CDLL(path), ctypes.PyDLL(path)
             _declare(library)
+            _declare(holding_gil)
         except (OSError, AttributeError):  # not loadable, or no exported libzstd API
             continue
         if library.ZSTD_versionNumber() >= 10400:  # 1.4: ZSTD_decompressDCtx's multi-frame contract
-            return FrameDecoder(library, origin)
+            return FrameDecoder(library, origin, holding_gil)
     return None
 
 
