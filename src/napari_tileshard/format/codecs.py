@@ -193,14 +193,21 @@ class Codec:
         return None
 
     def decoded_prefixes(
-        self, src, offsets, nbytes, chunk_bytes: int, need: int, scratch: np.ndarray | None = None
+        self,
+        src,
+        offsets,
+        nbytes,
+        chunk_bytes: int,
+        need: int,
+        scratch: np.ndarray | None = None,
+        min_saved: int = 1,
     ) -> tuple[np.ndarray, int] | None:
         """Every chunk (all present) decoded as far as its first ``need`` bytes (of
         ``chunk_bytes``) and no further where the codec can stop early, into ``scratch`` (``(count,
         chunk_bytes)`` uint8; None: a new array): the array (each row valid up to ``need`` bytes
         at least) and the bytes decoded in all.  None where this codec cannot stop early, it
-        would save nothing, or something was refused: then the caller decodes the chunks whole
-        (which names what is wrong)."""
+        would leave fewer than ``min_saved`` bytes of a chunk undecoded, or something was
+        refused: then the caller decodes the chunks whole (which names what is wrong)."""
         return None
 
     def decode(self, data, nbytes: int) -> bytes:
@@ -434,14 +441,17 @@ class Zstd(Codec):
             whole[first : first + len(run)] = run
         return whole
 
-    def decoded_prefixes(self, src, offsets, nbytes, chunk_bytes, need, scratch=None):
+    def decoded_prefixes(self, src, offsets, nbytes, chunk_bytes, need, scratch=None, min_saved=1):
         # A zstd frame is decoded block by block (RFC 8878, 3.1.1.2: up to 128 KiB of content
         # each), so a chunk of several blocks, of which a read needs the first rows only (a plane
         # of tiles several frames deep), is decoded as far as the block holding its last needed
         # byte: a frame's first rows come from its first blocks.  Not for frames with a content
         # checksum: it covers the whole content, so a frame decoded in part goes unchecked.
         decoder = libzstd.frame_decoder()
-        if decoder is None or not decoder.decodes_prefixes or self.checksum or need > chunk_bytes - _BLOCK_CONTENT_MAX:
+        # what stays undecoded at least: the blocks after the one holding byte ``need`` (full
+        # ones, but the last)
+        saved = chunk_bytes - -(-need // _BLOCK_CONTENT_MAX) * _BLOCK_CONTENT_MAX
+        if decoder is None or not decoder.decodes_prefixes or self.checksum or saved < max(1, min_saved):
             return None
         starts = np.asarray(offsets, dtype=np.int64)
         begins, ends = starts.tolist(), (starts + np.asarray(nbytes, dtype=np.int64)).tolist()

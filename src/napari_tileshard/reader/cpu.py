@@ -92,19 +92,17 @@ READ_AHEAD_UNIT_BYTES = 4 << 20
 READ_AHEAD_ADOPTS_BATCH = True
 #: whether a unit whose reads need only the first part of each chunk (in C order: a plane of
 #: tiles several frames deep) has its chunks decoded only that far, where the codec can stop
-#: early (Codec.decoded_prefixes: zstd, block by block).  Not for units going into the chunk
-#: cache (napari's), which keeps whole chunks for the next steps.
+#: early (Codec.decoded_prefixes: zstd, block by block, a libzstd call per chunk).  Not for units
+#: going into the chunk cache (napari's), which keeps whole chunks for the next steps.  2-core
+#: VM, single planes: 1.33-1.5x faster for tiles 8 frames deep (256 KiB and 1 MiB chunks), 1.07-
+#: 1.12x for 2 frames deep (256 KiB) (results/cpu_2core_2026-11-28c/)
 PREFIX_DECODE = True
-#: whether the units of a block decoded on the pool (reads without a chunk cache, large reads)
-#: fetch their own chunks, each unit's part of the block's reads, instead of the block's task
-#: fetching all of them before any unit starts: a plane held in one shard (the recorder's default
-#: layout: 16 MiB shards of 2 frames) was one thread's fetch of 8 MiB, then its decode on the
-#: others.  Only where each unit's chunks lie together in the shard (row-major storage: ours and
-#: tensorstore's), and not for files on a disk (their reads come from the disk threads).
-UNITS_FETCH_OWN_READS = True
-#: ... and only where the byte ranges the units would fetch hold at most this much more than
-#: their chunks (chunks stored in another order than the units', e.g. Morton order)
-UNIT_READS_MAX_EXCESS = 1.25
+#: ... with more decode workers than this, only where each chunk's call leaves at least
+#: PREFIX_MIN_SAVED_BYTES undecoded: each call takes the GIL back among the other threads.
+#: 16 cores, single planes (results/cpu_16core_2026-11-28c/): 30 % less CPU but 1.0-1.06x the
+#: time for 1 MiB chunks, 1.15-1.45x the time for 256 KiB chunks 8 frames deep (4x the calls)
+PREFIX_ANY_SAVING_MAX_THREADS = 2
+PREFIX_MIN_SAVED_BYTES = 512 << 10
 
 
 def apart_order(blocks: Sequence[Block]) -> list[int]:
@@ -191,42 +189,6 @@ def needed_prefix(block: Block, ranges, chunk_shape: tuple[int, ...], itemsize: 
         last += last_within(part, lo, hi) * stride
         stride *= extent
     return (last + 1) * itemsize
-
-
-def unit_reads(reads: Sequence[Read], units: Sequence[Unit], first_index: int = 0) -> list[list[Read]] | None:
-    """Each unit's part of a block's ``reads``: per unit, per read holding chunks of it, one read
-    of the bytes from the first of them to the end of the last (chunks of other units between
-    them are read too), numbered from ``first_index`` on; None where those ranges would hold
-    more than ``UNIT_READS_MAX_EXCESS`` times the chunks' bytes (units are row-major sub-boxes;
-    chunks stored in another order lie apart)."""
-    firsts = np.array([first for (first, _), _ in units], dtype=np.int64)
-    parts: list[list[Read]] = [[] for _ in units]
-    needed = fetched = fetched_reads = 0
-    for read in reads:
-        unit_of = np.searchsorted(firsts, read.slots, side="right") - 1
-        order = np.argsort(unit_of, kind="stable")
-        bounds = np.searchsorted(unit_of[order], np.arange(len(units) + 1))
-        ends = read.offsets + read.nbytes
-        for u in np.flatnonzero(np.diff(bounds)).tolist():
-            chosen = order[bounds[u] : bounds[u + 1]]
-            lo, hi = int(read.offsets[chosen].min()), int(ends[chosen].max())
-            needed += int(read.nbytes[chosen].sum())
-            fetched += hi - lo
-            parts[u].append(
-                Read(
-                    first_index + fetched_reads,
-                    read.key,
-                    read.block,
-                    read.start + lo,
-                    read.start + hi,
-                    read.chunks[chosen],
-                    read.offsets[chosen] - lo,
-                    read.nbytes[chosen],
-                    read.slots[chosen],
-                )
-            )
-            fetched_reads += 1
-    return parts if fetched <= UNIT_READS_MAX_EXCESS * needed else None
 
 
 def untile_into(out: np.ndarray, chunks: np.ndarray, block: Block, ranges, chunk_shape) -> None:
@@ -332,7 +294,7 @@ class BlockSource:
         )
 
     def decoded_prefixes(
-        self, first: int, stop: int, chunk_bytes: int, need: int, scratch: np.ndarray
+        self, first: int, stop: int, chunk_bytes: int, need: int, scratch: np.ndarray, min_saved: int = 1
     ) -> tuple[np.ndarray, int] | None:
         """Box positions ``first..stop`` decoded as far as their first ``need`` bytes into
         ``scratch`` (:meth:`~napari_tileshard.format.codecs.Codec.decoded_prefixes`): when all of
@@ -342,7 +304,13 @@ class BlockSource:
         if buffer < 0 or (where != buffer).any():
             return None
         return self.codec.decoded_prefixes(
-            self.views[buffer], self.offset_of[first:stop], self.nbytes_of[first:stop], chunk_bytes, need, scratch
+            self.views[buffer],
+            self.offset_of[first:stop],
+            self.nbytes_of[first:stop],
+            chunk_bytes,
+            need,
+            scratch,
+            min_saved,
         )
 
     def decode(self, first: int, stop: int, rows: np.ndarray, fill: np.ndarray, released: bool = False) -> None:
@@ -386,16 +354,12 @@ class _BlockTask:
         "present",
         "reads",
         "remaining",
-        "unit_parts",
         "_end",
         "_units",
     )
 
     def __init__(self, block: Block, out: np.ndarray, reads: list[Read], disk: DiskFetches | None = None):
         self.block, self.out, self.reads = block, out, reads
-        #: the block's units and each one's part of its reads, where its units fetch their own
-        #: (UNITS_FETCH_OWN_READS); None: worked out by the task, or the task fetches them all
-        self.unit_parts: tuple[tuple[Unit, ...], list[list[Read]]] | None = None
         self.disk = disk  # the reads fetched by the reader's disk threads; None: the task fetches them
         self.nbytes = sum(read.size for read in reads)
         self.buffers: list[np.ndarray] = []
@@ -411,18 +375,9 @@ class _BlockTask:
         self.remaining = count
         self._units = threading.Lock()
 
-    def add_present(self, count: int) -> None:
-        """Count chunks of the block found in its reads (by units fetching their own)."""
+    def unit_done(self, reader, error: BaseException | None) -> None:
         assert self._units is not None
         with self._units:
-            self.present += count
-
-    def unit_done(self, reader, error: BaseException | None, buffers: Sequence[np.ndarray] = ()) -> None:
-        """One unit decoded (or failed: ``error``); ``buffers``: the read buffers it fetched
-        itself, recycled with the block's."""
-        assert self._units is not None
-        with self._units:
-            self.buffers.extend(buffers)
             self.remaining -= 1
             if error is not None and self.error is None:
                 self.error = error
@@ -535,21 +490,8 @@ class CpuReadPath:
         # little ahead of the decode threads, so none of them waits for the disk.  The rest
         # (cached, in memory, object stores): the decode threads fetch their own reads at once.
         disk = None
-        parts_of: dict[int, tuple[tuple[Unit, ...], list[list[Read]]]] = {}
         if reader._objects.hints:
-            # the disk threads fetch the units' own reads, in the order the units are decoded
-            if UNITS_FETCH_OWN_READS:
-                next_index = len(plan.reads)
-                for b in order:
-                    split = self._unit_parts(plan.blocks[b], reads_of[b], rows, next_index)
-                    if split is not None:
-                        parts_of[b] = split
-                        next_index += sum(map(len, split[1]))
-            reads = [
-                read
-                for b in order
-                for read in ([r for part in parts_of[b][1] for r in part] if b in parts_of else reads_of[b])
-            ]
+            reads = [read for b in order for read in reads_of[b]]
             # each decode thread's next read on its way, however large the shards (within the window)
             largest = max((read.size for read in reads), default=0)
             ahead = min(window, max(DISK_FETCH_AHEAD_BYTES, self.decode_threads * largest))
@@ -576,7 +518,6 @@ class CpuReadPath:
             for b in order:
                 block = plan.blocks[b]
                 task = _BlockTask(block, target(block), reads_of[b], disk)
-                task.unit_parts = parts_of.get(b)
                 pool.post(self._start_block, task, rows, released)
                 pending.append(task)
                 in_flight += task.nbytes
@@ -598,24 +539,10 @@ class CpuReadPath:
 
     def _start_block(self, task: _BlockTask, rows: int, released: bool) -> None:
         """A block's task on the decode pool: fetch its reads, queue its units after the first
-        (:meth:`_finish_unit` each) and decode the first here; or, where its units fetch their
-        own part of the reads (:meth:`_unit_parts`), queue them all (:meth:`_fetch_and_finish_unit`)."""
+        (:meth:`_finish_unit` each) and decode the first here."""
         block, reader = task.block, self.reader
         if task.cancelled:
             task.finish(reader, None)
-            return
-        split = task.unit_parts
-        if split is None and task.disk is None:
-            split = self._unit_parts(block, task.reads, rows)
-        if split is not None:  # each unit fetches its own part of the reads
-            units, parts = split
-            task.expect_units(len(units))
-            for unit, reads in zip(units[1:], parts[1:]):
-                try:
-                    self._decode_pool().post(self._fetch_and_finish_unit, task, released, unit, reads)
-                except RuntimeError:  # the pool is shutting down: this thread does the rest
-                    self._fetch_and_finish_unit(task, released, unit, reads)
-            self._fetch_and_finish_unit(task, released, units[0], parts[0])
             return
         try:
             for read in task.reads:  # fetched buffers go back with the block, whatever happens next
@@ -644,36 +571,6 @@ class CpuReadPath:
 
     def _finish_unit(self, task: _BlockTask, source: BlockSource, released: bool, unit) -> None:
         task.unit_done(self.reader, self._decode_task_unit(task, source, released, unit))
-
-    @staticmethod
-    def _unit_parts(
-        block: Block, reads: list[Read], rows: int, first_index: int = 0
-    ) -> tuple[tuple[Unit, ...], list[list[Read]]] | None:
-        """The block's units and each one's part of ``reads`` (:func:`unit_reads`), where its
-        units fetch their own (UNITS_FETCH_OWN_READS: a block of several units, none of its
-        chunks from the cache); else None."""
-        if not UNITS_FETCH_OWN_READS or block.cached or not reads:
-            return None
-        units = unit_boxes(block.box_shape, rows)
-        parts = unit_reads(reads, units, first_index) if len(units) > 1 else None
-        return None if parts is None else (units, parts)
-
-    def _fetch_and_finish_unit(self, task: _BlockTask, released: bool, unit, reads: list[Read]) -> None:
-        """One unit of a block task that fetches its own part of the block's reads
-        (:func:`unit_reads`), decodes it into the block's output and counts it done."""
-        error: BaseException | None = None
-        buffers: list[np.ndarray] = []
-        try:
-            if not task.cancelled:
-                for read in reads:
-                    buffer = None if task.disk is None else task.disk.take(read)
-                    buffers.append(self.reader._fetch(read) if buffer is None else buffer)
-                source = BlockSource(task.block, list(zip(reads, buffers)), self.codec)
-                task.add_present(source.present)
-                self._decode_unit(task.block, task.out, source, False, released, unit)
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller through the block
-            error = exc
-        task.unit_done(self.reader, error, buffers)
 
     def _decode_task_unit(self, task: _BlockTask, source: BlockSource, released: bool, unit) -> BaseException | None:
         """Decode one unit of a block task into its output; what went wrong, if anything (handed
@@ -758,7 +655,7 @@ class CpuReadPath:
         if PREFIX_DECODE and not places and not into_cache_only:
             need = needed_prefix(block, ranges, self.chunk_shape, self.chunk_dtype.itemsize)
             partial = (
-                source.decoded_prefixes(first, stop, self.chunk_bytes, need, self._scratch(rows))
+                source.decoded_prefixes(first, stop, self.chunk_bytes, need, self._scratch(rows), self._min_saved())
                 if need < self.chunk_bytes
                 else None
             )
@@ -801,6 +698,10 @@ class CpuReadPath:
             return
         chunks = decoded.view(self.chunk_dtype).reshape((rows,) + self.chunk_shape)
         untile_into(out, chunks, block, ranges, self.chunk_shape)
+
+    def _min_saved(self) -> int:
+        """The least a chunk decoded in part must leave undecoded (see PREFIX_MIN_SAVED_BYTES)."""
+        return 1 if self.workers <= PREFIX_ANY_SAVING_MAX_THREADS else PREFIX_MIN_SAVED_BYTES
 
     def _scratch(self, rows: int) -> np.ndarray:
         """``rows`` chunks of this decode thread's scratch buffer (reused: no page faults)."""
