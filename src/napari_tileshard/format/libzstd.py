@@ -42,8 +42,8 @@ class FrameDecoder:
         self._create, self._free = library.ZSTD_createDCtx, library.ZSTD_freeDCtx
         self._stream = library.ZSTD_decompressStream
         # Calls of a few instructions keep the GIL (the same library loaded as a PyDLL): a ctypes
-        # call through a CDLL gives the GIL up and takes it back, and each taking back waits for
-        # the other decode threads' turns (16 threads, per-chunk calls: 5x the thread switches).
+        # call through a CDLL gives the GIL up and takes it back, and each taking back waits its
+        # turn among the other decode threads.
         quick = holding_gil or library
         self._is_error, self._reset = quick.ZSTD_isError, quick.ZSTD_DCtx_reset
         self._set_parameter = library.ZSTD_DCtx_setParameter

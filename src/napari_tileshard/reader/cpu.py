@@ -94,8 +94,8 @@ READ_AHEAD_ADOPTS_BATCH = True
 #: tiles several frames deep) has its chunks decoded only that far, where the codec can stop
 #: early (Codec.decoded_prefixes: zstd, block by block, a libzstd call per chunk).  Not for units
 #: going into the chunk cache (napari's), which keeps whole chunks for the next steps.  2-core
-#: VM, single planes: 1.33-1.5x faster for tiles 8 frames deep (256 KiB and 1 MiB chunks), 1.07-
-#: 1.12x for 2 frames deep (256 KiB) (results/cpu_2core_2026-11-28c/)
+#: VM, single planes, two passes: 1.46-1.48x faster for 1 MiB tiles 8 frames deep, 1.21-1.22x
+#: for 256 KiB ones, 1.06-1.14x for 256 KiB tiles 2 frames deep (results/cpu_2core_2026-11-28c/)
 PREFIX_DECODE = True
 #: ... with more decode workers than this, only where each chunk's call leaves at least
 #: PREFIX_MIN_SAVED_BYTES undecoded: each call takes the GIL back among the other threads.
