@@ -9,7 +9,8 @@
 #   run(command="PARTS=table bash benchmarks/planes_device.sh", carry=[".kit/site.tar.xz"])
 #   bash benchmarks/planes_device.sh --quick        # small, on any machine
 #
-# Knobs: PARTS (pytest,planes[,whole] | table; whole: whole reads of the planes' recordings), GIB (2), PLANES (60), LAYOUTS (64k-4m,256k-4m,1m-16m,256k,
+# Knobs: PARTS (pytest,planes[,timeline][,whole] | table; timeline: plane_timeline.py, whole: whole reads
+# of the planes' recordings), GIB (2), PLANES (60), LAYOUTS (64k-4m,256k-4m,1m-16m,256k,
 # default), VARIANTS (ab_cpu_planes.py's --variant arguments), TABLE_GIB (16), LIMIT_S (570: the
 # whole call).
 set -uo pipefail
@@ -59,6 +60,12 @@ if want planes 120; then
       $VARIANTS > "$OUT/planes_$pass.log" 2>&1
     grep -v '^#' "$OUT/planes_$pass.log"
   done
+  if want timeline 40; then # each stage's start and end in a single-plane read (medians)
+    for layout in ${LAYOUTS//,/ }; do
+      timeout 30 python3 benchmarks/plane_timeline.py "$SHM/$layout.zarr" --planes "$PLANES" >> "$OUT/timeline.log" 2>&1
+    done
+    cat "$OUT/timeline.log"
+  fi
   if want whole 90; then # whole reads of the same recordings, the same variants (3 rounds, best of 2)
     # shellcheck disable=SC2086
     timeout $(($(left) - 20)) python3 benchmarks/ab_cpu_read.py $paths --rounds 3 --repeat 2 $VARIANTS \
