@@ -700,23 +700,32 @@ def _frame_sizes_by_chunk(data: np.ndarray, starts: np.ndarray, ends: np.ndarray
     for begin, end in zip(starts.tolist(), ends.tolist()):
         frame = -1
         if begin >= 0 and end <= size and end - begin >= 9 and _WORD(view, begin)[0] == _ZSTD_MAGIC:
-            descriptor = view[begin + 4]
-            header_bytes = _HEADER_BYTES_LIST[descriptor]
-            position = begin + header_bytes
-            for _ in range(_MAX_BLOCKS if header_bytes > 0 else 0):
-                if position + 3 > end:
-                    break
-                header = _WORD(view, position - 1)[0] >> 8  # its 3 bytes (no chunk starts with one)
-                kind = header & 6
-                if kind == 6:  # a reserved block type: no frame
-                    break
-                position += 4 if kind == 2 else 3 + (header >> 3)  # an RLE block: one byte
-                if header & 1:  # the last block
-                    frame_end = position + _CHECKSUM_BYTES_LIST[descriptor]
+            for position, last in _blocks(view, begin, end):
+                if last:
+                    frame_end = position + _CHECKSUM_BYTES_LIST[view[begin + 4]]
                     frame = frame_end - begin if frame_end <= end else -1
-                    break
         sizes.append(frame)
     return sizes
+
+
+def _blocks(view: memoryview, begin: int, end: int) -> Iterator[tuple[int, bool]]:
+    """``(where it ends, whether it is the last)`` of each block of the zstd frame whose magic
+    starts ``view[begin:end]``, walked as far as the caller takes them (at most _MAX_BLOCKS); it
+    stops before a block whose header lies past ``end`` and at one of a reserved type, and gives
+    nothing for a header with its reserved bit set."""
+    header_bytes = _HEADER_BYTES_LIST[view[begin + 4]]
+    position = begin + header_bytes
+    for _ in range(_MAX_BLOCKS if header_bytes > 0 else 0):
+        if position + 3 > end:
+            return
+        header = _WORD(view, position - 1)[0] >> 8  # its 3 bytes (no chunk starts with one)
+        kind = header & 6
+        if kind == 6:  # a reserved block type: no frame
+            return
+        position += 4 if kind == 2 else 3 + (header >> 3)  # an RLE block: one byte
+        yield position, bool(header & 1)
+        if header & 1:  # the last block
+            return
 
 
 def _frame_sizes_at_once(data: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
@@ -768,27 +777,16 @@ _BLOCK_CONTENT_MAX = 128 << 10
 def _block_ends(view: memoryview, begin: int, end: int, skipped: int) -> Iterator[int]:
     """Where the blocks of the zstd frame at ``view[begin:end]`` (its header checked already:
     :func:`_declared_rows`) end, from ``begin``, one after the other (the first ``skipped`` not
-    given), walked as far as the caller takes them; it stops before a block that runs past
-    ``end`` or of a reserved type, and at a frame with a content checksum (see
+    given), walked as far as the caller takes them (:func:`_blocks`); it stops before a block
+    that runs past ``end``, and gives nothing for a frame with a content checksum (see
     Zstd.decoded_prefixes)."""
-    descriptor = view[begin + 4]
-    if _CHECKSUM_BYTES_LIST[descriptor]:
+    if _CHECKSUM_BYTES_LIST[view[begin + 4]]:
         return
-    position = begin + _HEADER_BYTES_LIST[descriptor]
-    for block in range(_MAX_BLOCKS):
-        if position + 3 > end:
-            return
-        header = _WORD(view, position - 1)[0] >> 8  # its 3 bytes (no chunk starts with one)
-        kind = header & 6
-        if kind == 6:  # a reserved block type
-            return
-        position += 4 if kind == 2 else 3 + (header >> 3)  # an RLE block: one byte
+    for block, (position, _) in enumerate(_blocks(view, begin, end)):
         if position > end:
             return
         if block >= skipped:
             yield position - begin
-        if header & 1:  # the last block
-            return
 
 
 #: per block header's low 3 bits (last-block flag, block type): 0 more blocks follow, 1 the last
