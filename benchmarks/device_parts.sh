@@ -10,3 +10,8 @@ want() { # want PART SECONDS_NEEDED: whether to run it (asked for, and time enou
   fi
   echo "# part $1 at ${SECONDS} s" | tee -a "$PARTS_LOG/parts.txt"
 }
+machine_info() { # the machine (CPUs, memory, GPU) into $PARTS_LOG/info.txt, and on stdout
+  { nproc; free -g | head -2; nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null; } \
+    > "$PARTS_LOG/info.txt" 2>&1
+  cat "$PARTS_LOG/info.txt"
+}

@@ -49,9 +49,7 @@ if [ $QUICK = 1 ]; then
 fi
 PARTS_LOG=$OUT
 source "$root/benchmarks/device_parts.sh"
-{ nproc; free -g | head -2; nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null; } \
-  > "$OUT/info.txt" 2>&1
-cat "$OUT/info.txt"
+machine_info
 
 if want pytest 150; then
   PYTHONPATH=$NEW timeout 140 python3 -m pytest -q -p no:cacheprovider -m gpu -x tests/reader \

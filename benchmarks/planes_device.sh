@@ -38,9 +38,7 @@ if [ $QUICK = 1 ]; then
 fi
 PARTS_LOG=$OUT
 source "$root/benchmarks/device_parts.sh"
-{ nproc; free -g | head -2; nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null; } \
-  > "$OUT/info.txt" 2>&1
-cat "$OUT/info.txt"
+machine_info
 
 if want pytest 240; then
   timeout 230 python3 -m pytest -m gpu -q -p no:cacheprovider tests > "$OUT/pytest_gpu.log" 2>&1
