@@ -342,6 +342,47 @@ def test_tensorstore_written_shards(tmp_path):
     np.testing.assert_array_equal(reader[3, 5:17:3], data[3, 5:17:3])
 
 
+@pytest.mark.parametrize("writer", ["ours", "tensorstore"])
+def test_planes_of_deep_tiles_decoded_in_part_from_our_and_tensorstores_shards(tmp_path, writer):
+    """Chunks of 8 frames (256 KiB: zstd blocks of at most 128 KiB) written by our Writer and by
+    tensorstore: every plane as zarr-python reads it, the first half of each tile's planes
+    decoded in part."""
+    data = (np.arange(16 * 256 * 256).reshape(16, 256, 256) * 2654435761 % 3001).astype("uint16")
+    path = tmp_path / "a.zarr"
+    if writer == "ours":
+        layout = Layout([Dim("t", 0, 8, 1), Dim("y", 256, 128, 2), Dim("x", 256, 128, 2)], "uint16")
+        with Writer(path, layout, backend="cpu") as w:
+            for frame in data:
+                w.append(frame)
+    else:
+        ts = pytest.importorskip("tensorstore")
+        sharding = {
+            "chunk_shape": [8, 128, 128],
+            "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "zstd"}],
+            "index_codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}],
+        }
+        metadata = {
+            "shape": list(data.shape),
+            "data_type": "uint16",
+            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [8, 256, 256]}},
+            "codecs": [{"name": "sharding_indexed", "configuration": sharding}],
+        }
+        spec = {
+            "driver": "zarr3",
+            "kvstore": {"driver": "file", "path": str(path)},
+            "metadata": metadata,
+            "create": True,
+        }
+        ts.open(spec).result()[...] = data
+    reference = zarr.open_array(path, mode="r")[...]
+    np.testing.assert_array_equal(reference, data)
+    reader = ShardReader(path, backend="cpu", workers=2)
+    for t in range(16):
+        reader.stats.reset()
+        np.testing.assert_array_equal(reader[t], reference[t], err_msg=str(t))
+        assert reader.stats.partial_chunks == (4 if t % 8 < 4 else 0), t
+
+
 def test_acquire_zarr_written_shards(tmp_path):
     az = pytest.importorskip("acquire_zarr")
     settings = az.StreamSettings(store_path=str(tmp_path / "az.zarr"), overwrite=True)
