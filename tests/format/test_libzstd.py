@@ -312,3 +312,13 @@ def test_a_prefix_decode_stops_at_the_block_holding_the_last_byte_needed():
     assert decoder.decode_prefix(data.ctypes.data, ends[:1], out.ctypes.data, out.size, out.size) == -1
     assert decoder.decode_prefix(data.ctypes.data, ends, out.ctypes.data, out.size, out.size) == out.size
     np.testing.assert_array_equal(out, tiles[0])
+
+
+def test_prefix_saving_counts_the_whole_blocks_after_the_one_holding_the_last_byte_needed():
+    block = codecs._BLOCK_CONTENT_MAX
+    assert Zstd().prefix_saving(8 * block, 1) == 7 * block
+    assert Zstd().prefix_saving(8 * block, block + 1) == 6 * block
+    assert Zstd().prefix_saving(2 * block, 2 * block) == 0
+    assert Zstd().prefix_saving(block // 2, 1) == 0  # one block: nothing to leave
+    assert Zstd(checksum=True).prefix_saving(8 * block, 1) == 0  # a part would go unchecked
+    assert codecs.get("none").prefix_saving(8 * block, 1) == 0  # decoded whole

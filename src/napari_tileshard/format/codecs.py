@@ -192,6 +192,11 @@ class Codec:
         something: then :meth:`decode_chunks_released` decodes them and names what is wrong."""
         return None
 
+    def prefix_saving(self, chunk_bytes: int, need: int) -> int:
+        """The bytes of a chunk of ``chunk_bytes`` that :meth:`decoded_prefixes` would leave
+        undecoded at least, asked for its first ``need`` (0: this codec decodes chunks whole)."""
+        return 0
+
     def decoded_prefixes(
         self,
         src,
@@ -441,17 +446,22 @@ class Zstd(Codec):
             whole[first : first + len(run)] = run
         return whole
 
+    def prefix_saving(self, chunk_bytes, need):
+        # the blocks after the one holding byte ``need`` (full ones, but the last)
+        if self.checksum:
+            return 0
+        return max(0, chunk_bytes - -(-need // _BLOCK_CONTENT_MAX) * _BLOCK_CONTENT_MAX)
+
     def decoded_prefixes(self, src, offsets, nbytes, chunk_bytes, need, scratch=None, min_saved=1):
         # A zstd frame is decoded block by block (RFC 8878, 3.1.1.2: up to 128 KiB of content
         # each), so a chunk of several blocks, of which a read needs the first rows only (a plane
         # of tiles several frames deep), is decoded as far as the block holding its last needed
         # byte: a frame's first rows come from its first blocks.  Not for frames with a content
         # checksum: it covers the whole content, so a frame decoded in part goes unchecked.
+        if self.prefix_saving(chunk_bytes, need) < max(1, min_saved):
+            return None
         decoder = libzstd.frame_decoder()
-        # what stays undecoded at least: the blocks after the one holding byte ``need`` (full
-        # ones, but the last)
-        saved = chunk_bytes - -(-need // _BLOCK_CONTENT_MAX) * _BLOCK_CONTENT_MAX
-        if decoder is None or not decoder.decodes_prefixes or self.checksum or saved < max(1, min_saved):
+        if decoder is None or not decoder.decodes_prefixes:
             return None
         starts = np.asarray(offsets, dtype=np.int64)
         begins, ends = starts.tolist(), (starts + np.asarray(nbytes, dtype=np.int64)).tolist()

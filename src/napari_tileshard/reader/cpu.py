@@ -426,6 +426,10 @@ class CpuReadPath:
         self.decode_threads = self.workers + (DISK_EXTRA_DECODE_THREADS if reader._objects.hints else 0)
         self._local = threading.local()  # per decode thread: its scratch buffer
         self._pool: TaskPool | None = None
+        #: the least a chunk decoded in part must leave undecoded (see PREFIX_MIN_SAVED_BYTES), and
+        #: whether any chunk of this array can (else no unit works out what it needs)
+        self.min_saved = 1 if self.workers <= PREFIX_ANY_SAVING_MAX_THREADS else PREFIX_MIN_SAVED_BYTES
+        self.decodes_in_part = self.codec.prefix_saving(self.chunk_bytes, 1) >= self.min_saved
 
     def read(self, plan: ReadPlan) -> np.ndarray:
         """All of ``plan`` as one array of the plan's output shape."""
@@ -652,11 +656,11 @@ class CpuReadPath:
         places = source.decoded_places(first, stop) if self.cache is not None else []
         if into_cache_only and not places:
             return  # nothing of this unit to decode into the cache
-        if PREFIX_DECODE and not places and not into_cache_only:
+        if PREFIX_DECODE and self.decodes_in_part and not places and not into_cache_only:
             need = needed_prefix(block, ranges, self.chunk_shape, self.chunk_dtype.itemsize)
             partial = (
-                source.decoded_prefixes(first, stop, self.chunk_bytes, need, self._scratch(rows), self._min_saved())
-                if need < self.chunk_bytes
+                source.decoded_prefixes(first, stop, self.chunk_bytes, need, self._scratch(rows), self.min_saved)
+                if self.codec.prefix_saving(self.chunk_bytes, need) >= self.min_saved
                 else None
             )
             if partial is not None:
@@ -698,10 +702,6 @@ class CpuReadPath:
             return
         chunks = decoded.view(self.chunk_dtype).reshape((rows,) + self.chunk_shape)
         untile_into(out, chunks, block, ranges, self.chunk_shape)
-
-    def _min_saved(self) -> int:
-        """The least a chunk decoded in part must leave undecoded (see PREFIX_MIN_SAVED_BYTES)."""
-        return 1 if self.workers <= PREFIX_ANY_SAVING_MAX_THREADS else PREFIX_MIN_SAVED_BYTES
 
     def _scratch(self, rows: int) -> np.ndarray:
         """``rows`` chunks of this decode thread's scratch buffer (reused: no page faults)."""
