@@ -4,10 +4,12 @@ refuses decoded chunk by chunk, which names it; the setting that switches it off
 
 from __future__ import annotations
 
+import ctypes
 import platform
 import sys
 import threading
 import time
+import types
 
 import numpy as np
 import pytest
@@ -322,3 +324,22 @@ def test_prefix_saving_counts_the_whole_blocks_after_the_one_holding_the_last_by
     assert Zstd().prefix_saving(block // 2, 1) == 0  # one block: nothing to leave
     assert Zstd(checksum=True).prefix_saving(8 * block, 1) == 0  # a part would go unchecked
     assert codecs.get("none").prefix_saving(8 * block, 1) == 0  # decoded whole
+
+
+@needs_libzstd
+def test_a_build_without_the_streaming_calls_decodes_whole_frames_only():
+    """A libzstd that exports the one-shot call but not the streaming ones (ZSTD_decompressStream,
+    ZSTD_DCtx_reset, ZSTD_DCtx_setParameter): whole frames decode, decode_prefix says -1."""
+    full = libzstd._loaded()
+    library = ctypes.CDLL(full.path)
+    libzstd._declare(library)
+    names = ("ZSTD_versionNumber", "ZSTD_decompressDCtx", "ZSTD_isError", "ZSTD_createDCtx", "ZSTD_freeDCtx")
+    one_shot = types.SimpleNamespace(**{name: getattr(library, name) for name in names})
+    decoder = libzstd.FrameDecoder(one_shot, "test")
+    assert not decoder.decodes_prefixes
+    tiles, chunks = _chunks(1, 256 << 10, seed=2)
+    src = np.frombuffer(chunks[0], dtype=np.uint8)
+    out = np.zeros(tiles.shape[1], np.uint8)
+    assert decoder.decode_prefix(src.ctypes.data, [src.size], out.ctypes.data, out.size, 1) == -1
+    assert decoder.decode_frames(src.ctypes.data, src.size, out.ctypes.data, out.size) == out.size
+    np.testing.assert_array_equal(out, tiles[0])

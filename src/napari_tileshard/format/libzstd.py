@@ -37,17 +37,21 @@ class FrameDecoder:
 
     def __init__(self, library: ctypes.CDLL, origin: str, holding_gil: ctypes.PyDLL | None = None):
         self.origin = origin  # where the library was found (for messages and benchmarks)
+        self.path: str | None = getattr(library, "_name", None)  # its file, where ctypes loaded one
         self.version = int(library.ZSTD_versionNumber())
         self._decompress = library.ZSTD_decompressDCtx
         self._create, self._free = library.ZSTD_createDCtx, library.ZSTD_freeDCtx
-        self._stream = library.ZSTD_decompressStream
         # Calls of a few instructions keep the GIL (the same library loaded as a PyDLL): a ctypes
         # call through a CDLL gives the GIL up and takes it back, and each taking back waits its
         # turn among the other decode threads.
         quick = holding_gil or library
-        self._is_error, self._reset = quick.ZSTD_isError, quick.ZSTD_DCtx_reset
-        self._set_parameter = library.ZSTD_DCtx_setParameter
+        self._is_error = quick.ZSTD_isError
         self._local = threading.local()
+        # the streaming calls of decode_prefix (stream, reset, set a parameter); None: a build
+        # without them decodes whole frames only
+        self._streaming = None
+        if all(hasattr(library, name) for name in _STREAMING):
+            self._streaming = (library.ZSTD_decompressStream, quick.ZSTD_DCtx_reset, library.ZSTD_DCtx_setParameter)
         #: whether :meth:`decode_prefix` works with this build (it decodes into the caller's
         #: buffer with ZSTD_d_stableOutBuffer, an experimental parameter of libzstd >= 1.4.4)
         self.decodes_prefixes = self._prefix_context() is not None
@@ -74,28 +78,31 @@ class FrameDecoder:
         where libzstd refused or the ends ran out first.  One call of libzstd per end (one,
         mostly), each without the GIL."""
         context = self._prefix_context()
-        if context is None:
+        if context is None or self._streaming is None:
             return -1
+        stream, reset, _ = self._streaming
         source, target = context.source, context.target
         target.dst, target.size, target.pos = dest_address, dest_bytes, 0
         source.src, source.pos = src_address, 0
         try:
             for end in block_ends:
                 source.size = end
-                if self._is_error(self._stream(context.handle, context.target_ref, context.source_ref)):
+                if self._is_error(stream(context.handle, context.target_ref, context.source_ref)):
                     return -1
                 if target.pos >= need:
                     return int(target.pos)
             return -1
         finally:
-            self._reset(context.handle, _RESET_SESSION_ONLY)  # the next frame starts afresh
+            reset(context.handle, _RESET_SESSION_ONLY)  # the next frame starts afresh
 
     def _prefix_context(self) -> _StreamContext | None:
         """This thread's streaming context for :meth:`decode_prefix` (None: the build lacks it)."""
         context = getattr(self._local, "stream", None)
         if context is None:
+            if self._streaming is None:
+                return None
             context = _StreamContext(self._create, self._free)
-            if self._is_error(self._set_parameter(context.handle, _D_STABLE_OUT_BUFFER, 1)):
+            if self._is_error(self._streaming[2](context.handle, _D_STABLE_OUT_BUFFER, 1)):
                 return None
             self._local.stream = context
         return context
@@ -133,6 +140,8 @@ class _StreamContext(_Context):
 #: zstd.h: ZSTD_d_stableOutBuffer (ZSTD_d_experimentalParam2): the output buffer is the same at
 #: every call and holds the whole frame, so libzstd decodes into it, not into a buffer of its own
 _D_STABLE_OUT_BUFFER = 1001
+#: libzstd's streaming calls FrameDecoder.decode_prefix needs
+_STREAMING = ("ZSTD_decompressStream", "ZSTD_DCtx_reset", "ZSTD_DCtx_setParameter")
 #: zstd.h: ZSTD_reset_session_only
 _RESET_SESSION_ONLY = 1
 
@@ -188,9 +197,12 @@ def _declare(library: ctypes.CDLL) -> None:
     library.ZSTD_decompressDCtx.argtypes = [pointer, pointer, size, pointer, size]
     library.ZSTD_isError.restype = ctypes.c_uint
     library.ZSTD_isError.argtypes = [size]
-    library.ZSTD_decompressStream.restype = size
-    library.ZSTD_decompressStream.argtypes = [pointer, ctypes.POINTER(_OutBuffer), ctypes.POINTER(_InBuffer)]
-    library.ZSTD_DCtx_reset.restype = size
-    library.ZSTD_DCtx_reset.argtypes = [pointer, ctypes.c_int]
-    library.ZSTD_DCtx_setParameter.restype = size
-    library.ZSTD_DCtx_setParameter.argtypes = [pointer, ctypes.c_int, ctypes.c_int]
+    try:  # the streaming calls (FrameDecoder.decode_prefix), where the build exports them
+        library.ZSTD_decompressStream.restype = size
+        library.ZSTD_decompressStream.argtypes = [pointer, ctypes.POINTER(_OutBuffer), ctypes.POINTER(_InBuffer)]
+        library.ZSTD_DCtx_reset.restype = size
+        library.ZSTD_DCtx_reset.argtypes = [pointer, ctypes.c_int]
+        library.ZSTD_DCtx_setParameter.restype = size
+        library.ZSTD_DCtx_setParameter.argtypes = [pointer, ctypes.c_int, ctypes.c_int]
+    except AttributeError:
+        pass
