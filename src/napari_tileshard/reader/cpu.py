@@ -100,7 +100,7 @@ PREFIX_DECODE = True
 #: ... with more decode workers than this, only where each chunk's call leaves at least
 #: PREFIX_MIN_SAVED_BYTES undecoded: each call takes the GIL back among the other threads.
 #: 16 cores, single planes (results/cpu_16core_2026-11-28c/): 30 % less CPU but 1.0-1.06x the
-#: time for 1 MiB chunks, 1.15-1.45x the time for 256 KiB chunks 8 frames deep (4x the calls)
+#: time for 1 MiB chunks, 1.16-1.47x the time for 256 KiB chunks 8 frames deep (4x the calls)
 PREFIX_ANY_SAVING_MAX_THREADS = 2
 PREFIX_MIN_SAVED_BYTES = 512 << 10
 
