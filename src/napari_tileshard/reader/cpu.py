@@ -285,13 +285,8 @@ class BlockSource:
         (:meth:`~napari_tileshard.format.codecs.Codec.decoded_chunks_released`): when all of
         them were read into one buffer and the codec has such a call.  Else None (:meth:`decode`
         then decodes them into the caller's rows)."""
-        where = self.buffer_of[first:stop]
-        buffer = int(where[0]) if where.size else -1
-        if buffer < 0 or (where != buffer).any():
-            return None
-        return self.codec.decoded_chunks_released(
-            self.views[buffer], self.offset_of[first:stop], self.nbytes_of[first:stop], chunk_bytes, scratch
-        )
+        chunks = self.in_one_buffer(first, stop)
+        return None if chunks is None else self.codec.decoded_chunks_released(*chunks, chunk_bytes, scratch)
 
     def decoded_prefixes(
         self, first: int, stop: int, chunk_bytes: int, need: int, scratch: np.ndarray, min_saved: int = 1
@@ -299,19 +294,17 @@ class BlockSource:
         """Box positions ``first..stop`` decoded as far as their first ``need`` bytes into
         ``scratch`` (:meth:`~napari_tileshard.format.codecs.Codec.decoded_prefixes`): when all of
         them were read into one buffer and the codec can stop early.  Else None."""
+        chunks = self.in_one_buffer(first, stop)
+        return None if chunks is None else self.codec.decoded_prefixes(*chunks, chunk_bytes, need, scratch, min_saved)
+
+    def in_one_buffer(self, first: int, stop: int) -> tuple[memoryview, np.ndarray, np.ndarray] | None:
+        """``(buffer, offsets, sizes)`` of box positions ``first..stop`` where all of them were
+        read into one buffer (the codecs' batch calls take one source); else None."""
         where = self.buffer_of[first:stop]
         buffer = int(where[0]) if where.size else -1
         if buffer < 0 or (where != buffer).any():
             return None
-        return self.codec.decoded_prefixes(
-            self.views[buffer],
-            self.offset_of[first:stop],
-            self.nbytes_of[first:stop],
-            chunk_bytes,
-            need,
-            scratch,
-            min_saved,
-        )
+        return self.views[buffer], self.offset_of[first:stop], self.nbytes_of[first:stop]
 
     def decode(self, first: int, stop: int, rows: np.ndarray, fill: np.ndarray, released: bool = False) -> None:
         """Box positions ``first..stop`` decoded into ``rows`` (fill value where absent): one
