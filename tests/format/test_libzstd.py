@@ -316,6 +316,88 @@ def test_a_prefix_decode_stops_at_the_block_holding_the_last_byte_needed():
     np.testing.assert_array_equal(out, tiles[0])
 
 
+def _first_block_content(chunk: bytes) -> int:
+    """The bytes the first block of ``chunk``'s frame decodes to (libzstd's streaming decode,
+    given the frame up to that block's end)."""
+    data = np.frombuffer(chunk, dtype=np.uint8)
+    first_end = next(codecs._block_ends(data.data, 0, data.size, 0))
+    out = np.zeros(zstandard.frame_content_size(chunk), np.uint8)
+    return libzstd._loaded().decode_prefix(data.ctypes.data, [first_end], out.ctypes.data, out.size, 1)
+
+
+@needs_libzstd
+@settings(max_examples=30, deadline=None)
+@given(
+    count=st.integers(1, 5),
+    chunk_kib=st.sampled_from([192, 256, 300, 1024]),
+    gaps=st.lists(st.sampled_from([0, 0, 3]), min_size=5, max_size=5),
+    level=st.sampled_from([-1, 1, 3]),
+)
+def test_heads_are_the_first_block_of_the_whole_decode_in_one_call(count, chunk_kib, gaps, level):
+    """Chunks of several blocks decoded as far as their first block, all in one call: each row's
+    first 128 KiB as the whole decode gives them, wherever each first block holds that much
+    (libzstd's frames, mostly), else None."""
+    tiles, chunks = _chunks(count, chunk_kib << 10, seed=count + chunk_kib + level, level=level)
+    src, offsets, nbytes = _layout(chunks, gaps[:count])
+    chunk_bytes = tiles.shape[1]
+    head = Zstd(level=level).head_bytes(chunk_bytes)
+    assert head == codecs._BLOCK_CONTENT_MAX
+    scratch = np.zeros((count + 1, chunk_bytes), np.uint8)
+    rows = Zstd(level=level).decoded_heads(memoryview(src), offsets, nbytes, chunk_bytes, scratch)
+    if any(_first_block_content(chunk) != head for chunk in chunks):
+        assert rows is None
+        return
+    assert rows is not None and rows.shape == (count, chunk_bytes) and not rows.flags.writeable
+    assert np.shares_memory(rows, scratch)  # decoded into the caller's buffer, no copy
+    np.testing.assert_array_equal(rows[:, :head], tiles[:, :head])
+
+
+@needs_libzstd
+def test_libzstds_level_1_frames_of_camera_tiles_are_decoded_by_their_heads():
+    """The writer's own frames (level 1, 2 frames of 256 x 256 uint16 a chunk): the call applies."""
+    tiles, chunks = _chunks(4, 256 << 10, seed=3)
+    src, offsets, nbytes = _layout(chunks, [0, 0, 0, 0])
+    rows = Zstd().decoded_heads(memoryview(src), offsets, nbytes, tiles.shape[1])
+    assert rows is not None
+    np.testing.assert_array_equal(rows[:, : 128 << 10], tiles[:, : 128 << 10])
+
+
+@needs_libzstd
+@pytest.mark.parametrize(
+    "kind", ["small_blocks", "cut_short", "other_size", "not_zstd", "checksum_frames", "one_block"]
+)
+def test_heads_refused_are_left_to_the_other_ways(kind):
+    """None where the one call cannot give each row its own first block: frames of 64 KiB blocks
+    (a 64 KiB window: as nvCOMP's blocks), a chunk cut inside its first block, a frame of another
+    size, no zstd frame, frames with a content checksum; a chunk of one block has no head to
+    decode (head_bytes 0).  The next call on the thread decodes right."""
+    tiles, chunks = _chunks(3, 512 << 10, seed=6)
+    chunk_bytes = tiles.shape[1]
+    if kind == "small_blocks":
+        params = zstandard.ZstdCompressionParameters.from_level(1, window_log=16)
+        chunks = [zstandard.ZstdCompressor(compression_params=params).compress(t.tobytes()) for t in tiles]
+        assert _first_block_content(chunks[0]) == 64 << 10
+    elif kind == "cut_short":
+        chunks[1] = chunks[1][:200]
+    elif kind == "other_size":
+        chunks[1] = zstandard.ZstdCompressor(level=1).compress(tiles[1, : 384 << 10].tobytes())
+    elif kind == "not_zstd":
+        chunks[1] = b"\x00" * len(chunks[1])
+    elif kind == "checksum_frames":
+        chunks = [zstandard.ZstdCompressor(level=1, write_checksum=True).compress(t.tobytes()) for t in tiles]
+    else:
+        assert Zstd().head_bytes(128 << 10) == 0 and Zstd(checksum=True).head_bytes(chunk_bytes) == 0
+        assert codecs.get("none").head_bytes(chunk_bytes) == 0
+        tiles, chunks = _chunks(3, 128 << 10, seed=6)
+        chunk_bytes = tiles.shape[1]
+    src, offsets, nbytes = _layout(chunks, [0, 0, 0])
+    assert Zstd().decoded_heads(memoryview(src), offsets, nbytes, chunk_bytes) is None
+    tiles, good = _chunks(3, 512 << 10, seed=6)
+    src, offsets, nbytes = _layout(good, [0, 0, 0])
+    rows = Zstd().decoded_heads(memoryview(src), offsets, nbytes, tiles.shape[1])
+    np.testing.assert_array_equal(rows[:, : 128 << 10], tiles[:, : 128 << 10])
+
+
 def test_prefix_saving_counts_the_whole_blocks_after_the_one_holding_the_last_byte_needed():
     block = codecs._BLOCK_CONTENT_MAX
     assert Zstd().prefix_saving(8 * block, 1) == 7 * block

@@ -634,6 +634,29 @@ def test_with_many_decode_workers_only_chunks_left_mostly_undecoded_are_decoded_
         assert reader.stats.partial_chunks == (2 if left >= cpu_path.PREFIX_MIN_SAVED_BYTES else 0), t
 
 
+@pytest.mark.parametrize("workers", [1, cpu_path.PREFIX_ANY_SAVING_MAX_THREADS + 2])
+def test_planes_of_the_first_frame_of_two_deep_tiles_decode_only_the_first_block(tmp_path, workers, monkeypatch):
+    """Tiles two frames of 256 x 256 uint16 deep (the recorder's default, 256 KiB chunks of two
+    zstd blocks): a plane of the first frames decodes each chunk's first block, a unit in one call
+    (Codec.decoded_heads), however many decode threads; a plane of the second frames decodes
+    whole chunks; both read as zarr-python; with HEAD_DECODE off the first frames decode in part
+    only where each chunk's call saves enough (one thread), else whole."""
+    array = _zarr_array(tmp_path / "a.zarr", (4, 256, 512), (2, 256, 256), (2, 256, 512), "uint16", "zstd", holes=False)
+    reader = ShardReader(tmp_path / "a.zarr", backend="cpu", workers=workers)
+    chunk_bytes, block = 2 * 256 * 256 * 2, 128 << 10
+    for t in range(4):
+        reader.stats.reset()
+        np.testing.assert_array_equal(reader[t], array[t], err_msg=str(t))
+        first_frame = t % 2 == 0
+        assert reader.stats.partial_chunks == (2 if first_frame else 0), t
+        assert reader.stats.bytes_decoded == 2 * (block if first_frame else chunk_bytes), t
+    monkeypatch.setattr(cpu_path, "HEAD_DECODE", False)
+    reader = ShardReader(tmp_path / "a.zarr", backend="cpu", workers=workers)
+    reader.stats.reset()
+    np.testing.assert_array_equal(reader[0], array[0])
+    assert reader.stats.partial_chunks == (2 if workers <= cpu_path.PREFIX_ANY_SAVING_MAX_THREADS else 0)
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_selections_of_deep_tiles_decoded_in_part_read_as_zarr_python(tmp_path_factory, data):

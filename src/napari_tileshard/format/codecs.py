@@ -197,6 +197,19 @@ class Codec:
         undecoded at least, asked for its first ``need`` (0: this codec decodes chunks whole)."""
         return 0
 
+    def head_bytes(self, chunk_bytes: int) -> int:
+        """The first bytes of a chunk of ``chunk_bytes`` that :meth:`decoded_heads` decodes (0:
+        this codec has no such call for chunks of that size)."""
+        return 0
+
+    def decoded_heads(self, src, offsets, nbytes, chunk_bytes: int, scratch: np.ndarray | None = None):
+        """Every chunk (all present) decoded as far as its first :meth:`head_bytes` at least, all
+        of them in one native call that holds no GIL, into ``scratch`` (``(count, chunk_bytes)``
+        uint8; None: a new array; each row valid up to the head, the rest of it anything).  None
+        where this codec has no such call or the chunks are not of the kind it takes (the caller
+        then decodes them another way, which names what is wrong)."""
+        return None
+
     def decoded_prefixes(
         self,
         src,
@@ -451,6 +464,54 @@ class Zstd(Codec):
         if self.checksum:
             return 0
         return max(0, chunk_bytes - -(-need // _BLOCK_CONTENT_MAX) * _BLOCK_CONTENT_MAX)
+
+    def head_bytes(self, chunk_bytes):
+        # a frame's first block, where more blocks follow it (see decoded_heads)
+        return 0 if self.checksum or chunk_bytes <= _BLOCK_CONTENT_MAX else _BLOCK_CONTENT_MAX
+
+    def decoded_heads(self, src, offsets, nbytes, chunk_bytes, scratch=None):
+        # Each chunk's frame cut after its first block (made its last) and declaring that
+        # block's 128 KiB as its content is still a zstd frame, so all of them decode in one
+        # libzstd call (ZSTD_decompressDCtx over concatenated frames), 128 KiB apart, which libzstd
+        # holds each frame to: a plane of tiles two frames deep needs only the first frame's
+        # bytes, each chunk's first block (16 cores: decoded in part chunk by chunk, each call
+        # took the GIL back among the other threads, PREFIX_MIN_SAVED_BYTES in reader/cpu.py).
+        # A first block of less content (nvCOMP's blocks are 64 KiB) fails that check and is
+        # refused, as is any damage libzstd finds.  The rows are handed out as a read-only view
+        # one head apart (each row's bytes past its head are the next rows'), so no byte is
+        # written but the heads.  Not for frames with a content checksum (a part goes unchecked).
+        head = self.head_bytes(chunk_bytes)
+        decoder = libzstd.frame_decoder()
+        lengths = np.asarray(nbytes, dtype=np.int64)
+        if not head or decoder is None or not lengths.size:
+            return None
+        count = len(lengths)
+        whole = np.empty((count, chunk_bytes), dtype=np.uint8) if scratch is None else scratch
+        if whole.shape[1] != chunk_bytes or whole.shape[0] < count or not whole.flags.c_contiguous:
+            return None
+        starts = np.asarray(offsets, dtype=np.int64)
+        data = np.frombuffer(src, dtype=np.uint8)
+        cuts = _first_block_ends(data, starts, starts + lengths)
+        if cuts is None:
+            return None
+        descriptor = data[starts + 4]
+        field = _CONTENT_FIELD_BYTES[descriptor]
+        if (field < 4).any() or (_content_sizes(data, starts) != chunk_bytes).any():  # each a chunk's frame
+            return None
+        source = np.concatenate([data[begin:cut] for begin, cut in zip(starts.tolist(), cuts.tolist())])
+        at = np.concatenate(([0], np.cumsum(cuts - starts)[:-1]))  # each frame's start in ``source``
+        # the content size field: the head, little-endian in its 4 or 8 bytes
+        size_at = (at + _CONTENT_FIELD_AT[descriptor])[:, None] + np.arange(8)
+        size_bytes = np.frombuffer(np.array([head], dtype="<u8").tobytes(), dtype=np.uint8)
+        wide = field == 8
+        source[size_at[:, :4]] = size_bytes[:4]
+        if wide.any():
+            source[size_at[wide, 4:]] = size_bytes[4:]
+        source[at + _HEADER_BYTES[descriptor]] |= 1  # the first block is the frame's last
+        expected = count * head
+        if decoder.decode_frames(source.ctypes.data, source.size, whole.ctypes.data, expected) != expected:
+            return None
+        return np.lib.stride_tricks.as_strided(whole, (count, chunk_bytes), (head, 1), writeable=False)
 
     def decoded_prefixes(self, src, offsets, nbytes, chunk_bytes, need, scratch=None, min_saved=1):
         # A zstd frame is decoded block by block (RFC 8878, 3.1.1.2: up to 128 KiB of content
@@ -797,6 +858,27 @@ def _block_ends(view: memoryview, begin: int, end: int, skipped: int) -> Iterato
             return
         if block >= skipped:
             yield position - begin
+
+
+def _first_block_ends(data: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray | None:
+    """Where the first block of the zstd frame that starts each chunk ``data[starts[i]:ends[i]]``
+    ends, over all chunks at once; None where a chunk is no zstd frame, has a content checksum,
+    its first block is its last (or of a reserved type) or runs past the chunk's end."""
+    if starts.min() < 0 or ends.max() > data.size or (ends - starts < 9).any():
+        return None
+    words = np.ndarray((data.size - 3,), dtype="<u4", buffer=data, offset=0, strides=(1,))
+    descriptor = data[starts + 4]
+    header = _HEADER_BYTES[descriptor]
+    if (words[starts] != _ZSTD_MAGIC).any() or (header < 0).any() or _CHECKSUM_BYTES[descriptor].any():
+        return None
+    position = starts + header
+    if (position + 3 > ends).any():
+        return None
+    block = (words[position - 1] >> 8).astype(np.int64)  # its 3 bytes (no chunk starts with one)
+    if (_BLOCK_KIND[block & 7] != 0).any():  # the last block, or of a reserved type
+        return None
+    cuts = position + 3 + np.where(block & 6 == 2, 1, block >> 3)  # an RLE block: one byte
+    return None if (cuts > ends).any() else cuts
 
 
 #: per block header's low 3 bits (last-block flag, block type): 0 more blocks follow, 1 the last

@@ -103,6 +103,11 @@ PREFIX_DECODE = True
 #: time for 1 MiB chunks, 1.16-1.47x the time for 256 KiB chunks 8 frames deep (4x the calls)
 PREFIX_ANY_SAVING_MAX_THREADS = 2
 PREFIX_MIN_SAVED_BYTES = 512 << 10
+#: whether a unit whose reads need no more than the first block of each chunk (a plane of tiles
+#: two frames deep, as the recorder's default layout: the first frame's half of each chunk) has
+#: them decoded that far by one GIL-free call for the whole unit (Codec.decoded_heads), whatever
+#: the decode threads: the call takes the GIL back once, as a whole decode does
+HEAD_DECODE = True
 
 
 def apart_order(blocks: Sequence[Block]) -> list[int]:
@@ -423,6 +428,9 @@ class CpuReadPath:
         #: whether any chunk of this array can (else no unit works out what it needs)
         self.min_saved = 1 if self.workers <= PREFIX_ANY_SAVING_MAX_THREADS else PREFIX_MIN_SAVED_BYTES
         self.decodes_in_part = self.codec.prefix_saving(self.chunk_bytes, 1) >= self.min_saved
+        #: the first bytes of each chunk that one call decodes for a whole unit (0: none); set to 0
+        #: once the codec refused a unit (this array's frames are not of the kind it takes)
+        self.head_bytes = self.codec.head_bytes(self.chunk_bytes)
 
     def read(self, plan: ReadPlan) -> np.ndarray:
         """All of ``plan`` as one array of the plan's output shape."""
@@ -649,13 +657,17 @@ class CpuReadPath:
         places = source.decoded_places(first, stop) if self.cache is not None else []
         if into_cache_only and not places:
             return  # nothing of this unit to decode into the cache
-        if PREFIX_DECODE and self.decodes_in_part and not places and not into_cache_only:
+        if PREFIX_DECODE and (self.decodes_in_part or self.head_bytes) and not places and not into_cache_only:
             need = needed_prefix(block, ranges, self.chunk_shape, self.chunk_dtype.itemsize)
-            partial = (
-                source.decoded_prefixes(first, stop, self.chunk_bytes, need, self._scratch(rows), self.min_saved)
-                if self.codec.prefix_saving(self.chunk_bytes, need) >= self.min_saved
-                else None
-            )
+            partial = None
+            if HEAD_DECODE and need <= self.head_bytes:
+                partial = self._decoded_heads(source, first, stop)
+            if partial is None and self.decodes_in_part:
+                partial = (
+                    source.decoded_prefixes(first, stop, self.chunk_bytes, need, self._scratch(rows), self.min_saved)
+                    if self.codec.prefix_saving(self.chunk_bytes, need) >= self.min_saved
+                    else None
+                )
             if partial is not None:
                 decoded, nbytes = partial
                 self.stats.add(partial_chunks=rows, bytes_decoded=nbytes - rows * self.chunk_bytes)
@@ -695,6 +707,21 @@ class CpuReadPath:
             return
         chunks = decoded.view(self.chunk_dtype).reshape((rows,) + self.chunk_shape)
         untile_into(out, chunks, block, ranges, self.chunk_shape)
+
+    def _decoded_heads(self, source: BlockSource, first: int, stop: int) -> tuple[np.ndarray, int] | None:
+        """Box positions ``first..stop`` decoded as far as their first ``head_bytes`` in one call
+        (:meth:`~napari_tileshard.format.codecs.Codec.decoded_heads`) into scratch, and the bytes
+        decoded; None where they are not in one buffer or the codec refused (then never tried
+        again for this array: its frames are not of the kind the call takes, e.g. nvCOMP's)."""
+        chunks = source.in_one_buffer(first, stop)
+        if chunks is None:
+            return None
+        rows = stop - first
+        heads = self.codec.decoded_heads(*chunks, self.chunk_bytes, self._scratch(rows))
+        if heads is None:
+            self.head_bytes = 0
+            return None
+        return heads, rows * self.head_bytes
 
     def _scratch(self, rows: int) -> np.ndarray:
         """``rows`` chunks of this decode thread's scratch buffer (reused: no page faults)."""
