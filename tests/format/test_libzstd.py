@@ -336,15 +336,19 @@ def _first_block_content(chunk: bytes) -> int:
 def test_heads_are_the_first_block_of_the_whole_decode_in_one_call(count, chunk_kib, gaps, level):
     """Chunks of several blocks decoded as far as their first block, all in one call: each row's
     first 128 KiB as the whole decode gives them, wherever each first block holds that much
-    (libzstd's frames, mostly), else None."""
+    (libzstd's frames, mostly) and the chunks lie back to back in a writable source, else None;
+    the source is as it was after the call, either way."""
     tiles, chunks = _chunks(count, chunk_kib << 10, seed=count + chunk_kib + level, level=level)
     src, offsets, nbytes = _layout(chunks, gaps[:count])
+    source = bytearray(src)
     chunk_bytes = tiles.shape[1]
     head = Zstd(level=level).head_bytes(chunk_bytes)
     assert head == codecs._BLOCK_CONTENT_MAX
     scratch = np.zeros((count + 1, chunk_bytes), np.uint8)
-    rows = Zstd(level=level).decoded_heads(memoryview(src), offsets, nbytes, chunk_bytes, scratch)
-    if any(_first_block_content(chunk) != head for chunk in chunks):
+    rows = Zstd(level=level).decoded_heads(memoryview(source), offsets, nbytes, chunk_bytes, scratch)
+    assert source == src
+    assert Zstd(level=level).decoded_heads(memoryview(src), offsets, nbytes, chunk_bytes) is None  # read-only
+    if any(_first_block_content(chunk) != head for chunk in chunks) or any(gaps[1:count]):
         assert rows is None
         return
     assert rows is not None and rows.shape == (count, chunk_bytes) and not rows.flags.writeable
@@ -357,7 +361,7 @@ def test_libzstds_level_1_frames_of_camera_tiles_are_decoded_by_their_heads():
     """The writer's own frames (level 1, 2 frames of 256 x 256 uint16 a chunk): the call applies."""
     tiles, chunks = _chunks(4, 256 << 10, seed=3)
     src, offsets, nbytes = _layout(chunks, [0, 0, 0, 0])
-    rows = Zstd().decoded_heads(memoryview(src), offsets, nbytes, tiles.shape[1])
+    rows = Zstd().decoded_heads(memoryview(bytearray(src)), offsets, nbytes, tiles.shape[1])
     assert rows is not None
     np.testing.assert_array_equal(rows[:, : 128 << 10], tiles[:, : 128 << 10])
 
@@ -391,10 +395,12 @@ def test_heads_refused_are_left_to_the_other_ways(kind):
         tiles, chunks = _chunks(3, 128 << 10, seed=6)
         chunk_bytes = tiles.shape[1]
     src, offsets, nbytes = _layout(chunks, [0, 0, 0])
-    assert Zstd().decoded_heads(memoryview(src), offsets, nbytes, chunk_bytes) is None
+    source = bytearray(src)
+    assert Zstd().decoded_heads(memoryview(source), offsets, nbytes, chunk_bytes) is None
+    assert source == src  # put back as it was
     tiles, good = _chunks(3, 512 << 10, seed=6)
     src, offsets, nbytes = _layout(good, [0, 0, 0])
-    rows = Zstd().decoded_heads(memoryview(src), offsets, nbytes, tiles.shape[1])
+    rows = Zstd().decoded_heads(memoryview(bytearray(src)), offsets, nbytes, tiles.shape[1])
     np.testing.assert_array_equal(rows[:, : 128 << 10], tiles[:, : 128 << 10])
 
 

@@ -470,16 +470,21 @@ class Zstd(Codec):
         return 0 if self.checksum or chunk_bytes <= _BLOCK_CONTENT_MAX else _BLOCK_CONTENT_MAX
 
     def decoded_heads(self, src, offsets, nbytes, chunk_bytes, scratch=None):
-        # Each chunk's frame cut after its first block (made its last) and declaring that
-        # block's 128 KiB as its content is still a zstd frame, so all of them decode in one
-        # libzstd call (ZSTD_decompressDCtx over concatenated frames), 128 KiB apart, which libzstd
-        # holds each frame to: a plane of tiles two frames deep needs only the first frame's
-        # bytes, each chunk's first block (16 cores: decoded in part chunk by chunk, each call
-        # took the GIL back among the other threads, PREFIX_MIN_SAVED_BYTES in reader/cpu.py).
-        # A first block of less content (nvCOMP's blocks are 64 KiB) fails that check and is
-        # refused, as is any damage libzstd finds.  The rows are handed out as a read-only view
-        # one head apart (each row's bytes past its head are the next rows'), so no byte is
-        # written but the heads.  Not for frames with a content checksum (a part goes unchecked).
+        # Each chunk's frame, its first block made its last and its declared content that
+        # block's 128 KiB, then a skippable frame over the rest of the chunk (RFC 8878, 3.1.2),
+        # is a zstd frame of one head: patched so in the source itself (17 or 21 bytes a chunk,
+        # put back after the call), the chunks of a unit decode in one libzstd call over the
+        # concatenated frames (ZSTD_decompressDCtx skips skippable ones), 128 KiB apart, which
+        # libzstd holds each frame to; nothing copied, no byte written but the heads.  A plane of
+        # tiles two frames deep needs only the first frame's bytes, each chunk's first block (16
+        # cores: decoded in part chunk by chunk, each call took the GIL back among the other
+        # threads, PREFIX_MIN_SAVED_BYTES in reader/cpu.py).  A first block of less content
+        # (nvCOMP's blocks are 64 KiB) fails libzstd's check and is refused, as is any damage it
+        # finds.  Only for chunks back to back in a writable source (a read buffer of the
+        # reader's own): the unit's chunks are then its own bytes, which no other thread reads.
+        # The rows are handed out as a read-only view one head apart (each row's bytes past its
+        # head are the next rows').  Not for frames with a content checksum (a part goes
+        # unchecked).
         head = self.head_bytes(chunk_bytes)
         decoder = libzstd.frame_decoder()
         lengths = np.asarray(nbytes, dtype=np.int64)
@@ -490,26 +495,36 @@ class Zstd(Codec):
         if whole.shape[1] != chunk_bytes or whole.shape[0] < count or not whole.flags.c_contiguous:
             return None
         starts = np.asarray(offsets, dtype=np.int64)
+        ends = starts + lengths
         data = np.frombuffer(src, dtype=np.uint8)
-        cuts = _first_block_ends(data, starts, starts + lengths)
-        if cuts is None:
+        if not data.flags.writeable or (count > 1 and (starts[1:] != ends[:-1]).any()):
+            return None
+        cuts = _first_block_ends(data, starts, ends)
+        if cuts is None or (ends - cuts < _SKIPPABLE_HEADER_BYTES).any():
             return None
         descriptor = data[starts + 4]
-        field = _CONTENT_FIELD_BYTES[descriptor]
-        if (field < 4).any() or (_content_sizes(data, starts) != chunk_bytes).any():  # each a chunk's frame
+        field = int(_CONTENT_FIELD_BYTES[descriptor[0]])
+        if field < 4 or (_CONTENT_FIELD_BYTES[descriptor] != field).any():  # one writer's headers
             return None
-        source = np.concatenate([data[begin:cut] for begin, cut in zip(starts.tolist(), cuts.tolist())])
-        at = np.concatenate(([0], np.cumsum(cuts - starts)[:-1]))  # each frame's start in ``source``
-        # the content size field: the head, little-endian in its 4 or 8 bytes
-        size_at = (at + _CONTENT_FIELD_AT[descriptor])[:, None] + np.arange(8)
-        size_bytes = np.frombuffer(np.array([head], dtype="<u8").tobytes(), dtype=np.uint8)
-        wide = field == 8
-        source[size_at[:, :4]] = size_bytes[:4]
-        if wide.any():
-            source[size_at[wide, 4:]] = size_bytes[4:]
-        source[at + _HEADER_BYTES[descriptor]] |= 1  # the first block is the frame's last
+        if (_content_sizes(data, starts) != chunk_bytes).any():  # each a chunk's frame
+            return None
+        size_at = (starts + _CONTENT_FIELD_AT[descriptor])[:, None] + np.arange(field)
+        skip_at = cuts[:, None] + np.arange(_SKIPPABLE_HEADER_BYTES)
+        block_at = starts + _HEADER_BYTES[descriptor]
+        skippable = np.empty((count, 2), dtype="<u4")
+        skippable[:, 0], skippable[:, 1] = _SKIPPABLE_MAGIC, ends - cuts - _SKIPPABLE_HEADER_BYTES
+        saved = data[size_at], data[skip_at], data[block_at]
         expected = count * head
-        if decoder.decode_frames(source.ctypes.data, source.size, whole.ctypes.data, expected) != expected:
+        try:
+            data[size_at] = np.frombuffer(np.array(head, dtype="<u8").tobytes()[:field], dtype=np.uint8)
+            data[skip_at] = skippable.view(np.uint8).reshape(count, _SKIPPABLE_HEADER_BYTES)
+            data[block_at] |= 1  # the first block is the frame's last
+            decoded = decoder.decode_frames(
+                data.ctypes.data + int(starts[0]), int(ends[-1] - starts[0]), whole.ctypes.data, expected
+            )
+        finally:
+            data[size_at], data[skip_at], data[block_at] = saved
+        if decoded != expected:
             return None
         return np.lib.stride_tricks.as_strided(whole, (count, chunk_bytes), (head, 1), writeable=False)
 
@@ -880,6 +895,10 @@ def _first_block_ends(data: np.ndarray, starts: np.ndarray, ends: np.ndarray) ->
     cuts = position + 3 + np.where(block & 6 == 2, 1, block >> 3)  # an RLE block: one byte
     return None if (cuts > ends).any() else cuts
 
+
+#: a skippable frame's magic (any of 0x184D2A50-5F) and header: magic, then the bytes it skips (RFC 8878, 3.1.2)
+_SKIPPABLE_MAGIC = 0x184D2A50
+_SKIPPABLE_HEADER_BYTES = 8
 
 #: per block header's low 3 bits (last-block flag, block type): 0 more blocks follow, 1 the last
 #: block, 2 a reserved block type
