@@ -106,7 +106,10 @@ PREFIX_MIN_SAVED_BYTES = 512 << 10
 #: whether a unit whose reads need no more than the first block of each chunk (a plane of tiles
 #: two frames deep, as the recorder's default layout: the first frame's half of each chunk) has
 #: them decoded that far by one GIL-free call for the whole unit (Codec.decoded_heads), whatever
-#: the decode threads: the call takes the GIL back once, as a whole decode does
+#: the decode threads: the call takes the GIL back once, as a whole decode does, where beyond 2
+#: workers such chunks were decoded whole (PREFIX_MIN_SAVED_BYTES).  2-core VM, single planes:
+#: the same time as a call per chunk (default layout 8.6 / 8.6 ms, 1m-16m 16.9 / 16.8;
+#: results/cpu_2core_2026-12-07/); on 16 cores not yet measured (planes_device.sh, HEAD_DECODE=0)
 HEAD_DECODE = True
 
 
