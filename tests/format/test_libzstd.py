@@ -316,6 +316,12 @@ def test_a_prefix_decode_stops_at_the_block_holding_the_last_byte_needed():
     np.testing.assert_array_equal(out, tiles[0])
 
 
+def _heads(codec, src, offsets, nbytes, chunk_bytes, scratch=None):
+    """Codec.heads_patch, then Codec.decoded_heads of all the chunks (None where either refused)."""
+    patch = codec.heads_patch(src, offsets, nbytes, chunk_bytes)
+    return None if patch is None else codec.decoded_heads(src, patch, 0, len(offsets), scratch)
+
+
 def _first_block_content(chunk: bytes) -> int:
     """The bytes the first block of ``chunk``'s frame decodes to (libzstd's streaming decode,
     given the frame up to that block's end)."""
@@ -345,9 +351,9 @@ def test_heads_are_the_first_block_of_the_whole_decode_in_one_call(count, chunk_
     head = Zstd(level=level).head_bytes(chunk_bytes)
     assert head == codecs._BLOCK_CONTENT_MAX
     scratch = np.zeros((count + 1, chunk_bytes), np.uint8)
-    rows = Zstd(level=level).decoded_heads(memoryview(source), offsets, nbytes, chunk_bytes, scratch)
+    rows = _heads(Zstd(level=level), memoryview(source), offsets, nbytes, chunk_bytes, scratch)
     assert source == src
-    assert Zstd(level=level).decoded_heads(memoryview(src), offsets, nbytes, chunk_bytes) is None  # read-only
+    assert _heads(Zstd(level=level), memoryview(src), offsets, nbytes, chunk_bytes) is None  # read-only
     if any(_first_block_content(chunk) != head for chunk in chunks) or any(gaps[1:count]):
         assert rows is None
         return
@@ -361,9 +367,29 @@ def test_libzstds_level_1_frames_of_camera_tiles_are_decoded_by_their_heads():
     """The writer's own frames (level 1, 2 frames of 256 x 256 uint16 a chunk): the call applies."""
     tiles, chunks = _chunks(4, 256 << 10, seed=3)
     src, offsets, nbytes = _layout(chunks, [0, 0, 0, 0])
-    rows = Zstd().decoded_heads(memoryview(bytearray(src)), offsets, nbytes, tiles.shape[1])
+    rows = _heads(Zstd(), memoryview(bytearray(src)), offsets, nbytes, tiles.shape[1])
     assert rows is not None
     np.testing.assert_array_equal(rows[:, : 128 << 10], tiles[:, : 128 << 10])
+
+
+@needs_libzstd
+def test_heads_of_a_units_chunks_decode_from_one_patch_only_where_they_follow_each_other():
+    """One patch for a block's chunks, each unit's range decoded with it: the rows of chunks
+    ``first..stop`` as the whole decode gives their heads; chunks stored in another order than
+    the unit's (each frame would land in another row) refused; the source as it was."""
+    tiles, chunks = _chunks(4, 256 << 10, seed=8)
+    src, offsets, nbytes = _layout(chunks, [0, 0, 0, 0])
+    source = bytearray(src)
+    codec, head = Zstd(), 128 << 10
+    patch = codec.heads_patch(memoryview(source), offsets, nbytes, tiles.shape[1])
+    assert patch is not None
+    for first, stop in [(0, 4), (1, 3), (3, 4)]:
+        rows = codec.decoded_heads(memoryview(source), patch, first, stop)
+        np.testing.assert_array_equal(rows[:, :head], tiles[first:stop, :head])
+    backwards = codec.heads_patch(memoryview(source), offsets[::-1].copy(), nbytes[::-1].copy(), tiles.shape[1])
+    assert backwards is not None and codec.decoded_heads(memoryview(source), backwards, 0, 4) is None
+    assert codec.decoded_heads(memoryview(source), backwards, 2, 3) is not None  # one chunk: no order
+    assert source == src
 
 
 @needs_libzstd
@@ -396,11 +422,11 @@ def test_heads_refused_are_left_to_the_other_ways(kind):
         chunk_bytes = tiles.shape[1]
     src, offsets, nbytes = _layout(chunks, [0, 0, 0])
     source = bytearray(src)
-    assert Zstd().decoded_heads(memoryview(source), offsets, nbytes, chunk_bytes) is None
+    assert _heads(Zstd(), memoryview(source), offsets, nbytes, chunk_bytes) is None
     assert source == src  # put back as it was
     tiles, good = _chunks(3, 512 << 10, seed=6)
     src, offsets, nbytes = _layout(good, [0, 0, 0])
-    rows = Zstd().decoded_heads(memoryview(bytearray(src)), offsets, nbytes, tiles.shape[1])
+    rows = _heads(Zstd(), memoryview(bytearray(src)), offsets, nbytes, tiles.shape[1])
     np.testing.assert_array_equal(rows[:, : 128 << 10], tiles[:, : 128 << 10])
 
 

@@ -47,6 +47,7 @@ __all__ = [
     "CodecError",
     "GpuSupport",
     "Gzip",
+    "HeadsPatch",
     "Opaque",
     "REGISTRY",
     "Raw",
@@ -68,6 +69,22 @@ class CodecError(ValueError):
     ``chunk``: its position in a :meth:`Codec.decode_chunks` batch (None otherwise)."""
 
     chunk: int | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class HeadsPatch:
+    """The bytes that make chunks decode to their first ``head`` bytes alone
+    (:meth:`Codec.heads_patch`): chunk ``i`` is ``starts[i]`` .. ``ends[i]`` of its source, and
+    ``values[i]`` go to ``positions[i]`` there for the call; ``follows[i]``: chunk ``i + 1``
+    starts where chunk ``i`` ends."""
+
+    head: int
+    chunk_bytes: int
+    starts: np.ndarray
+    ends: np.ndarray
+    follows: np.ndarray
+    positions: np.ndarray
+    values: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -202,12 +219,21 @@ class Codec:
         this codec has no such call for chunks of that size)."""
         return 0
 
-    def decoded_heads(self, src, offsets, nbytes, chunk_bytes: int, scratch: np.ndarray | None = None):
-        """Every chunk (all present) decoded as far as its first :meth:`head_bytes` at least, all
-        of them in one native call that holds no GIL, into ``scratch`` (``(count, chunk_bytes)``
-        uint8; None: a new array; each row valid up to the head, the rest of it anything).  None
-        where this codec has no such call or the chunks are not of the kind it takes (the caller
-        then decodes them another way, which names what is wrong)."""
+    def heads_patch(self, src, offsets, nbytes, chunk_bytes: int) -> HeadsPatch | None:
+        """What makes chunk ``i`` (bytes ``offsets[i]`` .. ``+ nbytes[i]`` of ``src``) decode to
+        its first :meth:`head_bytes` alone, for :meth:`decoded_heads`; None where this codec has
+        no such way or the chunks are not of the kind it takes (the caller then decodes them
+        another way, which names what is wrong).  Worked out once for many chunks (a block's),
+        used by each of their units."""
+        return None
+
+    def decoded_heads(self, src, patch: HeadsPatch, first: int, stop: int, scratch: np.ndarray | None = None):
+        """Chunks ``first..stop`` of ``patch`` (of :meth:`heads_patch` on ``src``, which they
+        lie back to back in) decoded as far as their heads, all in one native call that holds no
+        GIL, into ``scratch`` (``(count, chunk_bytes)`` uint8; None: a new array): a read-only
+        ``(count, chunk_bytes)`` array of which each row is valid up to the head (the rest of it
+        anything).  ``src`` is changed during the call and as it was after it.  None where they
+        are not back to back or the call refused."""
         return None
 
     def decoded_prefixes(
@@ -469,36 +495,31 @@ class Zstd(Codec):
         # a frame's first block, where more blocks follow it (see decoded_heads)
         return 0 if self.checksum or chunk_bytes <= _BLOCK_CONTENT_MAX else _BLOCK_CONTENT_MAX
 
-    def decoded_heads(self, src, offsets, nbytes, chunk_bytes, scratch=None):
+    def heads_patch(self, src, offsets, nbytes, chunk_bytes):
         # Each chunk's frame, its first block made its last and its declared content that
         # block's 128 KiB, then a skippable frame over the rest of the chunk (RFC 8878, 3.1.2),
-        # is a zstd frame of one head: patched so in the source itself (17 or 21 bytes a chunk,
-        # put back after the call), the chunks of a unit decode in one libzstd call over the
+        # is a zstd frame of one head; patched so in the source itself (13 or 17 bytes a chunk,
+        # put back after the call), chunks back to back decode in one libzstd call over the
         # concatenated frames (ZSTD_decompressDCtx skips skippable ones), 128 KiB apart, which
         # libzstd holds each frame to; nothing copied, no byte written but the heads.  A plane of
-        # tiles two frames deep needs only the first frame's bytes, each chunk's first block (16
-        # cores: decoded in part chunk by chunk, each call took the GIL back among the other
-        # threads, PREFIX_MIN_SAVED_BYTES in reader/cpu.py).  A first block of less content
-        # (nvCOMP's blocks are 64 KiB) fails libzstd's check and is refused, as is any damage it
-        # finds.  Only for chunks back to back in a writable source (a read buffer of the
-        # reader's own): the unit's chunks are then its own bytes, which no other thread reads.
-        # The rows are handed out as a read-only view one head apart (each row's bytes past its
-        # head are the next rows').  Not for frames with a content checksum (a part goes
+        # tiles two frames deep needs only the first frame's bytes, each chunk's first block.  A
+        # first block of less content (nvCOMP's blocks are 64 KiB) fails libzstd's check and is
+        # refused, as is any damage it finds.  Only in a writable source (a read buffer of the
+        # reader's own, whose chunks no other thread reads meanwhile).  The bytes to patch are
+        # worked out here once for a block's chunks, with NumPy over all of them: each of its
+        # units then costs a few NumPy calls and the libzstd call, as a whole decode does (16
+        # cores: working them out per unit made planes 5-45 % slower than whole chunks, the decode
+        # threads queueing for the GIL).  Not for frames with a content checksum (a part goes
         # unchecked).
         head = self.head_bytes(chunk_bytes)
-        decoder = libzstd.frame_decoder()
         lengths = np.asarray(nbytes, dtype=np.int64)
-        if not head or decoder is None or not lengths.size:
+        if not head or libzstd.frame_decoder() is None or not lengths.size:
             return None
-        count = len(lengths)
-        whole = np.empty((count, chunk_bytes), dtype=np.uint8) if scratch is None else scratch
-        if whole.shape[1] != chunk_bytes or whole.shape[0] < count or not whole.flags.c_contiguous:
+        data = np.frombuffer(src, dtype=np.uint8)
+        if not data.flags.writeable:
             return None
         starts = np.asarray(offsets, dtype=np.int64)
         ends = starts + lengths
-        data = np.frombuffer(src, dtype=np.uint8)
-        if not data.flags.writeable or (count > 1 and (starts[1:] != ends[:-1]).any()):
-            return None
         cuts = _first_block_ends(data, starts, ends)
         if cuts is None or (ends - cuts < _SKIPPABLE_HEADER_BYTES).any():
             return None
@@ -508,25 +529,48 @@ class Zstd(Codec):
             return None
         if (_content_sizes(data, starts) != chunk_bytes).any():  # each a chunk's frame
             return None
+        count = len(starts)
         size_at = (starts + _CONTENT_FIELD_AT[descriptor])[:, None] + np.arange(field)
-        skip_at = cuts[:, None] + np.arange(_SKIPPABLE_HEADER_BYTES)
         block_at = starts + _HEADER_BYTES[descriptor]
+        skip_at = cuts[:, None] + np.arange(_SKIPPABLE_HEADER_BYTES)
+        positions = np.concatenate((size_at, block_at[:, None], skip_at), axis=1)
         skippable = np.empty((count, 2), dtype="<u4")
         skippable[:, 0], skippable[:, 1] = _SKIPPABLE_MAGIC, ends - cuts - _SKIPPABLE_HEADER_BYTES
-        saved = data[size_at], data[skip_at], data[block_at]
-        expected = count * head
+        values = np.concatenate(
+            (
+                np.broadcast_to(np.frombuffer(np.array(head, dtype="<u8").tobytes()[:field], np.uint8), (count, field)),
+                (data[block_at] | 1)[:, None],  # the first block is the frame's last
+                skippable.view(np.uint8).reshape(count, _SKIPPABLE_HEADER_BYTES),
+            ),
+            axis=1,
+        )
+        return HeadsPatch(head, chunk_bytes, starts, ends, starts[1:] == ends[:-1], positions, values)
+
+    def decoded_heads(self, src, patch, first, stop, scratch=None):
+        count = stop - first
+        decoder = libzstd.frame_decoder()
+        if decoder is None or count <= 0:
+            return None
+        whole = np.empty((count, patch.chunk_bytes), dtype=np.uint8) if scratch is None else scratch
+        if whole.shape[1] != patch.chunk_bytes or whole.shape[0] < count or not whole.flags.c_contiguous:
+            return None
+        if not patch.follows[first : stop - 1].all():
+            return None  # not back to back in this order: the frames would decode into other rows
+        begin, end = int(patch.starts[first]), int(patch.ends[stop - 1])
+        data = np.frombuffer(src, dtype=np.uint8)
+        positions = patch.positions[first:stop].reshape(-1)
+        saved = data[positions]
+        expected = count * patch.head
         try:
-            data[size_at] = np.frombuffer(np.array(head, dtype="<u8").tobytes()[:field], dtype=np.uint8)
-            data[skip_at] = skippable.view(np.uint8).reshape(count, _SKIPPABLE_HEADER_BYTES)
-            data[block_at] |= 1  # the first block is the frame's last
-            decoded = decoder.decode_frames(
-                data.ctypes.data + int(starts[0]), int(ends[-1] - starts[0]), whole.ctypes.data, expected
-            )
+            data[positions] = patch.values[first:stop].reshape(-1)
+            decoded = decoder.decode_frames(data.ctypes.data + begin, end - begin, whole.ctypes.data, expected)
         finally:
-            data[size_at], data[skip_at], data[block_at] = saved
+            data[positions] = saved
         if decoded != expected:
             return None
-        return np.lib.stride_tricks.as_strided(whole, (count, chunk_bytes), (head, 1), writeable=False)
+        rows = np.ndarray((count, patch.chunk_bytes), np.uint8, whole, 0, (patch.head, 1))
+        rows.flags.writeable = False
+        return rows
 
     def decoded_prefixes(self, src, offsets, nbytes, chunk_bytes, need, scratch=None, min_saved=1):
         # A zstd frame is decoded block by block (RFC 8878, 3.1.1.2: up to 128 KiB of content

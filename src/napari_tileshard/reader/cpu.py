@@ -21,7 +21,7 @@ from itertools import product
 
 import numpy as np
 
-from ..format.codecs import Codec, CodecError
+from ..format.codecs import Codec, CodecError, HeadsPatch
 from ..format.shard_spec import ChunkDecodeError
 from .fetch import DISK_FETCH_AHEAD_BYTES, FREE_BUFFER_BYTES, DiskFetches
 from .memory import output_pool
@@ -240,6 +240,8 @@ class BlockSource:
             self.buffer_of[list(block.cached)] = -2
         self.nbytes = sum(read.size for read, _ in fetched)
         self.present = int(np.count_nonzero(self.buffer_of >= 0))
+        self._heads: HeadsPatch | None | bool = False  # False: not worked out yet (heads_patch)
+        self._heads_lock = threading.Lock()
 
     def decoded_places(self, first: int, stop: int) -> list[tuple[int, tuple]]:
         """``(row, cache key)`` of the chunks among ``first..stop`` that were decoded from reads."""
@@ -304,6 +306,25 @@ class BlockSource:
         them were read into one buffer and the codec can stop early.  Else None."""
         chunks = self.in_one_buffer(first, stop)
         return None if chunks is None else self.codec.decoded_prefixes(*chunks, chunk_bytes, need, scratch, min_saved)
+
+    def decoded_heads(self, first: int, stop: int, chunk_bytes: int, scratch: np.ndarray) -> np.ndarray | None:
+        """Box positions ``first..stop`` decoded as far as each chunk's head in one codec call
+        (:meth:`~napari_tileshard.format.codecs.Codec.decoded_heads`) into ``scratch``: where the
+        block's chunks were all read into one buffer and the codec takes them (what to patch
+        worked out once per block, by the first unit asking).  Else None."""
+        if self._heads is False:
+            with self._heads_lock:
+                if self._heads is False:
+                    one = self.views and self.present == len(self.buffer_of) and len(self.views) == 1
+                    self._heads = (
+                        self.codec.heads_patch(self.views[0], self.offset_of, self.nbytes_of, chunk_bytes)
+                        if one
+                        else None
+                    )
+        patch = self._heads
+        if not isinstance(patch, HeadsPatch):
+            return None
+        return self.codec.decoded_heads(self.views[0], patch, first, stop, scratch)
 
     def in_one_buffer(self, first: int, stop: int) -> tuple[memoryview, np.ndarray, np.ndarray] | None:
         """``(buffer, offsets, sizes)`` of box positions ``first..stop`` where all of them were
@@ -714,13 +735,11 @@ class CpuReadPath:
     def _decoded_heads(self, source: BlockSource, first: int, stop: int) -> tuple[np.ndarray, int] | None:
         """Box positions ``first..stop`` decoded as far as their first ``head_bytes`` in one call
         (:meth:`~napari_tileshard.format.codecs.Codec.decoded_heads`) into scratch, and the bytes
-        decoded; None where they are not in one buffer or the codec refused (then never tried
-        again for this array: its frames are not of the kind the call takes, e.g. nvCOMP's)."""
-        chunks = source.in_one_buffer(first, stop)
-        if chunks is None:
-            return None
+        decoded; None where the block's chunks are not in one buffer or the codec refused (then
+        never tried again for this array: its frames are not of the kind the call takes, e.g.
+        nvCOMP's, or its blocks are read in several parts)."""
         rows = stop - first
-        heads = self.codec.decoded_heads(*chunks, self.chunk_bytes, self._scratch(rows))
+        heads = source.decoded_heads(first, stop, self.chunk_bytes, self._scratch(rows))
         if heads is None:
             self.head_bytes = 0
             return None
