@@ -639,8 +639,9 @@ def test_planes_of_the_first_frame_of_two_deep_tiles_decode_only_the_first_block
     """Tiles two frames of 256 x 256 uint16 deep (the recorder's default, 256 KiB chunks of two
     zstd blocks): a plane of the first frames decodes each chunk's first block, a unit in one call
     (Codec.decoded_heads), however many decode threads; a plane of the second frames decodes
-    whole chunks; both read as zarr-python; with HEAD_DECODE off the first frames decode in part
-    only where each chunk's call saves enough (one thread), else whole."""
+    whole chunks; both read as zarr-python; with HEAD_DECODE off (the default) the first frames
+    decode in part only where each chunk's call saves enough (one thread), else whole."""
+    monkeypatch.setattr(cpu_path, "HEAD_DECODE", True)
     array = _zarr_array(tmp_path / "a.zarr", (4, 256, 512), (2, 256, 256), (2, 256, 512), "uint16", "zstd", holes=False)
     reader = ShardReader(tmp_path / "a.zarr", backend="cpu", workers=workers)
     chunk_bytes, block = 2 * 256 * 256 * 2, 128 << 10
@@ -657,11 +658,17 @@ def test_planes_of_the_first_frame_of_two_deep_tiles_decode_only_the_first_block
     assert reader.stats.partial_chunks == (2 if workers <= cpu_path.PREFIX_ANY_SAVING_MAX_THREADS else 0)
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@pytest.mark.parametrize("heads", [False, True])
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
 @given(data=st.data())
-def test_selections_of_deep_tiles_decoded_in_part_read_as_zarr_python(tmp_path_factory, data):
+def test_selections_of_deep_tiles_decoded_in_part_read_as_zarr_python(tmp_path_factory, data, heads, monkeypatch):
     """Selections over chunks of several zstd blocks, decoded as far as each unit needs, as
-    zarr-python reads them (absent chunks, steps, ints, the rows of a chunk's start)."""
+    zarr-python reads them (absent chunks, steps, ints, the rows of a chunk's start); with
+    HEAD_DECODE on, units needing only each chunk's first block (its first 3 frames) decode
+    their heads in one call."""
+    monkeypatch.setattr(cpu_path, "HEAD_DECODE", heads)
     tmp = tmp_path_factory.mktemp("deep")
     # 320 KiB chunks of 8 frames of 40 KiB: a unit whose last row read lies in its first 4 frames
     # (the first 192 KiB) is decoded in part

@@ -106,11 +106,12 @@ PREFIX_MIN_SAVED_BYTES = 512 << 10
 #: whether a unit whose reads need no more than the first block of each chunk (a plane of tiles
 #: two frames deep, as the recorder's default layout: the first frame's half of each chunk) has
 #: them decoded that far by one GIL-free call for the whole unit (Codec.decoded_heads), whatever
-#: the decode threads: the call takes the GIL back once, as a whole decode does, where beyond 2
-#: workers such chunks were decoded whole (PREFIX_MIN_SAVED_BYTES).  2-core VM, single planes:
-#: the same time as a call per chunk (default layout 8.6 / 8.6 ms, 1m-16m 16.9 / 16.8;
-#: results/cpu_2core_2026-12-07/); on 16 cores not yet measured (planes_device.sh, HEAD_DECODE=0)
-HEAD_DECODE = True
+#: the decode threads, where beyond 2 workers such chunks are decoded whole (PREFIX_MIN_SAVED_BYTES).
+#: Off until it is measured faster somewhere: 2-core VM, single planes, the same time as a call per
+#: chunk (default layout 7.7 / 7.0 and 8.6 / 8.6 ms, 1m-16m 19.5 / 18.4 and 16.9 / 16.8); 16 cores,
+#: with the patch worked out per unit, 13-19 % less CPU but 1.05-1.46x the time, the GIL's queue
+#: longer (results/cpu_16core_2026-12-07/); worked out per block (now) not yet measured there
+HEAD_DECODE = False
 
 
 def apart_order(blocks: Sequence[Block]) -> list[int]:
@@ -307,20 +308,20 @@ class BlockSource:
         chunks = self.in_one_buffer(first, stop)
         return None if chunks is None else self.codec.decoded_prefixes(*chunks, chunk_bytes, need, scratch, min_saved)
 
+    def in_one_read(self) -> bool:
+        """Whether every chunk of the block is stored and was read into one buffer (what
+        :meth:`decoded_heads` takes)."""
+        return len(self.views) == 1 and self.present == len(self.buffer_of)
+
     def decoded_heads(self, first: int, stop: int, chunk_bytes: int, scratch: np.ndarray) -> np.ndarray | None:
-        """Box positions ``first..stop`` decoded as far as each chunk's head in one codec call
-        (:meth:`~napari_tileshard.format.codecs.Codec.decoded_heads`) into ``scratch``: where the
-        block's chunks were all read into one buffer and the codec takes them (what to patch
-        worked out once per block, by the first unit asking).  Else None."""
+        """Box positions ``first..stop`` of a block :meth:`in_one_read` decoded as far as each
+        chunk's head in one codec call
+        (:meth:`~napari_tileshard.format.codecs.Codec.decoded_heads`) into ``scratch``; what to
+        patch worked out once per block, by the first unit asking.  None where the codec refused."""
         if self._heads is False:
             with self._heads_lock:
                 if self._heads is False:
-                    one = self.views and self.present == len(self.buffer_of) and len(self.views) == 1
-                    self._heads = (
-                        self.codec.heads_patch(self.views[0], self.offset_of, self.nbytes_of, chunk_bytes)
-                        if one
-                        else None
-                    )
+                    self._heads = self.codec.heads_patch(self.views[0], self.offset_of, self.nbytes_of, chunk_bytes)
         patch = self._heads
         if not isinstance(patch, HeadsPatch):
             return None
@@ -735,9 +736,11 @@ class CpuReadPath:
     def _decoded_heads(self, source: BlockSource, first: int, stop: int) -> tuple[np.ndarray, int] | None:
         """Box positions ``first..stop`` decoded as far as their first ``head_bytes`` in one call
         (:meth:`~napari_tileshard.format.codecs.Codec.decoded_heads`) into scratch, and the bytes
-        decoded; None where the block's chunks are not in one buffer or the codec refused (then
-        never tried again for this array: its frames are not of the kind the call takes, e.g.
-        nvCOMP's, or its blocks are read in several parts)."""
+        decoded; None where the block's chunks are not all in one buffer, or the codec refused
+        (then never tried again for this array: its frames are not of the kind the call takes,
+        e.g. nvCOMP's)."""
+        if not source.in_one_read():
+            return None
         rows = stop - first
         heads = source.decoded_heads(first, stop, self.chunk_bytes, self._scratch(rows))
         if heads is None:
