@@ -228,3 +228,23 @@ def test_the_cpu_writer_copies_frames_into_staging_on_the_callers_thread_alone(t
         np.testing.assert_array_equal(zarr.open_array(str(path), mode="r")[...], frames)
     assert seen[0] == set()
     assert len(seen[2]) == 2
+
+
+def test_the_cpu_writer_holding_the_gil_for_its_copy_stores_the_same_bytes(tmp_path, monkeypatch):
+    """staging.HOLD_GIL_COPY (the caller's copy into staging by a memcpy that keeps the GIL) changes
+    how the frames get into staging, not one byte of the store."""
+    from napari_tileshard.engine import staging
+
+    layout = Layout([Dim("t", 0, 2, 1), Dim("y", 1024, 256, 2), Dim("x", 1024, 256, 2)], "uint16")
+    frames = (np.arange(5 * 1024 * 1024, dtype=np.uint32) % 65521).astype(np.uint16).reshape(5, 1024, 1024)
+    stores = {}
+    for hold in (False, True):
+        monkeypatch.setattr(staging, "HOLD_GIL_COPY", hold)
+        path = tmp_path / f"hold{hold}.zarr"
+        with Writer(path, layout, backend="cpu") as writer:
+            writer.append(frames[:3])
+            for frame in frames[3:]:
+                writer.append(frame)
+        stores[hold] = {p.relative_to(path).as_posix(): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+        np.testing.assert_array_equal(zarr.open_array(str(path), mode="r")[...], frames)
+    assert stores[True] == stores[False]

@@ -18,9 +18,17 @@ import numpy as np
 
 from .backends.base import Backend
 
-__all__ = ["StagingRing", "copy_frame", "copy_in_parts", "copy_threads"]
+__all__ = ["StagingRing", "copy_frame", "copy_holding_gil", "copy_in_parts", "copy_threads"]
 
 _PARALLEL_COPY_BYTES = 2 << 20
+
+#: whether the caller's thread, copying into staging alone (no helpers: the CPU backend), copies
+#: holding the GIL.  NumPy's copy releases it and must take it back afterwards; on the 16-core
+#: host, beside 16 encode threads taking it between their boxes, about half of the copy's wall
+#: time was that wait, and the caller's copy was what every CPU write waited for
+#: (benchmarks/results/cpu_16core_2026-11-27g/).  Held, an encode thread finishing a box waits
+#: for the rest of one frame's memcpy instead.  An A/B switch until measured there.
+HOLD_GIL_COPY = False
 
 
 def copy_threads() -> int:
@@ -47,6 +55,13 @@ def copy_in_parts(destination: np.ndarray, source: np.ndarray, pool: ThreadPoolE
         wait_futures(futures)
     for future in futures:
         future.result()
+
+
+def copy_holding_gil(destination: np.ndarray, source: np.ndarray) -> None:
+    """``destination[...] = source`` (1-D uint8 arrays of one size, C-contiguous) by one memcpy
+    that keeps the GIL: CPython's memoryview assignment, unlike NumPy's, never releases it, so
+    the calling thread has no GIL to take back afterwards."""
+    destination.data[:] = source.data  # ndarray.data: a memoryview of the array
 
 
 _shared_pool: ThreadPoolExecutor | None = None
@@ -146,7 +161,10 @@ class StagingRing:
             self.host_ranges.append([start, stop])
 
     def _copy(self, destination: np.ndarray, source: np.ndarray) -> None:
-        copy_in_parts(destination, source, self._copy_pool, self._copy_threads)
+        if self._copy_pool is None and HOLD_GIL_COPY:
+            copy_holding_gil(destination, source)
+        else:
+            copy_in_parts(destination, source, self._copy_pool, self._copy_threads)
 
     def pad(self, epoch_bytes: int, itemsize: int) -> int:
         """Zero the unfilled part of the current buffer's last epoch (bytes of an incomplete frame
