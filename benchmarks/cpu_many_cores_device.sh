@@ -8,7 +8,7 @@
 #   run(command="bash benchmarks/cpu_many_cores_device.sh", carry=[".kit/site.tar.xz", ".kit/pyspy.xz"])
 #   bash benchmarks/cpu_many_cores_device.sh --quick     # small, on any machine
 #
-# Knobs: PARTS (readab,planes,writeab,profile,table,scrub,gputests; planes needs readab's recordings), GIB (2), ROUNDS (5), READ_TILES
+# Knobs: PARTS (readab,planes,writeab,profile,table,diskab,scrub,gputests; diskab needs DISK_DIR and takes DISK_TILES, DISK_ROUNDS, DISK_VARIANTS; planes needs readab's recordings), GIB (2), ROUNDS (5), READ_TILES
 # (64k-4m,256k-4m,1m-16m), WRITE_TILES (64k-d2,default,1m-d8), READ_VARIANTS and
 # WRITE_VARIANTS (space-separated --variant values of ab_cpu_read.py / ab_cpu_write.py),
 # TABLE_GIB (2), TABLE_ROUNDS (3), .kit/before_src.tar.xz (carried: `git archive <commit> src`, for
@@ -126,6 +126,24 @@ if want table 200; then
   rm -rf "$DIR-table"
 fi
 
+# 4a. Cold reads from the local disk (DISK_DIR, needed): DISK_VARIANTS against tensorstore, pages
+#     evicted before every read, and the disk's own rate by 1, 4 and 16 threads beside them.
+if [ -n "${DISK_DIR:-}" ] && want diskab 90; then
+  mkdir -p "$DISK_DIR/ab"
+  # shellcheck disable=SC2046
+  timeout $(($(left) - 20)) python3 benchmarks/ab_cpu_read.py --tiles "${DISK_TILES:-64k-4m,1m-16m}" --gib "$GIB" \
+    --rounds "${DISK_ROUNDS:-3}" --cold --dir "$DISK_DIR/ab" \
+    $(variants "${DISK_VARIANTS:-ours= d16=shard_reader.DISK_FETCH_THREADS=16}") 2>&1 | tee "$OUT/disk_ab.log"
+  timeout 60 python3 -c "
+import sys, json; sys.path.insert(0, 'benchmarks')
+from pathlib import Path
+from bench_read import disk_ceiling
+for p in sorted(Path('$DISK_DIR/ab').glob('*.zarr')):
+    print(p.name, json.dumps(disk_ceiling(p, threads=(1, 4, 8, 16))))
+" 2>&1 | tee -a "$OUT/disk_ab.log"
+  rm -rf "$DISK_DIR/ab"
+fi
+
 # 4b. napari scrubbing on this host's cores, without napari (no Qt here): the plugin's reader indexed
 #     as napari's slicing does, DRAW_MS of Python per step standing in for napari's drawing, the
 #     read-ahead on (4+ CPUs); SCRUB_RUNS runs per layout and order, and one read-ahead A/B.
@@ -171,7 +189,7 @@ if [ $QUICK = 0 ] && want gputests 200; then
   tail -3 "$OUT/pytest_gpu.log"
 fi
 echo "# done at ${SECONDS} s"
-cat "$OUT"/info.txt "$OUT"/parts.txt "$OUT"/skipped.txt "$OUT"/read_check.log "$OUT"/read_ab.log "$OUT"/planes_ab.log "$OUT"/write_ab.log "$OUT"/scrub.log \
+cat "$OUT"/info.txt "$OUT"/parts.txt "$OUT"/skipped.txt "$OUT"/read_check.log "$OUT"/read_ab.log "$OUT"/planes_ab.log "$OUT"/write_ab.log "$OUT"/disk_ab.log "$OUT"/scrub.log \
   "$OUT"/pytest_gpu.log 2>/dev/null >"$OUT/summary.txt"
 grep -v '^{' "$OUT/table.log" >>"$OUT/summary.txt" 2>/dev/null
 # one file back (a call brings back only a few): every log, JSON and profile
