@@ -498,14 +498,14 @@ def main(argv=None) -> int:
                         k: statistics.median(r["disk"]["disk_read_gbps"][k] for r in rounds)
                         for k in rounds[0]["disk"]["disk_read_gbps"]
                     }
-                    summary["compression_ratio"] = rounds[0]["disk"]["decoded_bytes"] / rounds[0]["disk"]["stored_bytes"]
+                    disk = rounds[0]["disk"]
+                    summary["compression_ratio"] = disk["decoded_bytes"] / disk["stored_bytes"]
                     # issue 37's target 3: the disk's best rate in decoded bytes, or the in-memory rate if lower
                     in_memory = results["read"].get(name, {}).get("ours_gbps", float("inf"))
                     summary["limit_gbps"] = [min(r["disk"]["decoded_equivalent_gbps"], in_memory) for r in rounds]
                     summary["ours_vs_disk"] = [r["ours"]["gbps"] / x for r, x in zip(rounds, summary["limit_gbps"])]
-                    summary["ts_vs_disk"] = [
-                        r["tensorstore"]["gbps"] / x for r, x in zip(rounds, summary["limit_gbps"]) if "tensorstore" in r
-                    ]
+                    limits = zip(rounds, summary["limit_gbps"])
+                    summary["ts_vs_disk"] = [r["tensorstore"]["gbps"] / x for r, x in limits if "tensorstore" in r]
                     results.setdefault(kind, {})[name] = summary
                 if kind == "read-disk":
                     shutil.rmtree(place, ignore_errors=True)
