@@ -27,7 +27,9 @@ _PARALLEL_COPY_BYTES = 2 << 20
 #: host, beside 16 encode threads taking it between their boxes, about half of the copy's wall
 #: time was that wait, and the caller's copy was what every CPU write waited for
 #: (benchmarks/results/cpu_16core_2026-11-27g/).  Held, an encode thread finishing a box waits
-#: for the rest of one frame's memcpy instead.  An A/B switch until measured there.
+#: for the rest of one frame's memcpy instead.  Measured there, off: 0.93-0.97x the speed of the
+#: released copy (64 KiB / 256 KiB / 1 MiB tiles / default, 5 rounds) at 5-9 % less CPU
+#: (benchmarks/results/cpu_16core_2026-12-07b/); 2 cores 0.94-1.08x, within the noise.
 HOLD_GIL_COPY = False
 
 
