@@ -141,11 +141,17 @@ def disk_ceiling(path: Path, threads=(1, 4, 16), block=8 << 20) -> dict:
         with ThreadPoolExecutor(count) as pool:
             total = sum(pool.map(read_file, files))
         rates[f"threads_{count}"] = round(total / (time.perf_counter() - started) / 1e9, 2)
-    reader = ShardReader(path, backend="cpu")
-    decoded = int(np.prod(reader.shape)) * reader.dtype.itemsize
+    with ShardReader(path, backend="cpu") as reader:
+        decoded = int(np.prod(reader.shape)) * reader.dtype.itemsize
     best = max(rates.values())
     # engines report decoded bytes per second: the disk's rate in the same unit
-    return {"disk_read_gbps": rates, "best_gbps": best, "decoded_equivalent_gbps": round(best * decoded / total, 2)}
+    return {
+        "disk_read_gbps": rates,
+        "best_gbps": best,
+        "decoded_equivalent_gbps": round(best * decoded / total, 2),
+        "stored_bytes": total,
+        "decoded_bytes": decoded,
+    }
 
 
 def _resident_bytes(fd: int, size: int) -> int:

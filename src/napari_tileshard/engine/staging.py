@@ -28,7 +28,7 @@ _PARALLEL_COPY_BYTES = 2 << 20
 #: time was that wait, and the caller's copy was what every CPU write waited for
 #: (benchmarks/results/cpu_16core_2026-11-27g/).  Held, an encode thread finishing a box waits
 #: for the rest of one frame's memcpy instead.  Measured there, off: 0.93-0.97x the speed of the
-#: released copy (64 KiB / 256 KiB / 1 MiB tiles / default, 5 rounds) at 5-9 % less CPU
+#: released copy (64 KiB / 256 KiB / 1 MiB tiles / default, 5 rounds) at 3-9 % less CPU
 #: (benchmarks/results/cpu_16core_2026-12-07b/); 2 cores 0.94-1.08x, within the noise.
 HOLD_GIL_COPY = False
 

@@ -111,7 +111,8 @@ PREFIX_MIN_SAVED_BYTES = 512 << 10
 #: chunk (default layout 7.7 / 7.0 and 8.6 / 8.6 ms, 1m-16m 19.5 / 18.4 and 16.9 / 16.8); 16 cores,
 #: with the patch worked out per unit, 13-19 % less CPU but 1.05-1.46x the time, the GIL's queue
 #: longer (results/cpu_16core_2026-12-07/); worked out per block (now), the same time as whole
-#: chunks (default / 256k / 1m-16m planes 0.97-1.04x) at 14-22 % less CPU (results/cpu_16core_2026-12-07b/)
+#: chunks (default / 256k / 1m-16m planes 0.97-1.04x), 14-23 % less CPU for default and 256k
+#: (results/cpu_16core_2026-12-07b/)
 HEAD_DECODE = False
 
 
