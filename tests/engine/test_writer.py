@@ -288,6 +288,47 @@ def test_slow_stream_reaches_disk_within_max_latency(tmp_path, backend):
         Writer(tmp_path / "bad.zarr", layout, backend=backend, max_latency_s=0)
 
 
+def test_cpu_recording_ramps_up_its_first_batches(tmp_path):
+    """With many encode threads a CPU batch is many MiB of tile epochs: the first epochs go to the
+    encode threads at once (batches of 1, 2, 4, ... epochs), not once a whole batch is copied."""
+    import time
+
+    layout = Layout([Dim("t", 0, 1, 1), Dim("y", 1024, 256, 1), Dim("x", 1024, 256, 1)], "uint16")
+    frames = np.zeros((40, 1024, 1024), dtype=np.uint16)
+    frames[:, ::7, ::5] = np.arange(40, dtype=np.uint16)[:, None, None]
+    path = tmp_path / "ramp.zarr"
+    writer = Writer(path, layout, backend="cpu", threads=4, batch_bytes=32 * layout.epoch_bytes, max_latency_s=600)
+    try:
+        assert writer.batch_bytes == 64 << 20
+        writer.append(frames[0])  # one tile epoch of a 32-epoch batch
+        deadline = time.time() + 10
+        while zarr.open_array(path).shape[0] < 1 and time.time() < deadline:
+            time.sleep(0.02)
+        assert zarr.open_array(path).shape[0] == 1  # encoded and published without waiting for 31 more
+        writer.append(frames[1:])
+    finally:
+        writer.close()
+    np.testing.assert_array_equal(read_back(path), frames)
+
+
+def test_cpu_ramp_writes_the_same_bytes(tmp_path, monkeypatch):
+    """The ramp changes when batches start, not what is stored: the shards are byte-identical."""
+    from napari_tileshard.engine.backends import cpu as cpu_backend
+
+    layout = Layout([Dim("t", 0, 2, 2), Dim("y", 1024, 256, 2), Dim("x", 1024, 256, 2)], "uint16")
+    frames = np.random.default_rng(0).integers(0, 64, (36, 1024, 1024), dtype=np.uint16)
+    stored = {}
+    for ramp in (True, False):
+        monkeypatch.setattr(cpu_backend, "RAMP_UP", ramp)
+        path = tmp_path / f"ramp-{ramp}.zarr"
+        with Writer(path, layout, backend="cpu", threads=4, batch_bytes=16 * layout.epoch_bytes) as writer:
+            for frame in frames:
+                writer.append(frame)
+        shards = sorted(p for p in (path / "c").rglob("*") if p.is_file())
+        stored[ramp] = {p.relative_to(path).as_posix(): p.read_bytes() for p in shards}
+    assert len(stored[True]) == 9 * 2 * 2 and stored[True] == stored[False]
+
+
 def test_a_frame_left_incomplete_by_write_is_named_when_closing(tmp_path):
     """write() bytes short of a whole frame were dropped at close() without a word."""
     layout = Layout([Dim("t", 0, 1, 1), Dim("y", 8, 8, 1), Dim("x", 8, 8, 1)], "uint16")

@@ -375,6 +375,9 @@ class Writer:
     def _setup(self, store, overwrite, staging_buffers, io_threads, attributes):
         layout = self.layout
         self.batch_bytes = self.batch_epochs * layout.epoch_bytes
+        #: tile epochs after which the batch filling now goes to the backend, below a full batch
+        #: while the recording ramps up (doubling at each submission: Backend.first_batch_epochs)
+        self._ramp_epochs = max(1, self._backend.first_batch_epochs(self.batch_epochs))
         self._row_bytes = layout.row_elements * layout.itemsize
         self._frame_bytes = layout.frame_elements * layout.itemsize
         total = layout.total_elements
@@ -773,18 +776,24 @@ class Writer:
         return data
 
     def _filled(self, n: int) -> None:
-        """``n`` more bytes are in the current staging buffer: count them; a slow stream's
-        complete epochs go to the backend without waiting for a full batch."""
+        """``n`` more bytes are in the current staging buffer: count them; the complete epochs of
+        a slow stream, or of a recording's first batches (the ramp), go to the backend without
+        waiting for a full batch."""
         staging = self._staging
         self.stats.bytes_in += n
         self.stats.frames = self.stats.bytes_in // self._frame_bytes
-        if (
-            staging.fill % self.layout.epoch_bytes == 0
-            and not staging.full
-            and time.monotonic() - staging.fill_started > self.max_latency_s
-        ):
+        epoch_bytes = self.layout.epoch_bytes
+        if staging.fill % epoch_bytes or staging.full:
+            return
+        epochs = staging.fill // epoch_bytes
+        if epochs >= self._ramp_epochs:
+            # ramping up: the encode threads start on the first epochs while the caller copies
+            # the next ones (only if the pipeline has room now; else at a later epoch)
+            if self._submit_current(epochs, block=False):
+                self._ramp_epochs = min(2 * epochs, self.batch_epochs)
+        elif time.monotonic() - staging.fill_started > self.max_latency_s:
             # slow stream: don't wait for a full batch (only if the pipeline has room now)
-            self._submit_current(staging.fill // self.layout.epoch_bytes, block=False)
+            self._submit_current(epochs, block=False)
 
     def _rows_in_current(self) -> int:
         """Rows along dim 0 that the current (partly filled) buffer holds data for."""

@@ -67,6 +67,11 @@ class Backend(ABC):
         :func:`~napari_tileshard.engine.staging.copy_threads` says)."""
         return None
 
+    def first_batch_epochs(self, batch_epochs: int) -> int:
+        """Tile epochs of a recording's first batch, where the Writer's batches start smaller and
+        double up to ``batch_epochs`` (a ramp; ``batch_epochs``: none)."""
+        return batch_epochs
+
     def __init__(
         self, layout: Layout, codec: str | codecs.Codec = "zstd", level: int = 1, pyramid: Pyramid | None = None
     ):

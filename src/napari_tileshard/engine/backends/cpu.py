@@ -56,6 +56,13 @@ def box_bytes_for(threads: int) -> int:
 #: for a staging buffer.  Alone it takes the GIL back once per frame: 7 helpers ran 0.91-0.96x
 #: and 2 helpers 0.93-0.97x of it (16 cores), 1 helper 0.93-1.00x (2 cores)
 STAGING_COPY_HELPERS = 0
+#: whether a recording's first batches go to the encode threads after 1, 2, 4, ... tile epochs
+#: (up to the full batch) instead of the first only once the caller has copied a whole batch:
+#: with 16 threads a batch is 8 epochs (128 MiB of 2048² uint16 frames), and every encode thread
+#: idled while the caller copied the first of them into fresh staging memory.  Only for batches of
+#: RAMP_MIN_BATCH_BYTES or more (a smaller one is copied in a few milliseconds)
+RAMP_UP = True
+RAMP_MIN_BATCH_BYTES = 64 << 20
 
 
 @dataclass
@@ -118,6 +125,10 @@ class CpuBackend(Backend):
 
     def staging_copy_helpers(self) -> int | None:
         return STAGING_COPY_HELPERS
+
+    def first_batch_epochs(self, batch_epochs: int) -> int:
+        ramps = RAMP_UP and batch_epochs * self.layout.epoch_bytes >= RAMP_MIN_BATCH_BYTES
+        return 1 if ramps else batch_epochs
 
     def submit(self, staging, epochs, host_ranges=None, rows=None) -> CpuTicket:
         layout = self.layout
