@@ -60,7 +60,9 @@ STAGING_COPY_HELPERS = 0
 #: (up to the full batch) instead of the first only once the caller has copied a whole batch:
 #: with 16 threads a batch is 8 epochs (128 MiB of 2048² uint16 frames), and every encode thread
 #: idled while the caller copied the first of them into fresh staging memory.  Only for batches of
-#: RAMP_MIN_BATCH_BYTES or more (a smaller one is copied in a few milliseconds)
+#: RAMP_MIN_BATCH_BYTES or more (a smaller one is copied in a few milliseconds).  16 cores, 2 GiB
+#: writes: 0.98-1.04x the rate without it, inside the noise; kept because the first shards reach
+#: the store after one epoch (benchmarks/results/cpu_16core_2026-12-07c/)
 RAMP_UP = True
 RAMP_MIN_BATCH_BYTES = 64 << 20
 
