@@ -2,6 +2,7 @@
 
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterable
 
 
@@ -18,3 +19,15 @@ def run_switching_often(target: Callable, args: Iterable[tuple]) -> None:
             thread.join()
     finally:
         sys.setswitchinterval(interval)
+
+
+def threads_left(before: set, prefix: str = "", wait_s: float = 5.0) -> list[str]:
+    """The names of the threads (named ``prefix``...) started since ``before``, a set of Thread
+    objects, still alive after up to ``wait_s``.  Objects, not idents: the ident of a thread that
+    ended is reused by a new one, and threads of earlier tests may end meanwhile."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        left = [t.name for t in threading.enumerate() if t not in before and t.name.startswith(prefix)]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.01)

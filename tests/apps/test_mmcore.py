@@ -21,6 +21,7 @@ pytest.importorskip("pymmcore_plus", reason="pymmcore-plus is in the test extra:
 logging.getLogger().setLevel(_root_level)  # pymmcore-plus sets the root logger to DEBUG on import
 import useq  # noqa: E402
 import zarr  # noqa: E402
+from threads import threads_left  # noqa: E402
 
 from napari_tileshard import verify  # noqa: E402
 from napari_tileshard.apps.mmcore import FRAME_COLUMNS, TileShardSink  # noqa: E402
@@ -294,7 +295,7 @@ def test_a_relay_that_ends_without_sequence_finished_still_closes_the_run(core, 
     out = tmp_path / "relay.ome.zarr"
     sink = TileShardSink(out, backend="cpu", ome=False)
     signals = MDASignaler()
-    before = {t.ident for t in threading.enumerate()}
+    before = set(threading.enumerate())
     with mda_listeners_connected(sink, mda_events=signals) as relay:
         signals.sequenceStarted.emit(sequence, capture.meta)
         for item in capture.order:
@@ -306,26 +307,16 @@ def test_a_relay_that_ends_without_sequence_finished_still_closes_the_run(core, 
     for event, _meta in capture.order:
         np.testing.assert_array_equal(data[event.index["t"]], capture.frames[tuple(sorted(event.index.items()))])
     assert zarr.open_group(out, mode="r").attrs["tileshard_mmcore"]["state"] == "complete"
-    assert _sink_threads_left(before) == []
+    assert threads_left(before, "tileshard-mda") == []
     assert any("ended without sequenceFinished" in r.getMessage() for r in caplog.records)
 
 
-def _sink_threads_left(before: set, wait_s: float = 5.0) -> list[str]:
-    """The sink threads (feeder, run-end watcher) started since ``before`` still alive after up to ``wait_s``."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        left = [t.name for t in threading.enumerate() if t.name.startswith("tileshard-mda") and t.ident not in before]
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.01)
-
-
 def test_a_run_closed_normally_leaves_no_watcher_behind(core, capture, tmp_path):
-    before = {t.ident for t in threading.enumerate()}
+    before = set(threading.enumerate())
     sink = TileShardSink(tmp_path / "n.ome.zarr", backend="cpu", ome=False)
     core.mda.run(useq.MDASequence(time_plan={"interval": 0, "loops": 3}), output=sink)
     assert sink.wait_closed(30)
-    assert _sink_threads_left(before) == []
+    assert threads_left(before, "tileshard-mda") == []
     assert sink.stats.written == 3
 
 

@@ -15,6 +15,7 @@ import pytest
 import zarr
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from threads import threads_left
 from zarr.codecs import BloscCodec, GzipCodec, ZstdCodec
 
 from napari_tileshard import Dim, Layout, ShardReader, Writer
@@ -1418,7 +1419,7 @@ def test_a_large_read_of_a_disk_is_fetched_by_the_disk_threads_ahead_of_its_deco
     array = _zarr_array(tmp_path / "a.zarr", (24, 16, 16), (1, 8, 8), (1, 16, 16), "uint16", "zstd", holes=False)
     calls = _advice_recorder(monkeypatch, tmp_path)
     monkeypatch.setattr(cpu_path, "FETCH_IN_DECODE_TASKS_MIN_BYTES", 0)
-    before = {t.ident for t in threading.enumerate()}
+    before = set(threading.enumerate())
     names = _data_reads_by_thread(monkeypatch, cached=False)
     with ShardReader(tmp_path / "a.zarr", backend="cpu", workers=2) as reader:
         plan = reader.plan(...)
@@ -1428,10 +1429,7 @@ def test_a_large_read_of_a_disk_is_fetched_by_the_disk_threads_ahead_of_its_deco
         names = _data_reads_by_thread(monkeypatch, cached=True)
         np.testing.assert_array_equal(reader.read(...), array[...])
         assert len(names) == len(plan.reads) and all(n.startswith("tileshard-decode") for n in names), names
-    deadline = time.monotonic() + 5
-    while any(t.name.startswith("tileshard-disk") and t.ident not in before for t in threading.enumerate()):
-        assert time.monotonic() < deadline, "the disk threads outlived the reader"
-        time.sleep(0.01)
+    assert threads_left(before, "tileshard-disk") == [], "the disk threads outlived the reader"
 
 
 @pytest.mark.skipif(not hasattr(os, "RWF_NOWAIT"), reason="the residency check needs Linux's RWF_NOWAIT")
@@ -1638,12 +1636,12 @@ def test_a_pool_reading_a_disk_has_a_decode_thread_more(tmp_path, monkeypatch, k
     _mount_table(monkeypatch, tmp_path, kind)
     monkeypatch.setattr(cpu_path, "FETCH_IN_DECODE_TASKS_MIN_BYTES", 0)
     array = _zarr_array(tmp_path / "a.zarr", (16, 64, 64), (2, 16, 16), (2, 32, 32), "uint16", "zstd", holes=False)
-    before = {t.ident for t in threading.enumerate()}
+    before = set(threading.enumerate())
     with ShardReader(tmp_path / "a.zarr", backend="cpu", workers=2) as reader:
         assert reader._cpu_path().decode_threads == threads
         for _ in range(3):
             np.testing.assert_array_equal(reader.read(), array[...])
-        decoding = [t for t in threading.enumerate() if t.ident not in before and t.name.startswith("tileshard-decode")]
+        decoding = [t for t in threading.enumerate() if t not in before and t.name.startswith("tileshard-decode")]
         assert len(decoding) == threads
 
 
@@ -1655,7 +1653,7 @@ def test_a_reader_a_script_drops_goes_at_once_with_its_threads_and_descriptors(t
     import weakref
 
     array = _zarr_array(tmp_path / "a.zarr", (8, 64, 64), (2, 8, 8), (2, 16, 16), "uint16", "zstd", holes=False)
-    fds, threads = len(os.listdir("/proc/self/fd")), threading.active_count()
+    fds, before = len(os.listdir("/proc/self/fd")), set(threading.enumerate())
     gc.disable()  # what frees it must be the reference count, not the collector
     try:
         for _ in range(3):
@@ -1666,10 +1664,7 @@ def test_a_reader_a_script_drops_goes_at_once_with_its_threads_and_descriptors(t
         del reader
         assert gone() is None
         assert len(os.listdir("/proc/self/fd")) == fds
-        deadline = time.monotonic() + 5
-        while threading.active_count() > threads and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert threading.active_count() == threads
+        assert threads_left(before) == []
     finally:
         gc.enable()
 
@@ -1711,7 +1706,7 @@ def test_a_read_given_up_then_its_reader_dropped_leaves_no_failing_threads(tmp_p
     import logging
 
     _zarr_array(tmp_path / "a.zarr", (16, 64, 64), (2, 8, 8), (2, 16, 16), "uint16", "zstd", holes=False)
-    threads = threading.active_count()
+    before = set(threading.enumerate())
     with caplog.at_level(logging.ERROR, logger="napari_tileshard.reader.tasks"):
         reader = ShardReader(tmp_path / "a.zarr", backend="cpu", workers=2)
         blocks = reader.iter_blocks()
@@ -1719,10 +1714,7 @@ def test_a_read_given_up_then_its_reader_dropped_leaves_no_failing_threads(tmp_p
         blocks.close()
         del blocks, reader
         gc.collect()
-        deadline = time.monotonic() + 5
-        while threading.active_count() > threads and time.monotonic() < deadline:
-            time.sleep(0.01)
-    assert threading.active_count() == threads
+        assert threads_left(before) == []
     assert caplog.text == ""
 
 
