@@ -1732,3 +1732,44 @@ def test_whole_shards_and_edge_shards_read_as_zarr_python(tmp_path):
     shard.write_bytes(bytes(blob))
     with pytest.raises(ChunkDecodeError, match="c/0/1/1 chunk 0: zstd"):
         ShardReader(tmp_path / "a.zarr", backend="cpu", workers=2)[...]
+
+
+def test_pinned_cpus_are_the_process_cpus_on_a_machine_of_two_to_the_maximum(monkeypatch):
+    """Decode threads run one per CPU where the process may use 2 .. PIN_DECODE_THREADS_MAX_CPUS
+    CPUs (its own, whichever they are: a ``taskset`` is kept), with 2 threads or more."""
+    monkeypatch.setattr(cpu_path, "PIN_DECODE_THREADS_MAX_CPUS", 2)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {5, 3}, raising=False)
+    assert cpu_path.pinned_cpus(2) == (3, 5) and cpu_path.pinned_cpus(3) == (3, 5)
+    assert cpu_path.pinned_cpus(1) == ()  # one thread: nothing to spread
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    assert cpu_path.pinned_cpus(4) == ()  # beyond the maximum: the scheduler's to spread
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {7})
+    assert cpu_path.pinned_cpus(2) == ()  # one CPU
+    monkeypatch.delattr(os, "sched_getaffinity")  # macOS, Windows
+    assert cpu_path.pinned_cpus(2) == ()
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2, reason="needs Linux and 2 CPUs"
+)
+@pytest.mark.parametrize("pinned", [True, False])
+def test_a_reader_decode_threads_run_one_per_cpu_where_pinned_and_read_the_same(tmp_path, monkeypatch, pinned):
+    allowed = sorted(os.sched_getaffinity(0))
+    monkeypatch.setattr(cpu_path, "PIN_DECODE_THREADS_MAX_CPUS", len(allowed) if pinned else 0)
+    array = _zarr_array(tmp_path / "a.zarr", (16, 64, 64), (2, 16, 16), (2, 32, 32), "uint16", "zstd", holes=True)
+    before = set(threading.enumerate())
+    with ShardReader(tmp_path / "a.zarr", backend="cpu", workers=2) as reader:
+        for _ in range(2):
+            np.testing.assert_array_equal(reader.read(), array[...])
+            np.testing.assert_array_equal(reader[3], array[3])
+        decoding = sorted(
+            (t for t in threading.enumerate() if t not in before and t.name.startswith("tileshard-decode")),
+            key=lambda t: t.name,
+        )
+        assert len(decoding) == reader._cpu_path().decode_threads
+        masks = [os.sched_getaffinity(t.native_id) for t in decoding]
+    if pinned:
+        assert masks == [{allowed[i % len(allowed)]} for i in range(len(decoding))]
+    else:
+        assert all(mask == set(allowed) for mask in masks)
+    assert os.sched_getaffinity(0) == set(allowed)

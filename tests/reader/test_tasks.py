@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import threading
 import time
 
 import pytest
 
-from napari_tileshard.reader.tasks import TaskPool
+from napari_tileshard.reader.tasks import TaskPool, pin_to
 
 
 def _threads(name: str) -> list[threading.Thread]:
@@ -68,3 +69,38 @@ def test_a_pool_no_one_refers_to_stops_its_threads():
     while _threads("tasks-d") and time.monotonic() < deadline:
         time.sleep(0.01)
     assert _threads("tasks-d") == []
+
+
+needs_affinity = pytest.mark.skipif(
+    not hasattr(os, "sched_setaffinity"), reason="thread affinity is Linux's (os.sched_setaffinity)"
+)
+
+
+@needs_affinity
+def test_a_pool_given_cpus_runs_each_thread_on_one_of_them_in_turn():
+    allowed = sorted(os.sched_getaffinity(0))
+    cpus = allowed[:2]
+    pool = TaskPool(3, "tasks-e", cpus)
+    seen = [pool.submit(lambda: (threading.current_thread().name, os.sched_getaffinity(0))) for _ in range(30)]
+    by_thread = dict(future.result(5) for future in seen)
+    pool.submit(int).result(5)  # every thread started with the first task
+    for thread in _threads("tasks-e"):
+        index = int(thread.name.rsplit("_", 1)[1])
+        assert os.sched_getaffinity(thread.native_id) == {cpus[index % len(cpus)]}
+    assert all(len(mask) == 1 for mask in by_thread.values())
+    assert os.sched_getaffinity(0) == set(allowed)  # the process, and the caller, are left as they were
+    pool.shutdown()
+
+
+@needs_affinity
+def test_a_cpu_the_process_may_not_use_leaves_the_thread_unpinned_and_working(monkeypatch):
+    allowed = os.sched_getaffinity(0)
+    assert not pin_to(max(allowed) + 4096)  # no such CPU: refused, and said so
+    pool = TaskPool(1, "tasks-f", [max(allowed) + 4096])
+    assert pool.submit(os.sched_getaffinity, 0).result(5) == allowed
+    pool.shutdown()
+    monkeypatch.delattr(os, "sched_setaffinity")  # macOS, Windows
+    assert not pin_to(min(allowed))
+    pool = TaskPool(2, "tasks-g", [min(allowed)])
+    assert pool.submit(pow, 3, 2).result(5) == 9
+    pool.shutdown()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import threading
 import time
 import weakref
@@ -114,6 +115,15 @@ PREFIX_MIN_SAVED_BYTES = 512 << 10
 #: chunks (default / 256k / 1m-16m planes 0.97-1.04x), 14-23 % less CPU for default and 256k
 #: (results/cpu_16core_2026-12-07b/)
 HEAD_DECODE = False
+#: on a machine whose process may use at most this many CPUs (Linux: ``os.sched_getaffinity``), each
+#: decode thread runs on one of them alone, in turn (``TaskPool(cpus=)``).  Linux wakes a thread on
+#: the CPU of the thread that woke it where that one is about to wait; once the other CPU had been
+#: idle for 20 ms or more, the second of two decode threads ran on the first one's CPU 4 times in 5
+#: (the other CPU idle) and started 2.5-5 ms late: a 16 MiB tile row decoded by two threads took
+#: 12-14 ms, as long as on one, against 7 back to back.  Pinned: 8.2-8.4 ms, p99 11-12 (2-core VM,
+#: ``benchmarks/two_thread_decode.py``; results/cpu_2core_2026-12-07e/).  Beyond it (not measured
+#: there), the scheduler is left to spread them, as it can move a thread off a busy CPU.
+PIN_DECODE_THREADS_MAX_CPUS = 2
 
 
 def apart_order(blocks: Sequence[Block]) -> list[int]:
@@ -129,6 +139,15 @@ def apart_order(blocks: Sequence[Block]) -> list[int]:
 
 #: a decode unit: its box positions ``(first, stop)`` and its box ranges per dim
 Unit = tuple[tuple[int, int], tuple[tuple[int, int], ...]]
+
+
+def pinned_cpus(threads: int) -> tuple[int, ...]:
+    """The CPUs ``threads`` decode threads run on one by one (see PIN_DECODE_THREADS_MAX_CPUS):
+    the process's, where it has 2 to that many and there are 2 threads or more; else none."""
+    if threads < 2 or not hasattr(os, "sched_getaffinity"):
+        return ()
+    allowed = sorted(os.sched_getaffinity(0))
+    return tuple(allowed) if 2 <= len(allowed) <= PIN_DECODE_THREADS_MAX_CPUS else ()
 
 
 @functools.lru_cache(maxsize=256)
@@ -785,7 +804,7 @@ class CpuReadPath:
 
     def _decode_pool(self) -> TaskPool:
         if self._pool is None:
-            self._pool = TaskPool(self.decode_threads, "tileshard-decode")
+            self._pool = TaskPool(self.decode_threads, "tileshard-decode", pinned_cpus(self.decode_threads))
         return self._pool
 
     def close(self) -> None:

@@ -12,12 +12,14 @@ queues the call; :meth:`TaskPool.submit` is the executor's for the callers that 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import weakref
+from collections.abc import Sequence
 from concurrent.futures import Future
 from queue import SimpleQueue
 
-__all__ = ["TaskPool"]
+__all__ = ["TaskPool", "pin_to"]
 
 log = logging.getLogger(__name__)
 
@@ -27,12 +29,14 @@ class TaskPool:
 
     :meth:`shutdown` lets the calls queued before it run, then stops the threads; a pool
     dropped without it stops them when it is collected.  Calls posted after it raise
-    RuntimeError, as ``ThreadPoolExecutor`` does."""
+    RuntimeError, as ``ThreadPoolExecutor`` does.  ``cpus``: thread ``i`` runs on CPU
+    ``cpus[i % len(cpus)]`` alone (:func:`pin_to`; none pinned where empty)."""
 
-    def __init__(self, threads: int, name: str):
+    def __init__(self, threads: int, name: str, cpus: Sequence[int] = ()):
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             raise ValueError(f"threads must be a positive integer, got {threads!r}")
         self.threads, self.name = threads, name
+        self.cpus = tuple(cpus)
         self._queue: SimpleQueue = SimpleQueue()
         self._workers: list[threading.Thread] = []
         self._lock = threading.Lock()
@@ -58,7 +62,8 @@ class TaskPool:
             if self._workers or self._closed:
                 return
             for i in range(self.threads):
-                worker = threading.Thread(target=_work, args=(self._queue,), name=f"{self.name}_{i}", daemon=True)
+                cpu = self.cpus[i % len(self.cpus)] if self.cpus else None
+                worker = threading.Thread(target=_work, args=(self._queue, cpu), name=f"{self.name}_{i}", daemon=True)
                 worker.start()
                 self._workers.append(worker)
 
@@ -72,9 +77,23 @@ class TaskPool:
                     worker.join()
 
 
-def _work(queue: SimpleQueue) -> None:
+def pin_to(cpu: int) -> bool:
+    """Run the calling thread on ``cpu`` alone; whether it could (not where the platform has no
+    ``os.sched_setaffinity``, macOS and Windows, or the CPU is not the process's to use)."""
+    if not hasattr(os, "sched_setaffinity"):
+        return False
+    try:
+        os.sched_setaffinity(0, {cpu})  # pid 0: the calling thread, not the whole process
+    except OSError:
+        return False
+    return True
+
+
+def _work(queue: SimpleQueue, cpu: int | None = None) -> None:
     """A pool thread: calls until the stop sentinel (None).  It holds the queue, not the pool,
     so that a pool no one refers to is collected and stops its threads."""
+    if cpu is not None:
+        pin_to(cpu)
     while True:
         item = queue.get()
         if item is None:
