@@ -77,17 +77,15 @@ needs_affinity = pytest.mark.skipif(
 
 
 @needs_affinity
-def test_a_pool_given_cpus_runs_each_thread_on_one_of_them_in_turn():
+def test_a_pool_given_cpus_runs_a_thread_on_each_and_the_others_anywhere():
     allowed = sorted(os.sched_getaffinity(0))
     cpus = allowed[:2]
-    pool = TaskPool(3, "tasks-e", cpus)
+    pool = TaskPool(len(cpus) + 1, "tasks-e", cpus)
     seen = [pool.submit(lambda: (threading.current_thread().name, os.sched_getaffinity(0))) for _ in range(30)]
     by_thread = dict(future.result(5) for future in seen)
-    pool.submit(int).result(5)  # every thread started with the first task
-    for thread in _threads("tasks-e"):
-        index = int(thread.name.rsplit("_", 1)[1])
-        assert os.sched_getaffinity(thread.native_id) == {cpus[index % len(cpus)]}
-    assert all(len(mask) == 1 for mask in by_thread.values())
+    masks = {t.name: os.sched_getaffinity(t.native_id) for t in _threads("tasks-e")}  # all started by the first task
+    assert masks == {f"tasks-e_{i}": {cpu} for i, cpu in enumerate(cpus)} | {f"tasks-e_{len(cpus)}": set(allowed)}
+    assert all(mask == masks[name] for name, mask in by_thread.items())  # as each thread saw itself
     assert os.sched_getaffinity(0) == set(allowed)  # the process, and the caller, are left as they were
     pool.shutdown()
 

@@ -116,7 +116,7 @@ PREFIX_MIN_SAVED_BYTES = 512 << 10
 #: (results/cpu_16core_2026-12-07b/)
 HEAD_DECODE = False
 #: on a machine whose process may use at most this many CPUs (Linux: ``os.sched_getaffinity``), each
-#: decode thread runs on one of them alone, in turn (``TaskPool(cpus=)``).  Linux wakes a thread on
+#: decode thread runs on a CPU of its own (``TaskPool(cpus=)``; one more for a disk runs anywhere).  Linux wakes a thread on
 #: the CPU of the thread that woke it where that one is about to wait; once the other CPU had been
 #: idle for 20 ms or more, the second of two decode threads ran on the first one's CPU 4 times in 5
 #: (the other CPU idle) and started 2.5-5 ms late: a 16 MiB tile row decoded by two threads took
@@ -142,8 +142,9 @@ Unit = tuple[tuple[int, int], tuple[tuple[int, int], ...]]
 
 
 def pinned_cpus(threads: int) -> tuple[int, ...]:
-    """The CPUs ``threads`` decode threads run on one by one (see PIN_DECODE_THREADS_MAX_CPUS):
-    the process's, where it has 2 to that many and there are 2 threads or more; else none."""
+    """The CPUs the first of ``threads`` decode threads run on, one each (see
+    PIN_DECODE_THREADS_MAX_CPUS): the process's, where it has 2 to that many and there are 2
+    threads or more; else none."""
     if threads < 2 or not hasattr(os, "sched_getaffinity"):
         return ()
     allowed = sorted(os.sched_getaffinity(0))

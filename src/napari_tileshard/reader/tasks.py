@@ -30,7 +30,8 @@ class TaskPool:
     :meth:`shutdown` lets the calls queued before it run, then stops the threads; a pool
     dropped without it stops them when it is collected.  Calls posted after it raise
     RuntimeError, as ``ThreadPoolExecutor`` does.  ``cpus``: thread ``i`` runs on CPU
-    ``cpus[i % len(cpus)]`` alone (:func:`pin_to`; none pinned where empty)."""
+    ``cpus[i]`` alone (:func:`pin_to`); the threads beyond them where the scheduler puts them
+    (so that one may take a CPU whose thread waits, e.g. for the disk)."""
 
     def __init__(self, threads: int, name: str, cpus: Sequence[int] = ()):
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
@@ -62,7 +63,7 @@ class TaskPool:
             if self._workers or self._closed:
                 return
             for i in range(self.threads):
-                cpu = self.cpus[i % len(self.cpus)] if self.cpus else None
+                cpu = self.cpus[i] if i < len(self.cpus) else None
                 worker = threading.Thread(target=_work, args=(self._queue, cpu), name=f"{self.name}_{i}", daemon=True)
                 worker.start()
                 self._workers.append(worker)
