@@ -116,13 +116,14 @@ PREFIX_MIN_SAVED_BYTES = 512 << 10
 #: (results/cpu_16core_2026-12-07b/)
 HEAD_DECODE = False
 #: on a machine whose process may use at most this many CPUs (Linux: ``os.sched_getaffinity``), each
-#: decode thread runs on a CPU of its own (``TaskPool(cpus=)``; one more for a disk runs anywhere).  Linux wakes a thread on
-#: the CPU of the thread that woke it where that one is about to wait; once the other CPU had been
-#: idle for 20 ms or more, the second of two decode threads ran on the first one's CPU 4 times in 5
-#: (the other CPU idle) and started 2.5-5 ms late: a 16 MiB tile row decoded by two threads took
-#: 12-14 ms, as long as on one, against 7 back to back.  Pinned: 8.2-8.4 ms, p99 11-12 (2-core VM,
-#: ``benchmarks/two_thread_decode.py``; results/cpu_2core_2026-12-07e/).  Beyond it (not measured
-#: there), the scheduler is left to spread them, as it can move a thread off a busy CPU.
+#: decode thread runs on a CPU of its own (``TaskPool(cpus=)``; the one more for a disk runs
+#: anywhere).  Linux wakes a thread on the CPU of the thread that woke it where that one is about
+#: to wait: once the other CPU had been idle for 20-50 ms, the second of two decode threads ran on
+#: the first one's CPU in 82-83 % of steps (the other CPU idle), and a 16 MiB tile row decoded by
+#: two threads took 13.6-15.1 ms, as long as on one, against 7 back to back.  Pinned: 8.2-8.6 ms,
+#: p99 11.5-13.1; napari's scrubbing p99 18.3-19.2 against 22.8-24.1 ms (2-core VM,
+#: ``benchmarks/two_thread_decode.py``, ``bench_scrub.py``; results/cpu_2core_2026-12-07e/).
+#: Beyond it (not measured there) the scheduler spreads them, as it can move a thread off a busy CPU.
 PIN_DECODE_THREADS_MAX_CPUS = 2
 
 
