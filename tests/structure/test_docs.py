@@ -200,6 +200,66 @@ def test_api_md_names_every_public_name():
     assert not missing, f"docs/api.md never names {missing}"
 
 
+#: modules whose ``__all__`` docs/api.md lists beside the top-level names
+DOCUMENTED_MODULES = (
+    "napari_tileshard.format",
+    "napari_tileshard.format.layout",
+    "napari_tileshard.storage.urls",
+    "napari_tileshard.reader.shard_reader",
+    "napari_tileshard.apps.mmcore",
+    "napari_tileshard.testing",
+)
+
+
+@pytest.mark.parametrize("module", DOCUMENTED_MODULES)
+def test_api_md_names_every_public_name_of_the_subpackages_it_lists(module):
+    import importlib
+
+    api = (ROOT / "docs" / "api.md").read_text(encoding="utf-8")
+    assert f"`{module}`" in api, f"docs/api.md has no row for {module}"
+    names = importlib.import_module(module).__all__
+    missing = [name for name in names if not re.search(rf"`[^`]*\b{re.escape(name)}\b[^`]*`", api)]
+    assert not missing, f"docs/api.md never names {module}'s {missing}"
+
+
+#: a file name in inline code: ``a/b.py``, ``tests/x/test_y.py::test_z``, ``run.sh``
+CODE_FILE = re.compile(r"(?<![\w./-])((?:[\w.-]+/)*[\w-]+\.(?:py|sh))\b")
+#: file names the pages use as placeholders (a user's script)
+PLACEHOLDER_FILES = {"x.py"}
+
+
+def _repository_files() -> list[Path]:
+    """The checkout's files, less what a clean clone lacks (hidden folders, build outputs)."""
+    return [
+        path
+        for path in ROOT.rglob("*")
+        if path.is_file()
+        and not any(
+            part.startswith(".") or part.endswith(".egg-info") or part == "__pycache__"
+            for part in path.relative_to(ROOT).parts
+        )
+    ]
+
+
+@pytest.mark.parametrize("doc", USER_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_files_the_pages_name_exist(doc):
+    """A path is looked for from the repository root, the package, benchmarks/ and tests/, or as
+    the end of any file's path; a bare name as any file's name."""
+    files = _repository_files()
+    names = {path.name for path in files}
+    parts = [path.relative_to(ROOT).parts for path in files]
+    ends = {"/".join(path[i:]) for path in parts for i in range(len(path))}
+    missing = []
+    for number, line in enumerate(doc.read_text(encoding="utf-8").splitlines(), 1):
+        for code in re.findall(r"`([^`]+)`", line):
+            for match in CODE_FILE.finditer(code):
+                name = match.group(1)
+                if name in PLACEHOLDER_FILES or (name in names if "/" not in name else name in ends):
+                    continue
+                missing.append(f"line {number}: {name}")
+    assert not missing, f"{doc.relative_to(ROOT)} names files that do not exist: " + "; ".join(missing)
+
+
 def test_the_memory_defaults_are_stated_as_the_code_has_them():
     """README and api.md say the GPU backend's default budget in the same words, from its constants."""
     from napari_tileshard.engine.backends.gpu import GpuBackend as gpu
