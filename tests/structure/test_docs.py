@@ -5,6 +5,8 @@ repository, and a heading of it where the link names one."""
 
 from __future__ import annotations
 
+import functools
+import importlib
 import re
 import sys
 from pathlib import Path
@@ -213,8 +215,6 @@ DOCUMENTED_MODULES = (
 
 @pytest.mark.parametrize("module", DOCUMENTED_MODULES)
 def test_api_md_names_every_public_name_of_the_subpackages_it_lists(module):
-    import importlib
-
     api = (ROOT / "docs" / "api.md").read_text(encoding="utf-8")
     assert f"`{module}`" in api, f"docs/api.md has no row for {module}"
     names = importlib.import_module(module).__all__
@@ -228,9 +228,10 @@ CODE_FILE = re.compile(r"(?<![\w./-])((?:[\w.-]+/)*[\w-]+\.(?:py|sh))\b")
 PLACEHOLDER_FILES = {"x.py"}
 
 
-def _repository_files() -> list[Path]:
+@functools.cache
+def _repository_files() -> tuple[Path, ...]:
     """The checkout's files, less what a clean clone lacks (hidden folders, build outputs)."""
-    return [
+    return tuple(
         path
         for path in ROOT.rglob("*")
         if path.is_file()
@@ -238,7 +239,7 @@ def _repository_files() -> list[Path]:
             part.startswith(".") or part.endswith(".egg-info") or part == "__pycache__"
             for part in path.relative_to(ROOT).parts
         )
-    ]
+    )
 
 
 @pytest.mark.parametrize("doc", USER_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
